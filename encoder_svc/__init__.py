@@ -1,0 +1,1 @@
+"""mmserve encoder service: media bytes -> LM-space embeddings over ``POST /v1/encode``."""

@@ -1,0 +1,50 @@
+"""The gateway app: ``create_app(settings)`` is the one entry point (the CLI serves it with
+uvicorn).  Per-app objects are built in the lifespan and reached through ``StateDep``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from gateway.errors import install_error_handlers
+from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.routes import chat, health, models
+from gateway.state import GatewayState
+from shared.settings import GatewaySettings
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """A FastAPI app serving the OpenAI chat subset in front of the encoder and LLM replicas."""
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = GatewayState.build(settings, metrics)
+        app.state.gateway = state
+        state.start()
+        try:
+            yield
+        finally:
+            await state.close()
+
+    app = FastAPI(title="mmserve gateway", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    paths: set[str] = set()
+    for module in (chat, models, health):
+        app.include_router(module.router)
+        paths.update(getattr(r, "path", "") for r in module.router.routes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=frozenset(paths))
+    app.state.metrics = metrics
+    return app
+
+
+def run(settings: GatewaySettings) -> None:
+    """Serve the gateway with uvicorn on ``settings.host:settings.port`` (blocks)."""
+    import uvicorn
+
+    uvicorn.run(
+        create_app(settings), host=settings.host, port=settings.port,
+        log_level=settings.log_level, timeout_graceful_shutdown=5,
+    )

@@ -1,0 +1,71 @@
+"""Prometheus metrics of one gateway app (own registry, so several apps can share a process)
+and the ASGI middleware that counts requests, latency and in-flight requests."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "mmserve_gateway_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "mmserve_gateway_request_seconds", "request latency (stream: until the last byte)",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.ttft = Histogram(
+            "mmserve_gateway_ttft_seconds", "time to first streamed token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.in_flight = Gauge("mmserve_gateway_in_flight_requests", "requests being served", registry=r)
+        self.media_items = Counter(
+            "mmserve_gateway_media_items", "media items received by modality", ["modality"], registry=r
+        )
+        self.encoder_retries = Counter(
+            "mmserve_gateway_encoder_failovers", "encode attempts retried on another replica", registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Pure ASGI (streams pass through untouched); unknown paths are labelled ``other``."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, routes: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in self.routes else "other"
+        status = 500
+        start = time.monotonic()
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.monotonic() - start)

@@ -1,0 +1,89 @@
+"""OpenAI response bodies: ``ChatCompletion`` from a GenerateResponse, and the SSE events of a
+stream (role chunk, content deltas, finish chunk, optional usage chunk, ``[DONE]``)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from shared.schemas import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Choice,
+    ChunkChoice,
+    DeltaMessage,
+    FinishReason,
+    GenerateResponse,
+    PromptTokensDetails,
+    Usage,
+)
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+def chat_completion(resp: GenerateResponse, model: str, cid: str, created: int) -> ChatCompletion:
+    return ChatCompletion(
+        id=cid,
+        created=created,
+        model=model,
+        choices=[Choice(message=AssistantMessage(content=resp.text), finish_reason=resp.finish_reason)],
+        usage=usage(resp.prompt_tokens, resp.completion_tokens, resp.cached_tokens),
+    )
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ChunkWriter:
+    """Builds the SSE events of one streamed completion."""
+
+    def __init__(self, cid: str, created: int, model: str, include_usage: bool) -> None:
+        self.cid, self.created, self.model = cid, created, model
+        self.include_usage = include_usage
+
+    def _chunk(self, choices: list[ChunkChoice], u: Usage | None = None) -> bytes:
+        body = ChatCompletionChunk(
+            id=self.cid, created=self.created, model=self.model, choices=choices, usage=u
+        ).model_dump()
+        for c in body["choices"]:
+            c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+        if not self.include_usage:
+            body.pop("usage")
+        return sse(body)
+
+    def role(self) -> bytes:
+        return self._chunk([ChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+
+    def content(self, text: str) -> bytes:
+        return self._chunk([ChunkChoice(delta=DeltaMessage(content=text))])
+
+    def finish(self, reason: FinishReason) -> bytes:
+        return self._chunk([ChunkChoice(delta=DeltaMessage(), finish_reason=reason)])
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
+        return self._chunk([], usage(prompt_tokens, completion_tokens, cached_tokens))
+
+    @staticmethod
+    def error(message: str, type: str = "upstream_error") -> bytes:
+        return sse({"error": {"message": message, "type": type, "param": None, "code": None}})

@@ -1,0 +1,73 @@
+"""From an OpenAI chat request plus encoded media to the LLM's ``GenerateRequest`` and its
+safetensors body (tensor ``mm.{i}`` is media item ``i``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.upstream import Encoded
+from shared.schemas import (
+    ChatCompletionRequest,
+    GenerateRequest,
+    PromptMedia,
+    PromptMessage,
+    PromptPart,
+    PromptText,
+    SamplingParams,
+    TextPart,
+)
+from shared.wire import pack
+
+
+def sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+    """OpenAI knobs -> SamplingParams; unset knobs keep the LLM defaults (greedy)."""
+    kw: dict = {"max_tokens": req.effective_max_tokens(default_max_tokens), "stop": req.stop or []}
+    if req.temperature is not None:
+        kw["temperature"] = req.temperature
+    if req.top_p is not None:
+        kw["top_p"] = req.top_p
+    if req.top_k is not None:
+        kw["top_k"] = req.top_k
+    if req.seed is not None:
+        kw["seed"] = req.seed
+    return SamplingParams(**kw)
+
+
+def build_generate_request(
+    req: ChatCompletionRequest,
+    encoded: Sequence[Encoded],
+    request_id: str,
+    default_max_tokens: int,
+) -> GenerateRequest:
+    """Text parts stay text; the i-th media part becomes ``PromptMedia(index=i)``."""
+    media = iter(encoded)
+    messages: list[PromptMessage] = []
+    for msg in req.messages:
+        parts: list[PromptPart] = []
+        for part in msg.parts():
+            if isinstance(part, TextPart):
+                parts.append(PromptText(text=part.text))
+                continue
+            e = next(media)
+            parts.append(
+                PromptMedia(
+                    modality=e.item.modality,
+                    index=e.item.index,
+                    content_hash=e.item.content_hash,
+                    num_tokens=int(e.embeds.shape[0]),
+                )
+            )
+        messages.append(PromptMessage(role=msg.role, content=parts))
+    if next(media, None) is not None:
+        raise ValueError("more encoded items than media parts")
+    return GenerateRequest(
+        request_id=request_id,
+        messages=messages,
+        sampling=sampling_params(req, default_max_tokens),
+        stream=req.stream,
+    )
+
+
+def pack_generate(gen: GenerateRequest, encoded: Sequence[Encoded]) -> bytes:
+    """The wire body of ``POST /v1/generate``."""
+    return pack({f"mm.{e.item.index}": e.embeds for e in encoded}, gen)

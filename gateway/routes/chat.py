@@ -1,0 +1,126 @@
+"""``POST /v1/chat/completions``: media fetched and encoded concurrently, then one generation on
+an LLM replica, answered as JSON or as SSE.  The client leaving cancels everything upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.auth import ApiKeyDep
+from gateway.errors import APIError
+from gateway.media import collect_media
+from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion, completion_id, now
+from gateway.prompt import build_generate_request, pack_generate
+from gateway.state import GatewayState, StateDep
+from gateway.upstream import LLMStream, UpstreamError
+from shared.schemas import ChatCompletionRequest, GenerateRequest
+
+log = logging.getLogger("mmserve.gateway.chat")
+router = APIRouter(dependencies=[ApiKeyDep])
+T = TypeVar("T")
+
+CLIENT_CLOSED = 499  # nginx's "client closed request"
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float = 0.2) -> T:
+    """``await work``, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def prepare(state: GatewayState, body: ChatCompletionRequest, cid: str) -> tuple[GenerateRequest, bytes]:
+    """Media fetched, encoded (all items concurrently) and packed with the prompt."""
+    s = state.settings
+    refs = collect_media(body, s.max_media_items)
+    for ref in refs:
+        state.metrics.media_items.labels(ref.modality).inc()
+    items = await state.fetcher.load(refs, s.max_request_media_bytes)
+    encoded = await state.encoders.encode_all(items)
+    gen = build_generate_request(body, encoded, cid, s.default_max_tokens)
+    return gen, pack_generate(gen, encoded)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Response:
+    if body.model != state.settings.model_name:
+        raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
+    cid, created, start = completion_id(), now(), time.monotonic()
+    try:
+        if not body.stream:
+            resp = await until_disconnect(request, _generate(state, body, cid))
+            return JSONResponse(chat_completion(resp, body.model, cid, created).model_dump())
+        stream = await until_disconnect(request, _open(state, body, cid))
+    except ClientGone:
+        log.info("%s: client disconnected before the answer", cid)
+        return Response(status_code=CLIENT_CLOSED)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    writer = ChunkWriter(cid, created, body.model, include_usage)
+    return StreamingResponse(
+        sse_events(stream, writer, state, start),
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+    )
+
+
+async def _generate(state: GatewayState, body: ChatCompletionRequest, cid: str):
+    gen, packed = await prepare(state, body, cid)
+    return await state.llms.generate(gen, packed)
+
+
+async def _open(state: GatewayState, body: ChatCompletionRequest, cid: str) -> LLMStream:
+    gen, packed = await prepare(state, body, cid)
+    return await state.llms.open_stream(gen, packed)
+
+
+async def sse_events(
+    stream: LLMStream, writer: ChunkWriter, state: GatewayState, start: float
+) -> AsyncIterator[bytes]:
+    """Role chunk, content deltas, finish chunk, usage chunk (if asked), ``[DONE]``; an upstream
+    failure mid-stream becomes an ``error`` event.  Closing the generator closes upstream."""
+    first_token = True
+    try:
+        yield writer.role()
+        async for chunk in stream.chunks():
+            if chunk.error:
+                yield writer.error(f"generation failed: {chunk.error}")
+                break
+            if chunk.text:
+                if first_token:
+                    state.metrics.ttft.observe(time.monotonic() - start)
+                    first_token = False
+                yield writer.content(chunk.text)
+            if chunk.finish_reason is not None:
+                yield writer.finish(chunk.finish_reason)
+                if writer.include_usage:
+                    yield writer.usage(
+                        chunk.prompt_tokens or 0, chunk.completion_tokens or 0, chunk.cached_tokens or 0
+                    )
+                break
+        else:
+            yield writer.error("generation ended without a finish reason")
+        yield SSE_DONE
+    except UpstreamError as e:
+        yield writer.error(e.message)
+        yield SSE_DONE
+    finally:
+        await stream.aclose()

@@ -1,0 +1,1 @@
+"""Replica discovery, health, and routing policies (encoder ring, LLM router)."""

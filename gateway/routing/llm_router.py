@@ -1,0 +1,123 @@
+"""LLM replica choice.  Policies share one small interface and live in a registry:
+
+* ``round_robin`` - the baseline,
+* ``cache_aware`` - the replica whose (approximate) prefix cache holds the longest prefix of the
+  prompt, unless it is overloaded compared with the least-loaded replica.
+
+A router only does bookkeeping (in-flight counts, per-replica LRU of block keys); it never
+talks to a replica."""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+
+class LLMRouter(ABC):
+    """Chooses a replica for a prompt; callers wrap the call in ``track(replica)``."""
+
+    def __init__(self) -> None:
+        self._in_flight: dict[str, int] = defaultdict(int)
+
+    @abstractmethod
+    def choose(self, replicas: Sequence[str], blocks: Sequence[int]) -> str:
+        """One of ``replicas`` (non-empty) for a prompt with prefix block keys ``blocks``."""
+
+    def load(self, replica: str) -> int:
+        return self._in_flight[replica]
+
+    def begin(self, replica: str) -> None:
+        """A request to ``replica`` starts; pair with ``end``."""
+        self._in_flight[replica] += 1
+
+    def end(self, replica: str) -> None:
+        self._in_flight[replica] -= 1
+
+    @contextmanager
+    def track(self, replica: str) -> Iterator[None]:
+        """Counts the request as in flight on ``replica`` while the block runs."""
+        self.begin(replica)
+        try:
+            yield
+        finally:
+            self.end(replica)
+
+
+class RoundRobinRouter(LLMRouter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._counter = itertools.count()
+
+    def choose(self, replicas: Sequence[str], blocks: Sequence[int]) -> str:
+        if not replicas:
+            raise ValueError("no replicas")
+        return replicas[next(self._counter) % len(replicas)]
+
+
+class CacheAwareRouter(LLMRouter):
+    """Longest cached prefix wins; load breaks the tie and overrides an overloaded winner.
+
+    The winner is overloaded when its in-flight count is both more than ``load_factor`` times
+    and more than ``load_slack`` above the least-loaded replica's."""
+
+    def __init__(
+        self, capacity_blocks: int = 65536, load_factor: float = 2.0, load_slack: int = 4
+    ) -> None:
+        super().__init__()
+        self.capacity_blocks = capacity_blocks
+        self.load_factor = load_factor
+        self.load_slack = load_slack
+        self._index: dict[str, OrderedDict[int, None]] = defaultdict(OrderedDict)
+        self._rr = itertools.count()
+
+    def match_len(self, replica: str, blocks: Sequence[int]) -> int:
+        """How many leading blocks of the prompt the replica has (probably) cached."""
+        index = self._index.get(replica)
+        if not index:
+            return 0
+        n = 0
+        for b in blocks:
+            if b not in index:
+                break
+            n += 1
+        return n
+
+    def record(self, replica: str, blocks: Sequence[int]) -> None:
+        index = self._index[replica]
+        for b in blocks:
+            index[b] = None
+            index.move_to_end(b)
+        while len(index) > self.capacity_blocks:
+            index.popitem(last=False)
+
+    def overloaded(self, load: int, min_load: int) -> bool:
+        return load > self.load_factor * min_load and load > min_load + self.load_slack
+
+    def choose(self, replicas: Sequence[str], blocks: Sequence[int]) -> str:
+        if not replicas:
+            raise ValueError("no replicas")
+        min_load = min(self.load(r) for r in replicas)
+        # rotate the scan start so ties spread instead of piling onto replicas[0]
+        start = next(self._rr) % len(replicas)
+        order = list(replicas[start:]) + list(replicas[:start])
+        best = max(order, key=lambda r: (self.match_len(r, blocks), -self.load(r)))
+        if self.match_len(best, blocks) == 0 or self.overloaded(self.load(best), min_load):
+            best = min(order, key=self.load)
+        self.record(best, blocks)
+        return best
+
+
+ROUTERS: dict[str, type[LLMRouter]] = {
+    "round_robin": RoundRobinRouter,
+    "cache_aware": CacheAwareRouter,
+}
+
+
+def make_router(policy: str) -> LLMRouter:
+    try:
+        return ROUTERS[policy]()
+    except KeyError:
+        raise ValueError(f"unknown llm routing policy {policy!r}; known: {sorted(ROUTERS)}") from None

@@ -1,0 +1,84 @@
+"""The per-app objects routes depend on, built once in the app's lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import httpx
+from fastapi import Depends, Request
+
+from gateway.fetch import MediaFetcher
+from gateway.metrics import GatewayMetrics
+from gateway.routing.encoder_ring import EncoderRing
+from gateway.routing.llm_router import make_router
+from gateway.routing.replicas import ReplicaPool, http_prober
+from gateway.ssrf import SSRFGuard
+from gateway.upstream import EncoderClient, LLMClient
+from shared.settings import GatewaySettings
+
+
+@dataclass
+class GatewayState:
+    settings: GatewaySettings
+    metrics: GatewayMetrics
+    http: httpx.AsyncClient  # encoders and LLMs
+    fetch_http: httpx.AsyncClient  # client media URLs (no env proxies, no auto-redirects)
+    encoder_pool: ReplicaPool
+    llm_pool: ReplicaPool
+    encoders: EncoderClient
+    llms: LLMClient
+    fetcher: MediaFetcher
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, settings: GatewaySettings, metrics: GatewayMetrics) -> "GatewayState":
+        s = settings
+        http = httpx.AsyncClient(
+            timeout=httpx.Timeout(s.request_timeout, connect=s.connect_timeout),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            trust_env=False,
+        )
+        fetch_http = httpx.AsyncClient(
+            timeout=httpx.Timeout(s.fetch_timeout),
+            follow_redirects=False,
+            trust_env=False,
+            headers={"user-agent": "mmserve-gateway"},
+        )
+        prober = http_prober(http, timeout=min(2.0, s.connect_timeout))
+        encoder_pool = ReplicaPool("encoder", s.encoder_urls, prober=prober)
+        llm_pool = ReplicaPool("llm", s.llm_urls, prober=prober)
+        ring = EncoderRing()
+        encoder_pool.on_change(lambda: ring.set_nodes(encoder_pool.routable()))
+        timeout = httpx.Timeout(s.request_timeout, connect=s.connect_timeout)
+        encoders = EncoderClient(
+            http, encoder_pool, ring, attempts=s.upstream_attempts, timeout=timeout,
+            on_failover=metrics.encoder_retries.inc,
+        )
+        llms = LLMClient(http, llm_pool, make_router(s.llm_routing), attempts=s.upstream_attempts, timeout=timeout)
+        fetcher = MediaFetcher(
+            fetch_http, SSRFGuard(s.allowed_hosts),
+            max_bytes=s.max_media_bytes, timeout=s.fetch_timeout, max_redirects=s.max_redirects,
+        )
+        return cls(s, metrics, http, fetch_http, encoder_pool, llm_pool, encoders, llms, fetcher)
+
+    def start(self) -> None:
+        """Background DNS refresh and health probes of both pools."""
+        s = self.settings
+        for pool in (self.encoder_pool, self.llm_pool):
+            self.tasks.append(asyncio.create_task(pool.run(s.health_interval, s.dns_interval)))
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.http.aclose()
+        await self.fetch_http.aclose()
+
+
+def get_state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+StateDep = Annotated[GatewayState, Depends(get_state)]

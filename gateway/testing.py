@@ -1,0 +1,195 @@
+"""Test helpers: uvicorn-in-a-thread on a free loopback port, and fake encoder / LLM services
+with known answers (used by the gateway's integration tests and handy for local experiments).
+
+* fake encoder: ``embeds`` is ``[len(body) % 5 + 1, hidden]`` filled with ``len(body)``; images
+  that PIL cannot open, and bodies starting with ``b"BAD"``, get a 400.
+* fake LLM: the generated text is a JSON summary of what it received (messages with media
+  placeholders and the fill value of each ``mm.i`` tensor, sampling, replica name)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+import threading
+import time
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from shared.schemas import (
+    EncodeResult,
+    GenerateChunk,
+    GenerateRequest,
+    GenerateResponse,
+    PromptMedia,
+)
+from shared.wire import SAFETENSORS_MIME, pack, unpack
+
+
+class ServerThread:
+    """Serves an ASGI app with uvicorn in a daemon thread; ``url`` is ``http://127.0.0.1:<port>``."""
+
+    def __init__(self, app, host: str = "127.0.0.1") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, timeout: float = 20.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def free_port_url() -> str:
+    """A loopback URL where nothing listens (port bound then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def fake_encoder_app(name: str, hidden: int = 8) -> FastAPI:
+    """``app.state.calls`` lists ``(modality, content_hash, len(body))``; set ``app.state.ready``
+    / ``app.state.fail_5xx`` to make it unready or failing."""
+    app = FastAPI()
+    app.state.calls = []
+    app.state.ready = True
+    app.state.fail_5xx = False
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        return Response(status_code=200 if app.state.ready else 503)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok", "service": "encoder"}
+
+    @app.post("/v1/encode")
+    async def encode(request: Request, modality: str, content_hash: str | None = None) -> Response:
+        body = await request.body()
+        app.state.calls.append((modality, content_hash, len(body)))
+        if app.state.fail_5xx:
+            return JSONResponse({"detail": "boom"}, status_code=500)
+        if body.startswith(b"BAD"):
+            return JSONResponse({"detail": "bad media"}, status_code=400)
+        if modality == "image":
+            from PIL import Image
+
+            try:
+                Image.open(io.BytesIO(body)).verify()
+            except Exception as e:
+                return JSONResponse({"detail": f"cannot decode image: {e}"}, status_code=400)
+        n = len(body) % 5 + 1
+        embeds = torch.full((n, hidden), float(len(body)))  # [num_tokens, hidden]
+        result = EncodeResult(
+            modality=modality, content_hash=content_hash or "", model=name, num_tokens=n, hidden_size=hidden
+        )
+        return Response(pack({"embeds": embeds}, result), media_type=SAFETENSORS_MIME)
+
+    return app
+
+
+def echo_summary(req: GenerateRequest, tensors: dict[str, torch.Tensor], replica: str) -> dict:
+    msgs = []
+    for m in req.messages:
+        parts = []
+        for p in m.content:
+            if isinstance(p, PromptMedia):
+                t = tensors[f"mm.{p.index}"]
+                parts.append({
+                    "media": p.modality, "index": p.index, "hash": p.content_hash,
+                    "num_tokens": p.num_tokens, "rows": t.shape[0], "fill": float(t[0, 0]),
+                })
+            else:
+                parts.append({"text": p.text})
+        msgs.append({"role": m.role, "parts": parts})
+    return {"replica": replica, "messages": msgs, "sampling": req.sampling.model_dump()}
+
+
+def fake_llm_app(name: str) -> FastAPI:
+    """Echoes a JSON summary of the request as its text.  Prompt text containing ``TOO_LONG``
+    gets a 400; ``FAIL_MID`` streams one chunk then an error chunk; ``SLOW`` streams slowly and
+    sets ``app.state.aborted`` when the client goes away."""
+    app = FastAPI()
+    app.state.requests = []
+    app.state.aborted = asyncio.Event()
+    app.state.ready = True
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        return Response(status_code=200 if app.state.ready else 503)
+
+    @app.post("/v1/generate")
+    async def generate(request: Request) -> Response:
+        tensors, req = unpack(await request.body(), GenerateRequest)
+        app.state.requests.append(req)
+        prompt = " ".join(p.text for m in req.messages for p in m.content if not isinstance(p, PromptMedia))
+        if "TOO_LONG" in prompt:
+            return JSONResponse({"error": {"message": "prompt is too long: 9999 > 4096 tokens"}}, status_code=400)
+        text = json.dumps(echo_summary(req, tensors, name))
+        media_tokens = sum(p.num_tokens for p in req.media())
+        counts = {"prompt_tokens": media_tokens + len(prompt.split()), "completion_tokens": 7, "cached_tokens": 3}
+        if not req.stream:
+            return JSONResponse(
+                GenerateResponse(request_id=req.request_id, text=text, token_ids=[], finish_reason="stop", **counts).model_dump()
+            )
+
+        async def lines():
+            pieces = [text[i : i + 16] for i in range(0, len(text), 16)]
+            try:
+                for k, piece in enumerate(pieces):
+                    if "SLOW" in prompt:
+                        await asyncio.sleep(0.2)
+                    yield GenerateChunk(request_id=req.request_id, text=piece).model_dump_json() + "\n"
+                    if "FAIL_MID" in prompt:
+                        yield GenerateChunk(request_id=req.request_id, error="engine exploded").model_dump_json() + "\n"
+                        return
+                yield GenerateChunk(request_id=req.request_id, finish_reason="stop", **counts).model_dump_json() + "\n"
+            except asyncio.CancelledError:
+                app.state.aborted.set()
+                raise
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    return app
+
+
+def media_server_app() -> FastAPI:
+    """Serves ``app.state.files[name]`` at ``/files/{name}`` and redirects ``/redirect?to=URL``."""
+    app = FastAPI()
+    app.state.files = {}
+
+    @app.get("/files/{name}")
+    async def files(name: str) -> Response:
+        if name not in app.state.files:
+            return Response(status_code=404)
+        return Response(app.state.files[name], media_type="application/octet-stream")
+
+    @app.get("/redirect")
+    async def redirect(to: str) -> Response:
+        return Response(status_code=302, headers={"location": to})
+
+    return app

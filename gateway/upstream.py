@@ -1,0 +1,261 @@
+"""Clients of the encoder and LLM services over one shared ``httpx.AsyncClient``.
+
+Failure policy (the protocol in ``shared.schemas``):
+
+* a 4xx from the encoder means the media is bad -> ``MediaError`` (400 naming the item);
+* a 4xx from the LLM means the request is bad (e.g. prompt too long) -> 400 with its message;
+* connection errors, timeouts and 5xx are retried on the next distinct replica; when every
+  attempt fails -> ``UpstreamError`` (502, or 503 when no replica exists).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import anyio
+import httpx
+import torch
+
+from gateway.errors import APIError
+from gateway.fetch import gather_or_cancel
+from gateway.media import MediaError, MediaItem
+from gateway.routing.encoder_ring import EncoderRing
+from gateway.routing.llm_router import LLMRouter
+from gateway.routing.prefix import prefix_blocks
+from gateway.routing.replicas import ReplicaPool
+from shared.schemas import EncodeResult, GenerateChunk, GenerateRequest, GenerateResponse
+from shared.wire import SAFETENSORS_MIME, WireError, unpack
+
+log = logging.getLogger("mmserve.gateway.upstream")
+
+_RETRYABLE_4XX = (408, 429)
+
+
+class UpstreamError(APIError):
+    """Every replica of a service failed (or none exists)."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(status, message, type="upstream_error", code="upstream_unavailable")
+
+
+class _Retry(Exception):
+    """One attempt failed in a way another replica may not."""
+
+
+def error_text(response: httpx.Response) -> str:
+    """The message of an error response: OpenAI ``error.message``, FastAPI ``detail`` or text."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return response.text[:500] or f"HTTP {response.status_code}"
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if "detail" in body:
+            d = body["detail"]
+            return d if isinstance(d, str) else json.dumps(d)[:500]
+    return json.dumps(body)[:500]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An item's embeddings as returned by the encoder replica that served it."""
+
+    item: MediaItem
+    embeds: torch.Tensor = field(repr=False)  # [num_tokens, hidden]
+    result: EncodeResult
+    replica: str
+
+
+class EncoderClient:
+    """Encodes items on the ring owner of their content hash, falling over along the ring."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        pool: ReplicaPool,
+        ring: EncoderRing,
+        *,
+        attempts: int,
+        timeout: httpx.Timeout,
+        on_failover: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._client = client
+        self._pool = pool
+        self._ring = ring
+        self.attempts = attempts
+        self.timeout = timeout
+        self._on_failover = on_failover
+
+    async def encode_all(self, items: list[MediaItem]) -> list[Encoded]:
+        """All items concurrently; result ``i`` is ``items[i]``; the first failure cancels the rest."""
+        return list(await gather_or_cancel(*(self.encode(it) for it in items)))
+
+    async def encode(self, item: MediaItem) -> Encoded:
+        nodes = self._ring.candidates(item.content_hash, self.attempts)
+        if not nodes:
+            raise UpstreamError("no encoder replica is configured", status=503)
+        errors: list[str] = []
+        for node in nodes:
+            try:
+                return await self._encode_on(node, item)
+            except _Retry as e:
+                self._on_failover()
+                errors.append(f"{node}: {e}")
+                log.warning("encode of %s failed on %s: %s", item.where, node, e)
+        raise UpstreamError(
+            f"{item.where}: encoding the {item.modality} failed on {len(nodes)} encoder "
+            f"replica(s): {'; '.join(errors)}"
+        )
+
+    async def _encode_on(self, node: str, item: MediaItem) -> Encoded:
+        try:
+            r = await self._client.post(
+                f"{node}/v1/encode",
+                params={"modality": item.modality, "content_hash": item.content_hash},
+                content=item.data,
+                headers={"content-type": "application/octet-stream"},
+                timeout=self.timeout,
+            )
+        except httpx.ConnectError as e:
+            self._pool.mark_down(node)
+            raise _Retry(f"connection failed: {e}") from e
+        except httpx.TransportError as e:
+            raise _Retry(f"{type(e).__name__}: {e}") from e
+        if 400 <= r.status_code < 500 and r.status_code not in _RETRYABLE_4XX:
+            raise MediaError(item.where, f"{item.modality} could not be decoded: {error_text(r)}")
+        if r.status_code != 200:
+            raise _Retry(f"HTTP {r.status_code}: {error_text(r)}")
+        try:
+            tensors, result = unpack(r.content, EncodeResult)
+        except WireError as e:
+            raise _Retry(f"bad response: {e}") from e
+        embeds = tensors.get("embeds")
+        if embeds is None or embeds.ndim != 2 or embeds.shape[0] != result.num_tokens or embeds.shape[0] < 1:
+            shape = None if embeds is None else tuple(embeds.shape)
+            raise _Retry(f"bad response: embeds {shape} vs num_tokens={result.num_tokens}")
+        return Encoded(item, embeds, result, node)
+
+
+class LLMStream:
+    """An open NDJSON generation stream; iterate for chunks, always ``aclose()``."""
+
+    def __init__(self, response: httpx.Response, replica: str, router: LLMRouter) -> None:
+        self.response = response
+        self.replica = replica
+        self._router = router
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[GenerateChunk]:
+        try:
+            async for line in self.response.aiter_lines():
+                if line.strip():
+                    yield GenerateChunk.model_validate_json(line)
+        except httpx.HTTPError as e:
+            raise UpstreamError(f"LLM stream from {self.replica} broke: {type(e).__name__}: {e}") from e
+        except ValueError as e:
+            raise UpstreamError(f"LLM stream from {self.replica} sent a bad chunk: {e}") from e
+
+    async def aclose(self) -> None:
+        """Closes the upstream connection (the LLM aborts the generation); safe to call twice,
+        and completes even inside a cancelled scope."""
+        if self._closed:
+            return
+        self._closed = True
+        self._router.end(self.replica)
+        with anyio.CancelScope(shield=True):
+            await self.response.aclose()
+
+
+class LLMClient:
+    """Sends a packed GenerateRequest to a replica chosen by the router, failing over on
+    connection errors and 5xx."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        pool: ReplicaPool,
+        router: LLMRouter,
+        *,
+        attempts: int,
+        timeout: httpx.Timeout,
+    ) -> None:
+        self._client = client
+        self._pool = pool
+        self.router = router
+        self.attempts = attempts
+        self.timeout = timeout
+
+    async def generate(self, req: GenerateRequest, body: bytes) -> GenerateResponse:
+        stream = await self._send(req, body)
+        try:
+            await stream.response.aread()
+            try:
+                return GenerateResponse.model_validate_json(stream.response.content)
+            except ValueError as e:
+                raise UpstreamError(f"LLM {stream.replica} sent a bad response: {e}") from e
+        except httpx.HTTPError as e:
+            raise UpstreamError(f"LLM {stream.replica} failed: {type(e).__name__}: {e}") from e
+        finally:
+            await stream.aclose()
+
+    async def open_stream(self, req: GenerateRequest, body: bytes) -> LLMStream:
+        """Response headers received (status 200); the body is not read yet."""
+        return await self._send(req, body)
+
+    async def _send(self, req: GenerateRequest, body: bytes) -> LLMStream:
+        replicas = self._pool.routable()
+        if not replicas:
+            raise UpstreamError("no LLM replica is configured", status=503)
+        blocks = prefix_blocks(req.messages)
+        tried: list[str] = []
+        errors: list[str] = []
+        while len(tried) < min(self.attempts, len(replicas)):
+            replica = self.router.choose([r for r in replicas if r not in tried], blocks)
+            tried.append(replica)
+            try:
+                return await self._send_to(replica, body)
+            except _Retry as e:
+                errors.append(f"{replica}: {e}")
+                log.warning("generate %s failed on %s: %s", req.request_id, replica, e)
+        raise UpstreamError(f"generation failed on {len(tried)} LLM replica(s): {'; '.join(errors)}")
+
+    async def _send_to(self, replica: str, body: bytes) -> LLMStream:
+        request = self._client.build_request(
+            "POST", f"{replica}/v1/generate", content=body,
+            headers={"content-type": SAFETENSORS_MIME}, timeout=self.timeout,
+        )
+        self.router.begin(replica)
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.ConnectError as e:
+            self.router.end(replica)
+            self._pool.mark_down(replica)
+            raise _Retry(f"connection failed: {e}") from e
+        except httpx.ReadTimeout as e:
+            self.router.end(replica)
+            raise UpstreamError(f"LLM {replica} timed out") from e
+        except httpx.TransportError as e:
+            self.router.end(replica)
+            raise _Retry(f"{type(e).__name__}: {e}") from e
+        except BaseException:
+            self.router.end(replica)
+            raise
+        stream = LLMStream(response, replica, self.router)
+        if response.status_code == 200:
+            return stream
+        try:
+            await response.aread()
+        except httpx.HTTPError:
+            pass
+        finally:
+            await stream.aclose()
+        if 400 <= response.status_code < 500 and response.status_code not in _RETRYABLE_4XX:
+            raise APIError(400, error_text(response), code="invalid_request")
+        raise _Retry(f"HTTP {response.status_code}: {error_text(response)}")

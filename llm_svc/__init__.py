@@ -1,0 +1,1 @@
+"""LLM service: generate from a chat whose media arrive as embeddings."""

@@ -1,0 +1,46 @@
+"""Registry of generation backends: ``hf`` (transformers reference) and ``swa`` (our engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shared.settings import LLMSettings
+
+from ..loader import LoadedLM
+from .base import Backend, BackendStats, GenOutput, RequestStream
+
+BackendFactory = Callable[[LLMSettings, LoadedLM], Backend]
+_REGISTRY: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
+    def deco(factory: BackendFactory) -> BackendFactory:
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def _ensure_builtin() -> None:
+    from . import hf  # noqa: F401
+
+    try:
+        from . import swa  # noqa: F401
+    except ImportError:  # the engine is optional until its parts exist
+        pass
+
+
+def available_backends() -> list[str]:
+    _ensure_builtin()
+    return sorted(_REGISTRY)
+
+
+def create_backend(settings: LLMSettings, lm: LoadedLM) -> Backend:
+    _ensure_builtin()
+    if settings.backend not in _REGISTRY:
+        raise ValueError(f"unknown backend {settings.backend!r}; choose one of {sorted(_REGISTRY)}")
+    return _REGISTRY[settings.backend](settings, lm)
+
+
+__all__ = ["Backend", "BackendStats", "GenOutput", "RequestStream", "available_backends",
+           "create_backend", "register_backend"]

@@ -1,0 +1,164 @@
+"""``hf`` backend: the transformers reference, one request at a time in a worker thread.
+
+It is the oracle the ``swa`` engine is checked against, so it stays as plain as possible:
+``model.generate(inputs_embeds=...)`` with the media rows already in place. Streaming, stop
+strings and aborts hook in through a ``StoppingCriteria`` that sees every new token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+from shared.settings import LLMSettings
+
+from ..loader import LoadedLM
+from ..prompt import PreparedRequest, input_embeds
+from ..textproc import OutputText, token_finish_reason
+from . import register_backend
+from .base import Backend, BackendStats, GenOutput, RequestStream
+
+log = logging.getLogger(__name__)
+
+
+def generation_config(lm: LoadedLM, prep: PreparedRequest) -> GenerationConfig:
+    """Sampling knobs for ``generate``; every stop decision is ours (no eos inside generate)."""
+    s = prep.sampling
+    greedy = s.temperature == 0.0
+    return GenerationConfig(
+        max_new_tokens=s.max_tokens,
+        do_sample=not greedy,
+        temperature=None if greedy else s.temperature,
+        top_k=None if greedy or s.top_k <= 0 else s.top_k,
+        top_p=None if greedy or s.top_p >= 1.0 else s.top_p,
+        eos_token_id=None,
+        pad_token_id=lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0,
+    )
+
+
+def generate_kwargs(lm: LoadedLM, prep: PreparedRequest) -> dict:
+    """``inputs_embeds`` (+ Gemma's ``token_type_ids`` so image tokens attend bidirectionally)."""
+    emb = input_embeds(lm, prep)[None]  # [1, T, H]
+    kw = {"inputs_embeds": emb, "attention_mask": torch.ones(emb.shape[:2], dtype=torch.long, device=emb.device)}
+    if lm.bidirectional_media:
+        tt = torch.zeros(emb.shape[:2], dtype=torch.long, device=emb.device)
+        for start, length, _ in prep.mm_spans:
+            tt[0, start : start + length] = 1
+        kw["token_type_ids"] = tt
+    return kw
+
+
+class _Tap(StoppingCriteria):
+    """Sees each new token: streams it, applies our stop rules, honours aborts."""
+
+    def __init__(self, lm: LoadedLM, prep: PreparedRequest, stream: RequestStream, aborted: threading.Event):
+        self.lm, self.prep, self.stream, self.aborted = lm, prep, stream, aborted
+        self.text = OutputText(lm.tokenizer, prep.sampling)
+        self.n = 0
+        self.finished = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        tok = int(input_ids[0, -1])
+        self.n += 1
+        delta = self.text.push(tok)
+        reason = token_finish_reason(tok, self.n, self.prep.sampling, self.lm.eos_token_ids)
+        if self.text.stopped:
+            reason = "stop"
+        if reason is None and self.aborted.is_set():
+            reason = "abort"
+        out = GenOutput(text=delta, token_ids=[tok])
+        if reason is not None:
+            out.text += "" if reason == "abort" else self.text.flush()
+            self.finish(out, reason)
+        else:
+            self.stream.put(out)
+        return torch.tensor([reason is not None], device=input_ids.device)
+
+    def finish(self, out: GenOutput, reason: str) -> None:
+        self.finished = True
+        out.finish_reason = reason
+        out.prompt_tokens = len(self.prep.prompt_ids)
+        out.completion_tokens = self.n
+        self.stream.put(out)
+
+
+@register_backend("hf")
+class HFBackend(Backend):
+    """Serial reference backend; ``max_running`` is 1 by construction."""
+
+    name = "hf"
+
+    def __init__(self, settings: LLMSettings, lm: LoadedLM):
+        self.settings = settings
+        self.lm = lm
+        self._q: queue.Queue = queue.Queue()
+        self._aborted: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        self._running = 0
+        self._thread: threading.Thread | None = None
+
+    async def start(self) -> None:
+        self._thread = threading.Thread(target=self._worker, name="hf-backend", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: PreparedRequest) -> RequestStream:
+        stream = RequestStream(req.request_id, asyncio.get_running_loop())
+        with self._lock:
+            self._aborted[req.request_id] = threading.Event()
+        self._q.put((req, stream))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            ev = self._aborted.get(request_id)
+        if ev is not None:
+            ev.set()
+
+    async def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+
+    def stats(self) -> BackendStats:
+        return BackendStats(running=self._running, waiting=self._q.qsize())
+
+    def _worker(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            prep, stream = item
+            with self._lock:
+                ev = self._aborted[prep.request_id]
+            self._running = 1
+            try:
+                self._run_one(prep, stream, ev)
+            except Exception as e:  # one bad request never stops the worker
+                log.exception("hf backend: request %s failed", prep.request_id)
+                stream.put(GenOutput(error=f"generation failed: {e}", prompt_tokens=len(prep.prompt_ids)))
+            finally:
+                self._running = 0
+                with self._lock:
+                    self._aborted.pop(prep.request_id, None)
+
+    @torch.inference_mode()
+    def _run_one(self, prep: PreparedRequest, stream: RequestStream, aborted: threading.Event) -> None:
+        tap = _Tap(self.lm, prep, stream, aborted)
+        if aborted.is_set():
+            tap.finish(GenOutput(), "abort")
+            return
+        if prep.sampling.seed is not None:
+            torch.manual_seed(prep.sampling.seed)
+        self.lm.model.generate(
+            **generate_kwargs(self.lm, prep),
+            generation_config=generation_config(self.lm, prep),
+            stopping_criteria=StoppingCriteriaList([tap]),
+        )
+        if not tap.finished:  # generate stopped on its own (it should not): close the stream
+            tap.finish(GenOutput(text=tap.text.flush()), "length")

@@ -1,0 +1,1 @@
+"""The hybrid SWA engine: request state, scheduling, KV bookkeeping, model running."""

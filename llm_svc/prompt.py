@@ -1,0 +1,150 @@
+"""GenerateRequest + media tensors -> a validated, tokenized prompt with media spans."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.schemas import GenerateRequest, PromptMedia, PromptText, SamplingParams
+
+from .errors import InvalidRequest
+from .loader import LoadedLM
+
+
+@dataclass
+class PreparedRequest:
+    """Everything a backend needs to run one request.
+
+    ``mm_spans`` are ``(start_position, length, item_index)``; ``mm_items[i]`` is item i's
+    embeddings ``[num_tokens, hidden]`` in the model dtype.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stream: bool = False
+    mm_items: list[torch.Tensor] = field(default_factory=list)
+    mm_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    mm_hashes: list[str] = field(default_factory=list)
+    bidirectional: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.prompt_ids, "empty prompt"
+        for start, length, item in self.mm_spans:
+            assert 0 <= start and start + length <= len(self.prompt_ids)
+            assert self.mm_items[item].shape[0] == length
+
+
+def render_prompt_ids(lm: LoadedLM, req: GenerateRequest) -> list[int]:
+    """Chat template (one pad token per media item) -> token ids, no extra special tokens."""
+    messages = []
+    for m in req.messages:
+        parts = []
+        for p in m.content:
+            if isinstance(p, PromptText):
+                parts.append({"type": "text", "text": p.text})
+            else:
+                parts.append({"type": p.modality})
+        messages.append({"role": m.role, "content": parts})
+    text = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _check_tensor(lm: LoadedLM, part: PromptMedia, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    name = f"mm.{part.index}"
+    t = tensors.get(name)
+    if t is None:
+        raise InvalidRequest(f"media item {part.index} has no tensor {name!r} in the body", param=name)
+    if t.ndim != 2:
+        raise InvalidRequest(f"tensor {name!r} must be 2-D [num_tokens, hidden], got shape {list(t.shape)}", param=name)
+    if t.shape[0] != part.num_tokens:
+        raise InvalidRequest(
+            f"tensor {name!r} has {t.shape[0]} rows but the prompt says num_tokens={part.num_tokens}", param=name
+        )
+    if t.shape[1] != lm.hidden_size:
+        raise InvalidRequest(
+            f"tensor {name!r} has hidden size {t.shape[1]}; this model needs {lm.hidden_size}", param=name
+        )
+    if not t.is_floating_point():
+        raise InvalidRequest(f"tensor {name!r} must be floating point, got {t.dtype}", param=name)
+    if not bool(torch.isfinite(t).all()):
+        raise InvalidRequest(f"tensor {name!r} contains NaN or Inf", param=name)
+    return t.to(device=lm.device, dtype=lm.dtype)
+
+
+def prepare_request(
+    lm: LoadedLM, req: GenerateRequest, tensors: dict[str, torch.Tensor], max_model_len: int
+) -> PreparedRequest:
+    """Validate ``req`` against the model and expand each media pad into ``num_tokens`` pads.
+
+    Raises ``InvalidRequest`` (-> HTTP 400) with a message that says what to fix.
+    """
+    media = [p for m in req.messages for p in m.content if isinstance(p, PromptMedia)]
+    supported = sorted(lm.pad_ids)
+    for p in media:
+        if p.modality not in lm.pad_ids:
+            raise InvalidRequest(
+                f"this model does not accept {p.modality} input (supported: {supported or 'text only'})",
+                param="messages",
+            )
+    expected = {f"mm.{p.index}" for p in media}
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise InvalidRequest(f"body has tensors {extra} that no media part refers to", param="body")
+    items = {p.index: _check_tensor(lm, p, tensors) for p in media}
+
+    s = req.sampling
+    bad = [t for t in s.stop_token_ids if not 0 <= t < lm.vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary [0, {lm.vocab_size})",
+                             param="stop_token_ids")
+
+    ids = render_prompt_ids(lm, req)
+    pad_set = set(lm.pad_ids.values())
+    out: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    k = 0
+    for tid in ids:
+        if tid not in pad_set:
+            out.append(tid)
+            continue
+        if k >= len(media):
+            raise InvalidRequest("the text contains a media placeholder token; remove it", param="messages")
+        part = media[k]
+        if lm.pad_ids[part.modality] != tid:
+            raise InvalidRequest("the text contains a media placeholder token; remove it", param="messages")
+        spans.append((len(out), part.num_tokens, part.index))
+        out.extend([tid] * part.num_tokens)
+        k += 1
+    if k != len(media):
+        raise InvalidRequest(
+            f"the chat template placed {k} media placeholders for {len(media)} media parts", param="messages"
+        )
+    if len(out) + s.max_tokens > max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {len(out)} tokens and max_tokens is {s.max_tokens}: together they exceed "
+            f"max_model_len={max_model_len}; shorten the prompt or lower max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    n = len(media)
+    return PreparedRequest(
+        request_id=req.request_id,
+        prompt_ids=out,
+        sampling=s,
+        stream=req.stream,
+        mm_items=[items[i] for i in range(n)],
+        mm_spans=spans,
+        mm_hashes=[p.content_hash for p in sorted(media, key=lambda p: p.index)],
+        bidirectional=lm.bidirectional_media and bool(spans),
+    )
+
+
+def input_embeds(lm: LoadedLM, prep: PreparedRequest) -> torch.Tensor:
+    """``[T, hidden]`` embeddings of the whole prompt with media rows in place of the pads."""
+    ids = torch.tensor(prep.prompt_ids, dtype=torch.long, device=lm.device)
+    emb = lm.embed(ids)
+    for start, length, item in prep.mm_spans:
+        emb[start : start + length] = prep.mm_items[item]
+    return emb

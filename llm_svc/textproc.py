@@ -1,0 +1,112 @@
+"""Streaming detokenization and stop strings: token ids in, safe-to-emit text deltas out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shared.schemas import SamplingParams
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas.
+
+    A delta is only emitted once it is final: a token that ends inside a multi-byte UTF-8
+    character (decoded as U+FFFD) is held until the character completes. Decoding a window
+    ``ids[prefix:]`` and subtracting ``ids[prefix:read]`` keeps tokenizers that change a token's
+    text by its left context (leading spaces) correct, at O(window) cost per token.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=self._skip)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        new_text = self._decode(self.ids[self._prefix :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self._prefix, self._read = self._read, len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held (an incomplete character at the end stays U+FFFD)."""
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        new_text = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+
+
+class StopStringFilter:
+    """Cuts the text at the first stop string and never emits the stop string itself.
+
+    While streaming it holds back the longest tail that could still become a stop string.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return delta
+        buf = self._held + delta
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return buf[:cut]
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out
+
+
+class OutputText:
+    """Detokenizer + stop strings for one request: ``push(token) -> delta``; ``stopped`` says a
+    stop string matched (the engine then finishes the request with reason ``stop``)."""
+
+    def __init__(self, tokenizer, sampling: SamplingParams):
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stops = StopStringFilter(sampling.stop)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.stopped
+
+    def push(self, token_id: int) -> str:
+        return self._stops.push(self._detok.push(token_id))
+
+    def flush(self) -> str:
+        return self._stops.push(self._detok.flush()) + self._stops.flush()
+
+
+def token_finish_reason(
+    token_id: int, num_output: int, sampling: SamplingParams, eos_token_ids: Sequence[int]
+) -> str | None:
+    """Finish reason decided by the token just sampled (the ``num_output``-th output token)."""
+    if token_id in sampling.stop_token_ids:
+        return "stop"
+    if not sampling.ignore_eos and token_id in eos_token_ids:
+        return "stop"
+    if num_output >= sampling.max_tokens:
+        return "length"
+    return None

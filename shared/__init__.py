@@ -1,0 +1,1 @@
+"""mmserve's common package: schemas, settings, hashing, wire formats, model bundles."""

@@ -1,0 +1,174 @@
+"""The ``mmserve`` console script.
+
+    mmserve tiny-model --out DIR [--arch mimo|gemma3] [--sliding-window W]
+    mmserve encoder  --model DIR [--port 8100] [...]        one encoder service
+    mmserve llm      --model DIR [--port 8200] [--backend hf|swa] [...]
+    mmserve gateway  [--port 8000] [--encoder-urls URL,...] [--llm-urls URL,...]
+    mmserve up       [--model DIR] [--encoders N] [--llms M]   the whole stack as local processes
+
+Every service flag also has an environment variable (``MMSERVE_<SERVICE>_<FLAG>``); flags win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+CACHE_DIR = Path(os.environ.get("MMSERVE_CACHE_DIR", Path.home() / ".cache" / "mmserve"))
+DEFAULT_MODEL_DIR = CACHE_DIR / "tiny-mimo"
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--log-level", default=None)
+
+
+def _overrides(args: argparse.Namespace, names: list[str]) -> dict:
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _serve(app, settings) -> None:
+    import uvicorn
+
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from shared.tiny_model import write_tiny_model
+
+    out = write_tiny_model(args.out, arch=args.arch, sliding_window=args.sliding_window, seed=args.seed)
+    print(f"wrote {args.arch} bundle to {out}")
+    return 0
+
+
+def ensure_default_model(model_dir: str | None) -> str:
+    """The bundle to serve: the given one, or the default tiny bundle (written on first use)."""
+    if model_dir:
+        return model_dir
+    if not (DEFAULT_MODEL_DIR / "config.json").exists():
+        from shared.tiny_model import write_tiny_model
+
+        print(f"writing the default tiny model to {DEFAULT_MODEL_DIR} ...", flush=True)
+        write_tiny_model(DEFAULT_MODEL_DIR)
+    return str(DEFAULT_MODEL_DIR)
+
+
+def cmd_encoder(args: argparse.Namespace) -> int:
+    from encoder_svc.app import create_app
+    from shared.settings import EncoderSettings
+
+    kw = _overrides(args, ["host", "port", "log_level", "device", "redis_url", "max_batch_size"])
+    kw["model_dir"] = ensure_default_model(args.model)
+    settings = EncoderSettings(**kw)
+    _serve(create_app(settings), settings)
+    return 0
+
+
+def cmd_llm(args: argparse.Namespace) -> int:
+    from llm_svc.app import create_app
+    from shared.settings import LLMSettings
+
+    kw = _overrides(args, ["host", "port", "log_level", "device", "backend", "kv_bytes"])
+    kw["model_dir"] = ensure_default_model(args.model)
+    settings = LLMSettings(**kw)
+    _serve(create_app(settings), settings)
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.app import create_app
+    from shared.settings import GatewaySettings
+
+    kw = _overrides(args, ["host", "port", "log_level", "model_name"])
+    for name in ("encoder_urls", "llm_urls", "api_keys", "allowed_hosts"):
+        if getattr(args, name, None):
+            kw[name] = [s.strip() for s in getattr(args, name).split(",") if s.strip()]
+    settings = GatewaySettings(**kw)
+    _serve(create_app(settings), settings)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from shared.launcher import LocalStack, StackSpec
+
+    spec = StackSpec(
+        model_dir=ensure_default_model(args.model),
+        host=args.host or "127.0.0.1",
+        gateway_port=args.port or 8000,
+        encoders=args.encoders,
+        llms=args.llms,
+        llm_backend=args.backend,
+        redis_url=args.redis_url,
+    )
+    def _sigterm(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _sigterm)  # stop children on `kill` too, not only Ctrl-C
+    with LocalStack(spec) as stack:
+        stack.wait_ready(timeout=args.ready_timeout)
+        print(stack.banner(), flush=True)
+        stack.wait()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mmserve", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("tiny-model", help="write a tiny random-weight model bundle")
+    p.add_argument("--out", required=True)
+    p.add_argument("--arch", default="mimo", choices=["mimo", "gemma3"])
+    p.add_argument("--sliding-window", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_tiny_model)
+
+    p = sub.add_parser("encoder", help="run one encoder service")
+    _add_common(p)
+    p.add_argument("--model", default=None, help="bundle dir (default: the tiny model)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--max-batch-size", type=int, default=None)
+    p.set_defaults(fn=cmd_encoder)
+
+    p = sub.add_parser("llm", help="run one LLM service")
+    _add_common(p)
+    p.add_argument("--model", default=None, help="bundle dir (default: the tiny model)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--backend", default=None, help="hf | swa")
+    p.add_argument("--kv-bytes", type=int, default=None)
+    p.set_defaults(fn=cmd_llm)
+
+    p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
+    _add_common(p)
+    p.add_argument("--model-name", default=None)
+    p.add_argument("--encoder-urls", default=None, help="comma-separated")
+    p.add_argument("--llm-urls", default=None, help="comma-separated")
+    p.add_argument("--api-keys", default=None, help="comma-separated")
+    p.add_argument("--allowed-hosts", default=None, help="comma-separated SSRF allow-list")
+    p.set_defaults(fn=cmd_gateway)
+
+    p = sub.add_parser("up", help="run gateway + encoders + LLM services as local processes")
+    _add_common(p)
+    p.add_argument("--model", default=None, help="bundle dir (default: the tiny model)")
+    p.add_argument("--encoders", type=int, default=1)
+    p.add_argument("--llms", type=int, default=1)
+    p.add_argument("--backend", default=None, help="LLM backend: hf | swa")
+    p.add_argument("--redis-url", default=None, help="shared encoder cache (default: embedded)")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.set_defaults(fn=cmd_up)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

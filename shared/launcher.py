@@ -1,0 +1,219 @@
+"""Run the mmserve topology (encoders, LLM services, one gateway) as local processes.
+
+The same topology ``compose.yaml`` describes, for machines without Docker and for tests.
+Each service is ``python -m shared.cli <service> ...`` in its own process session; logs go to
+one file per service. ``LocalStack`` is a context manager: leaving it stops every process.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    model_dir: str
+    host: str = "127.0.0.1"
+    gateway_port: int = 8000  # 0: pick a free port
+    encoders: int = 1
+    llms: int = 1
+    llm_backend: str | None = None
+    redis_url: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.encoders < 1 or self.llms < 1:
+            raise ValueError("a stack needs at least one encoder and one LLM service")
+
+
+@dataclass
+class Service:
+    name: str
+    url: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if not self.alive():
+            return
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=timeout)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=timeout)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+def wait_ready(services: list[Service], timeout: float) -> None:
+    """Poll every service's /readyz until all answer 200; raise with their logs otherwise."""
+    deadline = time.monotonic() + timeout
+    pending = list(services)
+    with httpx.Client(timeout=2.0) as client:
+        while pending:
+            for svc in list(pending):
+                if not svc.alive():
+                    raise RuntimeError(f"{svc.name} exited early:\n{svc.log_tail()}")
+                try:
+                    if client.get(f"{svc.url}/readyz").status_code == 200:
+                        pending.remove(svc)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(s.name for s in pending)
+                logs = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in pending)
+                raise TimeoutError(f"not ready after {timeout}s: {names}\n{logs}")
+            if pending:
+                time.sleep(0.3)
+
+
+def sample_png_data_url(size: int = 32) -> str:
+    """A small real PNG (a red/blue gradient) as a data URL, for the banner's curl."""
+    from PIL import Image
+
+    img = Image.new("RGB", (size, size))
+    img.putdata([(255 * x // size, 64, 255 * y // size) for y in range(size) for x in range(size)])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+class LocalStack:
+    """Start encoders, LLM services and a gateway as child processes (see module doc)."""
+
+    def __init__(self, spec: StackSpec, log_dir: str | Path | None = None):
+        self.spec = spec
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mmserve-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        h = spec.host
+        py = [sys.executable, "-m", "shared.cli"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **spec.extra_env}
+        self.encoders: list[Service] = []
+        for i in range(spec.encoders):
+            port = free_port(h)
+            argv = py + ["encoder", "--model", spec.model_dir, "--host", h, "--port", str(port)]
+            if spec.redis_url:
+                argv += ["--redis-url", spec.redis_url]
+            self.encoders.append(self._svc(f"encoder-{i}", h, port, argv, env))
+        self.llms: list[Service] = []
+        for i in range(spec.llms):
+            port = free_port(h)
+            argv = py + ["llm", "--model", spec.model_dir, "--host", h, "--port", str(port)]
+            if spec.llm_backend:
+                argv += ["--backend", spec.llm_backend]
+            self.llms.append(self._svc(f"llm-{i}", h, port, argv, env))
+        gport = spec.gateway_port or free_port(h)
+        argv = py + [
+            "gateway",
+            "--host", h,
+            "--port", str(gport),
+            "--model-name", Path(spec.model_dir).name,
+            "--encoder-urls", ",".join(s.url for s in self.encoders),
+            "--llm-urls", ",".join(s.url for s in self.llms),
+        ]  # fmt: skip
+        self.gateway = self._svc("gateway", h, gport, argv, env)
+
+    def _svc(self, name: str, host: str, port: int, argv: list[str], env: dict) -> Service:
+        return Service(name, f"http://{host}:{port}", argv, dict(env), self.log_dir / f"{name}.log")
+
+    @property
+    def services(self) -> list[Service]:
+        return [*self.encoders, *self.llms, self.gateway]
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.spec.model_dir).name
+
+    def __enter__(self) -> "LocalStack":
+        for svc in self.services:
+            svc.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for svc in reversed(self.services):
+            svc.stop()
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        wait_ready(self.services, timeout)
+
+    def wait(self) -> None:
+        """Block until a service dies or the user interrupts (then stop everything)."""
+        try:
+            while all(s.alive() for s in self.services):
+                time.sleep(0.5)
+            dead = [s for s in self.services if not s.alive()]
+            print(f"{dead[0].name} exited; stopping the stack. Log:\n{dead[0].log_tail()}", flush=True)
+        except KeyboardInterrupt:
+            pass
+
+    def banner(self) -> str:
+        body = {
+            "model": self.model_name,
+            "max_tokens": 32,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in this image?"},
+                        {"type": "image_url", "image_url": {"url": sample_png_data_url()}},
+                    ],
+                }
+            ],
+        }
+        lines = [
+            f"mmserve is up: {self.url}  (OpenAI API at {self.url}/v1)",
+            "services: " + ", ".join(f"{s.name}={s.url}" for s in self.services),
+            f"logs: {self.log_dir}",
+            "try:",
+            f"curl -s {self.url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{json.dumps(body)}'",
+            "Ctrl-C stops the stack.",
+        ]
+        return "\n".join(lines)

@@ -1,0 +1,324 @@
+"""Typed messages between the client, the gateway, the encoder service and the LLM service.
+
+Three groups live here, and nowhere else:
+
+* the OpenAI chat-completions subset the gateway accepts (``ChatCompletionRequest`` ...),
+* the encoder protocol (``EncodeParams`` in, ``EncodeResult`` + a tensor out),
+* the LLM protocol (``GenerateRequest`` in, ``GenerateResponse`` / ``GenerateChunk`` out).
+
+Embeddings never travel as JSON floats: they travel as safetensors bytes (see ``shared.wire``),
+with the typed header of the message stored in the safetensors metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Modality = Literal["image", "video", "audio"]
+MODALITIES: tuple[str, ...] = ("image", "video", "audio")
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI chat-completions subset (client -> gateway)
+# --------------------------------------------------------------------------------------------
+
+
+class _Lenient(BaseModel):
+    """OpenAI clients send fields we ignore (``name``, ``user``, ...): accept and drop them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Lenient):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class VideoURL(_Lenient):
+    url: str = Field(min_length=1)
+
+
+class VideoPart(_Lenient):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+class InputAudio(_Lenient):
+    data: str = Field(min_length=1, description="base64-encoded audio bytes")
+    format: str = Field(default="wav", description="wav, mp3, flac, ogg")
+
+
+class AudioPart(_Lenient):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[
+    Union[TextPart, ImagePart, VideoPart, AudioPart], Field(discriminator="type")
+]
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def parts(self) -> list[ContentPart]:
+        """The content as a list of parts (a plain string is one text part)."""
+        if self.content is None:
+            return []
+        if isinstance(self.content, str):
+            return [TextPart(type="text", text=self.content)]
+        return list(self.content)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Lenient):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are supported")
+        return [s for s in stops if s]
+
+    def effective_max_tokens(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "mmserve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``."""
+
+    error: ErrorDetail
+
+
+# --------------------------------------------------------------------------------------------
+# Encoder protocol (gateway -> encoder):  POST /v1/encode?modality=...  body = raw media bytes
+# Response: safetensors bytes with one tensor "embeds" [num_tokens, hidden] (float32 or bf16)
+# and the EncodeResult in its metadata.
+# --------------------------------------------------------------------------------------------
+
+
+class EncodeParams(BaseModel):
+    """Query parameters of ``POST /v1/encode``; the body is the raw media bytes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    modality: Modality
+    content_hash: str | None = Field(
+        default=None, description="shared.hashing.content_hash of the body; computed if absent"
+    )
+    fps: float | None = Field(default=None, gt=0, description="video: frames sampled per second")
+    max_frames: int | None = Field(default=None, ge=1, le=4096, description="video: frame cap")
+
+
+class EncodeResult(BaseModel):
+    """Header of an encoder response (the tensor travels beside it, never as JSON)."""
+
+    modality: Modality
+    content_hash: str
+    model: str
+    num_tokens: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    cached: bool = False
+    encode_ms: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# LLM protocol (gateway -> llm):  POST /v1/generate
+# Body: safetensors bytes; tensors "mm.{i}" [num_tokens_i, hidden] hold the i-th media item's
+# embeddings, the GenerateRequest travels as JSON in the metadata key "request".
+# Response: GenerateResponse JSON, or (stream=true) NDJSON lines of GenerateChunk.
+# --------------------------------------------------------------------------------------------
+
+
+class PromptText(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class PromptMedia(BaseModel):
+    """A media item in the prompt: its embeddings are tensor ``mm.{index}`` of the body."""
+
+    type: Literal["media"] = "media"
+    modality: Modality
+    index: int = Field(ge=0)
+    content_hash: str
+    num_tokens: int = Field(ge=1)
+
+
+PromptPart = Annotated[Union[PromptText, PromptMedia], Field(discriminator="type")]
+
+
+class PromptMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: list[PromptPart]
+
+
+class SamplingParams(BaseModel):
+    """Sampling knobs; ``temperature == 0`` means greedy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class GenerateRequest(BaseModel):
+    request_id: str = Field(min_length=1)
+    messages: list[PromptMessage] = Field(min_length=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    stream: bool = False
+    return_logprobs: bool = False
+
+    @model_validator(mode="after")
+    def _media_indices_dense(self) -> "GenerateRequest":
+        idx = sorted(
+            p.index for m in self.messages for p in m.content if isinstance(p, PromptMedia)
+        )
+        if idx != list(range(len(idx))):
+            raise ValueError(f"media indices must be 0..n-1 without gaps, got {idx}")
+        return self
+
+    def media(self) -> list[PromptMedia]:
+        items = [p for m in self.messages for p in m.content if isinstance(p, PromptMedia)]
+        return sorted(items, key=lambda p: p.index)
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class GenerateResponse(BaseModel):
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    logprobs: list[float] | None = None
+
+
+class GenerateChunk(BaseModel):
+    """One line of a streamed generation; the last one has ``finish_reason`` set and counts."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    error: str | None = None
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok", "loading", "error"]
+    service: str
+    model: str | None = None
+    detail: str | None = None

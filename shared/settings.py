@@ -1,0 +1,106 @@
+"""Per-service settings from environment variables, one prefix per service.
+
+* gateway: ``MMSERVE_GATEWAY_*``   * encoder: ``MMSERVE_ENCODER_*``   * llm: ``MMSERVE_LLM_*``
+
+CLI flags of ``mmserve <service>`` override the environment (they are passed as init kwargs).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from typing import Annotated, Literal
+
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+StrList = Annotated[list[str], NoDecode]
+
+
+class _ServiceSettings(BaseSettings):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    log_level: str = "info"
+
+
+class EncoderSettings(_ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="MMSERVE_ENCODER_", extra="ignore")
+
+    port: int = 8100
+    model_dir: str = Field(description="model bundle directory (see README: bundle format)")
+    model_name: str | None = Field(default=None, description="served name; default: dir name")
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_media_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    max_image_pixels: int = Field(default=64_000_000, ge=1, description="decompression-bomb guard")
+    # batching
+    max_batch_size: int = Field(default=16, ge=1)
+    max_wait_ms: float = Field(default=5.0, ge=0)
+    request_timeout: float = Field(default=120.0, gt=0)
+    # video
+    video_backend: str = "decord"
+    video_fps: float = Field(default=1.0, gt=0)
+    video_max_frames: int = Field(default=32, ge=1)
+    video_workers: int = Field(default=0, ge=0, description="0: one per core")
+    image_backend: str = "torchvision"
+    # cache
+    cache_bytes: int = Field(default=512 * 1024 * 1024, ge=0)
+    shm_cache_bytes: int = Field(default=0, ge=0)
+    redis_url: str | None = None
+    redis_ttl_s: int = Field(default=3600, ge=1)
+    redis_max_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)
+
+
+class LLMSettings(_ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="MMSERVE_LLM_", extra="ignore")
+
+    port: int = 8200
+    model_dir: str
+    model_name: str | None = None
+    backend: str = Field(default="hf", description="hf (transformers reference) or swa (our engine)")
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: int = Field(default=4096, ge=16)
+    default_max_tokens: int = Field(default=64, ge=1)
+    # swa engine
+    kv_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
+    kv_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    swa_fraction: float | None = Field(default=None, gt=0.0, lt=1.0)
+    max_batch_tokens: int = Field(default=512, ge=16)
+    max_running: int = Field(default=64, ge=1)
+    enable_prefix_cache: bool = True
+
+
+class GatewaySettings(_ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="MMSERVE_GATEWAY_", extra="ignore")
+
+    port: int = 8000
+    model_name: str = "mmserve-tiny"
+    encoder_urls: StrList = Field(default_factory=lambda: ["http://127.0.0.1:8100"])
+    llm_urls: StrList = Field(default_factory=lambda: ["http://127.0.0.1:8200"])
+    api_keys: StrList = Field(default_factory=list)
+    default_max_tokens: int = Field(default=64, ge=1)
+    request_timeout: float = Field(default=300.0, gt=0)
+    max_media_items: int = Field(default=16, ge=0)
+    max_media_bytes: int = Field(default=32 * 1024 * 1024, ge=1, description="per item")
+    max_request_media_bytes: int = Field(default=128 * 1024 * 1024, ge=1)
+    fetch_timeout: float = Field(default=20.0, gt=0)
+    max_redirects: int = Field(default=3, ge=0)
+    allowed_hosts: StrList = Field(
+        default_factory=list, description="hosts/CIDRs exempt from the SSRF private-address guard"
+    )
+    # routing (appended by the gateway)
+    llm_routing: Literal["cache_aware", "round_robin"] = "cache_aware"
+    health_interval: float = Field(
+        default=5.0, ge=0, description="seconds between /readyz probes of replicas; 0 disables"
+    )
+    dns_interval: float = Field(
+        default=30.0, ge=0, description="seconds between DNS re-resolutions of replica hosts; 0 disables"
+    )
+    upstream_attempts: int = Field(default=3, ge=1, description="distinct replicas tried per call")
+    connect_timeout: float = Field(default=5.0, gt=0)
+
+    @field_validator("encoder_urls", "llm_urls", "api_keys", "allowed_hosts", mode="before")
+    @classmethod
+    def _csv(cls, v):
+        if isinstance(v, str) and not v.strip().startswith("["):
+            return [s.strip() for s in v.split(",") if s.strip()]
+        return v

@@ -1,0 +1,310 @@
+"""``mmserve tiny-model``: write a tiny random-weight model bundle to disk (no hub needed).
+
+Architectures (``--arch``):
+
+* ``mimo`` (default): ``MiMoV2FlashForCausalLM`` with MiMo-V2.5's layer pattern scaled down
+  (1 full-attention layer per 7, sliding window 128, attention sinks on sliding layers, MoE,
+  qk head dim != v head dim) + SigLIP vision tower + projector + Whisper encoder + projector,
+  as an mmserve bundle (``mmserve_bundle.json``).
+* ``gemma3``: a plain HF ``Gemma3ForConditionalGeneration`` directory (5 sliding : 1 full,
+  SigLIP tower, ``multi_modal_projector``), exactly the layout of a real Gemma 3 checkpoint.
+
+Weights are random but seeded, so two runs write identical bundles.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from shared.bundle import BUNDLE_FORMAT, MANIFEST
+
+CHATML_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<|audio_pad|>",
+]
+GEMMA_SPECIALS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
+
+# Media parts are rendered by the chat template as the placeholder's start+pad+end; the LLM
+# service expands the single pad into one pad per embedding row.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'audio' %}{{ '<|audio_start|><|audio_pad|><|audio_end|>' }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ('image', 'video') %}{{ '<start_of_image><image_soft_token><end_of_image>' }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the a an image video audio picture photo frame sound model answer question what is in this "
+    "describe show me please thanks hello hi world cat dog red green blue color shape square "
+    "circle line text token window attention cache prefix memory fast serve request user "
+    "assistant system you are helpful small tiny random one two three four five yes no and or "
+    "of to for with on at by from it that there here can will would should could do does"
+).split()
+
+
+def _corpus(n: int = 3000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        k = rng.randint(3, 14)
+        words = [rng.choice(_WORDS) for _ in range(k)]
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 999)))
+        lines.append(" ".join(words) + rng.choice([".", "?", "!", ","]))
+    return lines
+
+
+def build_tokenizer(specials: list[str], vocab_size: int, chat_template: str, eos: str, **named):
+    """A byte-level BPE trained on a small synthetic corpus, as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, **named)
+    fast.chat_template = chat_template
+    return fast
+
+
+def _seed(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _siglip_config(image_size: int, patch: int):
+    from transformers import SiglipVisionConfig
+
+    return SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch,
+        num_channels=3,
+    )
+
+
+def write_mimo_bundle(out: Path, sliding_window: int = 128, image_size: int = 64, seed: int = 0) -> Path:
+    import torch
+    from transformers import (
+        MiMoV2FlashConfig,
+        MiMoV2FlashForCausalLM,
+        SiglipImageProcessor,
+        SiglipVisionModel,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperModel,
+    )
+
+    from shared.projector import PoolProjector, ProjectorConfig
+
+    _seed(seed)
+    tok = build_tokenizer(CHATML_SPECIALS, 640, CHATML_TEMPLATE, eos="<|im_end|>", pad_token="<|endoftext|>")
+    hidden = 64
+    # MiMo-V2.5-Pro: 70 layers = 10 full + 60 sliding (1 in 7). Scaled down: 7 layers, 1 full.
+    layer_types = ["full_attention"] + ["sliding_attention"] * 6
+    cfg = MiMoV2FlashConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        mlp_layer_types=["dense"] + ["sparse"] * (len(layer_types) - 1),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=sliding_window,
+        max_position_embeddings=8192,
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["MiMoV2FlashForCausalLM"]
+    lm = MiMoV2FlashForCausalLM(cfg).eval()
+    with torch.no_grad():  # random init leaves sinks near 0; give them a visible effect
+        for layer in lm.model.layers:
+            if getattr(layer.self_attn, "sinks", None) is not None:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+    out.mkdir(parents=True, exist_ok=True)
+    lm.save_pretrained(out)
+    tok.save_pretrained(out)
+
+    vis_cfg = _siglip_config(image_size, patch=8)
+    vision = SiglipVisionModel(vis_cfg).eval()
+    vision.save_pretrained(out / "vision")
+    SiglipImageProcessor(size={"height": image_size, "width": image_size}).save_pretrained(out / "vision")
+    tokens_per_image = 16
+    PoolProjector(ProjectorConfig(vis_cfg.hidden_size, hidden, "grid2d", tokens=tokens_per_image)).save(
+        out / "vision"
+    )
+
+    wcfg = WhisperConfig(
+        vocab_size=64,
+        num_mel_bins=80,
+        d_model=32,
+        encoder_layers=2,
+        encoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_layers=1,
+        decoder_attention_heads=2,
+        decoder_ffn_dim=64,
+        max_source_positions=1500,
+        max_target_positions=64,
+        decoder_start_token_id=1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    WhisperModel(wcfg).eval().save_pretrained(out / "audio")
+    WhisperFeatureExtractor(feature_size=80).save_pretrained(out / "audio")
+    pool_stride = 20
+    PoolProjector(ProjectorConfig(wcfg.d_model, hidden, "seq1d", stride=pool_stride)).save(out / "audio")
+
+    manifest = {
+        "format": BUNDLE_FORMAT,
+        "name": out.name,
+        "lm": {"path": ".", "architecture": "MiMoV2FlashForCausalLM"},
+        "vision": {
+            "kind": "siglip_projector",
+            "path": "vision",
+            "tokens_per_image": tokens_per_image,
+            "video_temporal_pool": 2,
+        },
+        "audio": {"kind": "whisper_projector", "path": "audio", "pool_stride": pool_stride},
+        "placeholders": {
+            "image": {"pad": "<|image_pad|>", "start": "<|vision_start|>", "end": "<|vision_end|>"},
+            "video": {"pad": "<|video_pad|>", "start": "<|vision_start|>", "end": "<|vision_end|>"},
+            "audio": {"pad": "<|audio_pad|>", "start": "<|audio_start|>", "end": "<|audio_end|>"},
+        },
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def write_gemma3_checkpoint(out: Path, sliding_window: int = 128, image_size: int = 64, seed: int = 0) -> Path:
+    import torch
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessor,
+        Gemma3TextConfig,
+    )
+
+    _seed(seed)
+    tok = build_tokenizer(
+        GEMMA_SPECIALS,
+        640,
+        GEMMA_TEMPLATE,
+        eos="<end_of_turn>",
+        pad_token="<pad>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA_SPECIALS}
+    # Gemma 3: 5 sliding layers then 1 full, repeated.
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    text = Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=sliding_window,
+        max_position_embeddings=8192,
+        pad_token_id=ids["<pad>"],
+        eos_token_id=ids["<end_of_turn>"],
+        bos_token_id=ids["<bos>"],
+    )
+    cfg = Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=_siglip_config(image_size, patch=8).to_dict(),
+        mm_tokens_per_image=16,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+        pad_token_id=ids["<pad>"],
+        eos_token_id=ids["<end_of_turn>"],
+        bos_token_id=ids["<bos>"],
+    )
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # Gemma's zero-init norms make a random model too flat
+            if p.ndim == 1 and torch.count_nonzero(p) == 0:
+                p.normal_(0.0, 0.5)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    Gemma3ImageProcessor(size={"height": image_size, "width": image_size}).save_pretrained(out)
+    return out
+
+
+ARCHS = {"mimo": write_mimo_bundle, "gemma3": write_gemma3_checkpoint}
+
+
+def write_tiny_model(out: str | Path, arch: str = "mimo", sliding_window: int = 128, seed: int = 0) -> Path:
+    """Write a tiny bundle of ``arch`` to ``out`` and return its path."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
+    return ARCHS[arch](Path(out), sliding_window=sliding_window, seed=seed)

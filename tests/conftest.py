@@ -1,0 +1,59 @@
+"""Fixtures shared by every tier: tiny model bundles written once per session, media makers."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
+
+
+@pytest.fixture(scope="session")
+def mimo_bundle(tmp_path_factory) -> Path:
+    """A tiny MiMo-V2-Flash bundle (vision + audio), sliding window 128."""
+    from shared.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("bundles") / "tiny-mimo", arch="mimo")
+
+
+@pytest.fixture(scope="session")
+def gemma3_bundle(tmp_path_factory) -> Path:
+    """A tiny plain-HF Gemma3ForConditionalGeneration checkpoint directory, window 128."""
+    from shared.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("bundles") / "tiny-gemma3", arch="gemma3")
+
+
+def make_png(width: int = 48, height: int = 40, seed: int = 0, fmt: str = "PNG") -> bytes:
+    """A real image file (PIL-encoded) with a seed-dependent pattern."""
+    from PIL import Image
+
+    img = Image.new("RGB", (width, height))
+    img.putdata(
+        [((x * 7 + seed * 31) % 256, (y * 5 + seed * 17) % 256, (x * y + seed) % 256) for y in range(height) for x in range(width)]
+    )
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.fixture
+def png_bytes() -> bytes:
+    return make_png()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The machine's real Redis; the suite's runner (.ci/run, scripts/test.sh) starts it."""
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        if s.connect_ex((REDIS_HOST, REDIS_PORT)) != 0:
+            pytest.fail(f"Redis is not running at {REDIS_HOST}:{REDIS_PORT}; start it (see README)")
+    return f"redis://{REDIS_HOST}:{REDIS_PORT}/0"

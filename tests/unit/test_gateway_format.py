@@ -1,0 +1,82 @@
+import json
+
+import pytest
+import torch
+
+from gateway.media import MediaItem
+from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion
+from gateway.prompt import build_generate_request, pack_generate, sampling_params
+from gateway.upstream import Encoded
+from shared.schemas import ChatCompletionRequest, EncodeResult, GenerateRequest, GenerateResponse, PromptMedia
+from shared.wire import unpack
+
+pytestmark = pytest.mark.unit
+
+
+def parse(event: bytes) -> dict:
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    return json.loads(event[6:])
+
+
+def encoded(index: int, modality: str, n: int, fill: float) -> Encoded:
+    item = MediaItem(index, modality, f"w{index}", b"x", f"{index:032x}")
+    res = EncodeResult(modality=modality, content_hash=item.content_hash, model="e", num_tokens=n, hidden_size=4)
+    return Encoded(item, torch.full((n, 4), fill), res, "r")
+
+
+def test_chunk_writer_events():
+    w = ChunkWriter("chatcmpl-1", 5, "m", include_usage=True)
+    role = parse(w.role())
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["object"] == "chat.completion.chunk" and role["usage"] is None
+    assert parse(w.content("hi"))["choices"][0]["delta"] == {"content": "hi"}
+    fin = parse(w.finish("length"))
+    assert fin["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length"}
+    u = parse(w.usage(10, 3, 4))
+    assert u["choices"] == [] and u["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                                                 "prompt_tokens_details": {"cached_tokens": 4}}
+    assert SSE_DONE == b"data: [DONE]\n\n"
+    assert "usage" not in parse(ChunkWriter("c", 1, "m", include_usage=False).content("x"))
+
+
+def test_chat_completion_body():
+    resp = GenerateResponse(request_id="r", text="ok", token_ids=[1], finish_reason="stop",
+                            prompt_tokens=7, completion_tokens=1, cached_tokens=5)
+    body = chat_completion(resp, "m", "chatcmpl-1", 9).model_dump()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "ok"}
+    assert body["usage"]["total_tokens"] == 8 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 5
+
+
+def test_generate_request_places_media_in_order():
+    req = ChatCompletionRequest(model="m", max_tokens=9, stop="END", temperature=0.5, messages=[
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:,a"}},
+            {"type": "text", "text": "between"},
+            {"type": "input_audio", "input_audio": {"data": "AAAA"}},
+        ]},
+    ])
+    enc = [encoded(0, "image", 3, 1.0), encoded(1, "audio", 2, 2.0)]
+    gen = build_generate_request(req, enc, "id1", default_max_tokens=64)
+    assert [p.type for p in gen.messages[1].content] == ["media", "text", "media"]
+    m0, m1 = gen.messages[1].content[0], gen.messages[1].content[2]
+    assert isinstance(m0, PromptMedia) and (m0.index, m0.num_tokens, m0.modality) == (0, 3, "image")
+    assert (m1.index, m1.num_tokens, m1.modality) == (1, 2, "audio")
+    assert gen.sampling.max_tokens == 9 and gen.sampling.stop == ["END"] and gen.sampling.temperature == 0.5
+    tensors, back = unpack(pack_generate(gen, enc), GenerateRequest)
+    assert back == gen and tensors["mm.1"].shape == (2, 4) and float(tensors["mm.1"][0, 0]) == 2.0
+
+
+def test_text_only_request_packs_without_tensors():
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    gen = build_generate_request(req, [], "id", 64)
+    tensors, back = unpack(pack_generate(gen, []), GenerateRequest)
+    assert tensors == {} and back.messages[0].content[0].text == "hi" and back.sampling.max_tokens == 64
+
+
+def test_sampling_defaults_are_the_llm_defaults():
+    s = sampling_params(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}]), 32)
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (32, 0.0, 1.0, -1, None)
+    s = sampling_params(ChatCompletionRequest(model="m", max_completion_tokens=5, max_tokens=7, top_k=4, seed=1,
+                                              messages=[{"role": "user", "content": "x"}]), 32)
+    assert (s.max_tokens, s.top_k, s.seed) == (5, 4, 1)

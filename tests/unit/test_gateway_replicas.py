@@ -1,0 +1,91 @@
+import asyncio
+
+import pytest
+
+from gateway.routing.encoder_ring import EncoderRing
+from gateway.routing.replicas import ReplicaPool
+
+pytestmark = pytest.mark.unit
+
+
+def resolver(table):
+    async def resolve(host, port):
+        if host not in table:
+            raise OSError("nxdomain")
+        return table[host]
+
+    return resolve
+
+
+def prober(healthy: set[str]):
+    async def probe(url: str) -> bool:
+        return url in healthy
+
+    return probe
+
+
+def test_dns_name_with_many_a_records_becomes_many_replicas():
+    pool = ReplicaPool(
+        "encoder", ["http://encoder:8100", "http://10.0.0.9:8100", "https://tls.example"],
+        resolver=resolver({"encoder": ["10.0.0.1", "10.0.0.2"]}),
+    )
+    asyncio.run(pool.refresh_dns())
+    assert pool.replicas() == ["http://10.0.0.1:8100", "http://10.0.0.2:8100", "http://10.0.0.9:8100",
+                               "https://tls.example"]
+
+
+def test_unresolvable_name_is_kept_as_is():
+    pool = ReplicaPool("encoder", ["http://gone:8100/"], resolver=resolver({}))
+    asyncio.run(pool.refresh_dns())
+    assert pool.replicas() == ["http://gone:8100"]
+
+
+def test_health_probes_remove_and_readd_and_update_the_ring():
+    urls = ["http://10.0.0.1:1", "http://10.0.0.2:1", "http://10.0.0.3:1"]
+    healthy = set(urls)
+    pool = ReplicaPool("encoder", urls, prober=prober(healthy))
+    ring = EncoderRing()
+    pool.on_change(lambda: ring.set_nodes(pool.routable()))
+    assert ring.nodes() == urls
+    healthy.discard(urls[1])
+    asyncio.run(pool.probe_all())
+    assert pool.healthy() == [urls[0], urls[2]] and ring.nodes() == [urls[0], urls[2]]
+    healthy.add(urls[1])
+    asyncio.run(pool.probe_all())
+    assert ring.nodes() == urls
+
+
+def test_all_down_falls_back_to_all_replicas_and_any_ready_is_false():
+    urls = ["http://10.0.0.1:1", "http://10.0.0.2:1"]
+    pool = ReplicaPool("llm", urls, prober=prober(set()))
+    asyncio.run(pool.probe_all())
+    assert pool.healthy() == [] and pool.routable() == urls
+    assert asyncio.run(pool.any_ready()) is False
+    pool.mark_up(urls[0])
+    assert pool.routable() == urls[:1]
+
+
+def test_dns_change_drops_down_marks_of_vanished_replicas():
+    table = {"llm": ["10.0.0.1", "10.0.0.2"]}
+    pool = ReplicaPool("llm", ["http://llm:8200"], resolver=resolver(table))
+    asyncio.run(pool.refresh_dns())
+    pool.mark_down("http://10.0.0.2:8200")
+    table["llm"] = ["10.0.0.1", "10.0.0.3"]
+    asyncio.run(pool.refresh_dns())
+    assert pool.healthy() == ["http://10.0.0.1:8200", "http://10.0.0.3:8200"]
+
+
+def test_run_loop_probes_periodically():
+    healthy = {"http://10.0.0.1:1"}
+    pool = ReplicaPool("e", ["http://10.0.0.1:1", "http://10.0.0.2:1"], prober=prober(healthy))
+
+    async def main():
+        task = asyncio.create_task(pool.run(health_interval=0.05, dns_interval=0))
+        await asyncio.sleep(0.02)
+        assert pool.healthy() == ["http://10.0.0.1:1"]
+        healthy.add("http://10.0.0.2:1")
+        await asyncio.sleep(0.15)
+        task.cancel()
+        assert len(pool.healthy()) == 2
+
+    asyncio.run(main())
