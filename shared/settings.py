@@ -7,6 +7,8 @@ CLI flags of ``mmserve <service>`` override the environment (they are passed as 
 
 from __future__ import annotations
 
+import json
+
 from pydantic import Field, field_validator
 from typing import Annotated, Literal
 
@@ -101,6 +103,8 @@ class GatewaySettings(_ServiceSettings):
     @field_validator("encoder_urls", "llm_urls", "api_keys", "allowed_hosts", mode="before")
     @classmethod
     def _csv(cls, v):
-        if isinstance(v, str) and not v.strip().startswith("["):
+        if isinstance(v, str):
+            if v.strip().startswith("["):
+                return json.loads(v)
             return [s.strip() for s in v.split(",") if s.strip()]
         return v

@@ -1,9 +1,13 @@
 """``hf`` backend: the transformers reference, one request at a time in a worker thread.
 
 It is the oracle the ``swa`` engine is checked against, so it stays as plain as possible:
-``model.generate(inputs_embeds=...)`` with the media rows already in place. Streaming, stop
+``model.generate(input_ids=...)`` where a one-shot hook on the input embedding module puts the
+media rows in place during the prefill (``Gemma3ForConditionalGeneration.generate`` refuses
+``inputs_embeds``; this is what its own pixel path does with ``masked_scatter``). Streaming, stop
 strings and aborts hook in through a ``StoppingCriteria`` that sees every new token.
 """
+
+import contextlib
 
 from __future__ import annotations
 
@@ -42,15 +46,36 @@ def generation_config(lm: LoadedLM, prep: PreparedRequest) -> GenerationConfig:
 
 
 def generate_kwargs(lm: LoadedLM, prep: PreparedRequest) -> dict:
-    """``inputs_embeds`` (+ Gemma's ``token_type_ids`` so image tokens attend bidirectionally)."""
-    emb = input_embeds(lm, prep)[None]  # [1, T, H]
-    kw = {"inputs_embeds": emb, "attention_mask": torch.ones(emb.shape[:2], dtype=torch.long, device=emb.device)}
+    """``input_ids`` (+ Gemma's ``token_type_ids`` so image tokens attend bidirectionally)."""
+    ids = torch.tensor([prep.prompt_ids], dtype=torch.long, device=lm.device)  # [1, T]
+    kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if lm.bidirectional_media:
-        tt = torch.zeros(emb.shape[:2], dtype=torch.long, device=emb.device)
+        tt = torch.zeros_like(ids)
         for start, length, _ in prep.mm_spans:
             tt[0, start : start + length] = 1
         kw["token_type_ids"] = tt
     return kw
+
+
+@contextlib.contextmanager
+def media_rows_injected(lm: LoadedLM, prep: PreparedRequest):
+    """While active, the first call of the input embedding module (the prefill) returns the
+    prompt's embeddings with the media rows in place; later calls (decode steps) are untouched."""
+    emb = input_embeds(lm, prep)[None]  # [1, T, H]
+    state = {"done": not prep.mm_spans}
+
+    def hook(module, args, output):
+        if state["done"]:
+            return None
+        assert output.shape == emb.shape, (output.shape, emb.shape)
+        state["done"] = True
+        return emb.to(output.dtype)
+
+    handle = lm.model.get_input_embeddings().register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class _Tap(StoppingCriteria):
@@ -155,10 +180,11 @@ class HFBackend(Backend):
             return
         if prep.sampling.seed is not None:
             torch.manual_seed(prep.sampling.seed)
-        self.lm.model.generate(
-            **generate_kwargs(self.lm, prep),
-            generation_config=generation_config(self.lm, prep),
-            stopping_criteria=StoppingCriteriaList([tap]),
-        )
+        with media_rows_injected(self.lm, prep):
+            self.lm.model.generate(
+                **generate_kwargs(self.lm, prep),
+                generation_config=generation_config(self.lm, prep),
+                stopping_criteria=StoppingCriteriaList([tap]),
+            )
         if not tap.finished:  # generate stopped on its own (it should not): close the stream
             tap.finish(GenOutput(text=tap.text.flush()), "length")

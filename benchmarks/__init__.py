@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m benchmarks.NAME [--quick]`; each prints ours vs baseline, last line JSON."""

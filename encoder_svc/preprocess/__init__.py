@@ -1,0 +1,1 @@
+"""Media preprocessing: bytes -> model inputs. Decode errors are raised here, before batching."""
