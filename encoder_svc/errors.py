@@ -55,6 +55,15 @@ class ForwardFailed(EncodeError):
     type = "server_error"
 
 
+def short_reason(e: BaseException) -> str:
+    """First line of a library's error, without build paths, for a client-facing message."""
+    import re
+
+    text = (str(e).strip().splitlines() or [""])[0]
+    text = re.sub(r"\S*/\S+\.(?:cpp|cc|c|h|py):\d+\S*", "", text).strip(" ,:")
+    return (text or type(e).__name__)[:160]
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None) -> dict:
     return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param)).model_dump()
 

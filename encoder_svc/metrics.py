@@ -17,21 +17,21 @@ class EncoderMetrics:
         )
         self.latency = Histogram("encoder_request_seconds", "encode latency", ["modality"], registry=r)
         self.forwards = Counter(
-            "encoder_forward_passes", "model forward passes (one per fused batch)", ["modality"], registry=r
+            "encoder_forward_passes", "model forward passes (one per fused batch)", ["encoder"], registry=r
         )
         self.forward_items = Counter(
             "encoder_forward_items", "items (images, frames, audio windows) run through a forward",
-            ["modality"], registry=r,
+            ["encoder"], registry=r,
         )
         self.batch_size = Histogram(
-            "encoder_batch_size", "items per fused forward", ["modality"], buckets=_SIZE_BUCKETS, registry=r
+            "encoder_batch_size", "items per fused forward", ["encoder"], buckets=_SIZE_BUCKETS, registry=r
         )
         self.queue_wait = Histogram(
             "encoder_queue_wait_seconds", "time an item waited before its forward started",
-            ["modality"], buckets=_WAIT_BUCKETS, registry=r,
+            ["encoder"], buckets=_WAIT_BUCKETS, registry=r,
         )
         self.forward_errors = Counter(
-            "encoder_forward_errors", "failed forward passes", ["modality"], registry=r
+            "encoder_forward_errors", "failed forward passes", ["encoder"], registry=r
         )
         self.cache_lookups = Counter(
             "encoder_cache_lookups", "embedding cache lookups", ["tier", "modality", "result"], registry=r

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.errors import install_error_handlers
+from gateway.limits import BodyLimitMiddleware, body_limit
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.routes import chat, health, models
 from gateway.state import GatewayState
@@ -35,6 +36,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     for module in (chat, models, health):
         app.include_router(module.router)
         paths.update(getattr(r, "path", "") for r in module.router.routes)
+    app.add_middleware(BodyLimitMiddleware, limit=body_limit(settings.max_request_media_bytes))
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=frozenset(paths))
     app.state.metrics = metrics
     return app

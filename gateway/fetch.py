@@ -8,6 +8,7 @@ from urllib.parse import urljoin
 
 import httpx
 
+from gateway.aio import gather_or_cancel
 from gateway.media import ByteBudget, MediaError, MediaItem, MediaRef, decode_inline, make_item
 from gateway.ssrf import SSRFError, SSRFGuard
 
@@ -98,16 +99,3 @@ class MediaFetcher:
 
         return list(await gather_or_cancel(*(one(i, r) for i, r in enumerate(refs))))
 
-
-async def gather_or_cancel(*coros):
-    """``asyncio.gather`` that cancels the siblings as soon as one fails (TaskGroup semantics)
-    and re-raises that first error itself rather than an ExceptionGroup."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)

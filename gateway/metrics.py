@@ -13,6 +13,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class GatewayMetrics:
+    """The gateway's Prometheus series, registered in a registry owned by this object."""
+
     CONTENT_TYPE = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from gateway.upstream import Encoded
 from shared.schemas import (
     ChatCompletionRequest,
@@ -69,5 +71,14 @@ def build_generate_request(
 
 
 def pack_generate(gen: GenerateRequest, encoded: Sequence[Encoded]) -> bytes:
-    """The wire body of ``POST /v1/generate``."""
-    return pack({f"mm.{e.item.index}": e.embeds for e in encoded}, gen)
+    """The wire body of ``POST /v1/generate``.  Repeated media share one tensor in memory;
+    safetensors refuses shared storage, so repeats are copied."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for e in encoded:
+        t = e.embeds
+        if id(t) in seen:
+            t = t.clone()
+        seen.add(id(e.embeds))
+        tensors[f"mm.{e.item.index}"] = t
+    return pack(tensors, gen)

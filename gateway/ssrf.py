@@ -49,11 +49,29 @@ async def system_resolver(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(info[4][0] for info in infos))
 
 
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address reaches (mapped, NAT64, 6to4, Teredo), if any."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]
+    return None
+
+
 def is_public(ip: IPAddress) -> bool:
     """False for private, loopback, link-local, multicast, reserved, unspecified and other
-    non-global ranges (IPv4-mapped IPv6 is judged by its IPv4 address)."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    non-global ranges (IPv6 that embeds an IPv4 address is judged by that address)."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = _embedded_ipv4(ip)
+        if embedded is not None:
+            return is_public(embedded)
     if (
         ip.is_private
         or ip.is_loopback

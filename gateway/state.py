@@ -21,6 +21,10 @@ from shared.settings import GatewaySettings
 
 @dataclass
 class GatewayState:
+    """Everything a request needs: settings, metrics, HTTP clients, replica pools, the encoder
+    and LLM clients and the media fetcher.  ``build`` wires them; ``start`` / ``close`` run and
+    stop the background replica refresh."""
+
     settings: GatewaySettings
     metrics: GatewayMetrics
     http: httpx.AsyncClient  # encoders and LLMs

@@ -44,7 +44,9 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self, timeout: float = 20.0) -> "ServerThread":
-        self.thread.start()
+        """Starts the thread (once) and waits until uvicorn listens."""
+        if not self.thread.is_alive() and not self.server.started:
+            self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
@@ -131,12 +133,14 @@ def echo_summary(req: GenerateRequest, tensors: dict[str, torch.Tensor], replica
 
 def fake_llm_app(name: str) -> FastAPI:
     """Echoes a JSON summary of the request as its text.  Prompt text containing ``TOO_LONG``
-    gets a 400; ``FAIL_MID`` streams one chunk then an error chunk; ``SLOW`` streams slowly and
-    sets ``app.state.aborted`` when the client goes away."""
+    gets a 400; ``FAIL_MID`` streams one chunk then an error chunk; ``NO_FINISH`` ends the stream
+    without a finish chunk; ``SLOW`` answers slowly
+    (stream or not) and sets ``app.state.aborted`` when the caller goes away."""
     app = FastAPI()
     app.state.requests = []
     app.state.aborted = asyncio.Event()
     app.state.ready = True
+    app.state.fail_5xx = False
 
     @app.get("/readyz")
     async def readyz() -> Response:
@@ -146,6 +150,8 @@ def fake_llm_app(name: str) -> FastAPI:
     async def generate(request: Request) -> Response:
         tensors, req = unpack(await request.body(), GenerateRequest)
         app.state.requests.append(req)
+        if app.state.fail_5xx:
+            return JSONResponse({"detail": "engine down"}, status_code=503)
         prompt = " ".join(p.text for m in req.messages for p in m.content if not isinstance(p, PromptMedia))
         if "TOO_LONG" in prompt:
             return JSONResponse({"error": {"message": "prompt is too long: 9999 > 4096 tokens"}}, status_code=400)
@@ -153,6 +159,12 @@ def fake_llm_app(name: str) -> FastAPI:
         media_tokens = sum(p.num_tokens for p in req.media())
         counts = {"prompt_tokens": media_tokens + len(prompt.split()), "completion_tokens": 7, "cached_tokens": 3}
         if not req.stream:
+            if "SLOW" in prompt:  # answers after 10 s unless the caller hangs up first
+                for _ in range(100):
+                    await asyncio.sleep(0.1)
+                    if await request.is_disconnected():
+                        app.state.aborted.set()
+                        return Response(status_code=499)
             return JSONResponse(
                 GenerateResponse(request_id=req.request_id, text=text, token_ids=[], finish_reason="stop", **counts).model_dump()
             )
@@ -162,12 +174,13 @@ def fake_llm_app(name: str) -> FastAPI:
             try:
                 for k, piece in enumerate(pieces):
                     if "SLOW" in prompt:
-                        await asyncio.sleep(0.2)
+                        await asyncio.sleep(0.4)
                     yield GenerateChunk(request_id=req.request_id, text=piece).model_dump_json() + "\n"
                     if "FAIL_MID" in prompt:
                         yield GenerateChunk(request_id=req.request_id, error="engine exploded").model_dump_json() + "\n"
                         return
-                yield GenerateChunk(request_id=req.request_id, finish_reason="stop", **counts).model_dump_json() + "\n"
+                if "NO_FINISH" not in prompt:
+                    yield GenerateChunk(request_id=req.request_id, finish_reason="stop", **counts).model_dump_json() + "\n"
             except asyncio.CancelledError:
                 app.state.aborted.set()
                 raise

@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 import httpx
 import torch
 
 from gateway.errors import APIError
-from gateway.fetch import gather_or_cancel
+from gateway.aio import gather_or_cancel
 from gateway.media import MediaError, MediaItem
 from gateway.routing.encoder_ring import EncoderRing
 from gateway.routing.llm_router import LLMRouter
@@ -49,8 +49,11 @@ def error_text(response: httpx.Response) -> str:
     """The message of an error response: OpenAI ``error.message``, FastAPI ``detail`` or text."""
     try:
         body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return response.text[:500] or f"HTTP {response.status_code}"
+    except (ValueError, httpx.ResponseNotRead):  # not JSON, or the body could not be read
+        try:
+            return response.text[:500] or f"HTTP {response.status_code}"
+        except httpx.ResponseNotRead:
+            return f"HTTP {response.status_code}"
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and "message" in err:
@@ -94,8 +97,14 @@ class EncoderClient:
         self._on_failover = on_failover
 
     async def encode_all(self, items: list[MediaItem]) -> list[Encoded]:
-        """All items concurrently; result ``i`` is ``items[i]``; the first failure cancels the rest."""
-        return list(await gather_or_cancel(*(self.encode(it) for it in items)))
+        """All items concurrently (identical bytes encoded once); result ``i`` is ``items[i]``;
+        the first failure cancels the rest."""
+        unique: dict[tuple[str, str], MediaItem] = {}
+        for it in items:
+            unique.setdefault((it.modality, it.content_hash), it)
+        done = await gather_or_cancel(*(self.encode(it) for it in unique.values()))
+        by_key = {(e.item.modality, e.item.content_hash): e for e in done}
+        return [replace(by_key[(it.modality, it.content_hash)], item=it) for it in items]
 
     async def encode(self, item: MediaItem) -> Encoded:
         nodes = self._ring.candidates(item.content_hash, self.attempts)
@@ -124,7 +133,7 @@ class EncoderClient:
                 timeout=self.timeout,
             )
         except httpx.ConnectError as e:
-            self._pool.mark_down(node)
+            self._pool.report_failure(node)
             raise _Retry(f"connection failed: {e}") from e
         except httpx.TransportError as e:
             raise _Retry(f"{type(e).__name__}: {e}") from e
@@ -236,7 +245,7 @@ class LLMClient:
             response = await self._client.send(request, stream=True)
         except httpx.ConnectError as e:
             self.router.end(replica)
-            self._pool.mark_down(replica)
+            self._pool.report_failure(replica)
             raise _Retry(f"connection failed: {e}") from e
         except httpx.ReadTimeout as e:
             self.router.end(replica)

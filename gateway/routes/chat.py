@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
@@ -32,13 +33,19 @@ class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
 
 
-async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float = 0.2) -> T:
-    """``await work``, cancelling it if the client disconnects first."""
+async def until_disconnect(request: Request, work: Awaitable[T], timeout: float, poll_s: float = 0.2) -> T:
+    """``await work``, cancelling it if the client disconnects or ``timeout`` s pass first."""
     task = asyncio.ensure_future(work)
+    deadline = asyncio.get_running_loop().time() + timeout
+    returned = False
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise UpstreamError(f"request timed out after {timeout:g}s", status=504)
+            done, _ = await asyncio.wait({task}, timeout=min(poll_s, left))
             if done:
+                returned = True
                 return task.result()
             if await request.is_disconnected():
                 raise ClientGone()
@@ -46,6 +53,11 @@ async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float =
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        elif not returned and not task.cancelled() and task.exception() is None:
+            # finished in the same instant we gave up: release what it opened (an LLM stream)
+            aclose = getattr(task.result(), "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 async def prepare(state: GatewayState, body: ChatCompletionRequest, cid: str) -> tuple[GenerateRequest, bytes]:
@@ -65,11 +77,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if body.model != state.settings.model_name:
         raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
     cid, created, start = completion_id(), now(), time.monotonic()
+    timeout = state.settings.request_timeout
     try:
         if not body.stream:
-            resp = await until_disconnect(request, _generate(state, body, cid))
+            resp = await until_disconnect(request, _generate(state, body, cid), timeout)
             return JSONResponse(chat_completion(resp, body.model, cid, created).model_dump())
-        stream = await until_disconnect(request, _open(state, body, cid))
+        stream = await until_disconnect(request, _open(state, body, cid), timeout)
     except ClientGone:
         log.info("%s: client disconnected before the answer", cid)
         return Response(status_code=CLIENT_CLOSED)
@@ -100,24 +113,25 @@ async def sse_events(
     first_token = True
     try:
         yield writer.role()
-        async for chunk in stream.chunks():
-            if chunk.error:
-                yield writer.error(f"generation failed: {chunk.error}")
-                break
-            if chunk.text:
-                if first_token:
-                    state.metrics.ttft.observe(time.monotonic() - start)
-                    first_token = False
-                yield writer.content(chunk.text)
-            if chunk.finish_reason is not None:
-                yield writer.finish(chunk.finish_reason)
-                if writer.include_usage:
-                    yield writer.usage(
-                        chunk.prompt_tokens or 0, chunk.completion_tokens or 0, chunk.cached_tokens or 0
-                    )
-                break
-        else:
-            yield writer.error("generation ended without a finish reason")
+        async with aclosing(stream.chunks()) as chunks:
+            async for chunk in chunks:
+                if chunk.error:
+                    yield writer.error(f"generation failed: {chunk.error}")
+                    break
+                if chunk.text:
+                    if first_token:
+                        state.metrics.ttft.observe(time.monotonic() - start)
+                        first_token = False
+                    yield writer.content(chunk.text)
+                if chunk.finish_reason is not None:
+                    yield writer.finish(chunk.finish_reason)
+                    if writer.include_usage:
+                        yield writer.usage(
+                            chunk.prompt_tokens or 0, chunk.completion_tokens or 0, chunk.cached_tokens or 0
+                        )
+                    break
+            else:
+                yield writer.error("generation ended without a finish reason")
         yield SSE_DONE
     except UpstreamError as e:
         yield writer.error(e.message)

@@ -47,6 +47,8 @@ class LLMRouter(ABC):
 
 
 class RoundRobinRouter(LLMRouter):
+    """Each replica in turn, ignoring prompts and load: the baseline."""
+
     def __init__(self) -> None:
         super().__init__()
         self._counter = itertools.count()

@@ -67,6 +67,7 @@ class ReplicaPool:
         self._replicas: list[str] = list(dict.fromkeys(self.urls))
         self._down: set[str] = set()
         self._listeners: list[Callable[[], None]] = []
+        self._probing = False  # True while run() probes, so a marked-down replica can come back
 
     # ---- views ----------------------------------------------------------------------------
     def replicas(self) -> list[str]:
@@ -93,6 +94,12 @@ class ReplicaPool:
             log.warning("%s replica %s marked down", self.name, url)
             self._down.add(url)
             self._changed()
+
+    def report_failure(self, url: str) -> None:
+        """A request could not connect to ``url``: take it out of rotation until a probe finds it
+        ready again (ignored when nothing probes, or it would be out for good)."""
+        if self._probing:
+            self.mark_down(url)
 
     def mark_up(self, url: str) -> None:
         if url in self._down:
@@ -146,6 +153,7 @@ class ReplicaPool:
         (0 disables either).  Runs until cancelled."""
         loop = asyncio.get_running_loop()
         next_dns = next_probe = loop.time()
+        self._probing = health_interval > 0 and self._prober is not None
         while True:
             now = loop.time()
             try:

@@ -22,12 +22,7 @@ def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
 
 
 def _ensure_builtin() -> None:
-    from . import hf  # noqa: F401
-
-    try:
-        from . import swa  # noqa: F401
-    except ImportError:  # the engine is optional until its parts exist
-        pass
+    from . import hf, swa  # noqa: F401
 
 
 def available_backends() -> list[str]:

@@ -7,11 +7,10 @@ media rows in place during the prefill (``Gemma3ForConditionalGeneration.generat
 strings and aborts hook in through a ``StoppingCriteria`` that sees every new token.
 """
 
-import contextlib
-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading

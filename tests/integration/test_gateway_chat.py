@@ -232,3 +232,9 @@ def test_metrics(stack):
     assert "mmserve_gateway_ttft_seconds_count" in text and "mmserve_gateway_in_flight_requests" in text
     ttft = next(line for line in text.splitlines() if line.startswith("mmserve_gateway_ttft_seconds_count"))
     assert float(ttft.split()[-1]) >= 1
+
+
+def test_stream_ending_without_finish_is_an_error_event(stack):
+    client, _, _ = stack
+    events = parse_sse(post(client, chat({"type": "text", "text": "NO_FINISH"}, stream=True)).text)
+    assert events[-1] == "[DONE]" and "without a finish reason" in events[-2]["error"]["message"]

@@ -80,3 +80,15 @@ def test_sampling_defaults_are_the_llm_defaults():
     s = sampling_params(ChatCompletionRequest(model="m", max_completion_tokens=5, max_tokens=7, top_k=4, seed=1,
                                               messages=[{"role": "user", "content": "x"}]), 32)
     assert (s.max_tokens, s.top_k, s.seed) == (5, 4, 1)
+
+
+def test_repeated_media_pack_as_separate_tensors():
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA"}},
+    ]}])
+    one = encoded(0, "audio", 2, 5.0)
+    two = Encoded(MediaItem(1, "audio", "w1", b"x", one.item.content_hash), one.embeds, one.result, "r")
+    gen = build_generate_request(req, [one, two], "id", 8)
+    tensors, _ = unpack(pack_generate(gen, [one, two]), GenerateRequest)
+    assert torch.equal(tensors["mm.0"], tensors["mm.1"])

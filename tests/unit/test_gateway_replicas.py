@@ -89,3 +89,19 @@ def test_run_loop_probes_periodically():
         assert len(pool.healthy()) == 2
 
     asyncio.run(main())
+
+
+def test_passive_failures_only_count_while_probes_can_recover():
+    urls = ["http://10.0.0.1:1", "http://10.0.0.2:1"]
+    pool = ReplicaPool("e", urls, prober=prober(set(urls)))
+    pool.report_failure(urls[0])
+    assert pool.healthy() == urls, "without probing a replica marked down would never return"
+
+    async def main():
+        task = asyncio.create_task(pool.run(health_interval=10, dns_interval=0))
+        await asyncio.sleep(0.01)
+        pool.report_failure(urls[0])
+        assert pool.healthy() == urls[1:]
+        task.cancel()
+
+    asyncio.run(main())

@@ -89,3 +89,9 @@ def test_credentials_and_unresolvable_refused():
 def test_localhost_resolves_and_is_refused():
     with pytest.raises(SSRFError, match="non-public"):
         check(SSRFGuard(), "http://localhost:1/x")
+
+
+@pytest.mark.parametrize("ip,public", [("64:ff9b::7f00:1", False), ("64:ff9b::808:808", True),
+                                       ("2002:a00:1::", False), ("2002:808:808::", True)])
+def test_ipv6_embedding_ipv4_judged_by_the_ipv4(ip, public):
+    assert is_public(ipaddress.ip_address(ip)) is public

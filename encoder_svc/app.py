@@ -1,0 +1,83 @@
+"""``create_app(settings)``: the encoder service's FastAPI app; models load in the lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from encoder_svc.batching import BatchConfig, Batcher
+from encoder_svc.cache.factory import build_cache
+from encoder_svc.errors import EncodeError, encode_error_handler
+from encoder_svc.metrics import EncoderMetrics
+from encoder_svc.models.loader import LoadedModels, load_models
+from encoder_svc.modalities.context import EncodeContext
+from encoder_svc.preprocess.image import make_image_backend
+from encoder_svc.routes import router
+from encoder_svc.service import EncoderService
+from encoder_svc.video.decode import ChunkedVideoDecoder
+from shared.bundle import load_bundle_spec
+from shared.settings import EncoderSettings
+
+log = logging.getLogger(__name__)
+
+
+def build_service(settings: EncoderSettings, metrics: EncoderMetrics, models: LoadedModels | None = None,
+                  cache_opts: dict | None = None) -> EncoderService:
+    """Everything but HTTP: models, batcher, preprocessing, cache (blocking; call off-loop).
+
+    ``cache_opts`` go to ``build_cache`` (``shm_dir``, ``redis_prefix``): tests and benchmarks
+    isolate their cache namespaces with them."""
+    if models is None:
+        models = load_models(load_bundle_spec(settings.model_dir), settings.device, settings.dtype)
+
+    def forward(encoder: str, x):
+        model = models.vision if encoder == "vision" else models.audio
+        return model(x.to(models.device))
+
+    batcher = Batcher(
+        BatchConfig(settings.max_batch_size, settings.max_wait_ms, settings.request_timeout), forward, metrics
+    )
+    backend = None
+    if models.image_cfg is not None:
+        backend = make_image_backend(settings.image_backend, models.image_cfg, models.device, settings.max_image_pixels)
+    pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="encoder-cpu")
+    video = None
+    if models.vision is not None:
+        video = ChunkedVideoDecoder(settings.video_backend, settings.video_workers)
+    ctx = EncodeContext(settings, models, batcher, pool, backend, video)
+    return EncoderService(ctx, metrics, build_cache(settings, metrics, **(cache_opts or {})))
+
+
+def create_app(settings: EncoderSettings, *, shm_dir: str | None = None, redis_prefix: str | None = None) -> FastAPI:
+    """The encoder app; the model loads in the lifespan (``/readyz`` is 503 until then)."""
+    metrics = EncoderMetrics()
+    cache_opts = {k: v for k, v in (("shm_dir", shm_dir), ("redis_prefix", redis_prefix)) if v is not None}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            app.state.service = await asyncio.to_thread(build_service, settings, metrics, None, cache_opts)
+        except Exception as e:
+            app.state.load_error = f"{type(e).__name__}: {e}"
+            log.exception("encoder failed to load %s", settings.model_dir)
+            raise
+        try:
+            yield
+        finally:
+            svc, app.state.service = app.state.service, None
+            if svc.cache is not None:
+                await svc.cache.close()
+            svc.close()
+
+    app = FastAPI(title="mmserve encoder", lifespan=lifespan)
+    app.state.metrics = metrics
+    app.state.service = None
+    app.state.load_error = None
+    app.add_exception_handler(EncodeError, encode_error_handler)
+    app.include_router(router)
+    return app

@@ -1,0 +1,76 @@
+"""video: sampled frames -> image path per frame -> temporal pooling -> [ceil(F/p) * T, H].
+
+Decoded chunks are preprocessed and submitted to the batcher as they arrive, so frames of one
+video share forwards with other requests and raw frames are dropped chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from concurrent.futures import Future
+
+import torch
+
+from encoder_svc.errors import BadMedia, MediaTooLarge
+from encoder_svc.modalities.context import EncodeContext
+from encoder_svc.video.sampling import sample_indices
+from shared.schemas import EncodeParams
+
+
+def _fps_frames(ctx: EncodeContext, params: EncodeParams) -> tuple[float, int]:
+    return params.fps or ctx.settings.video_fps, params.max_frames or ctx.settings.video_max_frames
+
+
+def cache_signature(ctx: EncodeContext, params: EncodeParams) -> str:
+    fps, max_frames = _fps_frames(ctx, params)
+    pool = ctx.models.spec.vision.video_temporal_pool
+    return f"vid:{fps:g}:{max_frames}:{pool}:{ctx.image_backend.name}:{ctx.models.image_cfg.signature()}"
+
+
+def temporal_pool(frames: torch.Tensor, pool: int) -> torch.Tensor:
+    """[F, T, H] -> [ceil(F / pool), T, H]: mean of consecutive groups, the last group padded
+    by repeating the last frame."""
+    f = frames.shape[0]
+    groups = math.ceil(f / pool)
+    pad = groups * pool - f
+    if pad:
+        frames = torch.cat([frames, frames[-1:].expand(pad, *frames.shape[1:])])
+    return frames.reshape(groups, pool, *frames.shape[1:]).mean(dim=1)
+
+
+def _decode_and_submit(ctx: EncodeContext, data: bytes, indices: list[int], cancelled) -> list[Future]:
+    futures: list[Future] = []
+    try:
+        for _, frames in ctx.video_decoder.iter_chunks(data, indices):
+            if cancelled.is_set():
+                break
+            pixels = ctx.image_backend.frames(frames)  # [n, 3, h, w]
+            del frames
+            futures.append(ctx.batcher.submit("vision", pixels))
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
+    return futures
+
+
+async def encode(ctx: EncodeContext, data: bytes, params: EncodeParams) -> torch.Tensor:
+    fps, max_frames = _fps_frames(ctx, params)
+    info = await ctx.in_pool(ctx.video_decoder.probe, data)
+    if info.width * info.height > ctx.settings.max_image_pixels:
+        raise MediaTooLarge(f"video frames are {info.width}x{info.height}; the limit is {ctx.settings.max_image_pixels} pixels")
+    indices = sample_indices(info.num_frames, info.fps, fps, max_frames)
+    cancelled = threading.Event()
+    try:
+        futures = await ctx.in_pool(_decode_and_submit, ctx, data, indices, cancelled)
+        outs = await ctx.batcher.gather(futures)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+    per_frame = torch.cat(outs)  # [F, T, H]
+    if per_frame.shape[0] != len(indices):
+        raise BadMedia(f"decoded {per_frame.shape[0]} of {len(indices)} sampled frames")
+    pooled = temporal_pool(per_frame, ctx.models.spec.vision.video_temporal_pool)
+    return pooled.reshape(-1, per_frame.shape[-1])  # [ceil(F/p) * T, H]

@@ -1,0 +1,1 @@
+"""Media encoders (vision tower + projector, Whisper encoder + projector) loaded from a bundle."""

@@ -1,0 +1,92 @@
+"""HTTP routes: ``POST /v1/encode``, ``GET /v1/embeddings/{key}``, health, readiness, metrics."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from encoder_svc.errors import BadMedia, NotReady, error_body
+from encoder_svc.service import EncoderService, split_key
+from shared.schemas import EncodeParams, EncodeResult, HealthStatus
+from shared.wire import SAFETENSORS_MIME, pack
+
+router = APIRouter()
+
+
+def get_service(request: Request) -> EncoderService:
+    svc = getattr(request.app.state, "service", None)
+    if svc is None:
+        raise NotReady("the encoder is still loading its model; retry shortly")
+    return svc
+
+
+ServiceDep = Annotated[EncoderService, Depends(get_service)]
+
+
+def _params(request: Request) -> EncodeParams:
+    query = dict(request.query_params)
+    try:
+        return EncodeParams.model_validate(query)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "query"
+        raise BadMedia(f"invalid query parameter {where}: {first['msg']}", param=where) from e
+
+
+def _wire(embeds, result: EncodeResult, key: str | None = None) -> Response:
+    headers = {"x-mmserve-cache-key": key} if key else None
+    return Response(pack({"embeds": embeds}, result), media_type=SAFETENSORS_MIME, headers=headers)
+
+
+@router.post("/v1/encode")
+async def encode(request: Request, svc: ServiceDep) -> Response:
+    params = _params(request)
+    body = await request.body()
+    embeds, result = await svc.encode(params, body)
+    return _wire(embeds, result, svc.cache_key(params, result.content_hash))
+
+
+@router.get("/v1/embeddings/{key:path}")
+async def cached_embedding(key: str, request: Request, svc: ServiceDep) -> Response:
+    """A cached embedding: ``key`` is a full cache key (``x-mmserve-cache-key`` of an encode
+    response) or a content hash with the encode query (``?modality=image[&fps=..]``)."""
+    if split_key(key) is None:
+        params = _params(request)
+        if params.modality not in svc.supported():
+            raise BadMedia(f"modality {params.modality!r} is not supported by this model", param="modality")
+        key = svc.cache_key(params, key.lower())
+    embeds = await svc.lookup(key)
+    if embeds is None:
+        return JSONResponse(error_body(f"no cached embedding for key {key!r}", "not_found_error"), status_code=404)
+    _, modality, _, digest = split_key(key)  # type: ignore[misc]
+    result = EncodeResult(
+        modality=modality, content_hash=digest, model=svc.model_name,
+        num_tokens=embeds.shape[0], hidden_size=embeds.shape[1], cached=True,
+    )
+    return _wire(embeds, result, key)
+
+
+@router.get("/healthz")
+async def healthz() -> HealthStatus:
+    return HealthStatus(status="ok", service="encoder")
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    svc = getattr(request.app.state, "service", None)
+    err = getattr(request.app.state, "load_error", None)
+    if svc is None:
+        st = HealthStatus(status="error" if err else "loading", service="encoder", detail=err)
+        return JSONResponse(st.model_dump(), status_code=503)
+    st = HealthStatus(status="ok", service="encoder", model=svc.model_name, detail=",".join(svc.supported()))
+    return JSONResponse(st.model_dump())
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

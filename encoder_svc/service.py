@@ -1,0 +1,152 @@
+"""The encode use case: validate -> cache lookup -> modality pipeline -> cache store.
+
+Embedding definitions (the LLM service relies on them: rows == placeholder tokens):
+
+* **image**: preprocessed exactly like the bundle's HF image processor (resize to the
+  processor's size with its resample, antialiased, rescale 1/255, normalize mean/std), vision
+  tower ``last_hidden_state`` -> projector -> ``[tokens_per_image, lm_hidden]``
+  (mmserve: SigLIP + PoolProjector; gemma3: ``get_image_features``).
+* **video**: ``F = int(n_frames / video_fps * fps)`` clamped to ``[1, min(max_frames, n_frames)]``
+  frames at indices ``arange(0, n_frames, n_frames / F).int()`` (HF video processors' uniform
+  sampling; ``fps``/``max_frames`` from the query, else the settings), each frame through the
+  image path (same resize/normalize) ->
+  ``[F, T, H]``; consecutive groups of ``video_temporal_pool`` frames are averaged (the last
+  group padded by repeating the last frame) -> ``[ceil(F / pool) * T, lm_hidden]``.
+* **audio**: decoded, mixed to mono, resampled to 16 kHz, split into 30 s windows; each window
+  -> Whisper log-mel [n_mels, 3000] -> Whisper encoder (50 frames/s) -> PoolProjector seq1d
+  (stride s) -> the first ``ceil(ceil(window_seconds * 50) / s)`` tokens; windows concatenated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import ModuleType
+
+import torch
+import xxhash
+
+from encoder_svc.errors import BadMedia, MediaTooLarge, UnsupportedModality
+from encoder_svc.metrics import EncoderMetrics
+from encoder_svc.modalities import image as image_mod
+from encoder_svc.modalities.context import EncodeContext
+from shared.hashing import content_hash
+from shared.schemas import EncodeParams, EncodeResult
+
+log = logging.getLogger(__name__)
+
+
+def split_key(key: str) -> tuple[str, str, str, str] | None:
+    """(model_id, modality, preprocessing hash, content hash) of a cache key, or None."""
+    parts = key.rsplit(":", 3)
+    if len(parts) != 4 or parts[1] not in ("image", "video", "audio"):
+        return None
+    return parts[0], parts[1], parts[2], parts[3]
+
+
+def _pipelines() -> dict[str, ModuleType]:
+    pipes: dict[str, ModuleType] = {"image": image_mod}
+    try:
+        from encoder_svc.modalities import video as video_mod
+
+        pipes["video"] = video_mod
+    except ImportError:  # pragma: no cover - optional while modules are being written
+        pass
+    try:
+        from encoder_svc.modalities import audio as audio_mod
+
+        pipes["audio"] = audio_mod
+    except ImportError:  # pragma: no cover
+        pass
+    return pipes
+
+
+class EncoderService:
+    def __init__(self, ctx: EncodeContext, metrics: EncoderMetrics, cache=None) -> None:
+        self.ctx = ctx
+        self.metrics = metrics
+        self.cache = cache
+        self.model_name = ctx.settings.model_name or ctx.models.spec.name
+        self._pipelines = _pipelines()
+
+    def supported(self) -> list[str]:
+        return [m for m in self.ctx.models.modalities() if m in self._pipelines]
+
+    def cache_key(self, params: EncodeParams, digest: str) -> str:
+        """``model_id:modality:preprocessing-hash:content_hash`` (see ``split_key``)."""
+        sig = self._pipelines[params.modality].cache_signature(self.ctx, params)
+        return f"{self.ctx.models.model_id}:{params.modality}:{xxhash.xxh3_64_hexdigest(sig.encode())}:{digest}"
+
+    def validate(self, params: EncodeParams, body: bytes) -> str:
+        """Checks that need no decoding; returns the content hash."""
+        if params.modality not in self.supported():
+            raise UnsupportedModality(
+                f"modality {params.modality!r} is not supported by model {self.model_name!r}; "
+                f"it accepts {self.supported()}",
+                param="modality",
+            )
+        if len(body) > self.ctx.settings.max_media_bytes:
+            raise MediaTooLarge(
+                f"media is {len(body)} bytes; the limit is {self.ctx.settings.max_media_bytes} bytes"
+            )
+        if not body:
+            raise BadMedia("the request body is empty; send the raw media bytes")
+        digest = content_hash(body)
+        if params.content_hash is not None and params.content_hash.lower() != digest:
+            raise BadMedia(
+                f"content_hash {params.content_hash!r} does not match the body (xxh3_128 {digest}); "
+                "send the hash of the exact bytes or omit it",
+                param="content_hash",
+            )
+        return digest
+
+    async def encode(self, params: EncodeParams, body: bytes) -> tuple[torch.Tensor, EncodeResult]:
+        t0 = time.perf_counter()
+        try:
+            embeds, result = await self._encode(params, body, t0)
+        except Exception as e:
+            status = getattr(e, "status", 500)
+            self.metrics.requests.labels(params.modality, str(status)).inc()
+            raise
+        self.metrics.requests.labels(params.modality, "200").inc()
+        self.metrics.latency.labels(params.modality).observe(time.perf_counter() - t0)
+        return embeds, result
+
+    async def _encode(self, params: EncodeParams, body: bytes, t0: float) -> tuple[torch.Tensor, EncodeResult]:
+        digest = self.validate(params, body)
+        key = self.cache_key(params, digest)
+        cached = await self.cache.get(key, params.modality) if self.cache is not None else None
+        if cached is not None:
+            return cached, self._result(params, digest, cached, True, t0)
+        embeds = await self._pipelines[params.modality].encode(self.ctx, body, params)
+        embeds = embeds.detach().to("cpu").contiguous()
+        assert embeds.ndim == 2 and embeds.shape[0] >= 1, embeds.shape  # [num_tokens, hidden]
+        if self.cache is not None:
+            await self.cache.put(key, params.modality, embeds)
+        return embeds, self._result(params, digest, embeds, False, t0)
+
+    async def lookup(self, key: str) -> torch.Tensor | None:
+        """A cached embedding by its full cache key (``GET /v1/embeddings/{key}``)."""
+        if self.cache is None:
+            return None
+        parts = split_key(key)
+        if parts is None:
+            return None
+        return await self.cache.get(key, parts[1])
+
+    def _result(self, params: EncodeParams, digest: str, embeds: torch.Tensor, cached: bool, t0: float) -> EncodeResult:
+        return EncodeResult(
+            modality=params.modality,
+            content_hash=digest,
+            model=self.model_name,
+            num_tokens=embeds.shape[0],
+            hidden_size=embeds.shape[1],
+            cached=cached,
+            encode_ms=(time.perf_counter() - t0) * 1000.0,
+        )
+
+    def close(self) -> None:
+        self.ctx.batcher.close()
+        if self.ctx.video_decoder is not None:
+            self.ctx.video_decoder.close()
+        self.ctx.cpu_pool.shutdown(wait=False, cancel_futures=True)

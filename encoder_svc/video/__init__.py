@@ -1,0 +1,1 @@
+"""Video: frame sampling, decoder backends (decord, torchcodec), chunked parallel decode."""

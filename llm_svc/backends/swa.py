@@ -1,0 +1,85 @@
+"""``swa`` backend: our hybrid SWA engine (dual KV pools, radix prefix cache, continuous batching)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import torch
+
+from shared.settings import LLMSettings
+
+from ..engine.engine import Engine
+from ..engine.model_runner import ModelRunner
+from ..engine.scheduler import Scheduler, SchedulerConfig
+from ..kv.budget import KVGeometry, size_pools
+from ..loader import LoadedLM
+from ..models import build_model
+from ..prompt import PreparedRequest
+from . import register_backend
+from .base import Backend, BackendStats, RequestStream
+
+
+def kv_budget_bytes(settings: LLMSettings, device: torch.device) -> int:
+    """``kv_bytes``, or ``kv_fraction`` of the device's free memory when that is set."""
+    if settings.kv_fraction <= 0:
+        return settings.kv_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(free * settings.kv_fraction)
+
+
+def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict | None = None) -> Engine:
+    """Model + pools sized from the byte budget + scheduler + runner, wired into an Engine."""
+    model = build_model(lm.arch, lm.model)
+    cfg = SchedulerConfig(
+        max_batch_tokens=settings.max_batch_tokens,
+        max_running=settings.max_running,
+        window=model.window,
+        enable_prefix_cache=settings.enable_prefix_cache,
+        **(scheduler_overrides or {}),
+    )
+    geometry = KVGeometry.from_hf_config(lm.model.config, dtype_bytes=torch.finfo(lm.dtype).bits // 8)
+    num_full, num_swa = size_pools(kv_budget_bytes(settings, lm.device), geometry, settings.swa_fraction,
+                                   max_chunk=settings.max_batch_tokens, expected_seq_len=settings.max_model_len,
+                                   release_interval=cfg.decode_release_interval)
+    num_swa = max(num_swa, cfg.min_swa_slots())
+    scheduler = Scheduler(cfg, num_full, num_swa)
+    runner = ModelRunner(model, num_full, num_swa, device=lm.device, dtype=lm.dtype)
+    return Engine(runner, scheduler, lm.tokenizer, lm.eos_token_ids)
+
+
+@register_backend("swa")
+class SWABackend(Backend):
+    name = "swa"
+
+    def __init__(self, settings: LLMSettings, lm: LoadedLM):
+        self.settings = settings
+        self.lm = lm
+        self.engine = build_engine(settings, lm)
+
+    async def start(self) -> None:
+        self.engine.start()
+
+    def submit(self, req: PreparedRequest) -> RequestStream:
+        stream = RequestStream(req.request_id, asyncio.get_running_loop())
+        self.engine.submit(req, stream)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.engine.stop)
+
+    def stats(self) -> BackendStats:
+        s = self.engine.scheduler.stats()
+        return BackendStats(
+            running=int(s["running"]),
+            waiting=int(s["waiting"]),
+            kv_full_usage=1.0 - s["full_free"] / s["full_total"],
+            kv_swa_usage=1.0 - s["swa_free"] / s["swa_total"],
+            prefix_hit_tokens=int(s["cached_tokens"]),
+        )

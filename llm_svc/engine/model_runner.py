@@ -1,0 +1,72 @@
+"""The model runner: owns the KV pool tensors and executes one ``ForwardBatch``. No policy.
+
+Input: the scheduler's batch (prefill chunks and decodes mixed, in any order). Output: logits
+of the last token of every sequence with ``need_logits``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llm_svc.attention import FULL, LayerKV, create_attention_backend
+from llm_svc.engine.forward_batch import ForwardBatch
+from llm_svc.models import HybridModel
+
+
+class ModelRunner:
+    """Runs ``model`` over KV pools of ``num_full_slots`` / ``num_swa_slots`` slots."""
+
+    def __init__(self, model: HybridModel, num_full_slots: int, num_swa_slots: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 attention: str = "torch"):
+        self.model = model
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.attn = create_attention_backend(attention)
+        self.num_full_slots, self.num_swa_slots = num_full_slots, num_swa_slots
+        self.kv: list[LayerKV] = []
+        for spec in model.layers:
+            n = num_full_slots if spec.kind == FULL else num_swa_slots
+            self.kv.append(LayerKV(
+                k=torch.zeros(n, spec.kv_heads, spec.qk_dim, dtype=dtype, device=self.device),
+                v=torch.zeros(n, spec.kv_heads, spec.v_dim, dtype=dtype, device=self.device),
+            ))
+
+    def kv_bytes(self) -> int:
+        return sum(t.k.numel() * t.k.element_size() + t.v.numel() * t.v.element_size() for t in self.kv)
+
+    def _input_embeds(self, batch: ForwardBatch) -> torch.Tensor:
+        ids = torch.tensor([t for s in batch.seqs for t in s.token_ids], dtype=torch.long, device=self.device)
+        h = self.model.embed(ids)  # [T, hidden]
+        base = 0
+        for sf in batch.seqs:
+            if sf.mm_rows:
+                by_item: dict[int, tuple[list[int], list[int]]] = {}
+                for off, row, item in sf.mm_rows:
+                    dst, src = by_item.setdefault(item, ([], []))
+                    dst.append(base + off)
+                    src.append(row)
+                for item, (dst, src) in by_item.items():
+                    rows = sf.mm_items[item][torch.tensor(src, dtype=torch.long)]
+                    h[torch.tensor(dst, dtype=torch.long, device=self.device)] = rows.to(h.device, h.dtype)
+            base += len(sf.token_ids)
+        return h
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+        """Execute the batch; returns ``{req_id: logits [vocab] float32}`` for ``need_logits`` seqs."""
+        assert batch.seqs, "empty batch"
+        positions = torch.tensor([p for s in batch.seqs for p in s.positions], dtype=torch.long,
+                                 device=self.device)
+        meta = self.attn.prepare(batch, self.model.window, self.device)
+        h = self.model.forward(self._input_embeds(batch), positions, self.kv, self.attn, meta)
+        last, ids, row = [], [], 0
+        for sf in batch.seqs:
+            row += len(sf.token_ids)
+            if sf.need_logits:
+                last.append(row - 1)
+                ids.append(sf.req_id)
+        if not last:
+            return {}
+        logits = self.model.logits(h[torch.tensor(last, dtype=torch.long, device=self.device)])
+        return dict(zip(ids, logits))

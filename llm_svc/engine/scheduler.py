@@ -1,0 +1,368 @@
+"""Continuous batching with chunked prefill over the dual KV pools. Pure bookkeeping.
+
+One engine step: ``schedule()`` -> runner -> ``postprocess(batch, next_tokens)``.
+
+* Decodes first (oldest first), then the next chunks of running prefills, then admissions,
+  all within ``max_batch_tokens`` tokens per step.
+* Admission (policy order) matches the window-safe cached prefix, then needs full slots for the
+  whole rest of the sequence and SWA slots for the first chunk, counting what eviction can free.
+* SWA slots that leave the window are released after every prefill chunk, every
+  ``decode_release_interval`` decode tokens, and at the end: a request holds at most
+  ``W + max(chunk, N)`` SWA slots (plus its pinned cached window).
+* When a decode cannot get a slot, the newest running request not already in this step's batch
+  is preempted: its computed KV goes into the prefix tree (or is freed without caching) and it
+  is requeued first, to recompute prompt + outputs so far.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from llm_svc.engine.forward_batch import ForwardBatch, SeqForward
+from llm_svc.engine.request import Request, RequestStatus
+from llm_svc.engine.sched_policy import make_policy
+from llm_svc.kv.manager import KVManager
+from llm_svc.kv.radix import NO_SLOT
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int = 512  # token budget per step (decodes + prefill chunks)
+    max_running: int = 64
+    window: int = 128
+    decode_release_interval: int = 16  # N: release out-of-window SWA every N decode tokens
+    enable_prefix_cache: bool = True
+    policy: str = "fcfs"
+    # False keeps SWA KV for every token (a conventional cache; the benchmarks' baseline)
+    release_swa: bool = True
+    max_chunk_tokens: int = 0  # largest prefill chunk of one request; 0 = max_batch_tokens
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_running", "window", "decode_release_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1")
+        if not 0 <= self.max_chunk_tokens <= self.max_batch_tokens:
+            raise ValueError("SchedulerConfig.max_chunk_tokens must be in [0, max_batch_tokens]")
+        make_policy(self.policy)  # raises on an unknown name
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.max_chunk_tokens or self.max_batch_tokens
+
+    def min_swa_slots(self) -> int:
+        """Smallest SWA pool that always lets one request progress (three windows: its own, a
+        pinned cached one and a kept branch point; plus a chunk or the decode release interval)."""
+        return 3 * self.window + max(self.chunk_tokens, self.decode_release_interval) + 1
+
+
+@dataclass
+class StepOutput:
+    """One sampled token of a request (``token_id`` None only for a finish without a token)."""
+
+    req_id: str
+    token_id: int | None
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_full_slots: int, num_swa_slots: int) -> None:
+        if config.release_swa and num_swa_slots < config.min_swa_slots():
+            raise ValueError(
+                f"SWA pool of {num_swa_slots} slots is too small: need >= {config.min_swa_slots()} "
+                "(3*window + max(chunk, decode_release_interval) + 1)"
+            )
+        self.config = config
+        self.kv = KVManager(num_full_slots, num_swa_slots, config.window, config.enable_prefix_cache)
+        self.policy = make_policy(config.policy)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # admission order: oldest first
+        self.requests: dict[str, Request] = {}
+        self._lock = threading.RLock()
+        self.num_preemptions = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    # ------------------------------------------------------------------ requests in and out
+    def add(self, req: Request) -> None:
+        """Queue a request. Raises ValueError if it can never fit in the full pool."""
+        need = len(req.prompt_ids) + req.sampling.max_tokens
+        if need > self.kv.full_pool.num_slots:
+            raise ValueError(
+                f"request {req.req_id} needs {need} KV slots (prompt + max_tokens) but the KV pool "
+                f"holds {self.kv.full_pool.num_slots}; shorten the prompt or max_tokens"
+            )
+        with self._lock:
+            if req.req_id in self.requests:
+                raise ValueError(f"duplicate request id {req.req_id}")
+            req.status = RequestStatus.WAITING
+            self.requests[req.req_id] = req
+            self.waiting.append(req)
+
+    def abort(self, req_id: str) -> bool:
+        """Drop a request and free everything it holds; safe at any time. False if unknown."""
+        with self._lock:
+            req = self.requests.get(req_id)
+            if req is None:
+                return False
+            self._finish(req, "abort")
+            return True
+
+    def finish(self, req_id: str, reason: str = "stop") -> bool:
+        """Finish a request now (the engine matched a stop string). False if unknown."""
+        with self._lock:
+            req = self.requests.get(req_id)
+            if req is None:
+                return False
+            self._finish(req, reason)
+            return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> ForwardBatch | None:
+        """The next step's batch, or None when there is nothing to run."""
+        with self._lock:
+            for _ in range(len(self.running) + 2):
+                batch = self._schedule_once()
+                if batch.seqs or not self.running:
+                    return batch if batch.seqs else None
+                # running requests exist but none could get slots: make room and retry
+                if len(self.running) == 1:
+                    self._finish(self.running[0], "abort")  # cannot progress even alone
+                else:
+                    self._preempt(self.running[-1])
+            return None
+
+    def _schedule_once(self) -> ForwardBatch:
+        cfg = self.config
+        budget = cfg.max_batch_tokens
+        seqs: list[SeqForward] = []
+        in_batch: set[str] = set()
+        preempted_before = self.num_preemptions
+        for req in list(self.running):  # decodes
+            if budget < 1:
+                break
+            if req.status != RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
+                continue
+            while not self._reserve_chunk(req, req.num_computed, req.num_tokens):
+                victim = next((r for r in reversed(self.running) if r.req_id not in in_batch), None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                seqs.append(self._build(req, req.num_computed, req.num_tokens))
+                in_batch.add(req.req_id)
+                budget -= 1
+        for req in list(self.running):  # prefill chunks
+            if budget < 1:
+                break
+            if req.status != RequestStatus.RUNNING or req.req_id in in_batch:
+                continue
+            start = req.num_computed
+            end = self._chunk_end(req, start, min(budget, cfg.chunk_tokens, self.kv.available_swa()))
+            if end > start and self._reserve_chunk(req, start, end):
+                seqs.append(self._build(req, start, end))
+                in_batch.add(req.req_id)
+                budget -= end - start
+        # no admissions in a step that had to preempt (it would take the freed room right back)
+        if budget >= 1 and len(self.running) < cfg.max_running and self.waiting and (
+            self.num_preemptions == preempted_before
+        ):
+            order = self.policy.order(self.waiting, time.monotonic(), self.kv.tree.peek_match_len)
+            for req in order:
+                if budget < 1 or len(self.running) >= cfg.max_running:
+                    break
+                sf = self._admit(req, budget, fallback=not self.running and not seqs)
+                if sf is None:
+                    break
+                seqs.append(sf)
+                in_batch.add(req.req_id)
+                budget -= len(sf.token_ids)
+        return ForwardBatch(seqs)
+
+    def _chunk_end(self, req: Request, start: int, budget: int) -> int:
+        """End of the next chunk from ``start``: at most ``budget`` tokens, never splitting a
+        bidirectional media span (a span longer than a whole chunk goes in one piece)."""
+        end = min(req.num_tokens, start + budget)
+        if req.bidirectional:
+            for s, n, _ in req.mm_spans:
+                e = s + n
+                if s < end < e:
+                    if s > start:
+                        end = s
+                    elif e - start <= budget or e - start > self.config.chunk_tokens:
+                        end = e
+                    else:
+                        end = start
+                    break
+        return max(end, start)
+
+    def _reserve_chunk(self, req: Request, start: int, end: int) -> bool:
+        return self.kv.reserve(req.kv, max(end, len(req.kv.full)), start, end)
+
+    def _admit(self, req: Request, budget: int, fallback: bool) -> SeqForward | None:
+        keys = req.all_keys
+        total = len(keys)
+        forbidden = [(s, s + n) for s, n, _ in req.mm_spans] if req.bidirectional else []
+        for attempt in (0, 1) if fallback else (0,):
+            seq = self.kv.start(keys[: total - 1], forbidden) if attempt == 0 else self.kv.start([])
+            start = seq.cached_len
+            end = self._chunk_end(req, start, min(budget, self.config.chunk_tokens))
+            # leave one slot per running request for its next decode token
+            reserve = len(self.running)
+            need_full, need_swa = self.kv.needs(seq, total, start, end)
+            ok = (
+                end > start
+                and need_full + reserve <= self.kv.available_full()
+                and need_swa + reserve <= self.kv.available_swa()
+                and self.kv.reserve(seq, total, start, end)
+            )
+            if ok:
+                break
+            self.kv.finish(seq, keys, seq.cached_len, cache=False)
+        else:
+            return None
+        self.waiting.remove(req)
+        req.kv = seq
+        req.num_computed = seq.cached_len
+        req.decodes_since_release = 0
+        req.status = RequestStatus.RUNNING
+        if not req.admitted_once:
+            req.admitted_once = True
+            req.num_cached_tokens = min(seq.cached_len, len(req.prompt_ids))
+            self.prompt_tokens += len(req.prompt_ids)
+            self.cached_tokens += req.num_cached_tokens
+        self.running.append(req)
+        return self._build(req, start, end)
+
+    def _build(self, req: Request, start: int, end: int) -> SeqForward:
+        w = self.config.window
+        kv = req.kv
+        swa_start = max(0, start - w + 1)
+        ctx_swa = kv.swa[swa_start:end]
+        assert NO_SLOT not in ctx_swa, f"{req.req_id}: SWA KV missing inside the window"
+        mm_rows: list[tuple[int, int, int]] = []
+        bidi: list[tuple[int, int]] = []
+        for s, n, idx in req.mm_spans:
+            lo, hi = max(start, s), min(end, s + n)
+            mm_rows.extend((p - start, p - s, idx) for p in range(lo, hi))
+            if req.bidirectional and lo < hi:
+                bidi.append((s, s + n))
+        return SeqForward(
+            req_id=req.req_id,
+            token_ids=req.all_ids[start:end],
+            positions=list(range(start, end)),
+            out_full_slots=kv.full[start:end],
+            out_swa_slots=kv.swa[start:end],
+            ctx_full_slots=kv.full[:end],
+            ctx_swa_slots=ctx_swa,
+            swa_ctx_start=swa_start,
+            need_logits=end == req.num_tokens,
+            mm_rows=mm_rows,
+            mm_items=req.mm_items if mm_rows else [],
+            bidirectional_spans=bidi,
+        )
+
+    def postprocess(self, batch: ForwardBatch, next_tokens: dict[str, int]) -> list[StepOutput]:
+        """Mark the batch's KV written, append sampled tokens (``next_tokens[req_id]`` for every
+        seq with ``need_logits``), finish requests, and release out-of-window SWA slots."""
+        outs: list[StepOutput] = []
+        with self._lock:
+            for sf in batch.seqs:
+                req = self.requests.get(sf.req_id)
+                if req is None or req.status != RequestStatus.RUNNING:
+                    continue  # aborted or finished while the step ran
+                end = sf.positions[0] + len(sf.token_ids)
+                req.num_computed = end
+                if sf.need_logits:
+                    tok = int(next_tokens[sf.req_id])
+                    req.output_ids.append(tok)
+                    reason = self._stop_reason(req, tok)
+                    if reason is not None:
+                        self._finish(req, reason)
+                        outs.append(StepOutput(req.req_id, tok, True, reason, req.num_cached_tokens))
+                        continue
+                    outs.append(StepOutput(req.req_id, tok, False, None, req.num_cached_tokens))
+                if len(sf.token_ids) == 1:
+                    req.decodes_since_release += 1
+                    if req.decodes_since_release < self.config.decode_release_interval:
+                        continue
+                self._release(req)
+        return outs
+
+    @staticmethod
+    def _stop_reason(req: Request, tok: int) -> str | None:
+        sp = req.sampling
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in req.eos_token_ids):
+            return "stop"
+        if len(req.output_ids) >= sp.max_tokens:
+            return "length"
+        return None
+
+    # ------------------------------------------------------------------ freeing
+    def _release(self, req: Request) -> None:
+        req.decodes_since_release = 0
+        if self.config.release_swa:
+            self.kv.release_window(req.kv, req.num_computed - self.config.window)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        self.kv.finish(req.kv, req.all_keys, req.num_computed, cache=True)
+        self.running.remove(req)
+        req.kv = None
+        req.num_computed = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.insert(0, req)
+        self.num_preemptions += 1
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self._release(req)
+            self.kv.finish(req.kv, req.all_keys, req.num_computed, cache=True)
+            self.running.remove(req)
+            req.kv = None
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.req_id, None)
+
+    # ------------------------------------------------------------------ checks & stats
+    def check_integrity(self) -> None:
+        """Pools partition exactly (free + cached + in use), every running request holds SWA KV
+        for its whole current window, and queue states agree."""
+        with self._lock:
+            w = self.config.window
+            for req in self.running:
+                assert req.status == RequestStatus.RUNNING and req.kv is not None
+                assert self.requests.get(req.req_id) is req
+                kv = req.kv
+                assert kv.cached_len <= req.num_computed <= len(kv.full) <= req.num_tokens
+                lo = max(0, req.num_computed - w)
+                assert NO_SLOT not in kv.swa[lo:req.num_computed], f"{req.req_id}: window lost"
+            for req in self.waiting:
+                assert req.status == RequestStatus.WAITING and req.kv is None
+                assert self.requests.get(req.req_id) is req
+            assert len(self.requests) == len(self.running) + len(self.waiting)
+            self.kv.check_integrity([r.kv for r in self.running])
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            u = self.kv.usage()
+            return {
+                **u,
+                "running": len(self.running),
+                "waiting": len(self.waiting),
+                "preemptions": self.num_preemptions,
+                "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
+                "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            }

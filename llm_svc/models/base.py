@@ -1,0 +1,75 @@
+"""Our forward pass of a hybrid SWA decoder, run over the weights of the loaded HF model.
+
+A model reuses the HF modules that are exact as they are (norms, projections, MLP/MoE, rotary
+tables) and does the attention itself: new K/V go to pool tensors, context K/V are read back
+through the step's index tensors (see ``llm_svc.attention``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llm_svc.attention import FULL, SLIDING, AttentionBackend, LayerKV
+
+HF_KIND = {"full_attention": FULL, "sliding_attention": SLIDING}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """KV shape of one layer: which pool (``full``/``sliding``) and its head geometry."""
+
+    kind: str
+    kv_heads: int
+    qk_dim: int
+    v_dim: int
+
+    def __post_init__(self) -> None:
+        assert self.kind in (FULL, SLIDING), self.kind
+        assert min(self.kv_heads, self.qk_dim, self.v_dim) >= 1
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, R] with R <= D: rotate the first R dims (partial rotary)."""
+    r = cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rot = x[..., :r] * c + rotate_half(x[..., :r]) * s
+    return torch.cat([rot, x[..., r:]], dim=-1) if r < x.shape[-1] else rot
+
+
+class HybridModel(ABC):
+    """Interface the model runner drives; one instance wraps one loaded HF model."""
+
+    layers: list[LayerSpec]
+    window: int
+    hidden_size: int
+
+    @abstractmethod
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> input embeddings [T, hidden] (media rows are replaced by the runner)."""
+
+    @abstractmethod
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, kv: list[LayerKV], attn: AttentionBackend,
+                meta: Any) -> torch.Tensor:
+        """h [T, hidden] at ``positions [T]`` -> final-normed hidden states [T, hidden]."""
+
+    @abstractmethod
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+
+    def rope_tables(self, rotary: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor,
+                    layer_types: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin ``[T, R]`` per HF layer type, from the HF rotary module (per-type theta/scaling)."""
+        out = {}
+        for t in sorted(set(layer_types)):
+            cos, sin = rotary(h[None], positions[None], t)
+            out[t] = (cos[0], sin[0])
+        return out

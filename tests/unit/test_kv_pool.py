@@ -1,0 +1,113 @@
+"""Slot pools, KV geometry and the split of a byte budget into the two pools."""
+
+from __future__ import annotations
+
+import pytest
+
+from llm_svc.kv.budget import KVGeometry, size_pools
+from llm_svc.kv.manager import KVManager
+from llm_svc.kv.pool import SlotPool
+from llm_svc.kv.radix import NO_SLOT
+
+pytestmark = pytest.mark.unit
+
+
+def test_pool_alloc_free_roundtrip():
+    p = SlotPool(10)
+    a = p.alloc(4)
+    b = p.alloc(6)
+    assert sorted(a + b) == list(range(10))
+    assert p.alloc(1) is None and p.num_free == 0
+    p.free(a)
+    assert p.num_free == 4 and p.alloc(5) is None  # all or nothing
+    assert p.num_free == 4
+    p.check_integrity()
+
+
+def test_pool_rejects_double_and_foreign_frees():
+    p = SlotPool(4)
+    s = p.alloc(2)
+    p.free(s[:1])
+    with pytest.raises(ValueError, match="double free"):
+        p.free(s[:1])
+    with pytest.raises(ValueError, match="foreign"):
+        p.free([7])
+    with pytest.raises(ValueError):
+        SlotPool(0)
+    p.check_integrity()
+
+
+MIMO_PRO = KVGeometry(full_layers=10, swa_layers=60, window=128, kv_heads=4, qk_head_dim=192, v_head_dim=128)
+
+
+def test_geometry_bytes_with_different_qk_and_v_dims():
+    g = KVGeometry(full_layers=1, swa_layers=6, window=128, kv_heads=2, qk_head_dim=24, v_head_dim=16, dtype_bytes=4)
+    assert g.layer_token_bytes == 2 * (24 + 16) * 4
+    assert g.full_token_bytes == 320 and g.swa_token_bytes == 6 * 320
+    with pytest.raises(ValueError):
+        KVGeometry(full_layers=0, swa_layers=6, window=128, kv_heads=2, qk_head_dim=24, v_head_dim=16)
+
+
+def test_geometry_from_hf_configs():
+    from transformers import Gemma3TextConfig, MiMoV2FlashConfig
+
+    mimo = MiMoV2FlashConfig(
+        num_hidden_layers=7, layer_types=["full_attention"] + ["sliding_attention"] * 6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, v_head_dim=16, sliding_window=64,
+    )
+    g = KVGeometry.from_hf_config(mimo, dtype_bytes=4)
+    assert (g.full_layers, g.swa_layers, g.window, g.kv_heads, g.qk_head_dim, g.v_head_dim) == (1, 6, 64, 2, 24, 16)
+    gem = Gemma3TextConfig(
+        num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+    )
+    g = KVGeometry.from_hf_config(gem)
+    assert (g.full_layers, g.swa_layers, g.window, g.qk_head_dim, g.v_head_dim) == (1, 5, 32, 16, 16)
+
+
+def test_size_pools_with_fraction_fits_budget():
+    budget = 1 << 30
+    nf, ns = size_pools(budget, MIMO_PRO, swa_fraction=0.25)
+    used_full, used_swa = nf * MIMO_PRO.full_token_bytes, ns * MIMO_PRO.swa_token_bytes
+    assert used_full + used_swa <= budget
+    assert abs(used_swa / budget - 0.25) < 0.01
+    with pytest.raises(ValueError):
+        size_pools(budget, MIMO_PRO, swa_fraction=1.0)
+
+
+def test_size_pools_default_rule():
+    budget = 8 << 30
+    w, chunk, n, e = MIMO_PRO.window, 512, 16, 32768
+    nf, ns = size_pools(budget, MIMO_PRO, max_chunk=chunk, expected_seq_len=e, release_interval=n)
+    assert nf * MIMO_PRO.full_token_bytes + ns * MIMO_PRO.swa_token_bytes <= budget
+    # the SWA pool holds W + N per expected sequence plus one chunk in flight
+    expected = nf * (w + n) / e + w + chunk
+    assert abs(ns - expected) <= max(2, 0.01 * expected)
+    # nearly all of the budget is used
+    assert nf * MIMO_PRO.full_token_bytes + ns * MIMO_PRO.swa_token_bytes > 0.99 * budget
+    with pytest.raises(ValueError, match="too small"):
+        size_pools(1000, MIMO_PRO)
+
+
+def test_manager_release_window_and_finish_without_cache():
+    m = KVManager(50, 20, window=4, enable_prefix_cache=False)
+    seq = m.start(list(range(10)))
+    assert m.reserve(seq, full_end=10, swa_from=0, swa_end=6)
+    assert (m.full_pool.num_free, m.swa_pool.num_free) == (40, 14)
+    m.release_window(seq, 2)
+    assert seq.swa[:2] == [NO_SLOT, NO_SLOT] and NO_SLOT not in seq.swa[2:6]
+    assert m.swa_pool.num_free == 16
+    m.check_integrity([seq])
+    assert m.finish(seq, list(range(10)), num_computed=6) == 0
+    assert (m.full_pool.num_free, m.swa_pool.num_free) == (50, 20)
+    m.check_integrity([])
+
+
+def test_manager_reserve_is_all_or_nothing():
+    m = KVManager(30, 8, window=4)
+    seq = m.start([1, 2, 3])
+    assert not m.reserve(seq, full_end=20, swa_from=0, swa_end=10)  # SWA short
+    assert (m.full_pool.num_free, m.swa_pool.num_free) == (30, 8)
+    assert not m.reserve(seq, full_end=40, swa_from=0, swa_end=2)  # full short
+    assert (m.full_pool.num_free, m.swa_pool.num_free) == (30, 8)
+    m.check_integrity([seq])
