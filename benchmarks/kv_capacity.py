@@ -39,6 +39,7 @@ from llm_svc.engine.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.kv.budget import KVGeometry, size_pools
 from llm_svc.kv.manager import KVManager
+from shared.schemas import SamplingParams
 
 GEOMETRY = KVGeometry(full_layers=10, swa_layers=60, window=128, kv_heads=4, qk_head_dim=192, v_head_dim=128)
 SEQ_LEN = 32768
@@ -81,8 +82,6 @@ def run_scheduler(cfg: SchedulerConfig, num_full: int, num_swa: int, n_requests:
     sched = Scheduler(cfg, num_full, num_swa)
     runner = SimRunner(lambda rid: sched.requests[rid], cfg.window, verify=False, next_token=lambda r, sf: 3)
     rng = random.Random(seed)
-    from shared.schemas import SamplingParams
-
     for i in range(n_requests):
         # distinct from the first token on (no sharing); small ids keep Python ints shared
         ids = [1000 + i] + [rng.randrange(1, 200) for _ in range(SEQ_LEN - 1)]
@@ -150,10 +149,13 @@ def main() -> None:
         nf2, ns2 = size_pools(sched_bytes, g, max_chunk=CHUNK, expected_seq_len=SEQ_LEN, release_interval=RELEASE_N)
         sb = run_scheduler(SchedulerConfig(**{**cfg.__dict__, "release_swa": False}), n1, n1, k_base + 4, args.seed)
         so = run_scheduler(cfg, nf2, ns2, ours["requests"] + 8, args.seed)
-        sched_res = {"baseline": sb, "ours": so, "ratio": round(so["requests"] / sb["requests"], 3)}
+        tok_ratio = so["requests"] * so["mean_len"] / (sb["requests"] * sb["mean_len"])
+        sched_res = {"baseline": sb, "ours": so, "ratio": round(so["requests"] / sb["requests"], 3),
+                     "resident_tokens_ratio": round(tok_ratio, 3)}
         print(f"[scheduler steady state, {sb['seconds'] + so['seconds']:.1f} s] resident requests: "
               f"baseline {sb['requests']} (mean length {sb['mean_len']}), "
-              f"ours {so['requests']} (mean length {so['mean_len']}): {sched_res['ratio']:.2f}x")
+              f"ours {so['requests']} (mean length {so['mean_len']}): {sched_res['ratio']:.2f}x requests, "
+              f"{tok_ratio:.2f}x resident tokens")
     print(json.dumps({
         "benchmark": "kv_capacity",
         "seq_len": SEQ_LEN,

@@ -6,6 +6,10 @@ item waited longest, waits until that group holds ``max_batch_size`` items or th
 ``max_wait_ms`` deadline (monotonic) passes, runs one forward on up to ``max_batch_size`` items
 (possibly from many jobs), checks one output per input and hands each job its rows back.
 
+A batch is not held for its deadline when nothing can join it: requests announce themselves
+with ``incoming()`` while they decode, and with none incoming the worker dispatches at once
+(sequential traffic pays no batching window; concurrent traffic still fuses).
+
 Failure rules (LitServe's): a bad item never reaches the batcher (decoding happens before);
 a job older than ``request_timeout`` when its items come up fails with a timeout; a failed
 forward fails every job with an item in that batch; awaiting is bounded, so nothing hangs.
@@ -19,8 +23,9 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -79,10 +84,24 @@ class Batcher:
         self._cv = threading.Condition()
         self._groups: dict[tuple, deque[tuple[_Job, int, float]]] = {}
         self._stopped = False
+        self._incoming = 0  # requests decoding now, whose items may join a waiting batch
         self._thread = threading.Thread(target=self._loop, name="encoder-batcher", daemon=True)
         self._thread.start()
 
     # -- public -------------------------------------------------------------------------------
+
+    @contextmanager
+    def incoming(self) -> Iterator[None]:
+        """Hold while preparing items that will be submitted: batches wait for them (up to
+        ``max_wait_ms``) instead of leaving without them."""
+        with self._cv:
+            self._incoming += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._incoming -= 1
+                self._cv.notify()
 
     def submit(self, encoder: str, inputs: torch.Tensor) -> cf.Future:
         """Queue ``inputs`` [n, *shape]; the future resolves to outputs [n, *out] in order."""
@@ -120,6 +139,15 @@ class Batcher:
             for f in futures:
                 f.cancel()
 
+    def check_integrity(self) -> None:
+        """Queued items belong to live jobs, counts are sane (raises AssertionError)."""
+        with self._cv:
+            assert self._incoming >= 0, self._incoming
+            for (enc, shape, _), q in self._groups.items():
+                assert q, f"empty group {enc} {shape} kept"
+                for job, i, _ in q:
+                    assert 0 <= i < len(job.inputs) and job.outputs[i] is None, (enc, i)
+
     def pending(self) -> int:
         with self._cv:
             return sum(len(q) for q in self._groups.values())
@@ -150,7 +178,7 @@ class Batcher:
                 key, q = min(self._groups.items(), key=lambda kv: kv[1][0][2])
                 deadline = q[0][2] + wait_s
                 now = time.monotonic()
-                if len(q) < self.cfg.max_batch_size and now < deadline:
+                if len(q) < self.cfg.max_batch_size and now < deadline and self._incoming > 0:
                     self._cv.wait(deadline - now)
                     continue
                 items = [q.popleft() for _ in range(min(len(q), self.cfg.max_batch_size))]

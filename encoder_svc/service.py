@@ -19,6 +19,7 @@ Embedding definitions (the LLM service relies on them: rows == placeholder token
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from types import ModuleType
@@ -28,7 +29,9 @@ import xxhash
 
 from encoder_svc.errors import BadMedia, MediaTooLarge, UnsupportedModality
 from encoder_svc.metrics import EncoderMetrics
+from encoder_svc.modalities import audio as audio_mod
 from encoder_svc.modalities import image as image_mod
+from encoder_svc.modalities import video as video_mod
 from encoder_svc.modalities.context import EncodeContext
 from shared.hashing import content_hash
 from shared.schemas import EncodeParams, EncodeResult
@@ -44,21 +47,7 @@ def split_key(key: str) -> tuple[str, str, str, str] | None:
     return parts[0], parts[1], parts[2], parts[3]
 
 
-def _pipelines() -> dict[str, ModuleType]:
-    pipes: dict[str, ModuleType] = {"image": image_mod}
-    try:
-        from encoder_svc.modalities import video as video_mod
-
-        pipes["video"] = video_mod
-    except ImportError:  # pragma: no cover - optional while modules are being written
-        pass
-    try:
-        from encoder_svc.modalities import audio as audio_mod
-
-        pipes["audio"] = audio_mod
-    except ImportError:  # pragma: no cover
-        pass
-    return pipes
+PIPELINES: dict[str, ModuleType] = {"image": image_mod, "video": video_mod, "audio": audio_mod}
 
 
 class EncoderService:
@@ -67,7 +56,8 @@ class EncoderService:
         self.metrics = metrics
         self.cache = cache
         self.model_name = ctx.settings.model_name or ctx.models.spec.name
-        self._pipelines = _pipelines()
+        self._pipelines = PIPELINES
+        self._inflight: dict[str, asyncio.Task] = {}  # cache key -> the one encode of it running
 
     def supported(self) -> list[str]:
         return [m for m in self.ctx.models.modalities() if m in self._pipelines]
@@ -118,12 +108,32 @@ class EncoderService:
         cached = await self.cache.get(key, params.modality) if self.cache is not None else None
         if cached is not None:
             return cached, self._result(params, digest, cached, True, t0)
+        # Single flight: identical concurrent requests share one encode. It runs as its own
+        # task, so a client that disconnects does not cancel the work others wait for.
+        task = self._inflight.get(key)
+        shared = task is not None
+        if task is None:
+            task = asyncio.ensure_future(self._compute(params, body, key))
+            self._inflight[key] = task
+            task.add_done_callback(lambda t, k=key: self._finished(k, t))
+        else:
+            self.metrics.cache_lookups.labels("inflight", params.modality, "hit").inc()
+        embeds = await asyncio.shield(task)
+        return embeds, self._result(params, digest, embeds, shared, t0)
+
+    async def _compute(self, params: EncodeParams, body: bytes, key: str) -> torch.Tensor:
         embeds = await self._pipelines[params.modality].encode(self.ctx, body, params)
         embeds = embeds.detach().to("cpu").contiguous()
         assert embeds.ndim == 2 and embeds.shape[0] >= 1, embeds.shape  # [num_tokens, hidden]
         if self.cache is not None:
             await self.cache.put(key, params.modality, embeds)
-        return embeds, self._result(params, digest, embeds, False, t0)
+        return embeds
+
+    def _finished(self, key: str, task: asyncio.Task) -> None:
+        if self._inflight.get(key) is task:
+            del self._inflight[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: no "never retrieved" warning when nobody waits
 
     async def lookup(self, key: str) -> torch.Tensor | None:
         """A cached embedding by its full cache key (``GET /v1/embeddings/{key}``)."""
@@ -144,6 +154,13 @@ class EncoderService:
             cached=cached,
             encode_ms=(time.perf_counter() - t0) * 1000.0,
         )
+
+    def check_integrity(self) -> None:
+        """Batcher and cache invariants (raises AssertionError); cheap enough for tests."""
+        self.ctx.batcher.check_integrity()
+        assert all(not t.done() for t in self._inflight.values()), "finished encodes left in flight"
+        if self.cache is not None:
+            self.cache.check_integrity()
 
     def close(self) -> None:
         self.ctx.batcher.close()

@@ -84,7 +84,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.app import create_app
     from shared.settings import GatewaySettings
 
-    kw = _overrides(args, ["host", "port", "log_level", "model_name"])
+    kw = _overrides(args, ["host", "port", "log_level", "model_name", "llm_routing"])
     for name in ("encoder_urls", "llm_urls", "api_keys", "allowed_hosts"):
         if getattr(args, name, None):
             kw[name] = [s.strip() for s in getattr(args, name).split(",") if s.strip()]
@@ -150,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llm-urls", default=None, help="comma-separated")
     p.add_argument("--api-keys", default=None, help="comma-separated")
     p.add_argument("--allowed-hosts", default=None, help="comma-separated SSRF allow-list")
+    p.add_argument("--llm-routing", default=None, choices=["cache_aware", "round_robin"])
     p.set_defaults(fn=cmd_gateway)
 
     p = sub.add_parser("up", help="run gateway + encoders + LLM services as local processes")

@@ -39,10 +39,17 @@ class StackSpec:
     llm_backend: str | None = None
     redis_url: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    # gateway options (None / empty: the gateway's own defaults)
+    llm_routing: str | None = None  # "cache_aware" | "round_robin"
+    api_keys: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()  # SSRF allow-list (hosts, IPs, CIDRs)
+    gateway_env: dict[str, str] = field(default_factory=dict)  # MMSERVE_GATEWAY_<FIELD> by field name
 
     def __post_init__(self) -> None:
         if self.encoders < 1 or self.llms < 1:
             raise ValueError("a stack needs at least one encoder and one LLM service")
+        if self.llm_routing not in (None, "cache_aware", "round_robin"):
+            raise ValueError(f"llm_routing must be cache_aware or round_robin, not {self.llm_routing!r}")
 
 
 @dataclass
@@ -63,6 +70,17 @@ class Service:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the service's process group (a crash, no graceful shutdown) and reap it."""
+        if not self.alive():
+            return
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10.0)
 
     def stop(self, timeout: float = 10.0) -> None:
         if not self.alive():
@@ -151,7 +169,14 @@ class LocalStack:
             "--encoder-urls", ",".join(s.url for s in self.encoders),
             "--llm-urls", ",".join(s.url for s in self.llms),
         ]  # fmt: skip
-        self.gateway = self._svc("gateway", h, gport, argv, env)
+        if spec.llm_routing:
+            argv += ["--llm-routing", spec.llm_routing]
+        if spec.api_keys:
+            argv += ["--api-keys", ",".join(spec.api_keys)]
+        if spec.allowed_hosts:
+            argv += ["--allowed-hosts", ",".join(spec.allowed_hosts)]
+        genv = {**env, **{f"MMSERVE_GATEWAY_{k.upper()}": str(v) for k, v in spec.gateway_env.items()}}
+        self.gateway = self._svc("gateway", h, gport, argv, genv)
 
     def _svc(self, name: str, host: str, port: int, argv: list[str], env: dict) -> Service:
         return Service(name, f"http://{host}:{port}", argv, dict(env), self.log_dir / f"{name}.log")
@@ -182,6 +207,13 @@ class LocalStack:
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         wait_ready(self.services, timeout)
+
+    def restart(self, service: Service, timeout: float = 120.0) -> None:
+        """Stop ``service`` if it runs, start it again with the same command and port, and wait
+        until it answers /readyz (the gateway's prober then takes it back)."""
+        service.stop()
+        service.start()
+        wait_ready([service], timeout)
 
     def wait(self) -> None:
         """Block until a service dies or the user interrupts (then stop everything)."""

@@ -28,7 +28,8 @@ def _prepare(data: bytes, n_mels: int):
 
 async def encode(ctx: EncodeContext, data: bytes, params: EncodeParams) -> torch.Tensor:
     audio = ctx.models.audio
-    feats, spans = await ctx.in_pool(_prepare, data, audio.n_mels)  # [K, n_mels, 3000]
+    with ctx.batcher.incoming():
+        feats, spans = await ctx.in_pool(_prepare, data, audio.n_mels)  # [K, n_mels, 3000]
     out = await ctx.batcher.run("audio", feats)  # [K, 1500 / stride, H]
     kept = [out[k, : w.num_tokens(audio.stride)] for k, w in enumerate(spans)]
     return torch.cat(kept)  # [sum_k tokens_k, H]

@@ -23,7 +23,7 @@ class EncodeContext:
     batcher: Batcher
     cpu_pool: ThreadPoolExecutor  # decode/preprocess work, off the event loop
     image_backend: ImageBackend | None
-    video_decoder: "ChunkedVideoDecoder | None" = None
+    video_decoder: ChunkedVideoDecoder | None = None
 
     async def in_pool(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn, *args)

@@ -13,6 +13,7 @@ def cache_signature(ctx: EncodeContext, params: EncodeParams) -> str:
 
 
 async def encode(ctx: EncodeContext, data: bytes, params: EncodeParams) -> torch.Tensor:
-    pixels = await ctx.in_pool(ctx.image_backend.images, [data])  # [1, 3, h, w]
+    with ctx.batcher.incoming():
+        pixels = await ctx.in_pool(ctx.image_backend.images, [data])  # [1, 3, h, w]
     out = await ctx.batcher.run("vision", pixels)  # [1, T, H]
     return out[0]

@@ -58,13 +58,15 @@ def _decode_and_submit(ctx: EncodeContext, data: bytes, indices: list[int], canc
 
 async def encode(ctx: EncodeContext, data: bytes, params: EncodeParams) -> torch.Tensor:
     fps, max_frames = _fps_frames(ctx, params)
-    info = await ctx.in_pool(ctx.video_decoder.probe, data)
+    with ctx.batcher.incoming():
+        info = await ctx.in_pool(ctx.video_decoder.probe, data)
     if info.width * info.height > ctx.settings.max_image_pixels:
         raise MediaTooLarge(f"video frames are {info.width}x{info.height}; the limit is {ctx.settings.max_image_pixels} pixels")
     indices = sample_indices(info.num_frames, info.fps, fps, max_frames)
     cancelled = threading.Event()
     try:
-        futures = await ctx.in_pool(_decode_and_submit, ctx, data, indices, cancelled)
+        with ctx.batcher.incoming():  # later chunks of this video may join earlier ones' batch
+            futures = await ctx.in_pool(_decode_and_submit, ctx, data, indices, cancelled)
         outs = await ctx.batcher.gather(futures)
     except asyncio.CancelledError:
         cancelled.set()

@@ -1,6 +1,7 @@
 """Chunked parallel decode: sampled indices split into chunks, each chunk decoded by its own
-reader in a thread pool, chunks yielded in order with at most ``workers`` in flight, so a long
-video never holds all of its decoded frames at once."""
+reader in a thread pool, chunks yielded in order. At most ``workers`` chunks are decoding (or
+decoded, waiting) while the consumer holds one, so a long video never holds more than
+``workers + 1`` chunks of decoded frames, never all of them."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ from encoder_svc.video.sampling import split_chunks
 
 
 class ChunkedVideoDecoder:
-    def __init__(self, backend: str = "decord", workers: int = 0, max_chunk: int = 32) -> None:
+    def __init__(self, backend: str = "decord", workers: int = 0, max_chunk: int = 32, chunks_per_worker: int = 2) -> None:
+        if max_chunk < 1 or chunks_per_worker < 1:
+            raise ValueError("max_chunk and chunks_per_worker must be >= 1")
         self.backend = backend
         self._open = get_backend(backend)
         self.workers = workers or os.cpu_count() or 1
         self.max_chunk = max_chunk
+        # more chunks than threads: a thread that gets less CPU (a shared machine) takes fewer chunks
+        self.chunks_per_worker = chunks_per_worker
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=f"video-{backend}")
 
     def probe(self, data: bytes) -> VideoInfo:
@@ -31,7 +36,7 @@ class ChunkedVideoDecoder:
 
     def iter_chunks(self, data: bytes, indices: list[int]) -> Iterator[tuple[list[int], torch.Tensor]]:
         """Yield ``(chunk_indices, frames uint8 [n, 3, H, W])`` in order; errors propagate."""
-        chunks = split_chunks(indices, self.workers, self.max_chunk)
+        chunks = split_chunks(indices, self.workers * self.chunks_per_worker, self.max_chunk)
         inflight: deque[tuple[list[int], Future]] = deque()
         todo = iter(chunks)
         try:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import dataclass
 
 import torch
 
 from shared.settings import LLMSettings
 
+from ..attention import FULL, SLIDING
 from ..engine.engine import Engine
 from ..engine.model_runner import ModelRunner
 from ..engine.scheduler import Scheduler, SchedulerConfig
-from ..kv.budget import KVGeometry, size_pools
+from ..kv.budget import size_pools
 from ..loader import LoadedLM
 from ..models import build_model
 from ..prompt import PreparedRequest
@@ -31,6 +33,25 @@ def kv_budget_bytes(settings: LLMSettings, device: torch.device) -> int:
     return int(free * settings.kv_fraction)
 
 
+@dataclass(frozen=True)
+class MeasuredGeometry:
+    """Bytes per slot of each pool, measured from the model's real layer shapes (MiMo's sliding
+    layers have twice the KV heads of its full layers, which a single ``kv_heads`` cannot say).
+    Has what ``size_pools`` reads from a ``KVGeometry``."""
+
+    full_token_bytes: int
+    swa_token_bytes: int
+    window: int
+
+    @classmethod
+    def of(cls, model, dtype: torch.dtype) -> "MeasuredGeometry":
+        size = torch.finfo(dtype).bits // 8
+        per = {FULL: 0, SLIDING: 0}
+        for spec in model.layers:
+            per[spec.kind] += spec.kv_heads * (spec.qk_dim + spec.v_dim) * size
+        return cls(per[FULL], per[SLIDING], model.window)
+
+
 def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict | None = None) -> Engine:
     """Model + pools sized from the byte budget + scheduler + runner, wired into an Engine."""
     model = build_model(lm.arch, lm.model)
@@ -41,7 +62,7 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
         enable_prefix_cache=settings.enable_prefix_cache,
         **(scheduler_overrides or {}),
     )
-    geometry = KVGeometry.from_hf_config(lm.model.config, dtype_bytes=torch.finfo(lm.dtype).bits // 8)
+    geometry = MeasuredGeometry.of(model, lm.dtype)
     num_full, num_swa = size_pools(kv_budget_bytes(settings, lm.device), geometry, settings.swa_fraction,
                                    max_chunk=settings.max_batch_tokens, expected_seq_len=settings.max_model_len,
                                    release_interval=cfg.decode_release_interval)

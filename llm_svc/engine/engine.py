@@ -75,11 +75,12 @@ class Engine:
         )
         live = _Live(prep, stream, OutputText(self.tokenizer, prep.sampling), make_generator(prep.sampling))
         with self._lock:
+            self._live[req.req_id] = live  # first: the engine may schedule it right after add
             try:
                 self.scheduler.add(req)
             except ValueError as e:
+                self._live.pop(req.req_id, None)
                 raise InvalidRequest(str(e), param="max_tokens") from e
-            self._live[req.req_id] = live
         self._wake.set()
 
     def abort(self, req_id: str) -> None:
@@ -111,10 +112,10 @@ class Engine:
         ids = list(logits)
         tokens: dict[str, int] = {}
         if ids:
-            lives = [self._live.get(i) for i in ids]
-            params = [lv.prep.sampling if lv else self.scheduler.requests[i].sampling for i, lv in zip(ids, lives)]
-            gens = [lv.generator if lv else None for lv in lives]
-            tokens = dict(zip(ids, sample(torch.stack([logits[i] for i in ids]), params, gens)))
+            lives = [self._live[i] for i in ids]
+            params = [lv.prep.sampling for lv in lives]
+            tokens = dict(zip(ids, sample(torch.stack([logits[i] for i in ids]), params,
+                                          [lv.generator for lv in lives])))
         outs = self.scheduler.postprocess(batch, tokens)
         for o in outs:
             self._emit(o)
@@ -136,8 +137,9 @@ class Engine:
         live.num_out += 1
         delta = live.text.push(o.token_id) if o.token_id is not None else ""
         reason = o.finish_reason if o.finished else None
-        if reason is None and live.text.stopped:
-            self.scheduler.finish(o.req_id, "stop")
+        if live.text.stopped:  # a stop string matched (it wins over length on the same token)
+            if reason is None:
+                self.scheduler.finish(o.req_id, "stop")
             reason = "stop"
         out = GenOutput(text=delta, token_ids=[o.token_id] if o.token_id is not None else [])
         if reason is not None:

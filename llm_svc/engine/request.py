@@ -56,6 +56,9 @@ class Request:
     mm_items: list[Any] = field(default_factory=list)
     mm_spans: list[tuple[int, int, int]] = field(default_factory=list)
     bidirectional: bool = False
+    # prompt positions where other requests are likely to branch off (e.g. the end of the system
+    # message): the SWA window before each is kept for the prefix cache
+    swa_checkpoints: list[int] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -85,6 +88,8 @@ class Request:
             if self.mm_items and not 0 <= idx < len(self.mm_items):
                 raise ValueError(f"request {self.req_id}: media span refers to item {idx}")
             last_end = start + length
+        if any(not 0 < p <= len(self.prompt_ids) for p in self.swa_checkpoints):
+            raise ValueError(f"request {self.req_id}: swa_checkpoints must be in [1, prompt length]")
         assert 0 <= self.num_cached_tokens <= len(self.prompt_ids)
 
     @property

@@ -2,13 +2,15 @@
 
 One engine step: ``schedule()`` -> runner -> ``postprocess(batch, next_tokens)``.
 
-* Decodes first (oldest first), then the next chunks of running prefills, then admissions,
-  all within ``max_batch_tokens`` tokens per step.
+* Decodes first (oldest first), then the next chunks of running prefills (each at most
+  ``chunk_tokens``), then admissions, all within ``max_batch_tokens`` tokens per step.
 * Admission (policy order) matches the window-safe cached prefix, then needs full slots for the
-  whole rest of the sequence and SWA slots for the first chunk, counting what eviction can free.
+  whole rest of the sequence and SWA slots for the first chunk, counting what eviction can free
+  (plus one slot of each per running request for its next decode).
 * SWA slots that leave the window are released after every prefill chunk, every
   ``decode_release_interval`` decode tokens, and at the end: a request holds at most
-  ``W + max(chunk, N)`` SWA slots (plus its pinned cached window).
+  ``W + max(chunk, N)`` SWA slots, plus its pinned cached window (until it is ``W`` past it) and
+  at most two kept windows for the prefix cache (a branch point, a ``swa_checkpoints`` entry).
 * When a decode cannot get a slot, the newest running request not already in this step's batch
   is preempted: its computed KV goes into the prefix tree (or is freed without caching) and it
   is requeued first, to recompute prompt + outputs so far.
@@ -52,9 +54,10 @@ class SchedulerConfig:
         return self.max_chunk_tokens or self.max_batch_tokens
 
     def min_swa_slots(self) -> int:
-        """Smallest SWA pool that always lets one request progress (three windows: its own, a
-        pinned cached one and a kept branch point; plus a chunk or the decode release interval)."""
-        return 3 * self.window + max(self.chunk_tokens, self.decode_release_interval) + 1
+        """Smallest SWA pool that always lets one request progress (four windows: its own, a
+        pinned cached one, a kept branch point and a kept checkpoint; plus a chunk or the decode
+        release interval)."""
+        return 4 * self.window + max(self.chunk_tokens, self.decode_release_interval) + 1
 
 
 @dataclass
@@ -69,11 +72,15 @@ class StepOutput:
 
 
 class Scheduler:
+    """Owns the request queues and one ``KVManager``. Public methods take an internal lock, so
+    ``abort``/``finish`` may come from another thread; ``schedule`` and ``postprocess`` alternate
+    (the runner runs in between). ``postprocess`` needs a token for every seq with ``need_logits``."""
+
     def __init__(self, config: SchedulerConfig, num_full_slots: int, num_swa_slots: int) -> None:
         if config.release_swa and num_swa_slots < config.min_swa_slots():
             raise ValueError(
                 f"SWA pool of {num_swa_slots} slots is too small: need >= {config.min_swa_slots()} "
-                "(3*window + max(chunk, decode_release_interval) + 1)"
+                "(4*window + max(chunk, decode_release_interval) + 1)"
             )
         self.config = config
         self.kv = KVManager(num_full_slots, num_swa_slots, config.window, config.enable_prefix_cache)
@@ -212,7 +219,10 @@ class Scheduler:
         total = len(keys)
         forbidden = [(s, s + n) for s, n, _ in req.mm_spans] if req.bidirectional else []
         for attempt in (0, 1) if fallback else (0,):
-            seq = self.kv.start(keys[: total - 1], forbidden) if attempt == 0 else self.kv.start([])
+            seq = (
+                self.kv.start(keys[: total - 1], forbidden, req.swa_checkpoints)
+                if attempt == 0 else self.kv.start([])
+            )
             start = seq.cached_len
             end = self._chunk_end(req, start, min(budget, self.config.chunk_tokens))
             # leave one slot per running request for its next decode token
@@ -277,8 +287,8 @@ class Scheduler:
         with self._lock:
             for sf in batch.seqs:
                 req = self.requests.get(sf.req_id)
-                if req is None or req.status != RequestStatus.RUNNING:
-                    continue  # aborted or finished while the step ran
+                if req is None or req.status != RequestStatus.RUNNING or sf.positions[0] != req.num_computed:
+                    continue  # aborted or finished while the step ran (or an id reused since)
                 end = sf.positions[0] + len(sf.token_ids)
                 req.num_computed = end
                 if sf.need_logits:

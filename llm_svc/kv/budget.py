@@ -6,7 +6,9 @@ Every sequence, live or cached in the prefix tree, needs full KV for all its tok
 only for its last ``W`` tokens (plus the tokens written since the last release: up to
 ``release_interval`` decode tokens). The full pool holds about ``S = num_full / expected_seq_len``
 sequences of typical length, so the SWA pool gets ``S * (W + release_interval)`` slots, plus one
-prefill chunk with its window (``W + max_chunk``) in flight. Solving
+prefill chunk with its window (``W + max_chunk``) in flight, plus one more window for each of
+``max_running`` running requests (the pinned window of its cached prefix, or the window it keeps
+at a branch point; 0 when the prefix cache is off). Solving
 ``kv_bytes = num_full * full_token_bytes + num_swa * swa_token_bytes`` gives both counts. With
 ``swa_fraction`` set, that fraction of the bytes goes to the SWA pool instead.
 """
@@ -19,7 +21,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """Per-token KV sizes: K has ``qk_head_dim`` and V ``v_head_dim`` per KV head, per layer."""
+    """Per-token KV sizes: K has ``qk_head_dim`` and V ``v_head_dim`` per KV head, per layer.
+    ``swa_kv_heads`` (0 = ``kv_heads``) covers models whose sliding layers have other head counts."""
 
     full_layers: int
     swa_layers: int
@@ -28,6 +31,7 @@ class KVGeometry:
     qk_head_dim: int
     v_head_dim: int
     dtype_bytes: int = 2
+    swa_kv_heads: int = 0
 
     def __post_init__(self) -> None:
         if self.full_layers < 1 or self.swa_layers < 1:
@@ -35,6 +39,8 @@ class KVGeometry:
         for name in ("window", "kv_heads", "qk_head_dim", "v_head_dim", "dtype_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVGeometry.{name} must be >= 1")
+        if self.swa_kv_heads < 0:
+            raise ValueError("KVGeometry.swa_kv_heads must be >= 0")
 
     @property
     def layer_token_bytes(self) -> int:
@@ -49,7 +55,8 @@ class KVGeometry:
     @property
     def swa_token_bytes(self) -> int:
         """Bytes of one SWA-pool slot (all sliding layers)."""
-        return self.swa_layers * self.layer_token_bytes
+        heads = self.swa_kv_heads or self.kv_heads
+        return self.swa_layers * heads * (self.qk_head_dim + self.v_head_dim) * self.dtype_bytes
 
     @classmethod
     def from_hf_config(cls, config: Any, dtype_bytes: int = 2) -> "KVGeometry":
@@ -76,8 +83,11 @@ def size_pools(
     max_chunk: int = 512,
     expected_seq_len: int = 4096,
     release_interval: int = 16,
+    max_running: int = 0,
 ) -> tuple[int, int]:
-    """``(num_full_slots, num_swa_slots)`` that fit in ``kv_bytes`` (rule in the module doc)."""
+    """``(num_full_slots, num_swa_slots)`` that fit in ``kv_bytes`` (rule in the module doc).
+
+    Reads only ``full_token_bytes``, ``swa_token_bytes`` and ``window`` of ``geometry``."""
     fb, sb, w = geometry.full_token_bytes, geometry.swa_token_bytes, geometry.window
     if swa_fraction is not None:
         if not 0.0 < swa_fraction < 1.0:
@@ -88,7 +98,7 @@ def size_pools(
         if expected_seq_len < 1 or max_chunk < 1 or release_interval < 1:
             raise ValueError("expected_seq_len, max_chunk and release_interval must be >= 1")
         per_full = (w + release_interval) / expected_seq_len  # SWA slots per full slot
-        fixed = w + max_chunk
+        fixed = w + max_chunk + max_running * w
         num_full = int((kv_bytes - fixed * sb) / (fb + per_full * sb))
         num_swa = (kv_bytes - num_full * fb) // sb if num_full > 0 else 0
     if num_full < 1 or num_swa < 1:

@@ -22,8 +22,8 @@ class SeqKV:
     cached_len: int = 0
     handle: LockHandle | None = None
     swa_released_to: int = 0  # positions below this hold no SWA in this view
-    # SWA of [branch_point - W, branch_point) is kept until the end (see KVManager.start)
-    branch_point: int = 0
+    # window ends p whose SWA [p - W, p) is kept until the end (see KVManager.start)
+    keep_ends: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.full) == len(self.swa) == self.cached_len
@@ -48,21 +48,31 @@ class KVManager:
         return self.swa_pool.num_free + self.tree.evictable_swa()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, keys: list[int], forbidden_ends: list[tuple[int, int]] = ()) -> SeqKV:
-        """A view with the longest window-safe cached prefix of ``keys`` pinned (if caching)."""
+    def start(
+        self, keys: list[int], forbidden_ends: list[tuple[int, int]] = (), checkpoints: list[int] = ()
+    ) -> SeqKV:
+        """A view with the longest window-safe cached prefix of ``keys`` pinned (if caching).
+
+        ``checkpoints``: positions ``p`` where later requests are likely to branch off (e.g. the
+        end of a shared system prompt); this request keeps the SWA of ``[p - W, p)`` for the first
+        one past its cached prefix, so that the tree can match up to ``p``.
+        """
         if not self.enable_prefix_cache or not keys:
             return SeqKV([], [])
         m = self.tree.match_prefix(keys, forbidden_ends)
         # When the raw match is longer than the window-safe one, the cached sequence and this
         # one diverge at raw_length, a proven branch point whose window SWA was freed. Keeping
         # this request's SWA there revives it on insert, so the next sibling gets a full hit.
-        bp = m.raw_length if m.raw_length > m.length else 0
+        ends = set(sorted(p for p in checkpoints if m.length < p <= len(keys))[:1])  # SWA stays bounded
+        if m.raw_length > m.length:
+            ends.add(m.raw_length)
+        keep = tuple(sorted(ends))
         if m.length == 0:
-            return SeqKV([], [], branch_point=bp)
+            return SeqKV([], [], keep_ends=keep)
         h = self.tree.lock(m)
         return SeqKV(
             m.full_slots, m.swa_slots, m.length, h,
-            swa_released_to=max(0, m.length - self.window), branch_point=bp,
+            swa_released_to=max(0, m.length - self.window), keep_ends=keep,
         )
 
     def needs(self, seq: SeqKV, full_end: int, swa_from: int, swa_end: int) -> tuple[int, int]:
@@ -101,12 +111,12 @@ class KVManager:
         if keep_from <= seq.swa_released_to:
             return
         freed = []
-        keep_lo, keep_hi = seq.branch_point - self.window, seq.branch_point
+        w = self.window
         for p in range(seq.swa_released_to, min(keep_from, len(seq.swa))):
             s = seq.swa[p]
             if s != NO_SLOT:
                 if p >= seq.cached_len:
-                    if keep_lo <= p < keep_hi:
+                    if any(e - w <= p < e for e in seq.keep_ends):
                         continue
                     freed.append(s)
                 seq.swa[p] = NO_SLOT
@@ -132,7 +142,8 @@ class KVManager:
         if seq.handle is not None:
             self.tree.unlock(seq.handle)
         seq.full, seq.swa, seq.cached_len, seq.handle = [], [], 0, None
-        seq.swa_released_to = seq.branch_point = 0
+        seq.swa_released_to = 0
+        seq.keep_ends = ()
         return added
 
     # ------------------------------------------------------------------ checks & stats

@@ -15,69 +15,24 @@ full KV kept). Contract:
   full lock, so an unlocked node has an unlocked subtree.
 * ``evict`` frees LRU leaves whole (leaves whose last token has no SWA first: no match can end
   there) for full-pool needs, then tombstones the SWA of nodes by the time their SWA was last
-  needed (a match or insert ending within ``W`` tokens of them) for SWA-pool needs.
+  needed (a match or insert ending within ``W`` tokens of them) for SWA-pool needs, keeping the
+  windows of branch points (nodes with >= 2 children) longest.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
 
 from llm_svc.kv.pool import SlotPool
+from llm_svc.kv.radix_node import NO_SLOT, LockHandle, MatchResult, Node, common_len
 
-NO_SLOT = -1
-
-
-class Node:
-    __slots__ = (
-        "key", "full", "swa", "num_swa", "children", "parent",
-        "full_lock", "swa_holders", "last_access", "swa_access",
-    )
-
-    def __init__(self, key: list[int], full: list[int], swa: list[int], parent: "Node | None") -> None:
-        self.key = key
-        self.full = full
-        self.swa = swa
-        self.num_swa = sum(s != NO_SLOT for s in swa)
-        self.children: dict[int, Node] = {}
-        self.parent = parent
-        self.full_lock = 0
-        self.swa_holders: set[LockHandle] = set()
-        self.last_access = 0
-        self.swa_access = 0
-
-
-@dataclass(eq=False)
-class LockHandle:
-    """What ``lock`` pinned; pass it back to ``unlock_swa`` / ``unlock``."""
-
-    node: Node
-    swa_nodes: list[Node] = field(default_factory=list)
-    full_locked: bool = True
-
-
-@dataclass
-class MatchResult:
-    """``full_slots`` for positions ``0..length-1``; ``swa_slots`` likewise, valid (not -1) for
-    at least the last ``min(W, length)`` positions. ``last_node`` ends exactly at ``length``."""
-
-    length: int
-    full_slots: list[int]
-    swa_slots: list[int]
-    last_node: Node
-    raw_length: int = 0  # keys matched before window-safety clipping (a known branch point)
-
-
-def _common_len(a: list[int], b: list[int], b_start: int) -> int:
-    n = min(len(a), len(b) - b_start)
-    i = 0
-    while i < n and a[i] == b[b_start + i]:
-        i += 1
-    return i
+__all__ = ["NO_SLOT", "LockHandle", "MatchResult", "Node", "RadixCache"]
 
 
 class RadixCache:
+    """The tree over two ``SlotPool``s; see the module doc for the contract."""
+
     def __init__(self, window: int, full_pool: SlotPool, swa_pool: SlotPool) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
@@ -123,7 +78,7 @@ class RadixCache:
             child = node.children.get(keys[pos])
             if child is None:
                 break
-            k = _common_len(child.key, keys, pos)
+            k = common_len(child.key, keys, pos)
             path.append((child, k))
             swa.extend(child.swa[:k])
             pos += k
@@ -265,7 +220,7 @@ class RadixCache:
                 node, pos = new, n_tok
                 node.last_access = tick
                 break
-            k = _common_len(child.key, keys, pos)
+            k = common_len(child.key, keys, pos)
             if k < len(child.key):
                 child = self._split(child, k)
             for i in range(k):
@@ -320,9 +275,11 @@ class RadixCache:
                 if parent is not self.root and not parent.children and parent.full_lock == 0:
                     heapq.heappush(heap, self._leaf_key(parent))
         if swa_needed > freed_swa:
+            # windows at branch points (>= 2 children: e.g. the end of a shared system prompt)
+            # go last; among the rest, least recently needed first
             cands = sorted(
                 (n for n in self._nodes if n.num_swa and not n.swa_holders),
-                key=lambda n: n.swa_access,
+                key=lambda n: (len(n.children) >= 2, n.swa_access),
             )
             for node in cands:
                 if freed_swa >= swa_needed:

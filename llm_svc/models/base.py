@@ -67,9 +67,18 @@ class HybridModel(ABC):
 
     def rope_tables(self, rotary: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor,
                     layer_types: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin ``[T, R]`` per HF layer type, from the HF rotary module (per-type theta/scaling)."""
+        """cos/sin ``[T, R]`` per HF layer type (per-type theta/scaling), looked up in a table the
+        HF rotary module computed once for positions ``0..N-1`` (element-wise the same numbers
+        as calling it per step; grown by doubling when a position passes N)."""
+        cache = self.__dict__.setdefault("_rope_cache", {})
+        need = int(positions.max()) + 1
         out = {}
         for t in sorted(set(layer_types)):
-            cos, sin = rotary(h[None], positions[None], t)
-            out[t] = (cos[0], sin[0])
+            if t not in cache or cache[t][0].shape[0] < need:
+                n = max(need, 2 * cache[t][0].shape[0] if t in cache else 4096)
+                pos = torch.arange(n, device=h.device)[None]
+                cos, sin = rotary(h[:1][None], pos, t)
+                cache[t] = (cos[0], sin[0])
+            cos, sin = cache[t]
+            out[t] = (cos[positions], sin[positions])
         return out

@@ -30,7 +30,9 @@ class Gemma3Model(HybridModel):
         for layer, t in zip(self.inner.layers, self.layer_types):
             a = layer.self_attn
             self.layers.append(LayerSpec(HF_KIND[t], self.cfg.num_key_value_heads, a.head_dim, a.head_dim))
-            self.params.append(AttentionParams(scale=a.scaling, softcap=a.attn_logit_softcapping))
+            # transformers' Gemma3Attention never passes attn_logit_softcapping to its attention
+            # (Gemma 3 checkpoints leave it None): neither do we, so both give the same logits
+            self.params.append(AttentionParams(scale=a.scaling))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed_tokens(ids)  # scaled by sqrt(hidden) inside

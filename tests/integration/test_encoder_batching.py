@@ -40,8 +40,11 @@ def metric(url: str, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def batched_url(mimo_bundle):
     s = EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, max_batch_size=16, max_wait_ms=300)
-    with serve_in_thread(create_app(s)) as url:
+    app = create_app(s)
+    with serve_in_thread(app) as url:
         yield url
+        app.state.service.check_integrity()
+        assert app.state.service.ctx.batcher.pending() == 0
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +85,4 @@ def test_unbatched_runs_one_forward_per_image(unbatched_url):
     before = metric(unbatched_url, "encoder_forward_passes_total", encoder="vision")
     asyncio.run(_post_all(unbatched_url, [png(i) for i in range(30, 35)]))
     assert metric(unbatched_url, "encoder_forward_passes_total", encoder="vision") - before == 5
+

@@ -69,7 +69,8 @@ def prefix(redis_url):
 
 def test_memory_hit_runs_no_forward_and_get_endpoint(mimo_bundle):
     s = EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=1 << 20)
-    with serve_in_thread(create_app(s)) as url:
+    app = create_app(s)
+    with serve_in_thread(app) as url:
         data = png(1)
         e1, r1, resp = encode(url, data)
         f1 = forwards(url)
@@ -87,6 +88,7 @@ def test_memory_hit_runs_no_forward_and_get_endpoint(mimo_bundle):
         assert g2.status_code == 200 and unpack(g2.content, EncodeResult)[1].cached
         assert httpx.get(f"{url}/v1/embeddings/{'0' * 32}", params={"modality": "image"}).status_code == 404
         assert forwards(url) == 1
+        app.state.service.check_integrity()
 
 
 def test_video_params_are_part_of_the_key(mimo_bundle, tmp_path):

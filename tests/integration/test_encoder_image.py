@@ -48,14 +48,18 @@ def huge_png_header(width: int, height: int) -> bytes:
 @pytest.fixture(scope="module")
 def mimo_url(mimo_bundle):
     settings = EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, max_image_pixels=1_000_000)
-    with serve_in_thread(create_app(settings)) as url:
+    app = create_app(settings)
+    with serve_in_thread(app) as url:
         yield url
+        app.state.service.check_integrity()
 
 
 @pytest.fixture(scope="module")
 def gemma3_url(gemma3_bundle):
-    with serve_in_thread(create_app(EncoderSettings(model_dir=str(gemma3_bundle), cache_bytes=0))) as url:
+    app = create_app(EncoderSettings(model_dir=str(gemma3_bundle), cache_bytes=0))
+    with serve_in_thread(app) as url:
         yield url
+        app.state.service.check_integrity()
 
 
 @pytest.fixture(scope="module")

@@ -49,8 +49,11 @@ def media(tmp_path_factory):
 @pytest.fixture(scope="module")
 def url(mimo_bundle):
     s = EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, video_max_frames=8, video_fps=2.0)
-    with serve_in_thread(create_app(s)) as u:
+    app = create_app(s)
+    with serve_in_thread(app) as u:
         yield u
+        app.state.service.check_integrity()
+        assert app.state.service.ctx.batcher.pending() == 0
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,11 @@ class ServerThread:
 def start_service(model_dir, backend: str, **kw) -> ServerThread:
     from llm_svc.app import create_app
 
-    settings = LLMSettings(model_dir=str(model_dir), backend=backend, max_model_len=512, **kw)
-    return ServerThread(create_app(settings))
+    settings = LLMSettings(model_dir=str(model_dir), backend=backend, max_model_len=512,
+                           kv_bytes=32 * 1024 * 1024, **kw)
+    svc = ServerThread(create_app(settings))
+    svc.backend = backend
+    return svc
 
 
 def image_embeds(bundle, seed: int = 0) -> torch.Tensor:
@@ -287,3 +290,34 @@ def test_gemma3_refuses_audio(gemma_service):
     r = post(gemma_service, req, {"mm.0": torch.zeros(4, 64)})
     assert r.status_code == 400
     assert "audio" in r.json()["error"]["message"]
+
+
+def test_repeated_prompt_reports_cached_tokens(mimo_service, mimo_image):
+    first = post(mimo_service, make_request("a long shared question " * 8, max_tokens=6, rid="c1"),
+                 {"mm.0": mimo_image}).json()
+    second = post(mimo_service, make_request("a long shared question " * 8, max_tokens=6, rid="c2"),
+                  {"mm.0": mimo_image}).json()
+    assert second["token_ids"] == first["token_ids"]
+    if mimo_service.backend == "swa":
+        assert 0 < second["cached_tokens"] < second["prompt_tokens"]
+        assert _metric(mimo_service, "mmserve_llm_prefix_hit_tokens_total") >= second["cached_tokens"]
+    else:
+        assert second["cached_tokens"] == 0
+
+
+def test_concurrent_requests_equal_sequential(mimo_service, mimo_image):
+    import asyncio
+
+    texts = [f"question number {i} about colors and shapes" for i in range(6)]
+    seq = [post(mimo_service, make_request(t, max_tokens=10, ignore_eos=True, rid=f"q{i}"),
+                {"mm.0": mimo_image}).json()["token_ids"] for i, t in enumerate(texts)]
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=120) as c:
+            rs = await asyncio.gather(*[
+                c.post(mimo_service.url + "/v1/generate",
+                       content=pack({"mm.0": mimo_image}, make_request(t, max_tokens=10, ignore_eos=True, rid=f"p{i}")))
+                for i, t in enumerate(texts)])
+        return [r.json()["token_ids"] for r in rs]
+
+    assert asyncio.run(all_at_once()) == seq

@@ -58,7 +58,8 @@ def test_jobs_fused_and_split_back_in_order(make):
     rec = Recorder()
     b = make(rec, max_batch_size=16, max_wait_ms=200)
     jobs = [torch.arange(n * 3, dtype=torch.float32).reshape(n, 3) + 100 * k for k, n in enumerate([1, 3, 2, 4])]
-    futs = [b.submit("vision", j) for j in jobs]
+    with b.incoming():  # more items are on their way: the batch waits for them
+        futs = [b.submit("vision", j) for j in jobs]
     for j, f in zip(jobs, futs):
         torch.testing.assert_close(f.result(5), j * 2 + 1)
     assert sum(s[0] for _, s in rec.calls) == 10
@@ -83,11 +84,34 @@ def test_shapes_and_encoders_are_not_mixed(make):
     assert sorted(rec.calls) == [("audio", (2, 3)), ("vision", (2, 3)), ("vision", (2, 5))]
 
 
+def test_nothing_incoming_dispatches_without_waiting(make):
+    rec = Recorder()
+    b = make(rec, max_batch_size=16, max_wait_ms=600_000)
+    # a 10-minute window, but no other request is on its way: the lone item must not wait for it
+    torch.testing.assert_close(b.submit("vision", torch.ones(1, 2)).result(10), torch.full((1, 2), 3.0))
+
+
+def test_incoming_requests_hold_the_batch_until_they_submit(make):
+    rec = Recorder()
+    b = make(rec, max_batch_size=16, max_wait_ms=600_000)
+    with b.incoming():
+        first = b.submit("vision", torch.ones(1, 2))
+        with b.incoming():
+            pass  # a request that failed to decode: it leaves without submitting
+        time.sleep(0.2)
+        assert not first.done() and rec.calls == []
+        second = b.submit("vision", torch.zeros(2, 2))
+    first.result(10), second.result(10)
+    assert rec.calls == [("vision", (3, 2))]
+    b.check_integrity()
+
+
 def test_failed_forward_fails_every_job_in_the_batch_then_recovers(make):
     rec = Recorder(fail_when=lambda x: bool((x < 0).any()))
     b = make(rec, max_batch_size=8, max_wait_ms=200)
-    good = b.submit("vision", torch.ones(1, 2))
-    bad = b.submit("vision", -torch.ones(1, 2))
+    with b.incoming():
+        good = b.submit("vision", torch.ones(1, 2))
+        bad = b.submit("vision", -torch.ones(1, 2))
     for f in (good, bad):
         with pytest.raises(ForwardFailed, match="boom"):
             f.result(5)
@@ -133,7 +157,10 @@ def test_async_run_and_metrics(make):
     b = Batcher(BatchConfig(max_batch_size=8, max_wait_ms=50), Recorder(), m)
     try:
         async def go():
-            return await asyncio.gather(*(b.run("vision", torch.full((1, 2), float(i))) for i in range(6)))
+            with b.incoming():
+                runs = [asyncio.ensure_future(b.run("vision", torch.full((1, 2), float(i)))) for i in range(6)]
+                await asyncio.sleep(0)  # every run has submitted
+            return await asyncio.gather(*runs)
 
         outs = asyncio.run(go())
         assert [o[0, 0].item() for o in outs] == [2 * i + 1 for i in range(6)]

@@ -109,3 +109,33 @@ def test_corrupt_video_is_bad_media(videos, backend):
             dec.probe(videos["h264"][: len(videos["h264"]) // 2])  # moov atom at the end is cut off
     finally:
         dec.close()
+
+
+def test_decoded_frames_held_at_once_are_bounded(videos):
+    """With a slow consumer, decoded chunks alive at once stay <= workers + 1, however long the video."""
+    import threading
+    import time
+
+    dec = ChunkedVideoDecoder("decord", workers=2, max_chunk=3, chunks_per_worker=2)
+    lock = threading.Lock()
+    held = {"now": 0, "max": 0}
+    real = dec._decode_chunk
+
+    def counting(data, indices):
+        frames = real(data, indices)
+        with lock:
+            held["now"] += 1
+            held["max"] = max(held["max"], held["now"])
+        return frames
+
+    dec._decode_chunk = counting
+    try:
+        n = 0
+        for c, frames in dec.iter_chunks(videos["h264"], list(range(0, 120, 3))):
+            time.sleep(0.02)  # the encoder is slower than the decoder
+            n += len(c)
+            with lock:
+                held["now"] -= 1
+        assert n == 40 and held["max"] <= dec.workers + 1, held  # in flight + the one consumed
+    finally:
+        dec.close()

@@ -46,6 +46,9 @@ def test_geometry_bytes_with_different_qk_and_v_dims():
     assert g.full_token_bytes == 320 and g.swa_token_bytes == 6 * 320
     with pytest.raises(ValueError):
         KVGeometry(full_layers=0, swa_layers=6, window=128, kv_heads=2, qk_head_dim=24, v_head_dim=16)
+    g2 = KVGeometry(full_layers=1, swa_layers=6, window=128, kv_heads=2, qk_head_dim=24, v_head_dim=16,
+                    dtype_bytes=4, swa_kv_heads=4)
+    assert g2.full_token_bytes == 320 and g2.swa_token_bytes == 2 * 6 * 320
 
 
 def test_geometry_from_hf_configs():
@@ -111,3 +114,13 @@ def test_manager_reserve_is_all_or_nothing():
     assert not m.reserve(seq, full_end=40, swa_from=0, swa_end=2)  # full short
     assert (m.full_pool.num_free, m.swa_pool.num_free) == (30, 8)
     m.check_integrity([seq])
+
+
+def test_size_pools_adds_a_window_per_running_request():
+    budget = 8 << 30
+    nf0, ns0 = size_pools(budget, MIMO_PRO, expected_seq_len=8192)
+    nf1, ns1 = size_pools(budget, MIMO_PRO, expected_seq_len=8192, max_running=16)
+    assert ns1 > ns0 and nf1 < nf0
+    expected_extra = 16 * MIMO_PRO.window
+    per_full = (MIMO_PRO.window + 16) / 8192
+    assert abs((ns1 - nf1 * per_full) - (ns0 - nf0 * per_full) - expected_extra) <= 2

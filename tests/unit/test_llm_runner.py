@@ -237,3 +237,30 @@ def test_kv_tensor_shapes_follow_layer_geometry(mimo16):
         assert layer_kv.k.shape[-1] == 24 and layer_kv.v.shape[-1] == 16  # qk 24, v 16
     # MiMo's sliding layers have twice the KV heads of its full layers
     assert runner.kv[1].k.shape[1] == 2 * runner.kv[0].k.shape[1]
+
+
+def test_gemma3_text_only_lm_with_softcaps():
+    """Gemma3ForCausalLM (text checkpoints) incl. final logit soft-capping (transformers ignores
+    attn_logit_softcapping for Gemma 3; so must we)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from llm_svc.models.gemma3 import Gemma3Model
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                           layer_types=["sliding_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, sliding_window=W, attn_logit_softcapping=5.0,
+                           final_logit_softcapping=3.0, max_position_embeddings=512, attn_implementation="eager")
+    hf = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 1:
+                p.normal_(0.0, 0.5)
+    ids = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert ref.abs().max() <= 3.0  # the final soft-cap is on
+    runner, sim = ModelRunner(Gemma3Model(hf), 256, 64), SlotSim(256, 64, seed=6)
+    got = run_chunked(runner, sim, "t", ids, 13, 50)
+    for p, logits in got.items():
+        torch.testing.assert_close(logits, ref[p], atol=ATOL, rtol=1e-4)

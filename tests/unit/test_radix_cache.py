@@ -215,3 +215,19 @@ def test_integrity_check_catches_a_double_owned_slot(tree):
     tree.t.evict(100, 100)
     leaked = [s for s in range(tree.swa.num_slots) if s not in tree.swa.free_slots()]
     tree.swa.free(leaked)
+
+
+def test_swa_eviction_keeps_branch_point_windows_longest(tree):
+    system = seq(6, 500)
+    tree.insert(system + [1, 2, 3, 4, 5])
+    tree.insert(system + [7, 8, 9, 10, 11])  # system now ends at a node with 2 children
+    tree.insert(seq(6, 900))  # an unrelated, more recently used leaf
+    tree.t.evict(full_needed=0, swa_needed=1)
+    # the two oldest leaves' windows go first, the branch point's window stays
+    peek = tree.t.peek_match_len
+    assert peek(system + [99]) == 6
+    assert peek(system + [1, 2, 3, 4, 5]) in (6, 11)
+    while tree.t.evictable_swa() > 6:
+        tree.t.evict(full_needed=0, swa_needed=1)
+    assert peek(seq(6, 900)) == 0 and peek(system + [7, 8, 9, 10, 11]) == 6
+    assert peek(system + [99]) == 6  # the last window standing

@@ -274,3 +274,30 @@ def test_config_and_request_validation():
         Request("z", [1, 2, 3], prompt_keys=[1, 2])
     with pytest.raises(ValueError):
         Request("z", [1, 2, 3], mm_spans=[(2, 5, 0)])
+
+
+def test_swa_checkpoint_makes_the_system_prompt_reusable():
+    system = list(range(100, 140))  # 40 tokens, W = 4
+    for marks, expect in (([], 0), ([40], 40)):
+        sched, runner = make(SchedulerConfig(max_batch_tokens=16, window=4))
+        a = req("a", system + [1, 2, 3], max_tokens=2, swa_checkpoints=marks)
+        sched.add(a)
+        drive(sched, runner)
+        b = req("b", system + [7, 8, 9], max_tokens=2)
+        sched.add(b)
+        drive(sched, runner)
+        assert b.num_cached_tokens == expect
+    with pytest.raises(ValueError):
+        req("c", [1, 2], swa_checkpoints=[3])
+
+
+def test_max_chunk_tokens_lets_several_prefills_share_a_step():
+    sched, runner = make(SchedulerConfig(max_batch_tokens=32, max_chunk_tokens=8, window=4))
+    for i in range(3):
+        sched.add(req(f"p{i}", [i * 100 + j for j in range(1, 21)]))
+    sizes = []
+    drive(sched, runner, on_step=lambda b: sizes.append(sorted(len(s.token_ids) for s in b.seqs)))
+    assert sizes[0] == [8, 8, 8]
+    assert max(max(s) for s in sizes) == 8
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_batch_tokens=8, max_chunk_tokens=9)

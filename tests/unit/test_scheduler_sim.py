@@ -23,10 +23,10 @@ def FakeModel(sched: Scheduler) -> SimRunner:
     return SimRunner(lambda rid: sched.requests[rid], sched.config.window, vocab=VOCAB)
 
 
-def make_workload(rng: random.Random, n: int) -> list[tuple[int | None, list[int], list[tuple[int, int, int]], list[str], int]]:
-    """(parent, new_ids, spans, hashes, max_tokens). ``parent`` None: a fresh conversation
-    (a shared system prompt + a random user turn, sometimes with an image); else a later turn
-    of request ``parent``: its prompt + outputs + ``new_ids`` (known only once it finished)."""
+def make_workload(rng: random.Random, n: int) -> list[tuple]:
+    """(parent, new_ids, spans, hashes, max_tokens, system_len). ``parent`` None: a fresh
+    conversation (a shared system prompt + a random user turn, sometimes with an image); else a
+    later turn of request ``parent``: its prompt + outputs + ``new_ids`` (known once it finished)."""
     systems = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(10, 60))] for _ in range(4)]
     images = ["a" * 32, "b" * 32]
     out = []
@@ -35,24 +35,35 @@ def make_workload(rng: random.Random, n: int) -> list[tuple[int | None, list[int
         if i > 4 and rng.random() < 0.35:
             parent = rng.randrange(max(0, i - 12), i)
             ids = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 20))]
+            system_len = 0
         else:
             parent = None
-            ids = rng.choice(systems) + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 40))]
+            system = rng.choice(systems)
+            system_len = len(system)
+            ids = system + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 40))]
             if rng.random() < 0.3:
                 s = rng.randrange(0, len(ids) - 8)
                 ids[s:s + 6] = [VOCAB - 1] * 6  # same placeholder ids, key from the image hash
                 spans, hashes = [(s, 6, 0)], [rng.choice(images)]
-        out.append((parent, ids, spans, hashes, rng.randint(1, 24)))
+        out.append((parent, ids, spans, hashes, rng.randint(1, 24), system_len))
     return out
 
 
-def simulate(cache: bool, seed: int, n_req: int = 120, abort_p: float = 0.0, full: int = 420, swa: int = 70):
+BASE = dict(max_batch_tokens=24, max_running=6, window=8, decode_release_interval=3)
+# several prefills per step, bidirectional media spans, checkpoints, compute-aware admission
+VARIANT = dict(
+    max_batch_tokens=32, max_chunk_tokens=10, max_running=8, window=5, decode_release_interval=4,
+    policy="compute_aware",
+)
+
+
+def simulate(
+    cache: bool, seed: int, n_req: int = 120, abort_p: float = 0.0, full: int = 420, swa: int = 70,
+    conf: dict = BASE, bidirectional: bool = False, checkpoints: bool = False,
+):
     rng = random.Random(seed)
     work = make_workload(random.Random(seed + 1), n_req)
-    cfg = SchedulerConfig(
-        max_batch_tokens=24, max_running=6, window=8, decode_release_interval=3,
-        enable_prefix_cache=cache,
-    )
+    cfg = SchedulerConfig(**conf, enable_prefix_cache=cache)
     sched = Scheduler(cfg, full, swa)
     model = FakeModel(sched)
     reqs: dict[int, Request] = {}
@@ -61,7 +72,7 @@ def simulate(cache: bool, seed: int, n_req: int = 120, abort_p: float = 0.0, ful
         for _ in range(rng.randint(0, 3)):
             if nxt_i == len(work):
                 break
-            parent, ids, spans, hashes, mt = work[nxt_i]
+            parent, ids, spans, hashes, mt, system_len = work[nxt_i]
             if parent is not None:
                 p = reqs[parent]
                 if not p.is_finished:
@@ -76,7 +87,8 @@ def simulate(cache: bool, seed: int, n_req: int = 120, abort_p: float = 0.0, ful
                 keys = make_prompt_keys(ids, spans, hashes)
             r = Request(
                 f"r{nxt_i}", ids, SamplingParams(max_tokens=mt), prompt_keys=keys,
-                mm_spans=spans, eos_token_ids=[EOS],
+                mm_spans=spans, eos_token_ids=[EOS], bidirectional=bidirectional,
+                swa_checkpoints=[system_len] if checkpoints and system_len else [],
             )
             reqs[nxt_i] = r
             sched.add(r)
@@ -113,6 +125,17 @@ def test_cache_on_equals_cache_off_under_eviction_pressure(seed):
     assert st["swa_evictions"] > 0 and st["node_evictions"] > 0, st
     assert on.cached_tokens > 0
     assert off.cached_tokens == 0
+
+
+def test_variant_chunks_bidirectional_checkpoints_compute_aware():
+    kw = dict(conf=VARIANT, bidirectional=True, checkpoints=True, full=350, swa=48)
+    on, _, out_on, _ = simulate(True, 3, **kw)
+    off, _, out_off, _ = simulate(False, 3, **kw)
+    assert out_on == out_off
+    _assert_drained(on)
+    st = on.kv.tree.stats
+    assert st["swa_evictions"] > 0 and st["node_evictions"] > 0, st
+    assert on.cached_tokens > 0 and on.num_preemptions > 0
 
 
 def _run_one(sched: Scheduler, model: FakeModel, r: Request) -> Request:

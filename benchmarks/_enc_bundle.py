@@ -1,0 +1,63 @@
+"""An encoder-only mmserve bundle with a larger random SigLIP tower, for the encoder benchmarks.
+
+The tiny test tower (hidden 32, 2 layers) costs less than an HTTP round trip, so batching and
+caching would measure HTTP, not encoding; this one makes the forward dominate. Written once
+into a cache directory and reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from shared.bundle import BUNDLE_FORMAT, MANIFEST
+
+CACHE_DIR = Path(os.environ.get("MMSERVE_BENCH_CACHE", Path.home() / ".cache" / "mmserve-bench"))
+
+BENCH_VISION = dict(image_size=64, patch_size=8, hidden_size=128, intermediate_size=512,
+                    num_hidden_layers=16, num_attention_heads=4)
+
+
+def bench_bundle(name: str = "enc-bench-siglip-l16") -> Path:
+    out = CACHE_DIR / name
+    if (out / MANIFEST).exists():
+        return out
+    import torch
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    from shared.projector import PoolProjector, ProjectorConfig
+
+    torch.manual_seed(0)
+    cfg = SiglipVisionConfig(num_channels=3, **BENCH_VISION)
+    tmp = out.with_name(out.name + ".tmp")
+    SiglipVisionModel(cfg).eval().save_pretrained(tmp / "vision")
+    size = BENCH_VISION["image_size"]
+    SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(tmp / "vision")
+    PoolProjector(ProjectorConfig(cfg.hidden_size, 256, "grid2d", tokens=16)).save(tmp / "vision")
+    manifest = {
+        "format": BUNDLE_FORMAT,
+        "name": name,
+        "lm": {"path": ".", "architecture": "none (encoder-only benchmark bundle)"},
+        "vision": {"kind": "siglip_projector", "path": "vision", "tokens_per_image": 16, "video_temporal_pool": 2},
+        "placeholders": {"image": {"pad": "<|image_pad|>"}, "video": {"pad": "<|video_pad|>"}},
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    tmp.rename(out)
+    return out
+
+
+def random_images(n: int, size: int = 96, seed: int = 0) -> list[bytes]:
+    """``n`` distinct PNG images."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
+        out.append(buf.getvalue())
+    return out

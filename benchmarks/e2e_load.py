@@ -1,0 +1,288 @@
+"""The whole local stack (2 encoders, 2 ``swa`` LLM replicas, one gateway) under a mixed
+multimodal multi-turn chat workload: cache-aware LLM routing vs round-robin, same run.
+
+Workload (seeded, generated up front; identical for both sides):
+
+* ``--sessions`` chat sessions (16, or 8 with --quick), at most ``--concurrency`` (4) running
+  at once; each runs ``--turns`` turns (6, or 5 with --quick) one after another (a turn waits
+  for the previous answer, as a user does).
+* Each session uses one of 2 shared system prompts (~150 tokens each, sessions alternate), so
+  sessions share a prefix as well as growing their own.
+* Turn 1's user message carries an image from a pool of 6 PNGs shared by all sessions (images
+  are reused across sessions: the encoder cache should hit); later turns add another pool image
+  with probability 0.25, a 2 s H.264 clip (pool of 2) or a 1 s WAV tone (pool of 2) with
+  probability 0.1 each. User texts are 6-20 words from a small vocabulary.
+* Turn k+1's messages are turn k's messages + the model's answer (greedy, temperature 0, so
+  both sides produce the same answers) + the next user message. ``max_tokens`` is 6-12.
+* Requests stream (``stream_options.include_usage``).
+
+Sides: two fresh stacks one after the other (cold caches both times), same model, same
+workload; only the gateway's ``llm_routing`` differs (``round_robin`` first, then
+``cache_aware``).
+
+Measured per side: requests/s (requests / wall time of the workload), TTFT p50/p90 (request
+sent -> first non-empty content chunk, at the client), encoder cache hit ratio (hits / lookups
+from the encoders' /metrics), prefix cache hit ratio (sum of ``cached_tokens`` / sum of
+``prompt_tokens`` from the usage chunks), LLM requests per replica. Target: cache-aware prefix
+hit ratio clearly above round-robin's (ratio >= 1.25), TTFT p90 no worse (ratio <= 1.10,
+allowing for noise on a shared 2-core machine).
+
+    python -m benchmarks.e2e_load [--quick] [--sessions N] [--turns T] [--concurrency C] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import openai
+
+from benchmarks._stack_util import audio_part, image_part, make_mp4, make_png, make_wav, scrape, total, user, video_part
+from shared.launcher import LocalStack, StackSpec
+
+WORDS = (
+    "please explain the picture again with more detail about colors shapes edges light shadow "
+    "texture pattern sound rhythm motion scene object left right top bottom center why how "
+    "compare contrast summarize list steps briefly carefully"
+).split()
+SYSTEM_PROMPTS = [
+    "You are a careful visual assistant for an online museum. Describe exhibits precisely, "
+    "mention materials, era and condition, and never invent provenance. " * 3,
+    "You are a concise media analyst. For every image, clip or recording, report what is "
+    "visible or audible, then one sentence of interpretation, then stop. " * 3,
+]
+TARGET_HIT_RATIO = 1.25
+TARGET_TTFT_P90 = 1.10
+
+
+@dataclass
+class Turn:
+    text: str
+    media: list[tuple[str, int]]  # (modality, pool index)
+    max_tokens: int
+
+
+@dataclass
+class Session:
+    system: int
+    turns: list[Turn]
+
+
+def make_workload(seed: int, sessions: int, turns: int) -> list[Session]:
+    rng = random.Random(seed)
+    out = []
+    for s in range(sessions):
+        ts = []
+        for k in range(turns):
+            media: list[tuple[str, int]] = []
+            if k == 0 or rng.random() < 0.25:
+                media.append(("image", rng.randrange(6)))
+            if k > 0 and rng.random() < 0.1:
+                media.append(("video", rng.randrange(2)))
+            if k > 0 and rng.random() < 0.1:
+                media.append(("audio", rng.randrange(2)))
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 20)))
+            ts.append(Turn(text, media, rng.randint(6, 12)))
+        out.append(Session(system=s % len(SYSTEM_PROMPTS), turns=ts))
+    return out
+
+
+def media_pools() -> dict[str, list[dict]]:
+    return {
+        "image": [image_part(make_png(64, 64, seed=100 + i)) for i in range(6)],
+        "video": [video_part(make_mp4(seconds=2.0, seed=i)) for i in range(2)],
+        "audio": [audio_part(make_wav(seconds=1.0, freq=300.0 + 200 * i)) for i in range(2)],
+    }
+
+
+@dataclass
+class Record:
+    turn: int
+    ttft: float | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class SideResult:
+    records: list[Record] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+async def run_session(client, model: str, session: Session, pools, result: SideResult) -> None:
+    messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPTS[session.system]}]
+    for k, turn in enumerate(session.turns):
+        messages.append(user(turn.text, *(pools[m][i] for m, i in turn.media)))
+        t0 = time.perf_counter()
+        ttft, pieces, usage = None, [], None
+        try:
+            stream = await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=turn.max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True},
+            )  # fmt: skip
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for c in chunk.choices:
+                    if c.delta.content:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        pieces.append(c.delta.content)
+        except openai.APIError as e:
+            result.errors.append(f"{type(e).__name__}: {e}")
+            return
+        if usage is None:
+            result.errors.append("stream ended without a usage chunk")
+            return
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        result.records.append(Record(k, ttft, usage.prompt_tokens, cached or 0))
+        messages.append({"role": "assistant", "content": "".join(pieces)})
+
+
+async def run_workload(url: str, model: str, workload: list[Session], pools, concurrency: int) -> SideResult:
+    result = SideResult()
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(s: Session) -> None:
+        async with sem:
+            await run_session(client, model, s, pools, result)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(s) for s in workload))
+    result.wall_s = time.perf_counter() - t0
+    await client.close()
+    return result
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def encoder_hits(stack: LocalStack) -> tuple[float, float]:
+    hits = misses = 0.0
+    for e in stack.encoders:
+        m = scrape(e.url)
+        hits += total(m, "encoder_cache_lookups_total", result="hit")
+        misses += total(m, "encoder_cache_lookups_total", result="miss")
+    return hits, misses
+
+
+def run_side(model_dir: str, policy: str, workload, pools, concurrency: int, log_dir: str) -> dict:
+    spec = StackSpec(
+        model_dir=model_dir, gateway_port=0, encoders=2, llms=2, llm_backend="swa", llm_routing=policy
+    )
+    t_start = time.perf_counter()
+    with LocalStack(spec, log_dir=f"{log_dir}/{policy}") as stack:
+        stack.wait_ready(timeout=300)
+        startup = time.perf_counter() - t_start
+        h0, m0 = encoder_hits(stack)
+        res = asyncio.run(run_workload(stack.url, stack.model_name, workload, pools, concurrency))
+        h1, m1 = encoder_hits(stack)
+        per_replica = [int(total(scrape(s.url), "mmserve_llm_requests_total")) for s in stack.llms]
+    ttfts = [r.ttft for r in res.records if r.ttft is not None]
+    prompt = sum(r.prompt_tokens for r in res.records)
+    cached = sum(r.cached_tokens for r in res.records)
+    lookups = (h1 - h0) + (m1 - m0)
+    by_turn = []
+    for k in range(max((r.turn for r in res.records), default=-1) + 1):
+        rs = [r for r in res.records if r.turn == k]
+        p = sum(r.prompt_tokens for r in rs)
+        by_turn.append(round(sum(r.cached_tokens for r in rs) / p, 3) if p else 0.0)
+    return {
+        "policy": policy,
+        "requests": len(res.records),
+        "errors": len(res.errors),
+        "first_error": res.errors[0] if res.errors else None,
+        "wall_s": round(res.wall_s, 2),
+        "requests_per_s": round(len(res.records) / res.wall_s, 3) if res.wall_s else 0.0,
+        "ttft_p50_ms": round(1000 * pct(ttfts, 50), 1),
+        "ttft_p90_ms": round(1000 * pct(ttfts, 90), 1),
+        "encoder_cache_hit_ratio": round((h1 - h0) / lookups, 4) if lookups else 0.0,
+        "prefix_cache_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefix_cache_hit_ratio_by_turn": by_turn,
+        "llm_requests_per_replica": per_replica,
+        "stack_startup_s": round(startup, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="8 sessions x 5 turns")
+    ap.add_argument("--sessions", type=int, default=None)
+    ap.add_argument("--turns", type=int, default=None)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="bundle dir (default: the tiny mimo bundle)")
+    args = ap.parse_args()
+    sessions = args.sessions or (8 if args.quick else 16)
+    turns = args.turns or (5 if args.quick else 6)
+
+    from shared.cli import ensure_default_model
+
+    model_dir = ensure_default_model(args.model)
+    workload = make_workload(args.seed, sessions, turns)
+    pools = media_pools()
+    n_media = {m: sum(1 for s in workload for t in s.turns for mm, _ in t.media if mm == m) for m in pools}
+    print(
+        f"workload: {sessions} sessions x {turns} turns = {sessions * turns} requests, concurrency "
+        f"{args.concurrency}, seed {args.seed}, media items {n_media}", flush=True,
+    )  # fmt: skip
+    log_dir = tempfile.mkdtemp(prefix="mmserve-e2e-load-")
+    print(f"service logs under {log_dir}", flush=True)
+    sides = {}
+    for policy in ("round_robin", "cache_aware"):
+        sides[policy] = r = run_side(model_dir, policy, workload, pools, args.concurrency, log_dir)
+        print(
+            f"{policy:12s} req/s {r['requests_per_s']:6.2f}  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+            f"p90 {r['ttft_p90_ms']:7.1f} ms  encoder hit {r['encoder_cache_hit_ratio']:.3f}  "
+            f"prefix hit {r['prefix_cache_hit_ratio']:.3f} ({r['cached_tokens']}/{r['prompt_tokens']})  "
+            f"per replica {r['llm_requests_per_replica']}  errors {r['errors']}\n"
+            f"{'':12s} prefix hit by turn {r['prefix_cache_hit_ratio_by_turn']}", flush=True,
+        )  # fmt: skip
+    ca, rr = sides["cache_aware"], sides["round_robin"]
+    ratios = {
+        "prefix_cache_hit_ratio": round(ca["prefix_cache_hit_ratio"] / rr["prefix_cache_hit_ratio"], 3)
+        if rr["prefix_cache_hit_ratio"] else float("inf"),
+        "ttft_p90": round(ca["ttft_p90_ms"] / rr["ttft_p90_ms"], 3),
+        "ttft_p50": round(ca["ttft_p50_ms"] / rr["ttft_p50_ms"], 3),
+        "requests_per_s": round(ca["requests_per_s"] / rr["requests_per_s"], 3),
+    }
+    target_met = (
+        ratios["prefix_cache_hit_ratio"] >= TARGET_HIT_RATIO
+        and ratios["ttft_p90"] <= TARGET_TTFT_P90
+        and ca["errors"] == rr["errors"] == 0
+    )
+    print(
+        f"cache_aware / round_robin: prefix hit x{ratios['prefix_cache_hit_ratio']}, TTFT p90 "
+        f"x{ratios['ttft_p90']}, TTFT p50 x{ratios['ttft_p50']}, req/s x{ratios['requests_per_s']}; "
+        f"target (hit >= x{TARGET_HIT_RATIO}, p90 <= x{TARGET_TTFT_P90}) {'met' if target_met else 'NOT met'}",
+        flush=True,
+    )
+    print(json.dumps({
+        "benchmark": "e2e_load",
+        "quick": args.quick,
+        "workload": {"sessions": sessions, "turns": turns, "concurrency": args.concurrency,
+                     "seed": args.seed, "media_items": n_media},
+        "round_robin": rr,
+        "cache_aware": ca,
+        "ratio_cache_aware_over_round_robin": ratios,
+        "target_met": target_met,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

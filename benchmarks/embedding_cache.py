@@ -1,0 +1,118 @@
+"""Embedding cache: repeated-image (hit) vs cold encode latency, and a Zipf workload's hit
+ratio and throughput with the cache vs without, in one run. Last line: JSON.
+
+Servers run the larger random SigLIP bundle (``_enc_bundle``) in subprocesses; the client
+sends sequential requests (latency) and a concurrency-4 Zipf(s) stream over distinct images.
+
+    python -m benchmarks.embedding_cache [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+
+import httpx
+import numpy as np
+
+from benchmarks._enc_bundle import bench_bundle, random_images
+from benchmarks._enc_server import forward_passes, spawn_encoder
+from shared.schemas import EncodeResult
+from shared.wire import unpack
+
+
+def timed_encode(c: httpx.Client, url: str, body: bytes) -> tuple[float, bool]:
+    t = time.perf_counter()
+    r = c.post(f"{url}/v1/encode", params={"modality": "image"}, content=body)
+    dt = time.perf_counter() - t
+    r.raise_for_status()
+    return dt, unpack(r.content, EncodeResult)[1].cached
+
+
+def cold_and_hit(url: str, cold_imgs: list[bytes], repeated: bytes, blocks: int = 4) -> tuple[list[float], list[float], float]:
+    """Blocks of never-seen images (misses) alternating with blocks of one repeated image
+    (hits), on one keep-alive connection; returns cold and hit latencies and the forwards
+    the hits ran."""
+    cold, hit, hit_forwards = [], [], 0.0
+    per = max(1, len(cold_imgs) // blocks)
+    with httpx.Client(timeout=120) as c:
+        timed_encode(c, url, repeated)  # cached from now on; warms the connection
+        for k in range(0, len(cold_imgs), per):
+            for img in cold_imgs[k : k + per]:
+                t, was_cached = timed_encode(c, url, img)
+                assert not was_cached
+                cold.append(t)
+            f0 = forward_passes(url)
+            for _ in range(per):
+                t, was_cached = timed_encode(c, url, repeated)
+                assert was_cached
+                hit.append(t)
+            hit_forwards += forward_passes(url) - f0
+    return cold, hit, hit_forwards
+
+
+async def stream(url: str, bodies: list[bytes], concurrency: int) -> tuple[float, int]:
+    sem = asyncio.Semaphore(concurrency)
+    hits = 0
+    async with httpx.AsyncClient(timeout=300) as c:
+        async def one(b: bytes) -> None:
+            nonlocal hits
+            async with sem:
+                r = await c.post(f"{url}/v1/encode", params={"modality": "image"}, content=b)
+                r.raise_for_status()
+                hits += unpack(r.content, EncodeResult)[1].cached
+
+        t = time.perf_counter()
+        await asyncio.gather(*(one(b) for b in bodies))
+        return len(bodies) / (time.perf_counter() - t), hits
+
+
+def zipf_workload(n_items: int, n_requests: int, s: float, seed: int) -> list[int]:
+    p = 1.0 / np.arange(1, n_items + 1) ** s
+    return np.random.default_rng(seed).choice(n_items, size=n_requests, p=p / p.sum()).tolist()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--zipf-s", type=float, default=1.1)
+    args = ap.parse_args()
+    n_lat = 20 if args.quick else 60
+    n_items, n_req = (100, 200) if args.quick else (400, 1000)
+    bundle = bench_bundle()
+    cold_imgs = random_images(n_lat, seed=10)
+    zipf_imgs = random_images(n_items, seed=20)
+    order = zipf_workload(n_items, n_req, args.zipf_s, seed=0)
+    common = dict(model_dir=bundle, max_batch_size=16, max_wait_ms=5.0)
+    with spawn_encoder(cache_bytes=256 << 20, **common) as cached_url, spawn_encoder(cache_bytes=0, **common) as plain_url:
+        cold, hit, hit_forwards = cold_and_hit(cached_url, cold_imgs, random_images(1, seed=11)[0])
+        assert hit_forwards == 0
+        bodies = [zipf_imgs[i] for i in order]
+        rate_plain, _ = asyncio.run(stream(plain_url, bodies, 4))
+        rate_cached, hits = asyncio.run(stream(cached_url, bodies, 4))
+    cold_ms, hit_ms = statistics.median(cold) * 1e3, statistics.median(hit) * 1e3
+    speedup = cold_ms / hit_ms
+    ideal_hit_ratio = 1 - len(set(order)) / n_req
+    print(f"cold encode   median {cold_ms:7.2f} ms   (p90 {np.percentile(cold, 90) * 1e3:.2f})")
+    print(f"cache hit     median {hit_ms:7.2f} ms   (p90 {np.percentile(hit, 90) * 1e3:.2f}), forwards on hits: {hit_forwards:.0f}")
+    print(f"hit speedup   {speedup:.1f}x (target >= 10x)")
+    print(f"zipf s={args.zipf_s}: {n_req} requests over {n_items} images, concurrency 4")
+    print(f"  hit ratio {hits / n_req:.3f} (upper bound with an unbounded cache {ideal_hit_ratio:.3f})")
+    print(f"  throughput cache on {rate_cached:.1f} req/s vs cache off {rate_plain:.1f} req/s "
+          f"({rate_cached / rate_plain:.2f}x)")
+    print(json.dumps({
+        "benchmark": "embedding_cache", "quick": args.quick, "cores": os.cpu_count(),
+        "cold_ms_median": round(cold_ms, 3), "hit_ms_median": round(hit_ms, 3), "hit_speedup": round(speedup, 2),
+        "zipf_s": args.zipf_s, "zipf_requests": n_req, "zipf_items": n_items,
+        "zipf_hit_ratio": round(hits / n_req, 4), "zipf_hit_ratio_bound": round(ideal_hit_ratio, 4),
+        "zipf_req_per_s_cache": round(rate_cached, 2), "zipf_req_per_s_nocache": round(rate_plain, 2),
+        "target_hit_speedup": 10.0, "meets_target": speedup >= 10.0,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Images/s at concurrency 16: cross-request batching vs ``max_batch_size=1``, same run, cache off.
+
+Both servers run the same larger random SigLIP bundle (see ``_enc_bundle``) in their own
+process; rounds alternate between them so machine load affects both alike; the median round
+counts. Last line: JSON.
+
+    python -m benchmarks.encoder_batching [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+
+import httpx
+
+from benchmarks._enc_bundle import BENCH_VISION, bench_bundle, random_images
+from benchmarks._enc_server import forward_passes, spawn_encoder
+
+
+async def one_round(url: str, images: list[bytes], concurrency: int) -> float:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency)) as c:
+        async def one(data: bytes) -> None:
+            async with sem:
+                r = await c.post(f"{url}/v1/encode", params={"modality": "image"}, content=data)
+                r.raise_for_status()
+
+        t = time.perf_counter()
+        await asyncio.gather(*(one(d) for d in images))
+        return len(images) / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=0, help="per round (default 48 quick / 160 full)")
+    ap.add_argument("--rounds", type=int, default=0, help="default 3 quick / 5 full")
+    ap.add_argument("--max-wait-ms", type=float, default=10.0, help="batching window (both servers)")
+    args = ap.parse_args()
+    n = args.requests or (48 if args.quick else 160)
+    rounds = args.rounds or (3 if args.quick else 5)
+    bundle = bench_bundle()
+    images = random_images(n * rounds, seed=1)
+    common = dict(model_dir=bundle, cache_bytes=0, max_wait_ms=args.max_wait_ms)
+    results: dict[str, list[float]] = {"batched": [], "unbatched": []}
+    passes: dict[str, float] = {}
+    with spawn_encoder(max_batch_size=16, **common) as b, spawn_encoder(max_batch_size=1, **common) as u:
+        urls = {"batched": b, "unbatched": u}
+        for name, url in urls.items():  # warm-up
+            asyncio.run(one_round(url, images[:8], args.concurrency))
+            passes[name] = -forward_passes(url)
+        for r in range(rounds):
+            batch = images[r * n : (r + 1) * n]
+            for name in ("batched", "unbatched") if r % 2 == 0 else ("unbatched", "batched"):
+                results[name].append(asyncio.run(one_round(urls[name], batch, args.concurrency)))
+                print(f"round {r} {name:9s} {results[name][-1]:7.1f} images/s", flush=True)
+        for name, url in urls.items():
+            passes[name] += forward_passes(url)
+    med = {k: statistics.median(v) for k, v in results.items()}
+    speedup = med["batched"] / med["unbatched"]
+    avg_batch = n * rounds / max(passes["batched"], 1)
+    print(f"\nconcurrency {args.concurrency}, {n} images x {rounds} rounds, cores {os.cpu_count()}, tower {BENCH_VISION}")
+    print(f"{'':10s} {'images/s (median)':>18s} {'forwards':>9s} {'images/forward':>15s}")
+    for k in ("batched", "unbatched"):
+        print(f"{k:10s} {med[k]:18.1f} {passes[k]:9.0f} {n * rounds / max(passes[k], 1):15.2f}")
+    print(f"speedup {speedup:.2f}x (target >= 2x)")
+    print(json.dumps({
+        "benchmark": "encoder_batching", "quick": args.quick, "cores": os.cpu_count(),
+        "concurrency": args.concurrency, "requests_per_round": n, "rounds": rounds, "max_wait_ms": args.max_wait_ms,
+        "batched_images_per_s": round(med["batched"], 2), "unbatched_images_per_s": round(med["unbatched"], 2),
+        "speedup": round(speedup, 3), "avg_batch_size": round(avg_batch, 2), "target_speedup": 2.0,
+        "meets_target": speedup >= 2.0,
+    }))
+
+
+if __name__ == "__main__":
+    main()
