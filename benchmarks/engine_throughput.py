@@ -73,8 +73,8 @@ def run_hf_serial(lm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]
     t0 = time.perf_counter()
     for p in prompts:
         ids = torch.tensor([p])
-        o = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                       do_sample=False, eos_token_id=None, pad_token_id=0)
+        o = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                       do_sample=False, eos_token_id=[], pad_token_id=0)
         outs.append(o[0, len(p):].tolist())
     return time.perf_counter() - t0, outs
 
@@ -87,8 +87,8 @@ def run_hf_batched(lm, prompts, max_tokens: int) -> float:
     ids = torch.tensor([[pad] * (n - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
     t0 = time.perf_counter()
-    m.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-               eos_token_id=None, pad_token_id=pad)
+    m.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+               eos_token_id=[], pad_token_id=pad)
     return time.perf_counter() - t0
 
 

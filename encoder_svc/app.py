@@ -12,7 +12,7 @@ from fastapi import FastAPI
 
 from encoder_svc.batching import BatchConfig, Batcher
 from encoder_svc.cache.factory import build_cache
-from encoder_svc.errors import EncodeError, encode_error_handler
+from encoder_svc.errors import EncodeError, encode_error_handler, unexpected_error_handler
 from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.models.loader import LoadedModels, load_models
 from encoder_svc.modalities.context import EncodeContext
@@ -79,5 +79,6 @@ def create_app(settings: EncoderSettings, *, shm_dir: str | None = None, redis_p
     app.state.service = None
     app.state.load_error = None
     app.add_exception_handler(EncodeError, encode_error_handler)
+    app.add_exception_handler(Exception, unexpected_error_handler)
     app.include_router(router)
     return app

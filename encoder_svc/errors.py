@@ -70,3 +70,11 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 async def encode_error_handler(_: Request, exc: EncodeError) -> JSONResponse:
     return JSONResponse(error_body(exc.message, exc.type, exc.param), status_code=exc.status)
+
+
+async def unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    """Anything else is our bug: a 500 in the same OpenAI shape, never a bare text page."""
+    import logging
+
+    logging.getLogger("encoder_svc").exception("unhandled error", exc_info=exc)
+    return JSONResponse(error_body(f"internal encoder error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)

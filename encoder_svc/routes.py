@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from encoder_svc.errors import BadMedia, NotReady, error_body
+from encoder_svc.errors import BadMedia, MediaTooLarge, NotReady, error_body
 from encoder_svc.service import EncoderService, split_key
 from shared.schemas import EncodeParams, EncodeResult, HealthStatus
 from shared.wire import SAFETENSORS_MIME, pack
@@ -41,10 +41,25 @@ def _wire(embeds, result: EncodeResult, key: str | None = None) -> Response:
     return Response(pack({"embeds": embeds}, result), media_type=SAFETENSORS_MIME, headers=headers)
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` (never buffered)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise MediaTooLarge(f"media is {declared} bytes; the limit is {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise MediaTooLarge(f"media is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 @router.post("/v1/encode")
 async def encode(request: Request, svc: ServiceDep) -> Response:
     params = _params(request)
-    body = await request.body()
+    with svc.ctx.batcher.incoming():  # a request still arriving may join the next batch
+        body = await _read_body(request, svc.ctx.settings.max_media_bytes)
     embeds, result = await svc.encode(params, body)
     return _wire(embeds, result, svc.cache_key(params, result.content_hash))
 

@@ -28,6 +28,7 @@ class PreparedRequest:
     mm_spans: list[tuple[int, int, int]] = field(default_factory=list)
     mm_hashes: list[str] = field(default_factory=list)
     bidirectional: bool = False
+    return_logprobs: bool = False  # log-probability of each sampled token (raw model distribution)
 
     def __post_init__(self) -> None:
         assert self.prompt_ids, "empty prompt"
@@ -138,6 +139,7 @@ def prepare_request(
         mm_spans=spans,
         mm_hashes=[p.content_hash for p in sorted(media, key=lambda p: p.index)],
         bidirectional=lm.bidirectional_media and bool(spans),
+        return_logprobs=req.return_logprobs,
     )
 
 

@@ -150,6 +150,7 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
     tracker = _Tracker(state)
     text: list[str] = []
     ids: list[int] = []
+    logprobs: list[float] = []
     final: GenOutput | None = None
 
     async def consume() -> None:
@@ -158,6 +159,7 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
             tracker.see(out)
             text.append(out.text)
             ids.extend(out.token_ids)
+            logprobs.extend(out.logprobs)
             if out.final:
                 final = out
 
@@ -187,4 +189,5 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
         prompt_tokens=final.prompt_tokens,
         completion_tokens=final.completion_tokens,
         cached_tokens=final.cached_tokens,
+        logprobs=logprobs if prep.return_logprobs else None,
     )

@@ -1,18 +1,22 @@
 """Host shared-memory tier: one file per entry in a tmpfs directory (``/dev/shm``).
 
-Worker processes on one host point at the same directory and share entries. Writes are atomic
-(temp file + ``os.replace``); a hit refreshes the file's mtime, and the budget is enforced by
-deleting the least recently used files (oldest mtime) whenever this process's running estimate
-of the directory's size passes the budget; the estimate is re-measured by a scan each time.
+Worker processes on one host point at the same directory and share entries. Values are
+written to a temp file and renamed into place, so readers never see a torn entry and need no
+lock. Bookkeeping is shared through two files, changed only under an exclusive ``flock`` on
+``.lock``: ``.total`` holds the bytes of all entries. A put that takes the total over the
+budget evicts least recently used entries (oldest mtime; a hit refreshes it) down to 90 % of
+the budget, re-measuring the directory while it does, so the budget holds across processes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 import threading
-import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import xxhash
@@ -21,6 +25,7 @@ from encoder_svc.cache.base import CacheTier, from_bytes, to_bytes
 
 DEFAULT_DIR = "/dev/shm/mmserve-encoder-cache"
 _SUFFIX = ".st"
+_LOW_WATER = 0.9
 
 
 class SharedMemoryTier(CacheTier):
@@ -32,11 +37,34 @@ class SharedMemoryTier(CacheTier):
         self.max_bytes = max_bytes
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._estimate = self._scan_total()
+        self._lock_path = self.dir / ".lock"
+        self._total_path = self.dir / ".total"
+        self._thread_lock = threading.Lock()  # flock is per open file, not per thread
+        with self._locked():
+            if not self._total_path.exists():
+                self._write_total(self._scan_total())
 
-    def _path(self, key: str) -> Path:
-        return self.dir / (xxhash.xxh3_128_hexdigest(key.encode()) + _SUFFIX)
+    # -- shared bookkeeping ----------------------------------------------------------------
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._thread_lock, open(self._lock_path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _read_total(self) -> int:
+        try:
+            return int(self._total_path.read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return self._scan_total()
+
+    def _write_total(self, total: int) -> None:
+        tmp = self._total_path.with_suffix(".tmp")
+        tmp.write_text(str(max(0, total)))
+        os.replace(tmp, self._total_path)
 
     def _entries(self) -> list[tuple[float, int, Path]]:
         out = []
@@ -45,13 +73,18 @@ class SharedMemoryTier(CacheTier):
                 if e.name.endswith(_SUFFIX):
                     try:
                         st = e.stat()
-                    except FileNotFoundError:  # removed by another process meanwhile
+                    except FileNotFoundError:
                         continue
                     out.append((st.st_mtime, st.st_size, Path(e.path)))
         return out
 
     def _scan_total(self) -> int:
         return sum(size for _, size, _ in self._entries())
+
+    def _path(self, key: str) -> Path:
+        return self.dir / (xxhash.xxh3_128_hexdigest(key.encode()) + _SUFFIX)
+
+    # -- tier ------------------------------------------------------------------------------
 
     async def get(self, key: str) -> torch.Tensor | None:
         p = self._path(key)
@@ -75,35 +108,42 @@ class SharedMemoryTier(CacheTier):
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            os.replace(tmp, self._path(key))
-        except BaseException:
+            target = self._path(key)
+            with self._locked():
+                try:
+                    old = target.stat().st_size
+                except FileNotFoundError:
+                    old = 0
+                os.replace(tmp, target)
+                total = self._read_total() + len(data) - old
+                if total > self.max_bytes:
+                    total = self._evict()
+                self._write_total(total)
+        finally:
             Path(tmp).unlink(missing_ok=True)
-            raise
-        with self._lock:
-            self._estimate += len(data)
-            if self._estimate > self.max_bytes:
-                self._evict()
 
-    def _evict(self) -> None:
-        entries = sorted(self._entries())  # oldest mtime first
+    def _evict(self) -> int:
+        """Delete oldest entries down to the low-water mark; return the measured total."""
+        entries = sorted(self._entries())
         total = sum(size for _, size, _ in entries)
         for _, size, path in entries:
-            if total <= self.max_bytes:
+            if total <= self.max_bytes * _LOW_WATER:
                 break
             path.unlink(missing_ok=True)
             total -= size
-        self._estimate = total
+        return total
 
     def nbytes(self) -> int:
-        return self._scan_total()
+        return self._read_total()
 
     def clear(self) -> None:
-        for _, _, path in self._entries():
-            path.unlink(missing_ok=True)
-        self._estimate = 0
+        with self._locked():
+            for _, _, path in self._entries():
+                path.unlink(missing_ok=True)
+            self._write_total(0)
 
     def check_integrity(self) -> None:
-        total = self._scan_total()
+        with self._locked():
+            total, recorded = self._scan_total(), self._read_total()
+        assert total == recorded, f"{self.dir}: .total says {recorded} bytes, entries hold {total}"
         assert total <= self.max_bytes, f"{self.dir} holds {total} bytes, budget {self.max_bytes}"
-        stale = [p for p in self.dir.iterdir() if p.name.startswith(".tmp-") and time.time() - p.stat().st_mtime > 60]
-        assert not stale, f"leaked temp files {stale}"

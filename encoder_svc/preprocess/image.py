@@ -128,9 +128,9 @@ class DaliImageBackend(ImageBackend):
                 (out,) = self._pipe.run()
             except RuntimeError as e:
                 raise BadMedia(f"cannot decode the image: {e}") from e
-            if hasattr(out, "as_cpu"):
+            if hasattr(out, "as_cpu"):  # TensorListGPU
                 out = out.as_cpu()
-            parts.append(torch.from_numpy(np.stack([np.array(t) for t in out])[: len(chunk)]))
+            parts.append(torch.from_numpy(out.as_array()))  # [n, 3, h, w], all one size
         return torch.cat(parts).to(self.device)
 
 

@@ -31,7 +31,10 @@ def render_prefix(messages: Sequence[PromptMessage]) -> str:
 def prefix_blocks(
     messages: Sequence[PromptMessage], block_chars: int = BLOCK_CHARS, max_blocks: int = MAX_BLOCKS
 ) -> list[int]:
-    """Chained 64-bit hashes of the full leading blocks of the rendered prompt."""
+    """Chained 64-bit hashes of the leading blocks of the rendered prompt.
+
+    The trailing partial block gets a key too, so that identical short prompts (shorter than
+    one block, e.g. a short question plus one image) still stick to one replica."""
     stream = render_prefix(messages).encode("utf-8", errors="surrogatepass")
     n = min(len(stream) // block_chars, max_blocks)
     keys: list[int] = []
@@ -39,4 +42,7 @@ def prefix_blocks(
     for i in range(n):
         h = xxhash.xxh3_64_intdigest(stream[i * block_chars : (i + 1) * block_chars], seed=h)
         keys.append(h)
+    tail = stream[n * block_chars :]
+    if tail and n < max_blocks:
+        keys.append(xxhash.xxh3_64_intdigest(tail, seed=h ^ 0x5BD1E995))
     return keys

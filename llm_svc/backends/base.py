@@ -20,6 +20,7 @@ class GenOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[float] = field(default_factory=list)  # one per token_ids entry, if requested
 
     @property
     def final(self) -> bool:

@@ -16,7 +16,7 @@ import queue
 import threading
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from shared.settings import LLMSettings
 
@@ -39,7 +39,7 @@ def generation_config(lm: LoadedLM, prep: PreparedRequest) -> GenerationConfig:
         temperature=None if greedy else s.temperature,
         top_k=None if greedy or s.top_k <= 0 else s.top_k,
         top_p=None if greedy or s.top_p >= 1.0 else s.top_p,
-        eos_token_id=None,
+        eos_token_id=[],  # not None: None falls back to the model's eos and generate would stop there
         pad_token_id=lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0,
     )
 
@@ -85,6 +85,7 @@ class _Tap(StoppingCriteria):
         self.text = OutputText(lm.tokenizer, prep.sampling)
         self.n = 0
         self.finished = False
+        self.raw_logits: list[torch.Tensor] = []  # filled by _RawLogits when logprobs are wanted
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         tok = int(input_ids[0, -1])
@@ -96,6 +97,8 @@ class _Tap(StoppingCriteria):
         if reason is None and self.aborted.is_set():
             reason = "abort"
         out = GenOutput(text=delta, token_ids=[tok])
+        if self.prep.return_logprobs:
+            out.logprobs = [float(torch.log_softmax(self.raw_logits[-1][0].float(), -1)[tok])]
         if reason is not None:
             out.text += "" if reason == "abort" else self.text.flush()
             self.finish(out, reason)
@@ -109,6 +112,17 @@ class _Tap(StoppingCriteria):
         out.prompt_tokens = len(self.prep.prompt_ids)
         out.completion_tokens = self.n
         self.stream.put(out)
+
+
+class _RawLogits:
+    """A logits processor that only records the model's raw next-token logits."""
+
+    def __init__(self, tap: _Tap):
+        self.tap = tap
+
+    def __call__(self, input_ids, scores):
+        self.tap.raw_logits[:] = [scores.detach()]
+        return scores
 
 
 @register_backend("hf")
@@ -184,6 +198,7 @@ class HFBackend(Backend):
                 **generate_kwargs(self.lm, prep),
                 generation_config=generation_config(self.lm, prep),
                 stopping_criteria=StoppingCriteriaList([tap]),
+                logits_processor=LogitsProcessorList([_RawLogits(tap)] if prep.return_logprobs else []),
             )
         if not tap.finished:  # generate stopped on its own (it should not): close the stream
             tap.finish(GenOutput(text=tap.text.flush()), "length")

@@ -33,6 +33,7 @@ class _Live:
     text: OutputText
     generator: torch.Generator | None
     num_out: int = 0
+    logprob: float | None = None  # of the token sampled this step (return_logprobs only)
 
 
 class Engine:
@@ -113,9 +114,12 @@ class Engine:
         tokens: dict[str, int] = {}
         if ids:
             lives = [self._live[i] for i in ids]
-            params = [lv.prep.sampling for lv in lives]
-            tokens = dict(zip(ids, sample(torch.stack([logits[i] for i in ids]), params,
-                                          [lv.generator for lv in lives])))
+            rows = torch.stack([logits[i] for i in ids])  # [N, vocab]
+            sampled = sample(rows, [lv.prep.sampling for lv in lives], [lv.generator for lv in lives])
+            tokens = dict(zip(ids, sampled))
+            for n, (lv, tok) in enumerate(zip(lives, sampled)):
+                if lv.prep.return_logprobs:
+                    lv.logprob = float(torch.log_softmax(rows[n], -1)[tok])
         outs = self.scheduler.postprocess(batch, tokens)
         for o in outs:
             self._emit(o)
@@ -142,6 +146,8 @@ class Engine:
                 self.scheduler.finish(o.req_id, "stop")
             reason = "stop"
         out = GenOutput(text=delta, token_ids=[o.token_id] if o.token_id is not None else [])
+        if live.prep.return_logprobs and o.token_id is not None:
+            out.logprobs = [live.logprob]
         if reason is not None:
             out.text += live.text.flush()
             self._close(o.req_id, out, reason, o.num_cached_tokens)

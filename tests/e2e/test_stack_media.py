@@ -117,6 +117,7 @@ def test_chat_with_media_plain_and_streaming_agree(client, stack, modality):
     choice = plain.choices[0]
     assert choice.finish_reason in ("stop", "length")
     assert plain.usage.completion_tokens >= 1
+    assert choice.message.content  # so that the streamed == plain comparison below means something
     assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
     # the media's placeholder tokens are part of the prompt
     assert plain.usage.prompt_tokens > text_only.usage.prompt_tokens

@@ -218,12 +218,13 @@ def test_follow_up_turns_stay_on_one_llm_replica_and_reuse_its_prefix_cache(clie
             ]
     for conv, seen in turns.items():
         assert len({rep for rep, _, _ in seen}) == 1, f"conversation {conv} moved between replicas: {seen}"
-        for k in range(1, len(seen)):
-            prev_prompt, cached = seen[k - 1][1], seen[k][2]
-            assert cached >= prev_prompt, (
-                f"conversation {conv} turn {k}: cached_tokens={cached} < the previous turn's "
-                f"prompt_tokens={prev_prompt} on the same replica; (replica, prompt, cached) per turn: {seen}"
-            )
+    short = [
+        f"conversation {conv} turn {k}: cached_tokens={seen[k][2]} < previous prompt_tokens={seen[k - 1][1]}"
+        for conv, seen in turns.items()
+        for k in range(1, len(seen))
+        if seen[k][2] < seen[k - 1][1]
+    ]
+    assert not short, f"{short}; (replica, prompt_tokens, cached_tokens) per turn: {turns}"
 
 
 def test_a_dead_llm_replica_is_routed_around(client, stack):

@@ -217,3 +217,28 @@ def test_stop_string_and_abort_free_everything(mimo16):
     u = engine.scheduler.stats()
     assert u["running"] == u["waiting"] == 0
     assert u["full_free"] + u["full_cached"] == u["full_total"]
+
+
+def preempt_workload(lm):
+    return [image_prep(lm, f"p{i}", 20 + 7 * i, 3 if i % 3 == 0 else None, 50 + i, max_tokens=40) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def preempt_refs(mimo16):
+    return {p.request_id: hf_tokens(mimo16, p) for p in preempt_workload(mimo16)}
+
+
+@pytest.mark.parametrize("enable_prefix_cache", [True, False])
+def test_preemption_with_recompute_keeps_greedy_outputs(mimo16, preempt_refs, enable_prefix_cache):
+    """An SWA pool at its minimum with 8 long decodes: requests get preempted mid-decode and
+    recompute prompt + outputs so far; the tokens still equal transformers' one at a time."""
+    lm = mimo16
+    preps = preempt_workload(lm)
+    cfg = SchedulerConfig(window=W, max_batch_tokens=32)
+    engine = make_engine(lm, num_full=2000, num_swa=cfg.min_swa_slots() + 10, max_batch_tokens=32, max_running=8,
+                         enable_prefix_cache=enable_prefix_cache)
+    streams = run_to_end(engine, preps)
+    assert engine.scheduler.stats()["preemptions"] > 0
+    for p in preps:
+        assert streams[p.request_id].tokens == preempt_refs[p.request_id], p.request_id
+        assert streams[p.request_id].outs[-1].completion_tokens == 40

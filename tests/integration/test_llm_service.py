@@ -280,7 +280,7 @@ def test_gemma3_image_matches_generate_with_pixels(gemma_service, gemma3_bundle)
     with torch.no_grad():
         out = model.generate(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == img).long(),
                              attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                             eos_token_id=None)
+                             eos_token_id=[])  # ignore_eos
     assert r.json()["token_ids"] == out[0, ids.shape[1] :].tolist()
 
 
@@ -321,3 +321,52 @@ def test_concurrent_requests_equal_sequential(mimo_service, mimo_image):
         return [r.json()["token_ids"] for r in rs]
 
     assert asyncio.run(all_at_once()) == seq
+
+
+def test_non_stream_client_disconnect_aborts_request(mimo_service, mimo_image):
+    before = _metric(mimo_service, "mmserve_llm_requests_total", 'finish_reason="abort"')
+    req = make_request("keep talking", max_tokens=400, ignore_eos=True, rid="r-gone-plain")
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(mimo_service.url + "/v1/generate", content=pack({"mm.0": mimo_image}, req), timeout=0.5)
+    deadline = time.monotonic() + 60
+    while _metric(mimo_service, "mmserve_llm_requests_total", 'finish_reason="abort"') <= before:
+        assert time.monotonic() < deadline, "the abandoned request was not aborted"
+        time.sleep(0.05)
+    body = post(mimo_service, make_request("next", max_tokens=3, rid="r-gone-plain"), {"mm.0": mimo_image}).json()
+    assert body["completion_tokens"] >= 1
+
+
+def test_logprobs_of_greedy_tokens(mimo_service, mimo_bundle, mimo_image):
+    req = make_request("what is in this picture?", max_tokens=6, ignore_eos=True, rid="lp")
+    req.return_logprobs = True
+    body = post(mimo_service, req, {"mm.0": mimo_image}).json()
+    assert len(body["logprobs"]) == len(body["token_ids"]) == 6
+    assert all(lp <= 0.0 for lp in body["logprobs"])
+    # the reference: transformers' log-softmax of the greedy tokens on the full sequence
+    from transformers import MiMoV2FlashForCausalLM
+
+    model = MiMoV2FlashForCausalLM.from_pretrained(mimo_bundle, attn_implementation="eager").eval()
+    ref_ids = reference_generate(mimo_bundle, req, mimo_image, 1)  # prompt handling as in the oracle
+    assert ref_ids[0] == body["token_ids"][0]
+    assert body["logprobs"][0] == pytest.approx(_first_logprob(model, mimo_bundle, req, mimo_image), abs=1e-4)
+    plain = post(mimo_service, make_request("what is in this picture?", max_tokens=6, rid="lp2"),
+                 {"mm.0": mimo_image}).json()
+    assert plain["logprobs"] is None
+
+
+def _first_logprob(model, bundle, req, emb) -> float:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bundle)
+    msgs = [{"role": m.role, "content": [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
+                                         for p in m.content]} for m in req.messages]
+    ids = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
+        "input_ids"]
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    k = ids.index(pad)
+    ids = ids[:k] + [pad] * emb.shape[0] + ids[k + 1 :]
+    with torch.no_grad():
+        x = model.get_input_embeddings()(torch.tensor([ids]))
+        x[0, k : k + emb.shape[0]] = emb
+        logits = model(inputs_embeds=x).logits[0, -1]
+    return float(torch.log_softmax(logits.float(), -1).max())

@@ -8,6 +8,7 @@ import io
 import httpx
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from encoder_svc.app import create_app
@@ -59,6 +60,13 @@ def test_limits_and_lookup(mimo_bundle):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
                 r = await c.post("/v1/encode", params={"modality": "image"}, content=b"x" * 5001)
                 assert r.status_code == 413 and "5000 bytes" in r.json()["error"]["message"]
+
+                async def chunked():  # no content-length: refused while streaming
+                    for _ in range(10):
+                        yield b"x" * 1000
+
+                r = await c.post("/v1/encode", params={"modality": "image"}, content=chunked())
+                assert r.status_code == 413 and "limit of 5000 bytes" in r.json()["error"]["message"]
                 r = await c.post("/v1/encode", params={"modality": "image", "bogus": "1"}, content=b"x")
                 assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
                 data = png()
@@ -96,5 +104,52 @@ def test_identical_concurrent_requests_share_one_encode(mimo_bundle):
             assert all(isinstance(e, BadMedia) for e in bad)
             svc.check_integrity()
             assert not svc._inflight
+
+    asyncio.run(go())
+
+
+def test_bfloat16_weights_give_close_embeddings(mimo_bundle):
+    from shared.schemas import EncodeParams
+
+    async def embed(dtype: str):
+        app = create_app(EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, dtype=dtype))
+        async with app.router.lifespan_context(app):
+            return (await app.state.service.encode(EncodeParams(modality="image"), png()))[0]
+
+    full, half = asyncio.run(embed("float32")), asyncio.run(embed("bfloat16"))
+    assert full.dtype == torch.float32 and half.dtype == torch.bfloat16 and half.shape == full.shape
+    rel = (half.float() - full).norm() / full.norm()
+    assert rel < 0.05, rel
+
+
+def test_failed_forward_and_unexpected_errors_are_json_500s(mimo_bundle, monkeypatch):
+    app = create_app(EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, max_wait_ms=200))
+
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("device lost")
+
+    async def go():
+        async with app.router.lifespan_context(app):
+            svc = app.state.service
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                real = svc.ctx.models.vision
+                svc.ctx.models.vision = Broken()
+                rs = await asyncio.gather(*(c.post("/v1/encode", params={"modality": "image"}, content=png()) for _ in range(3)))
+                assert [r.status_code for r in rs] == [500] * 3
+                assert all("device lost" in r.json()["error"]["message"] for r in rs)
+                svc.ctx.models.vision = real
+                assert (await c.post("/v1/encode", params={"modality": "image"}, content=png())).status_code == 200
+
+                import encoder_svc.modalities.image as image_mod
+
+                def boom(*a, **k):
+                    raise KeyError("surprise")
+
+                monkeypatch.setattr(image_mod, "encode", boom)
+                r = await c.post("/v1/encode", params={"modality": "image"}, content=png())
+                assert r.status_code == 500 and "surprise" in r.json()["error"]["message"]
+            svc.check_integrity()
 
     asyncio.run(go())

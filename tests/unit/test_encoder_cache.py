@@ -81,18 +81,33 @@ def test_shm_tier_shared_between_instances_and_budget(tmp_path):
     assert a.nbytes() == 0
 
 
-def _child_put(directory: str, key: str) -> None:
-    tier = SharedMemoryTier(10**6, directory)
-    asyncio.run(tier.put(key, torch.arange(6.0).reshape(2, 3)))
+def _child_put(directory: str, prefix: str, n: int, budget: int) -> None:
+    tier = SharedMemoryTier(budget, directory)
+
+    async def go():
+        for i in range(n):
+            await tier.put(f"{prefix}{i}", torch.full((2, 3), float(i)))
+
+    asyncio.run(go())
 
 
-def test_shm_tier_shared_across_processes(tmp_path):
-    p = mp.get_context("spawn").Process(target=_child_put, args=(str(tmp_path), "from-child"))
-    p.start()
-    p.join(60)
-    assert p.exitcode == 0
-    got = run(SharedMemoryTier(10**6, tmp_path).get("from-child"))
-    assert torch.equal(got, torch.arange(6.0).reshape(2, 3))
+def test_shm_tier_shared_across_processes_within_one_budget(tmp_path):
+    size = len(to_bytes("a0", torch.zeros(2, 3)))
+    budget = 10 * size
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_child_put, args=(str(tmp_path), p, 30, budget)) for p in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    tier = SharedMemoryTier(budget, tmp_path)
+    tier.check_integrity()  # both writers together stayed within the one budget
+    assert 0 < tier.nbytes() <= budget
+    latest = [run(tier.get(f"{p}29")) for p in ("a", "b")]
+    # the process that finished last has its newest entry kept; both oldest entries are gone
+    assert any(t is not None and t[0, 0].item() == 29.0 for t in latest)
+    assert run(tier.get("a0")) is None and run(tier.get("b0")) is None
 
 
 def test_tiered_promotes_and_counts(tmp_path):

@@ -37,8 +37,11 @@ def test_prefix_blocks_depend_on_role_and_media_hash():
     assert "image:" + "aa" * 16 in render_prefix(with_media("aa" * 16))
 
 
-def test_short_prompt_has_no_blocks():
-    assert prefix_blocks(msgs("hi")) == []
+def test_short_prompt_has_one_tail_key_and_long_prompts_are_capped():
+    hi = prefix_blocks(msgs("hi"))
+    assert len(hi) == 1 and hi == prefix_blocks(msgs("hi"))
+    assert prefix_blocks(msgs("ho")) != hi
+    assert prefix_blocks([]) == []
     assert len(prefix_blocks(msgs("y" * 100_000))) == 512
 
 

@@ -124,7 +124,7 @@ def test_greedy_tokens_match_generate(mimo16):
     lm = mimo16
     ids = torch.randint(10, lm.vocab_size, (90,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
-        ref = lm.model.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=None)
+        ref = lm.model.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=[])
     expected = ref[0, len(ids):].tolist()
     runner, sim = make_runner(lm), SlotSim(1024, 128)
     seq = list(ids)
