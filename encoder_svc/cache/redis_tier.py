@@ -3,7 +3,8 @@
 Layout under ``prefix``: ``{prefix}e:{key}`` values (safetensors bytes, ``EX ttl``), a sorted
 set ``{prefix}lru`` (key -> last use), a hash ``{prefix}sizes`` and a counter ``{prefix}bytes``.
 A Lua script stores an entry and evicts least recently used ones until the counter is within
-the budget, atomically. Any Redis failure degrades to a miss / a skipped store with a warning;
+the budget, atomically. An entry that expires by TTL keeps counting against the budget until
+it is evicted (the accounting errs on the safe side). Any Redis failure degrades to a miss / a skipped store with a warning;
 after a failure the tier is skipped for ``retry_after`` seconds instead of retrying on every
 request.
 """
@@ -37,6 +38,10 @@ while total > budget do
   redis.call('DEL', victim[1])
   if size then total = redis.call('DECRBY', KEYS[4], size) end
 end
+-- bookkeeping lives as long as the newest entry: once every entry has expired, so has it
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+redis.call('EXPIRE', KEYS[4], ARGV[2])
 return total
 """
 

@@ -19,7 +19,7 @@ import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
-from encoder_svc.errors import BadMedia
+from encoder_svc.errors import BadMedia, short_reason
 from encoder_svc.preprocess.image_config import ImagePreprocessConfig
 from encoder_svc.preprocess.image_decode import decode_rgb, probe
 
@@ -118,20 +118,26 @@ class DaliImageBackend(ImageBackend):
     def images(self, blobs: list[bytes]) -> torch.Tensor:
         import numpy as np
 
-        for b in blobs:
-            probe(b, self.max_pixels)  # bomb guard + 400 for unknown formats, before DALI sees it
-        parts = []
-        for s in range(0, len(blobs), self._MAX_BATCH):
-            chunk = [np.frombuffer(b, dtype=np.uint8) for b in blobs[s : s + self._MAX_BATCH]]
+        # bomb guard + 400 for unknown formats before DALI sees the bytes; formats DALI does not
+        # decode (GIF, animated WebP, ...) take the torchvision path, first frame
+        probes = [probe(b, self.max_pixels) for b in blobs]
+        out: list[torch.Tensor | None] = [None] * len(blobs)
+        dali_idx = [i for i, (fmt, _, _, anim) in enumerate(probes) if fmt in ("JPEG", "PNG", "WEBP") and not anim]
+        for i in set(range(len(blobs))) - set(dali_idx):
+            out[i] = resize_normalize(decode_rgb(blobs[i], self.max_pixels, self.device)[None], self.cfg)[0]
+        for s in range(0, len(dali_idx), self._MAX_BATCH):
+            idx = dali_idx[s : s + self._MAX_BATCH]
             try:
-                self._pipe.feed_input("enc", chunk)
-                (out,) = self._pipe.run()
+                self._pipe.feed_input("enc", [np.frombuffer(blobs[i], dtype=np.uint8) for i in idx])
+                (res,) = self._pipe.run()
             except RuntimeError as e:
-                raise BadMedia(f"cannot decode the image: {e}") from e
-            if hasattr(out, "as_cpu"):  # TensorListGPU
-                out = out.as_cpu()
-            parts.append(torch.from_numpy(out.as_array()))  # [n, 3, h, w], all one size
-        return torch.cat(parts).to(self.device)
+                raise BadMedia(f"cannot decode the image: it is corrupt or truncated ({short_reason(e)})") from e
+            if hasattr(res, "as_cpu"):  # TensorListGPU
+                res = res.as_cpu()
+            pix = torch.from_numpy(res.as_array()).to(self.device)  # [n, 3, h, w], all one size
+            for j, i in enumerate(idx):
+                out[i] = pix[j]
+        return torch.stack(out)  # type: ignore[arg-type]
 
 
 IMAGE_BACKENDS: dict[str, Callable[..., ImageBackend]] = {

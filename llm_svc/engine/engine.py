@@ -49,6 +49,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self._batch_ids: list[str] | None = None  # requests of the step in flight
 
     # ------------------------------------------------------------------ API (any thread)
     def start(self) -> None:
@@ -96,11 +97,12 @@ class Engine:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            self._batch_ids = None
             try:
                 self.step()
-            except Exception as e:  # a failed step fails its requests, never the engine
+            except Exception as e:  # a failed step fails the requests in it, never the engine
                 log.exception("engine step failed")
-                self._fail_all(f"engine step failed: {e}")
+                self._fail(self._batch_ids or list(self._live), f"engine step failed: {e}")
 
     def step(self) -> list[StepOutput]:
         """One engine step (public for tests that drive the engine without the thread)."""
@@ -109,6 +111,7 @@ class Engine:
             self._wake.wait(0.01)
             self._wake.clear()
             return []
+        self._batch_ids = [sf.req_id for sf in batch.seqs]
         logits = self.runner.run(batch)
         ids = list(logits)
         tokens: dict[str, int] = {}
@@ -174,8 +177,9 @@ class Engine:
             if rid in self._live:
                 self._close(rid, GenOutput(), "abort", cached)
 
-    def _fail_all(self, message: str) -> None:
-        for rid in list(self._live):
+    def _fail(self, req_ids: list[str], message: str) -> None:
+        for rid in req_ids:
             self.scheduler.abort(rid)
-            live = self._live.pop(rid)
-            live.stream.put(GenOutput(error=message, prompt_tokens=len(live.prep.prompt_ids)))
+            live = self._live.pop(rid, None)
+            if live is not None:
+                live.stream.put(GenOutput(error=message, prompt_tokens=len(live.prep.prompt_ids)))

@@ -124,8 +124,10 @@ def test_redis_shared_between_two_apps_with_ttl(mimo_bundle, redis_url, prefix):
         assert not ra.cached and rb.cached and torch.equal(ea, eb)
         assert forwards(b) == 0 and forwards(a) == 1
         assert metric(b, "encoder_cache_lookups_total", tier="redis", result="hit") == 1
-        ttl = redis.Redis.from_url(redis_url).ttl(f"{prefix}e:{resp.headers['x-mmserve-cache-key']}")
-        assert 0 < ttl <= 120
+        client = redis.Redis.from_url(redis_url)
+        for k in (f"{prefix}e:{resp.headers['x-mmserve-cache-key']}", f"{prefix}lru", f"{prefix}sizes", f"{prefix}bytes"):
+            assert 0 < client.ttl(k) <= 120, k  # entries and their bookkeeping expire
+        client.close()
 
 
 def test_redis_byte_budget_evicts_lru(redis_url, prefix):

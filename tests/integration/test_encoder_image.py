@@ -187,3 +187,17 @@ def test_health_ready_metrics(mimo_url):
     text = httpx.get(f"{mimo_url}/metrics").text
     assert 'encoder_requests_total{modality="image",status="200"}' in text
     assert 'encoder_forward_passes_total{encoder="vision"}' in text
+
+
+def test_dali_backend_end_to_end(mimo_bundle, mimo_url, mimo_oracle):
+    pytest.importorskip("nvidia.dali", reason="nvidia-dali is not installed")
+    app = create_app(EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, image_backend="dali"))
+    with serve_in_thread(app) as url:
+        for fmt in ("JPEG", "PNG", "GIF"):
+            data = image_bytes(fmt, seed=9, size=(120, 90))
+            embeds, _ = decode_ok(encode(url, data))
+            want = mimo_oracle(data)
+            assert embeds.shape == want.shape
+            assert (embeds - want).norm() / want.norm() < 0.02, fmt
+        assert encode(url, b"junk" * 10).status_code == 400
+        app.state.service.check_integrity()

@@ -242,3 +242,36 @@ def test_preemption_with_recompute_keeps_greedy_outputs(mimo16, preempt_refs, en
     for p in preps:
         assert streams[p.request_id].tokens == preempt_refs[p.request_id], p.request_id
         assert streams[p.request_id].outs[-1].completion_tokens == 40
+
+
+def test_failed_step_fails_only_its_requests(mimo16):
+    """A step that raises fails the requests in it; a waiting request is served afterwards and
+    the engine thread keeps running."""
+    import time
+
+    engine = make_engine(mimo16, max_running=1)
+    real_run = engine.runner.run
+
+    def run(batch):
+        if any(sf.req_id == "doomed" for sf in batch.seqs):
+            raise RuntimeError("injected failure")
+        return real_run(batch)
+
+    engine.runner.run = run
+    doomed, fine = image_prep(mimo16, "doomed", 30, None, 11), image_prep(mimo16, "fine", 30, None, 12)
+    streams = {"doomed": ListStream("doomed"), "fine": ListStream("fine")}
+    engine.start()
+    try:
+        engine.submit(doomed, streams["doomed"])
+        engine.submit(fine, streams["fine"])
+        deadline = time.monotonic() + 60
+        while not all(s.done for s in streams.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert "injected failure" in streams["doomed"].outs[-1].error
+    assert streams["fine"].outs[-1].finish_reason == "length"
+    assert streams["fine"].tokens == hf_tokens(mimo16, fine)
+    engine.scheduler.check_integrity()
+    assert engine.scheduler.stats()["running"] == 0

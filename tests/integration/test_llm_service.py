@@ -249,6 +249,9 @@ def test_health_ready_and_metrics(mimo_service):
                  "mmserve_llm_time_to_first_token_seconds_bucket", "mmserve_llm_kv_pool_usage",
                  "mmserve_llm_prefix_hit_tokens_total", "mmserve_llm_waiting_requests"):
         assert name in text
+    if mimo_service.backend == "swa":  # finished requests stay in the prefix cache: the full pool is in use
+        post(mimo_service, make_request("fill the cache", max_tokens=2, rid="m1"), {"mm.0": torch.zeros(16, 64)})
+        assert _metric(mimo_service, "mmserve_llm_kv_pool_usage", 'pool="full"') > 0
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
