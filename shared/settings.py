@@ -57,7 +57,7 @@ class LLMSettings(_ServiceSettings):
     port: int = 8200
     model_dir: str
     model_name: str | None = None
-    backend: str = Field(default="hf", description="hf (transformers reference) or swa (our engine)")
+    backend: str = Field(default="swa", description="swa (our hybrid SWA engine) or hf (transformers reference)")
     device: str = "cpu"
     dtype: str = "float32"
     max_model_len: int = Field(default=4096, ge=16)
