@@ -58,26 +58,26 @@ def ensure_default_model(model_dir: str | None) -> str:
     return str(DEFAULT_MODEL_DIR)
 
 
+def _run_model_service(args: argparse.Namespace, app_module: str, settings_cls, flags: list[str]) -> int:
+    import importlib
+
+    kw = _overrides(args, ["host", "port", "log_level", "device", *flags])
+    kw["model_dir"] = ensure_default_model(args.model)
+    settings = settings_cls(**kw)
+    _serve(importlib.import_module(app_module).create_app(settings), settings)
+    return 0
+
+
 def cmd_encoder(args: argparse.Namespace) -> int:
-    from encoder_svc.app import create_app
     from shared.settings import EncoderSettings
 
-    kw = _overrides(args, ["host", "port", "log_level", "device", "redis_url", "max_batch_size"])
-    kw["model_dir"] = ensure_default_model(args.model)
-    settings = EncoderSettings(**kw)
-    _serve(create_app(settings), settings)
-    return 0
+    return _run_model_service(args, "encoder_svc.app", EncoderSettings, ["redis_url", "max_batch_size"])
 
 
 def cmd_llm(args: argparse.Namespace) -> int:
-    from llm_svc.app import create_app
     from shared.settings import LLMSettings
 
-    kw = _overrides(args, ["host", "port", "log_level", "device", "backend", "kv_bytes"])
-    kw["model_dir"] = ensure_default_model(args.model)
-    settings = LLMSettings(**kw)
-    _serve(create_app(settings), settings)
-    return 0
+    return _run_model_service(args, "llm_svc.app", LLMSettings, ["backend", "kv_bytes"])
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

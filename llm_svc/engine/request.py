@@ -71,6 +71,7 @@ class Request:
     num_preemptions: int = 0
     decodes_since_release: int = 0
     admitted_once: bool = False
+    prefill_cached: bool = False  # the computed prompt went into the prefix tree (this admission)
 
     def __post_init__(self) -> None:
         if not self.req_id:

@@ -10,7 +10,10 @@ One engine step: ``schedule()`` -> runner -> ``postprocess(batch, next_tokens)``
 * SWA slots that leave the window are released after every prefill chunk, every
   ``decode_release_interval`` decode tokens, and at the end: a request holds at most
   ``W + max(chunk, N)`` SWA slots, plus its pinned cached window (until it is ``W`` past it) and
-  at most two kept windows for the prefix cache (a branch point, a ``swa_checkpoints`` entry).
+  at most two kept windows for the prefix cache (a branch point, a ``swa_checkpoints`` entry or
+  the prompt's end: a follow-up turn re-sends the prompt but rarely the generated token ids).
+* When a request's prefill completes, its computed KV goes into the prefix tree at once (it keeps
+  a lock and continues from the tree's slots), so concurrent requests sharing it hit it.
 * When a decode cannot get a slot, the newest running request not already in this step's batch
   is preempted: its computed KV goes into the prefix tree (or is freed without caching) and it
   is requeued first, to recompute prompt + outputs so far.
@@ -55,8 +58,8 @@ class SchedulerConfig:
 
     def min_swa_slots(self) -> int:
         """Smallest SWA pool that always lets one request progress (four windows: its own, a
-        pinned cached one, a kept branch point and a kept checkpoint; plus a chunk or the decode
-        release interval)."""
+        pinned cached one, a kept branch point and a kept checkpoint (a ``swa_checkpoints``
+        entry or the prompt's end); plus a chunk or the decode release interval)."""
         return 4 * self.window + max(self.chunk_tokens, self.decode_release_interval) + 1
 
 
@@ -220,8 +223,8 @@ class Scheduler:
         forbidden = [(s, s + n) for s, n, _ in req.mm_spans] if req.bidirectional else []
         for attempt in (0, 1) if fallback else (0,):
             seq = (
-                self.kv.start(keys[: total - 1], forbidden, req.swa_checkpoints)
-                if attempt == 0 else self.kv.start([])
+                self.kv.start(keys[: total - 1], forbidden, req.swa_checkpoints, len(req.prompt_ids))
+                if attempt == 0 else self.kv.start([], prompt_end=len(req.prompt_ids))
             )
             start = seq.cached_len
             end = self._chunk_end(req, start, min(budget, self.config.chunk_tokens))
@@ -243,6 +246,7 @@ class Scheduler:
         req.kv = seq
         req.num_computed = seq.cached_len
         req.decodes_since_release = 0
+        req.prefill_cached = False
         req.status = RequestStatus.RUNNING
         if not req.admitted_once:
             req.admitted_once = True
@@ -291,6 +295,15 @@ class Scheduler:
                     continue  # aborted or finished while the step ran (or an id reused since)
                 end = sf.positions[0] + len(sf.token_ids)
                 req.num_computed = end
+                if sf.need_logits and not req.prefill_cached:
+                    # prefill done: cache it now, so concurrent requests sharing it hit it.
+                    # Out-of-window SWA is released first, but W + 1 positions stay: a request
+                    # re-sending the same prompt matches all but its last token (needs the
+                    # window ending at end - 1), a follow-up turn matches up to end
+                    req.prefill_cached = True
+                    if self.config.release_swa:
+                        self.kv.release_window(req.kv, end - self.config.window - 1)
+                    self.kv.cache_prefix(req.kv, req.all_keys, end)
                 if sf.need_logits:
                     tok = int(next_tokens[sf.req_id])
                     req.output_ids.append(tok)

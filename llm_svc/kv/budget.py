@@ -60,18 +60,26 @@ class KVGeometry:
 
     @classmethod
     def from_hf_config(cls, config: Any, dtype_bytes: int = 2) -> "KVGeometry":
-        """From a transformers config with ``layer_types`` (MiMo-V2, Gemma 3 or its text_config)."""
+        """From a transformers config with ``layer_types`` (MiMo-V2, Gemma 3 or its text_config).
+
+        MiMo-V2's sliding layers have twice the KV heads of its full layers (transformers'
+        ``MiMoV2FlashAttention``; a ``swa_num_key_value_heads`` field, if present, wins)."""
         cfg = getattr(config, "text_config", None) or config
         types = list(cfg.layer_types)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = int(cfg.num_key_value_heads)
+        swa_kv_heads = getattr(cfg, "swa_num_key_value_heads", None)
+        if swa_kv_heads is None and str(getattr(cfg, "model_type", "")).startswith("mimo_v2"):
+            swa_kv_heads = 2 * kv_heads
         return cls(
             full_layers=sum(t == "full_attention" for t in types),
             swa_layers=sum(t == "sliding_attention" for t in types),
             window=int(cfg.sliding_window),
-            kv_heads=int(cfg.num_key_value_heads),
+            kv_heads=kv_heads,
             qk_head_dim=int(head_dim),
             v_head_dim=int(getattr(cfg, "v_head_dim", None) or head_dim),
             dtype_bytes=dtype_bytes,
+            swa_kv_heads=int(swa_kv_heads or 0),
         )
 
 

@@ -49,21 +49,32 @@ class KVManager:
 
     # ------------------------------------------------------------------ lifecycle
     def start(
-        self, keys: list[int], forbidden_ends: list[tuple[int, int]] = (), checkpoints: list[int] = ()
+        self,
+        keys: list[int],
+        forbidden_ends: list[tuple[int, int]] = (),
+        checkpoints: list[int] = (),
+        prompt_end: int = 0,
     ) -> SeqKV:
         """A view with the longest window-safe cached prefix of ``keys`` pinned (if caching).
 
         ``checkpoints``: positions ``p`` where later requests are likely to branch off (e.g. the
         end of a shared system prompt); this request keeps the SWA of ``[p - W, p)`` for the first
         one past its cached prefix, so that the tree can match up to ``p``.
+        ``prompt_end``: the prompt's length, a default checkpoint: a follow-up turn re-sends the
+        prompt but rarely the exact token ids generated after it (the answer re-tokenizes
+        differently, reasoning is dropped), so the tree must be able to match exactly up to the
+        prompt's end. (The scheduler also caches the prompt when its prefill completes, which
+        keeps that window too; this covers a re-admission that recomputes past the prompt.)
         """
-        if not self.enable_prefix_cache or not keys:
+        if not self.enable_prefix_cache:
             return SeqKV([], [])
+        if not keys:
+            return SeqKV([], [], keep_ends=tuple(sorted(p for p in (*checkpoints, prompt_end) if p > 0)[:1]))
         m = self.tree.match_prefix(keys, forbidden_ends)
         # When the raw match is longer than the window-safe one, the cached sequence and this
         # one diverge at raw_length, a proven branch point whose window SWA was freed. Keeping
         # this request's SWA there revives it on insert, so the next sibling gets a full hit.
-        ends = set(sorted(p for p in checkpoints if m.length < p <= len(keys))[:1])  # SWA stays bounded
+        ends = set(sorted(p for p in (*checkpoints, prompt_end) if p > m.length)[:1])  # SWA stays bounded
         if m.raw_length > m.length:
             ends.add(m.raw_length)
         keep = tuple(sorted(ends))
@@ -124,6 +135,29 @@ class KVManager:
         seq.swa_released_to = keep_from
         if keep_from >= seq.cached_len and seq.handle is not None:
             self.tree.unlock_swa(seq.handle)
+
+    def cache_prefix(self, seq: SeqKV, keys: list[int], upto: int) -> int:
+        """Hand the KV of positions ``< upto`` (computed, keys ``keys[:upto]``) to the tree while
+        the request keeps running (SGLang's cache_unfinished_req): concurrent requests sharing
+        the prefix hit it at once. The request then holds a lock on the new node (its window's
+        SWA pinned until it is ``W`` past it) and continues from the tree's slots: where the tree
+        already had the KV (another request cached it first), the request's copies are freed and
+        its view switches to the tree's (same keys at the same positions, so the same KV).
+        Returns the number of tokens newly cached."""
+        if not self.enable_prefix_cache or upto <= seq.cached_len:
+            return 0
+        assert upto <= len(seq.full)
+        added = self.tree.insert(keys[:upto], seq.full[:upto], seq.swa[:upto], seq.cached_len)
+        m = self.tree.match_exact(keys[:upto])
+        h = self.tree.lock(m)
+        if seq.handle is not None:
+            self.tree.unlock(seq.handle)  # the new lock covers the old path
+        lo = max(0, upto - self.window)
+        seq.full[:upto] = m.full_slots
+        seq.swa[:upto] = [NO_SLOT] * lo + m.swa_slots[lo:]
+        seq.cached_len, seq.handle = upto, h
+        seq.swa_released_to = max(seq.swa_released_to, lo)
+        return added
 
     def finish(self, seq: SeqKV, keys: list[int], num_computed: int, cache: bool = True) -> int:
         """Give back everything ``seq`` holds. With ``cache``, the KV of positions

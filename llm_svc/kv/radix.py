@@ -57,13 +57,27 @@ class RadixCache:
         path, swa = self._walk(keys)
         length = self._safe_length(swa, len(swa), forbidden_ends)
         node, full, swa_out = self._materialize(path, length)
+        self._touch_path(node, length)
+        return MatchResult(length, full, swa_out, node, raw_length=len(swa))
+
+    def match_exact(self, keys: list[int]) -> MatchResult:
+        """Like ``match_prefix`` for ``keys`` that are all in the tree with SWA KV for their last
+        ``min(W, len(keys))`` positions (just inserted by a running request): no clipping."""
+        path, swa = self._walk(keys)
+        assert len(swa) == len(keys), "keys not in the tree"
+        node, full, swa_out = self._materialize(path, len(keys))
+        assert NO_SLOT not in swa_out[max(0, len(keys) - self.window):], "window not in the tree"
+        self._touch_path(node, len(keys))
+        return MatchResult(len(keys), full, swa_out, node, raw_length=len(keys))
+
+    def _touch_path(self, node: Node, length: int) -> None:
+        """Mark the path to ``node`` (a match of ``length``) and its window recently used."""
         tick = next(self._clock)
         n = node
         while n is not self.root:
             n.last_access = tick
             n = n.parent
         self._touch_swa(node, length, tick)
-        return MatchResult(length, full, swa_out, node, raw_length=len(swa))
 
     def peek_match_len(self, keys: list[int]) -> int:
         """Window-safe match length without side effects (for scheduling policies)."""

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from tests.conftest import make_png
+from tests.e2e.conftest import stream_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -46,24 +47,8 @@ def test_chat_with_image_plain_and_streaming_agree(client, stack):
     assert plain.usage.prompt_tokens > 16
     assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
 
-    pieces, finish, usage = [], None, None
-    stream = client.chat.completions.create(
-        model=stack.model_name,
-        messages=msgs,
-        max_tokens=12,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for c in chunk.choices:
-            if c.delta.content:
-                pieces.append(c.delta.content)
-            if c.finish_reason:
-                finish = c.finish_reason
-    assert "".join(pieces) == choice.message.content
+    text, finish, usage = stream_chat(client, stack.model_name, msgs, max_tokens=12)
+    assert text == choice.message.content
     assert finish == choice.finish_reason
     assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
 

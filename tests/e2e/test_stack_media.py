@@ -25,6 +25,7 @@ from benchmarks._stack_util import (
     video_part,
 )
 from shared.launcher import LocalStack, StackSpec, free_port
+from tests.e2e.conftest import stream_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -81,22 +82,6 @@ def media_server():
     server.server_close()
 
 
-def _stream(client, model: str, messages: list[dict], max_tokens: int):
-    pieces, finish, usage = [], None, None
-    for chunk in client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-    ):  # fmt: skip
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for c in chunk.choices:
-            if c.delta.content:
-                pieces.append(c.delta.content)
-            if c.finish_reason:
-                finish = c.finish_reason
-    return "".join(pieces), finish, usage
-
-
 MEDIA: dict[str, Callable[[], dict]] = {
     "image": lambda: image_part(make_png(seed=5)),
     "video": lambda: video_part(make_mp4(seconds=2.0, seed=5)),
@@ -125,7 +110,7 @@ def test_chat_with_media_plain_and_streaming_agree(client, stack, modality):
     after = total(scrape(enc), "encoder_requests_total", modality=modality, status="200")
     assert after == before + 1
 
-    text, finish, usage = _stream(client, stack.model_name, msgs, 10)
+    text, finish, usage = stream_chat(client, stack.model_name, msgs, 10)
     assert text == choice.message.content
     assert finish == choice.finish_reason
     assert usage is not None

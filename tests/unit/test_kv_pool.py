@@ -60,6 +60,8 @@ def test_geometry_from_hf_configs():
     )
     g = KVGeometry.from_hf_config(mimo, dtype_bytes=4)
     assert (g.full_layers, g.swa_layers, g.window, g.kv_heads, g.qk_head_dim, g.v_head_dim) == (1, 6, 64, 2, 24, 16)
+    assert g.swa_kv_heads == 4  # MiMo-V2's sliding layers: 2x the KV heads
+    assert (g.full_token_bytes, g.swa_token_bytes) == (1 * 2 * 40 * 4, 6 * 4 * 40 * 4)
     gem = Gemma3TextConfig(
         num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
@@ -124,3 +126,54 @@ def test_size_pools_adds_a_window_per_running_request():
     expected_extra = 16 * MIMO_PRO.window
     per_full = (MIMO_PRO.window + 16) / 8192
     assert abs((ns1 - nf1 * per_full) - (ns0 - nf0 * per_full) - expected_extra) <= 2
+
+
+@pytest.mark.parametrize("arch", ["mimo", "gemma3"])
+def test_geometry_from_hf_config_matches_the_runner_kv_tensors(arch, mimo_bundle, gemma3_bundle):
+    """Bytes per slot from the HF config equal what the model runner allocates per pool slot."""
+    import torch
+
+    from llm_svc.attention import FULL
+    from llm_svc.engine.model_runner import ModelRunner
+    from llm_svc.loader import load_lm
+    from llm_svc.models import build_model
+
+    lm = load_lm(str(mimo_bundle if arch == "mimo" else gemma3_bundle), dtype="float32")
+    g = KVGeometry.from_hf_config(lm.model.config, dtype_bytes=4)
+    runner = ModelRunner(build_model(lm.arch, lm.model), num_full_slots=3, num_swa_slots=5, dtype=torch.float32)
+    per_slot = {True: 0, False: 0}
+    for spec, t in zip(runner.model.layers, runner.kv):
+        n = 3 if spec.kind == FULL else 5
+        assert t.k.shape[0] == t.v.shape[0] == n
+        per_slot[spec.kind == FULL] += (t.k.numel() * t.k.element_size() + t.v.numel() * t.v.element_size()) // n
+    assert (g.full_token_bytes, g.swa_token_bytes) == (per_slot[True], per_slot[False])
+    assert runner.kv_bytes() == 3 * g.full_token_bytes + 5 * g.swa_token_bytes
+
+
+def test_cache_prefix_of_running_sequences_owns_every_slot_once():
+    """Two running sequences computed the same 12 keys; both hand them to the tree: the first's
+    slots are adopted, the second's copies freed and its view switched to the tree's. Their
+    later tokens continue from the tree-owned prefix, and finishing caches only the rest."""
+    w = 4
+    kv = KVManager(64, 64, w)
+    keys = list(range(1, 13))
+    a, b = kv.start([]), kv.start([])
+    for s in (a, b):
+        assert kv.reserve(s, 12, 0, 12)
+    free_full = kv.full_pool.num_free
+    assert kv.cache_prefix(a, keys, 12) == 12
+    assert kv.full_pool.num_free == free_full  # adopted, nothing freed
+    a_full, a_window = list(a.full), a.swa[12 - w:]
+    assert kv.cache_prefix(b, keys, 12) == 0
+    assert kv.full_pool.num_free == free_full + 12  # b's copies went back
+    assert b.full == a_full and b.swa[12 - w:] == a_window and b.cached_len == a.cached_len == 12
+    assert b.swa[: 12 - w] == [NO_SLOT] * (12 - w)
+    kv.check_integrity([a, b])
+    assert kv.tree.evictable_full() == 0 and kv.tree.evictable_swa() == 0  # both lock it
+    for s in (a, b):
+        assert kv.reserve(s, 14, 12, 14)  # two decode tokens after the cached prefix
+    kv.check_integrity([a, b])
+    assert kv.finish(a, keys + [20, 21], 14) == 2
+    assert kv.finish(b, keys + [30, 31], 14) == 2
+    kv.check_integrity([])
+    assert kv.full_pool.num_free + kv.tree.full_tokens == 64 and kv.tree.full_tokens == 16

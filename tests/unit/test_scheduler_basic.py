@@ -38,7 +38,8 @@ def drive(sched: Scheduler, runner: SimRunner, max_steps: int = 10_000, on_step=
 
 
 def held_swa(r: Request) -> list[int]:
-    return [p for p, s in enumerate(r.kv.swa) if s != NO_SLOT and p >= r.kv.cached_len]
+    """Positions whose SWA KV the request reads or owns (a cached window it pins counts)."""
+    return [p for p, s in enumerate(r.kv.swa) if s != NO_SLOT]
 
 
 def test_chunked_prefill_and_decode_against_a_simple_sequence_model():
@@ -301,3 +302,65 @@ def test_max_chunk_tokens_lets_several_prefills_share_a_step():
     assert max(max(s) for s in sizes) == 8
     with pytest.raises(ValueError):
         SchedulerConfig(max_batch_tokens=8, max_chunk_tokens=9)
+
+
+def test_follow_up_turn_reuses_the_previous_prompt_when_the_answer_retokenizes():
+    """A follow-up turn re-sends turn 0's whole prompt but not the generated token ids (the
+    client's text of the answer re-tokenizes differently): the window ending at the prompt's end
+    is kept when turn 0 finishes, so the whole previous prompt is a window-safe hit."""
+    w = 8
+    cfg = SchedulerConfig(max_batch_tokens=16, window=w, decode_release_interval=4)
+    sched, runner = make(cfg, full=400, swa=cfg.min_swa_slots())
+    prompt0 = [100 + i for i in range(40)]
+    t0 = req("t0", prompt0, max_tokens=3 * w)  # the answer runs well past one window
+    sched.add(t0)
+    drive(sched, runner)
+    assert len(t0.output_ids) == 3 * w
+    retokenized = [(t + 1) % 40 for t in t0.output_ids]  # never the generated ids
+    t1 = req("t1", prompt0 + retokenized + [7, 8, 9], max_tokens=4)
+    sched.add(t1)
+    drive(sched, runner)  # SimRunner(verify) raises on any pseudo-hit
+    assert t1.num_cached_tokens == len(prompt0)
+    # the kept window is cached, evictable SWA: a request needing the whole SWA pool still runs
+    sched.check_integrity()
+    assert sched.kv.tree.evictable_swa() == sched.kv.tree.swa_tokens > 0
+
+
+def _outputs_with_cache(cache: bool, late_start: bool) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """A decodes while B and C (same long system prompt) arrive; with ``late_start`` they arrive
+    after A's prefill completed, else all three are admitted together."""
+    cfg = SchedulerConfig(max_batch_tokens=16, window=4, decode_release_interval=3, enable_prefix_cache=cache)
+    sched, runner = make(cfg)
+    system = list(range(100, 140))
+    a = req("a", system + [1, 2, 3], max_tokens=12)
+    others = [req("b", system + [1, 2, 3, 7, 8], max_tokens=5), req("c", system + [1, 2, 3], max_tokens=5)]
+    sched.add(a)
+    if not late_start:
+        for r in others:
+            sched.add(r)
+    while (batch := sched.schedule()) is not None:
+        sched.postprocess(batch, runner.run(batch))
+        sched.check_integrity()
+        if late_start and a.output_ids and others[0].req_id not in sched.requests and not others[0].is_finished:
+            assert not a.is_finished
+            for r in others:
+                sched.add(r)
+    assert all(r.is_finished for r in (a, *others))
+    assert sched.kv.full_pool.num_free + sched.kv.tree.full_tokens == sched.kv.full_pool.num_slots
+    return {r.req_id: r.output_ids for r in (a, *others)}, {r.req_id: r.num_cached_tokens for r in (a, *others)}
+
+
+@pytest.mark.parametrize("late_start", [True, False])
+def test_running_request_prompt_is_shared_with_concurrent_requests(late_start):
+    """A running request's prompt goes into the tree when its prefill completes: requests that
+    arrive while it still decodes hit all of it (SimRunner checks every slot they read holds the
+    right KV), requests prefilled in the same steps hand their duplicate slots back, and outputs
+    equal a caching-off run."""
+    outs_on, cached = _outputs_with_cache(True, late_start)
+    outs_off, _ = _outputs_with_cache(False, late_start)
+    assert outs_on == outs_off
+    if late_start:
+        assert cached == {"a": 0, "b": 43, "c": 42}  # c: all but its last prompt token
+    else:  # b shares a's last prefill step (computes the prompt too, then hands its copies
+        # back when it caches), c is admitted after a's prompt is in the tree
+        assert cached == {"a": 0, "b": 0, "c": 42}

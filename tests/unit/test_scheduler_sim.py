@@ -168,11 +168,12 @@ def test_media_keys_never_share_kv_across_images():
     ids3, keys3 = m0.all_ids + [5], m0.all_keys + [5]
     m3 = _run_one(sched, model, req("m3", ids3, keys3))
     assert m3.num_cached_tokens == 30
-    # same ids as that turn but another image: only the text before the image
+    # same ids as that turn but another image: never m0's KV after the text before the image;
+    # m1 (same image y) is a whole-prompt prefix, and its prompt-end window was kept
     keys4 = make_prompt_keys(ids3, span, ["y" * 32])
     m4 = _run_one(sched, model, req("m4", ids3, keys4))
-    assert m4.num_cached_tokens == 10
-    assert keys4[:10] == keys3[:10] and keys4[10] != keys3[10]
+    assert keys4[:10] == keys3[:10] and keys4[10] != keys3[10] and keys4[: len(ids)] == m1.all_keys[: len(ids)]
+    assert m4.num_cached_tokens == len(ids)
 
 
 def test_random_aborts_and_preemptions_never_leak():
