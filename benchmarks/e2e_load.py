@@ -1,4 +1,4 @@
-"""The whole local stack (2 encoders, 2 ``swa`` LLM replicas, one gateway) under a mixed
+"""The whole local stack (2 encoders, ``--llms`` (2) ``swa`` LLM replicas, one gateway) under a mixed
 multimodal multi-turn chat workload: cache-aware LLM routing vs round-robin, same run.
 
 Workload (seeded, generated up front; identical for both sides):
@@ -27,7 +27,7 @@ from the encoders' /metrics), prefix cache hit ratio (sum of ``cached_tokens`` /
 hit ratio clearly above round-robin's (ratio >= 1.25), TTFT p90 no worse (ratio <= 1.10,
 allowing for noise on a shared 2-core machine).
 
-    python -m benchmarks.e2e_load [--quick] [--sessions N] [--turns T] [--concurrency C] [--seed S]
+    python -m benchmarks.e2e_load [--quick] [--sessions N] [--turns T] [--concurrency C] [--seed S] [--llms M]
 """
 
 from __future__ import annotations
@@ -179,9 +179,9 @@ def encoder_hits(stack: LocalStack) -> tuple[float, float]:
     return hits, misses
 
 
-def run_side(model_dir: str, policy: str, workload, pools, concurrency: int, log_dir: str) -> dict:
+def run_side(model_dir: str, policy: str, workload, pools, concurrency: int, log_dir: str, llms: int = 2) -> dict:
     spec = StackSpec(
-        model_dir=model_dir, gateway_port=0, encoders=2, llms=2, llm_backend="swa", llm_routing=policy
+        model_dir=model_dir, gateway_port=0, encoders=2, llms=llms, llm_backend="swa", llm_routing=policy
     )
     t_start = time.perf_counter()
     with LocalStack(spec, log_dir=f"{log_dir}/{policy}") as stack:
@@ -226,6 +226,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=None)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llms", type=int, default=2, help="LLM replicas behind the gateway")
     ap.add_argument("--model", default=None, help="bundle dir (default: the tiny mimo bundle)")
     args = ap.parse_args()
     sessions = args.sessions or (8 if args.quick else 16)
@@ -245,7 +246,7 @@ def main() -> None:
     print(f"service logs under {log_dir}", flush=True)
     sides = {}
     for policy in ("round_robin", "cache_aware"):
-        sides[policy] = r = run_side(model_dir, policy, workload, pools, args.concurrency, log_dir)
+        sides[policy] = r = run_side(model_dir, policy, workload, pools, args.concurrency, log_dir, args.llms)
         print(
             f"{policy:12s} req/s {r['requests_per_s']:6.2f}  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
             f"p90 {r['ttft_p90_ms']:7.1f} ms  encoder hit {r['encoder_cache_hit_ratio']:.3f}  "
@@ -260,6 +261,10 @@ def main() -> None:
         "ttft_p90": round(ca["ttft_p90_ms"] / rr["ttft_p90_ms"], 3),
         "ttft_p50": round(ca["ttft_p50_ms"] / rr["ttft_p50_ms"], 3),
         "requests_per_s": round(ca["requests_per_s"] / rr["requests_per_s"], 3),
+        # prefill work actually computed (prompt tokens not served from the prefix cache)
+        "uncached_prompt_tokens": round(
+            (ca["prompt_tokens"] - ca["cached_tokens"]) / max(1, rr["prompt_tokens"] - rr["cached_tokens"]), 3
+        ),
     }
     target_met = (
         ratios["prefix_cache_hit_ratio"] >= TARGET_HIT_RATIO
@@ -268,14 +273,15 @@ def main() -> None:
     )
     print(
         f"cache_aware / round_robin: prefix hit x{ratios['prefix_cache_hit_ratio']}, TTFT p90 "
-        f"x{ratios['ttft_p90']}, TTFT p50 x{ratios['ttft_p50']}, req/s x{ratios['requests_per_s']}; "
+        f"x{ratios['ttft_p90']}, TTFT p50 x{ratios['ttft_p50']}, req/s x{ratios['requests_per_s']}, "
+        f"uncached prompt tokens x{ratios['uncached_prompt_tokens']}; "
         f"target (hit >= x{TARGET_HIT_RATIO}, p90 <= x{TARGET_TTFT_P90}) {'met' if target_met else 'NOT met'}",
         flush=True,
     )
     print(json.dumps({
         "benchmark": "e2e_load",
         "quick": args.quick,
-        "workload": {"sessions": sessions, "turns": turns, "concurrency": args.concurrency,
+        "workload": {"sessions": sessions, "turns": turns, "concurrency": args.concurrency, "llm_replicas": args.llms,
                      "seed": args.seed, "media_items": n_media},
         "round_robin": rr,
         "cache_aware": ca,

@@ -39,9 +39,11 @@ def _error(state: ServiceState, status: int, message: str, param: str | None = N
 
 
 @router.get("/healthz")
-async def healthz(state: StateDep) -> HealthStatus:
+async def healthz(state: StateDep) -> JSONResponse:
+    """Liveness: 500 once loading failed, so an orchestrator restarts the service."""
     status = "error" if state.error else "ok"
-    return HealthStatus(status=status, service="llm", model=state.model_name, detail=state.error)
+    body = HealthStatus(status=status, service="llm", model=state.model_name, detail=state.error)
+    return JSONResponse(body.model_dump(), status_code=500 if state.error else 200)
 
 
 @router.get("/readyz")

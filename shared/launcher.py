@@ -103,6 +103,13 @@ class Service:
             return ""
 
 
+def _load_failed(r: httpx.Response) -> bool:
+    try:
+        return r.status_code >= 500 and r.json().get("status") == "error"
+    except ValueError:
+        return False
+
+
 def wait_ready(services: list[Service], timeout: float) -> None:
     """Poll every service's /readyz until all answer 200; raise with their logs otherwise."""
     deadline = time.monotonic() + timeout
@@ -113,8 +120,11 @@ def wait_ready(services: list[Service], timeout: float) -> None:
                 if not svc.alive():
                     raise RuntimeError(f"{svc.name} exited early:\n{svc.log_tail()}")
                 try:
-                    if client.get(f"{svc.url}/readyz").status_code == 200:
+                    r = client.get(f"{svc.url}/readyz")
+                    if r.status_code == 200:
                         pending.remove(svc)
+                    elif _load_failed(r):
+                        raise RuntimeError(f"{svc.name} failed to load: {r.text}\n{svc.log_tail()}")
                 except httpx.HTTPError:
                     pass
             if pending and time.monotonic() > deadline:

@@ -75,3 +75,20 @@ def test_compose_services_run_as_local_processes(compose, tmp_path):
     finally:
         for svc in reversed(services):
             svc.stop()
+
+
+def test_launcher_fails_fast_when_a_service_cannot_load(tmp_path):
+    """A bundle that does not load makes wait_ready raise with the service's log at once,
+    instead of polling /readyz until the timeout."""
+    import time
+
+    from shared.launcher import LocalStack, StackSpec
+
+    bad = tmp_path / "bad-bundle"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"architectures": ["NoSuchModelForCausalLM"]}')
+    t0 = time.monotonic()
+    with LocalStack(StackSpec(model_dir=str(bad), gateway_port=0), log_dir=tmp_path / "logs") as stack:
+        with pytest.raises(RuntimeError, match="(failed to load|exited early)"):
+            stack.wait_ready(timeout=120)
+    assert time.monotonic() - t0 < 100
