@@ -69,6 +69,10 @@ class LLMSettings(_ServiceSettings):
     max_batch_tokens: int = Field(default=512, ge=16)
     max_running: int = Field(default=64, ge=1)
     enable_prefix_cache: bool = True
+    schedule_policy: str = Field(
+        default="compute_aware",
+        description="admission order: compute_aware (fewest uncached tokens first, with aging) or fcfs",
+    )
 
 
 class GatewaySettings(_ServiceSettings):

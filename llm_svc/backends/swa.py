@@ -60,7 +60,7 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
         max_running=settings.max_running,
         window=model.window,
         enable_prefix_cache=settings.enable_prefix_cache,
-        **(scheduler_overrides or {}),
+        **{"policy": settings.schedule_policy, **(scheduler_overrides or {})},
     )
     geometry = MeasuredGeometry.of(model, lm.dtype)
     num_full, num_swa = size_pools(kv_budget_bytes(settings, lm.device), geometry, settings.swa_fraction,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llm_svc.engine.forward_batch import ForwardBatch, SeqForward
@@ -79,7 +80,10 @@ class Scheduler:
     ``abort``/``finish`` may come from another thread; ``schedule`` and ``postprocess`` alternate
     (the runner runs in between). ``postprocess`` needs a token for every seq with ``need_logits``."""
 
-    def __init__(self, config: SchedulerConfig, num_full_slots: int, num_swa_slots: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, num_full_slots: int, num_swa_slots: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if config.release_swa and num_swa_slots < config.min_swa_slots():
             raise ValueError(
                 f"SWA pool of {num_swa_slots} slots is too small: need >= {config.min_swa_slots()} "
@@ -88,6 +92,9 @@ class Scheduler:
         self.config = config
         self.kv = KVManager(num_full_slots, num_swa_slots, config.window, config.enable_prefix_cache)
         self.policy = make_policy(config.policy)
+        # the admission policy's "now" (same time base as Request.arrival_time); a simulation
+        # passes its simulated clock
+        self.clock = clock
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order: oldest first
         self.requests: dict[str, Request] = {}
@@ -185,7 +192,7 @@ class Scheduler:
         if budget >= 1 and len(self.running) < cfg.max_running and self.waiting and (
             self.num_preemptions == preempted_before
         ):
-            order = self.policy.order(self.waiting, time.monotonic(), self.kv.tree.peek_match_len)
+            order = self.policy.order(self.waiting, self.clock(), self.kv.tree.peek_match_len)
             for req in order:
                 if budget < 1 or len(self.running) >= cfg.max_running:
                     break
