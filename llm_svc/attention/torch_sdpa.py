@@ -1,9 +1,8 @@
-"""CPU/any-device attention in plain torch: gather context KV by slot, masked matmul softmax.
+"""Reference attention in plain torch: one masked matmul softmax per prefill chunk.
 
-Sequences are grouped so padding stays small: all single-token decodes form one padded batch
-``[B, 1, Lmax]``; each prefill chunk is its own group ``[1, n, L]``.
-Masks follow transformers exactly: causal ``k <= q``; sliding adds ``k > q - W``; a Gemma 3
-image span is bidirectional inside itself: ``(causal | same_span) & window``.
+All single-token decodes form one padded batch ``[B, 1, Lmax]``; each prefill chunk is its own
+group ``[1, n, L]`` (a Python loop per layer). Kept as the simple, obviously-right backend the
+batched one (``torch_batched``) is tested against; select it as ``torch_sdpa_loop``.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from llm_svc.engine.forward_batch import ForwardBatch, SeqForward
 
 from . import register_attention_backend
 from .base import FULL, SLIDING, AttentionBackend, AttentionParams, LayerKV
+from .torch_common import additive_bias, allowed_mask, attend, ctx_of
 
 
 @dataclass
@@ -39,74 +39,31 @@ class StepMeta:
     kinds: dict[str, KindMeta]
 
 
-def _allowed(qpos: torch.Tensor, kpos: torch.Tensor, spans: list[tuple[int, int]], window: int | None) -> torch.Tensor:
-    """``[n, L]`` bool mask of a sequence's queries at ``qpos [n]`` over keys at ``kpos [L]``."""
-    q, k = qpos[:, None], kpos[None, :]
-    ok = k <= q
-    for s, e in spans:
-        ok |= (q >= s) & (q < e) & (k >= s) & (k < e)
-    if window is not None:
-        ok &= k > q - window
-    return ok
-
-
-def _bias(mask: torch.Tensor, device) -> torch.Tensor:
-    """Bool mask -> additive float bias, built once per step and shared by all layers (an add
-    is several times cheaper than ``masked_fill`` with a broadcast mask on CPU)."""
-    return torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf")).to(device)
-
-
-def _ctx(sf: SeqForward, kind: str) -> tuple[list[int], int]:
-    """Context slots of ``kind``'s pool and the position of the first one."""
-    return (sf.ctx_full_slots, 0) if kind == FULL else (sf.ctx_swa_slots, sf.swa_ctx_start)
-
-
 def _prefill_group(sf: SeqForward, row: int, kind: str, window: int, device) -> Group:
-    slots, k0 = _ctx(sf, kind)
+    slots, k0 = ctx_of(sf, kind)
     n = len(sf.token_ids)
     qpos = torch.arange(sf.positions[0], sf.positions[0] + n)
     kpos = torch.arange(k0, k0 + len(slots))
-    mask = _allowed(qpos, kpos, sf.bidirectional_spans, window if kind == SLIDING else None)
+    mask = allowed_mask(qpos, kpos, sf.bidirectional_spans, window if kind == SLIDING else None)
     return Group(torch.arange(row, row + n, device=device), n,
-                 torch.tensor([slots], dtype=torch.long, device=device), _bias(mask[None], device))
+                 torch.tensor([slots], dtype=torch.long, device=device), additive_bias(mask[None], device))
 
 
 def _decode_group(members: list[tuple[int, SeqForward]], kind: str, device) -> Group:
     """A decode sees its whole context (full: 0..p; sliding: the scheduler already cut it to
     the window), so its mask is only the padding mask."""
-    ctxs = [_ctx(sf, kind)[0] for _, sf in members]
+    ctxs = [ctx_of(sf, kind)[0] for _, sf in members]
     L = max(len(c) for c in ctxs)
     padded = [c + [0] * (L - len(c)) for c in ctxs]
     lens = torch.tensor([len(c) for c in ctxs])
     mask = (torch.arange(L)[None, :] < lens[:, None])[:, None, :]  # [B, 1, L]
     rows = torch.tensor([r for r, _ in members], dtype=torch.long, device=device)
-    return Group(rows, 1, torch.tensor(padded, dtype=torch.long, device=device), _bias(mask, device))
+    return Group(rows, 1, torch.tensor(padded, dtype=torch.long, device=device), additive_bias(mask, device))
 
 
-def attend(q, k, v, bias, params: AttentionParams) -> torch.Tensor:
-    """q [B, nq, Hq, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv], bias [B, nq, L] (0 / -inf)
-    -> [B, nq, Hq, Dv]."""
-    b, nq, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv  # query head h reads kv head h // g (transformers' repeat_kv order)
-    qh = q.reshape(b, nq, hkv, g, d)
-    s = torch.einsum("bqhgd,blhd->bhgql", qh, k).float() * params.scale  # [B, Hkv, G, nq, L]
-    if params.softcap is not None:
-        s = torch.tanh(s / params.softcap) * params.softcap
-    s = s + bias[:, None, None]
-    if params.sinks is not None:
-        sink = params.sinks.float().reshape(1, hkv, g, 1, 1).expand(b, hkv, g, nq, 1)
-        s = torch.cat([s, sink], dim=-1)
-    p = torch.softmax(s, dim=-1)
-    if params.sinks is not None:
-        p = p[..., :-1]  # the sink absorbs probability mass but has no value
-    out = torch.einsum("bhgql,blhd->bqhgd", p.to(v.dtype), v)  # [B, nq, Hkv, G, Dv]
-    return out.reshape(b, nq, hq, -1)
-
-
-@register_attention_backend("torch")
-class TorchAttention(AttentionBackend):
-    name = "torch"
+@register_attention_backend("torch_sdpa_loop")
+class TorchLoopAttention(AttentionBackend):
+    name = "torch_sdpa_loop"
 
     def prepare(self, batch: ForwardBatch, window: int, device: torch.device) -> StepMeta:
         kinds: dict[str, KindMeta] = {}

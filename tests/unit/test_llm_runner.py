@@ -11,6 +11,8 @@ import random
 import pytest
 import torch
 
+from llm_svc.attention import create_attention_backend
+from llm_svc.attention.torch_batched import BucketPolicy, TorchBatchedAttention
 from llm_svc.engine.forward_batch import ForwardBatch, SeqForward
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.loader import load_lm
@@ -86,8 +88,13 @@ def hf_logits(lm, ids: list[int], embeds: torch.Tensor | None = None, token_type
         return lm.model(**kw).logits[0].float()
 
 
-def make_runner(lm, num_full=2048, num_swa=256):
-    return ModelRunner(build_model(lm.arch, lm.model), num_full, num_swa)
+def make_runner(lm, num_full=2048, num_swa=256, attention="torch"):
+    runner = ModelRunner(build_model(lm.arch, lm.model), num_full, num_swa)
+    if attention == "blocks8":  # tiny query blocks: every chunk is cut, image spans straddle blocks
+        runner.attn = TorchBatchedAttention(BucketPolicy(q_block=8))
+    elif attention != "torch":
+        runner.attn = create_attention_backend(attention)
+    return runner
 
 
 def run_chunked(runner, sim, rid, ids, chunk, n_prompt, mm=None):
@@ -139,14 +146,15 @@ def test_greedy_tokens_match_generate(mimo16):
     assert got == expected
 
 
+@pytest.mark.parametrize("attention", ["torch", "torch_sdpa_loop", "blocks8"])
 @pytest.mark.parametrize("arch", ["mimo", "gemma3"])
-def test_mixed_batch_of_prefills_and_decodes(arch, mimo16, gemma16):
+def test_mixed_batch_of_prefills_and_decodes(arch, attention, mimo16, gemma16):
     lm = mimo16 if arch == "mimo" else gemma16
     g = torch.Generator().manual_seed(3)
     seqs = {r: torch.randint(10, lm.vocab_size, (n,), generator=g).tolist()
             for r, n in (("a", 60), ("b", 45), ("c", 80), ("d", 30))}
     refs = {r: hf_logits(lm, ids) for r, ids in seqs.items()}
-    runner, sim = make_runner(lm, 4096, 512), SlotSim(4096, 512, seed=3)
+    runner, sim = make_runner(lm, 4096, 512, attention), SlotSim(4096, 512, seed=3)
     done = {r: 0 for r in seqs}
     prompt = {"a": 50, "b": 20, "c": 70, "d": 30}
     chunk = {"a": 50, "b": 7, "c": 23, "d": 11}
@@ -200,7 +208,8 @@ def test_mimo_image_rows_are_injected(mimo16):
     assert not torch.allclose(ref[69], plain[69], atol=1e-3)  # the image changed the output
 
 
-def test_gemma3_image_attends_bidirectionally(gemma16):
+@pytest.mark.parametrize("attention", ["torch", "torch_sdpa_loop", "blocks8"])
+def test_gemma3_image_attends_bidirectionally(attention, gemma16):
     lm = gemma16
     g = torch.Generator().manual_seed(5)
     n_prompt, s0, n = 80, 30, 16
@@ -223,7 +232,7 @@ def test_gemma3_image_attends_bidirectionally(gemma16):
         return {"mm_rows": rows, "mm_items": [item] if rows else [], "spans": spans}
 
     # chunk boundaries at 25 and 50: the image (30..46) lies inside one chunk, as the scheduler keeps it
-    runner, sim = make_runner(lm), SlotSim(1024, 128, seed=5)
+    runner, sim = make_runner(lm, attention=attention), SlotSim(1024, 128, seed=5)
     got = run_chunked(runner, sim, "i", ids, 25, n_prompt, mm=mm)
     for p in (49, 74, 79):
         torch.testing.assert_close(got[p], ref[p], atol=ATOL, rtol=1e-4)

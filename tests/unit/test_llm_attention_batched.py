@@ -1,0 +1,130 @@
+"""Batched attention (padded buckets, query blocks) vs the one-chunk-at-a-time reference backend
+on random steps: prefill chunks of different lengths mixed with decodes, full and sliding
+layers, GQA, sinks, soft-cap, Gemma 3 bidirectional image spans; plus the padding bounds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llm_svc.attention import FULL, SLIDING, AttentionParams, LayerKV, create_attention_backend
+from llm_svc.attention.torch_batched import BucketPolicy, TorchBatchedAttention, plan_buckets
+from llm_svc.engine.forward_batch import ForwardBatch, SeqForward
+
+pytestmark = pytest.mark.unit
+HQ, D, DV = 4, 8, 6
+
+
+def random_step(rng: random.Random, window: int, num_seqs: int, num_full: int, num_swa: int,
+                spans: bool) -> ForwardBatch:
+    """A step of ``num_seqs`` sequences (about half decodes) over shuffled, disjoint slots."""
+    free_full, free_swa = list(range(num_full)), list(range(num_swa))
+    rng.shuffle(free_full)
+    rng.shuffle(free_swa)
+    seqs = []
+    for i in range(num_seqs):
+        decode = rng.random() < 0.5
+        start = rng.randint(1, 120) if decode else rng.choice([0, rng.randint(1, 90)])
+        n = 1 if decode else rng.randint(2, 70)
+        end = start + n
+        full = [free_full.pop() for _ in range(end)]
+        s0 = max(0, start - window + 1)
+        swa = [free_swa.pop() for _ in range(end - s0)]
+        sp = []
+        if spans and n >= 6 and rng.random() < 0.9:  # an image inside the chunk, as the scheduler keeps it
+            a = rng.randint(start, end - 4)
+            sp = [(a, min(end, a + rng.randint(3, 24)))]
+        seqs.append(SeqForward(f"r{i}", [7] * n, list(range(start, end)), full[start:], swa[-n:], full, swa, s0,
+                               True, bidirectional_spans=sp))
+    rng.shuffle(seqs)
+    return ForwardBatch(seqs)
+
+
+def run_backend(backend, batch, window, kind, q, k, v, cache, params):
+    meta = backend.prepare(batch, window, torch.device("cpu"))
+    c = LayerKV(cache.k.clone(), cache.v.clone())
+    return backend.forward(kind, q, k, v, c, meta, params), c
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("kind", [FULL, SLIDING])
+def test_batched_matches_loop_on_random_steps(seed, kind):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    window = rng.choice([4, 16, 33])
+    hkv = rng.choice([1, 2, 4])  # GQA groups 4, 2, 1
+    batch = random_step(rng, window, num_seqs=rng.randint(2, 9), num_full=2048, num_swa=2048, spans=seed % 3 != 1)
+    t = batch.num_tokens
+    q, k = torch.randn(t, HQ, D, generator=g), torch.randn(t, hkv, D, generator=g)
+    v = torch.randn(t, hkv, DV, generator=g)
+    cache = LayerKV(torch.randn(2048, hkv, D, generator=g), torch.randn(2048, hkv, DV, generator=g))
+    params = AttentionParams(
+        scale=D ** -0.5,
+        sinks=torch.randn(HQ, generator=g) * 3 if seed % 3 != 1 else None,
+        softcap=5.0 if seed % 3 == 2 else None,
+    )
+    ref, ref_cache = run_backend(create_attention_backend("torch_sdpa_loop"), batch, window, kind, q, k, v, cache,
+                                 params)
+    # small buckets and tiny score caps so padding, query blocks and query slicing all happen
+    for policy in (BucketPolicy(), BucketPolicy(max_pad_ratio=4.0, q_block=8, max_score_elems=2000),
+                   BucketPolicy(max_pad_ratio=1.0, pad_slack=0, q_block=0)):
+        backend = TorchBatchedAttention(policy)
+        got, got_cache = run_backend(backend, batch, window, kind, q, k, v, cache, params)
+        for bucket in backend.prepare(batch, window, torch.device("cpu")).kinds[kind].buckets:
+            assert (bucket.bias > float("-inf")).any(-1).all()  # every row, padded or not, has a key
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got_cache.k, ref_cache.k) and torch.equal(got_cache.v, ref_cache.v)
+
+
+def test_spans_change_the_output():
+    """The span-bearing random steps above really exercise bidirectional masks."""
+    rng = random.Random(0)
+    batch = random_step(rng, 16, 8, 2048, 2048, spans=True)
+    assert any(s.bidirectional_spans for s in batch.seqs)
+    g = torch.Generator().manual_seed(0)
+    t = batch.num_tokens
+    q, k, v = torch.randn(t, HQ, D, generator=g), torch.randn(t, 2, D, generator=g), torch.randn(t, 2, DV, generator=g)
+    cache = LayerKV(torch.randn(2048, 2, D, generator=g), torch.randn(2048, 2, DV, generator=g))
+    params = AttentionParams(scale=0.3)
+    with_spans, _ = run_backend(TorchBatchedAttention(), batch, 16, FULL, q, k, v, cache, params)
+    for s in batch.seqs:
+        s.bidirectional_spans = []
+    causal, _ = run_backend(TorchBatchedAttention(), batch, 16, FULL, q, k, v, cache, params)
+    assert not torch.allclose(with_spans, causal, atol=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_buckets_bounds_padding(seed):
+    rng = random.Random(seed)
+    sizes = [(1, rng.randint(1, 300)) if rng.random() < 0.6 else (rng.randint(2, 64), rng.randint(64, 400))
+             for _ in range(rng.randint(1, 40))]
+    policy = BucketPolicy(max_pad_ratio=1.3, pad_slack=100, max_pairs=20000)
+    plan = plan_buckets(sizes, policy)
+    assert sorted(i for b in plan for i in b) == list(range(len(sizes)))
+    for b in plan:
+        n = {sizes[i][0] for i in b}
+        if n == {1}:  # the decodes: one bucket, padded in keys only
+            assert b == [i for i, (q, _) in enumerate(sizes) if q == 1]
+        elif len(b) > 1:
+            padded = len(b) * max(n) * max(sizes[i][1] for i in b)
+            real = sum(sizes[i][0] * sizes[i][1] for i in b)
+            assert padded <= 1.3 * real + 100 * (len(b) - 1) and padded <= 20000
+
+
+def test_one_long_prefill_and_many_decodes_stay_apart():
+    """Memory: decodes must not be padded up to a long chunk's query count."""
+    sizes = [(2048, 4096)] + [(1, 4000 + i) for i in range(64)]
+    plan = plan_buckets(sizes, BucketPolicy(q_block=0))
+    assert [0] in plan and sum(len(b) for b in plan if 0 not in b) == 64
+    long = SeqForward("long", [1] * 300, list(range(300)), list(range(300)), list(range(300)), list(range(300)),
+                      list(range(300)), 0, True)
+    decodes = [SeqForward(f"d{i}", [1], [200], [300 + i], [300 + i], list(range(200)) + [300 + i],
+                          list(range(185, 200)) + [300 + i], 185, True) for i in range(32)]
+    batch = ForwardBatch([long, *decodes])
+    meta = TorchBatchedAttention(BucketPolicy(q_block=64)).prepare(batch, 16, torch.device("cpu"))
+    for kind in (FULL, SLIDING):
+        biggest = max(b.bias.numel() for b in meta.kinds[kind].buckets)
+        assert biggest <= 2 * 300 * 300  # not (1 + 32) * 300 * 300
