@@ -51,8 +51,9 @@ class GatewayState:
             headers={"user-agent": "mmserve-gateway"},
         )
         prober = http_prober(http, timeout=min(2.0, s.connect_timeout))
-        encoder_pool = ReplicaPool("encoder", s.encoder_urls, prober=prober)
-        llm_pool = ReplicaPool("llm", s.llm_urls, prober=prober)
+        threshold = s.health_fail_threshold
+        encoder_pool = ReplicaPool("encoder", s.encoder_urls, prober=prober, fail_threshold=threshold)
+        llm_pool = ReplicaPool("llm", s.llm_urls, prober=prober, fail_threshold=threshold)
         ring = EncoderRing()
         encoder_pool.on_change(lambda: ring.set_nodes(encoder_pool.routable()))
         timeout = httpx.Timeout(s.request_timeout, connect=s.connect_timeout)

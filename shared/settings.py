@@ -98,6 +98,9 @@ class GatewaySettings(_ServiceSettings):
     health_interval: float = Field(
         default=5.0, ge=0, description="seconds between /readyz probes of replicas; 0 disables"
     )
+    health_fail_threshold: int = Field(
+        default=3, ge=1, description="consecutive failed /readyz probes before a replica leaves rotation"
+    )
     dns_interval: float = Field(
         default=30.0, ge=0, description="seconds between DNS re-resolutions of replica hosts; 0 disables"
     )

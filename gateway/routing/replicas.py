@@ -59,13 +59,20 @@ class ReplicaPool:
         *,
         resolver: HostResolver = resolve_ipv4,
         prober: Prober | None = None,
+        fail_threshold: int = 1,
     ) -> None:
+        if fail_threshold < 1:
+            raise ValueError("fail_threshold must be >= 1")
         self.name = name
         self.urls = [u.rstrip("/") for u in urls]
         self._resolver = resolver
         self._prober = prober
         self._replicas: list[str] = list(dict.fromkeys(self.urls))
         self._down: set[str] = set()
+        # consecutive failed probes per replica: one slow probe on a busy host must not
+        # reshuffle the ring (and every encoder cache behind it)
+        self.fail_threshold = fail_threshold
+        self._fails: dict[str, int] = {}
         self._listeners: list[Callable[[], None]] = []
         self._probing = False  # True while run() probes, so a marked-down replica can come back
 
@@ -139,7 +146,13 @@ class ReplicaPool:
         replicas = self.replicas()
         results = await asyncio.gather(*(self._prober(r) for r in replicas))
         for r, ok in zip(replicas, results):
-            self.mark_up(r) if ok else self.mark_down(r)
+            if ok:
+                self._fails.pop(r, None)
+                self.mark_up(r)
+                continue
+            self._fails[r] = self._fails.get(r, 0) + 1
+            if self._fails[r] >= self.fail_threshold:
+                self.mark_down(r)
 
     async def any_ready(self) -> bool:
         """Probe now: does at least one replica answer ready?"""

@@ -105,3 +105,23 @@ def test_passive_failures_only_count_while_probes_can_recover():
         task.cancel()
 
     asyncio.run(main())
+
+
+def test_a_replica_leaves_rotation_only_after_consecutive_failed_probes():
+    urls = ["http://10.0.0.1:1", "http://10.0.0.2:1"]
+    healthy = set(urls)
+    pool = ReplicaPool("encoder", urls, prober=prober(healthy), fail_threshold=3)
+    healthy.discard(urls[1])
+    for _ in range(2):
+        asyncio.run(pool.probe_all())
+    assert pool.healthy() == urls  # two slow/failed probes: still routable
+    healthy.add(urls[1])
+    asyncio.run(pool.probe_all())  # a success resets the count
+    healthy.discard(urls[1])
+    for _ in range(2):
+        asyncio.run(pool.probe_all())
+    assert pool.healthy() == urls
+    asyncio.run(pool.probe_all())
+    assert pool.healthy() == urls[:1]
+    with pytest.raises(ValueError):
+        ReplicaPool("encoder", urls, fail_threshold=0)
