@@ -57,3 +57,24 @@ def redis_url() -> str:
         if s.connect_ex((REDIS_HOST, REDIS_PORT)) != 0:
             pytest.fail(f"Redis is not running at {REDIS_HOST}:{REDIS_PORT}; start it (see README)")
     return f"redis://{REDIS_HOST}:{REDIS_PORT}/0"
+
+
+SMALL_W = 16  # a window small enough that a few hundred tokens span several windows
+
+
+@pytest.fixture(scope="session")
+def mimo16(tmp_path_factory):
+    """The tiny MiMo bundle with sliding window 16, loaded by llm_svc.loader."""
+    from llm_svc.loader import load_lm
+    from shared.tiny_model import write_tiny_model
+
+    return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "mimo16", sliding_window=SMALL_W)))
+
+
+@pytest.fixture(scope="session")
+def gemma16(tmp_path_factory):
+    """The tiny Gemma 3 checkpoint with sliding window 16, loaded by llm_svc.loader."""
+    from llm_svc.loader import load_lm
+    from shared.tiny_model import write_tiny_model
+
+    return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "gemma16", arch="gemma3", sliding_window=SMALL_W)))

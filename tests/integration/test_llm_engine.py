@@ -14,13 +14,13 @@ from llm_svc.backends.hf import generate_kwargs, generation_config, media_rows_i
 from llm_svc.engine.engine import Engine
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
-from llm_svc.loader import load_lm
+from tests.conftest import SMALL_W
 from llm_svc.models import build_model
 from llm_svc.prompt import PreparedRequest
 from shared.schemas import SamplingParams
 
 pytestmark = pytest.mark.integration
-W = 16
+W = SMALL_W
 
 
 class ListStream(RequestStream):
@@ -40,20 +40,6 @@ class ListStream(RequestStream):
     @property
     def tokens(self) -> list[int]:
         return [t for o in self.outs for t in o.token_ids]
-
-
-@pytest.fixture(scope="module")
-def mimo16(tmp_path_factory):
-    from shared.tiny_model import write_tiny_model
-
-    return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "mimo16", sliding_window=W)))
-
-
-@pytest.fixture(scope="module")
-def gemma16(tmp_path_factory):
-    from shared.tiny_model import write_tiny_model
-
-    return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "gemma16", arch="gemma3", sliding_window=W)))
 
 
 def make_engine(lm, num_full=4096, num_swa=None, **cfg) -> Engine:

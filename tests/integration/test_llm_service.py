@@ -91,12 +91,8 @@ def post(svc: ServerThread, req: GenerateRequest, tensors: dict, **kw) -> httpx.
                       headers={"content-type": SAFETENSORS_MIME}, timeout=120, **kw)
 
 
-def reference_generate(bundle, req: GenerateRequest, emb: torch.Tensor, max_new_tokens: int) -> list[int]:
-    """transformers' own greedy generate on the same prompt: chat template, pad expanded, rows replaced."""
-    from transformers import AutoTokenizer, MiMoV2FlashForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(bundle)
-    model = MiMoV2FlashForCausalLM.from_pretrained(bundle, attn_implementation="eager").eval()
+def _reference_embeds(model, tok, req, emb) -> tuple[list[int], torch.Tensor]:
+    """The prompt as transformers sees it: chat template, image pad expanded, rows replaced."""
     msgs = [{"role": m.role, "content": [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
                                          for p in m.content]} for m in req.messages]
     ids = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
@@ -107,6 +103,17 @@ def reference_generate(bundle, req: GenerateRequest, emb: torch.Tensor, max_new_
     with torch.no_grad():
         x = model.get_input_embeddings()(torch.tensor([ids]))
         x[0, k : k + emb.shape[0]] = emb
+    return ids, x
+
+
+def reference_generate(bundle, req: GenerateRequest, emb: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate on the same prompt: chat template, pad expanded, rows replaced."""
+    from transformers import AutoTokenizer, MiMoV2FlashForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(bundle)
+    model = MiMoV2FlashForCausalLM.from_pretrained(bundle, attn_implementation="eager").eval()
+    ids, x = _reference_embeds(model, tok, req, emb)
+    with torch.no_grad():
         out = model.generate(inputs_embeds=x, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False)
     return out[0].tolist()
@@ -361,15 +368,7 @@ def _first_logprob(model, bundle, req, emb) -> float:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(bundle)
-    msgs = [{"role": m.role, "content": [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
-                                         for p in m.content]} for m in req.messages]
-    ids = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
-        "input_ids"]
-    pad = tok.convert_tokens_to_ids("<|image_pad|>")
-    k = ids.index(pad)
-    ids = ids[:k] + [pad] * emb.shape[0] + ids[k + 1 :]
+    ids, x = _reference_embeds(model, tok, req, emb)
     with torch.no_grad():
-        x = model.get_input_embeddings()(torch.tensor([ids]))
-        x[0, k : k + emb.shape[0]] = emb
         logits = model(inputs_embeds=x).logits[0, -1]
     return float(torch.log_softmax(logits.float(), -1).max())

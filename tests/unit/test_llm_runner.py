@@ -15,26 +15,12 @@ from llm_svc.attention import create_attention_backend
 from llm_svc.attention.torch_batched import BucketPolicy, TorchBatchedAttention
 from llm_svc.engine.forward_batch import ForwardBatch, SeqForward
 from llm_svc.engine.model_runner import ModelRunner
-from llm_svc.loader import load_lm
+from tests.conftest import SMALL_W
 from llm_svc.models import build_model
 
 pytestmark = pytest.mark.unit
-W = 16
+W = SMALL_W
 ATOL = 2e-4
-
-
-@pytest.fixture(scope="module")
-def mimo16(tmp_path_factory):
-    from shared.tiny_model import write_tiny_model
-
-    return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "mimo16", sliding_window=W)))
-
-
-@pytest.fixture(scope="module")
-def gemma16(tmp_path_factory):
-    from shared.tiny_model import write_tiny_model
-
-    return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "gemma16", arch="gemma3", sliding_window=W)))
 
 
 class SlotSim:
