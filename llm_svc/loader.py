@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from shared.bundle import BundleSpec, load_bundle_spec
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -18,7 +18,7 @@ class LoadedLM:
 
     spec: BundleSpec
     tokenizer: PreTrainedTokenizerBase
-    model: torch.nn.Module  # the HF *ForCausalLM / *ForConditionalGeneration
+    model: torch.nn.Module | None  # the HF *ForCausalLM / *ForConditionalGeneration (None: front only)
     arch: str  # "mimo" | "gemma3" | other HF causal LM
     hidden_size: int
     vocab_size: int
@@ -27,10 +27,17 @@ class LoadedLM:
     bidirectional_media: bool = False  # Gemma 3: an image's tokens attend to each other
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
+    # longest vocabulary entry in UTF-8 bytes: len(text.encode()) / this is a lower bound on the
+    # number of tokens, so a prompt that cannot fit is refused before it is tokenized
+    max_token_bytes: int = 64
 
     @property
     def text_config(self):
         return self.model.config.get_text_config()
+
+    def min_tokens(self, text_bytes: int) -> int:
+        """A lower bound on the tokens of ``text_bytes`` bytes of text."""
+        return text_bytes // max(1, self.max_token_bytes)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings of token ids (Gemma's are scaled by sqrt(hidden) inside the module)."""
@@ -51,30 +58,45 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32") -> LoadedLM:
-    """Read the bundle spec, the tokenizer and the LM weights from ``model_dir``."""
+def _max_token_bytes(tokenizer) -> int:
+    vocab = tokenizer.get_vocab()
+    return max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
+
+
+def _arch_of(architecture: str) -> tuple[str, dict]:
+    """Our model family of an HF architecture name, and the from_pretrained kwargs it needs."""
+    if architecture.startswith("MiMoV2Flash"):
+        return "mimo", {"attn_implementation": "eager"}  # sdpa has no sink API
+    if architecture.startswith("Gemma3"):
+        return "gemma3", {"attn_implementation": "eager"}
+    return "other", {}
+
+
+def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights: bool = True) -> LoadedLM:
+    """Read the bundle spec, the tokenizer and the LM weights from ``model_dir``.
+
+    ``weights=False`` (the HTTP front of the engine-core split) reads only the config: the
+    returned ``model`` is None, everything else is filled in."""
     import transformers
 
     spec = load_bundle_spec(model_dir)
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    tdtype = _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    tdtype = DTYPES[dtype]
     tokenizer = AutoTokenizer.from_pretrained(spec.lm_dir)
     cls = getattr(transformers, spec.lm_architecture, None)
     if cls is None:
         raise ValueError(f"transformers has no class {spec.lm_architecture!r}")
-    kwargs = {"dtype": tdtype}
-    if spec.lm_architecture.startswith("MiMoV2Flash"):
-        kwargs["attn_implementation"] = "eager"  # sdpa has no sink API
-        arch = "mimo"
-    elif spec.lm_architecture.startswith("Gemma3"):
-        kwargs["attn_implementation"] = "eager"
-        arch = "gemma3"
+    arch, kwargs = _arch_of(spec.lm_architecture)
+    if weights:
+        model = cls.from_pretrained(spec.lm_dir, dtype=tdtype, **kwargs).to(device).eval()
+        model.requires_grad_(False)
+        config, eos_src = model.config, model
     else:
-        arch = "other"
-    model = cls.from_pretrained(spec.lm_dir, **kwargs).to(device).eval()
-    model.requires_grad_(False)
-    tcfg = model.config.get_text_config()
+        model = None
+        config = transformers.AutoConfig.from_pretrained(spec.lm_dir)
+        eos_src = _ConfigOnly(config, spec.lm_dir)
+    tcfg = config.get_text_config()
     pad_ids = {}
     for modality, ph in spec.placeholders.items():
         tid = tokenizer.convert_tokens_to_ids(ph.pad)
@@ -88,9 +110,23 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32") -> Load
         arch=arch,
         hidden_size=int(tcfg.hidden_size),
         vocab_size=int(tcfg.vocab_size),
-        eos_token_ids=_eos_ids(model, tokenizer),
+        eos_token_ids=_eos_ids(eos_src, tokenizer),
         pad_ids=pad_ids,
         bidirectional_media=(arch == "gemma3"),
-        device=torch.device(device),
+        device=torch.device(device if weights else "cpu"),  # the front keeps media on the CPU
         dtype=tdtype,
+        max_token_bytes=_max_token_bytes(tokenizer),
     )
+
+
+class _ConfigOnly:
+    """What ``_eos_ids`` reads of a model (config + generation config), without weights."""
+
+    def __init__(self, config, model_dir: str):
+        from transformers import GenerationConfig
+
+        self.config = config
+        try:
+            self.generation_config = GenerationConfig.from_pretrained(model_dir)
+        except OSError:  # no generation_config.json
+            self.generation_config = None

@@ -26,11 +26,14 @@ class LLMMetrics:
                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self.running = Gauge("mmserve_llm_running_requests", "Requests being generated", registry=r)
         self.waiting = Gauge("mmserve_llm_waiting_requests", "Requests waiting to start", registry=r)
+        self.restarts = Gauge("mmserve_llm_engine_core_restarts", "Engine-core processes restarted by the front",
+                              registry=r)
         self.kv_usage = Gauge("mmserve_llm_kv_pool_usage", "Fraction of a KV pool in use", ["pool"], registry=r)
 
     def render(self, stats: BackendStats) -> bytes:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
+        self.restarts.set(stats.engine_restarts)
         self.kv_usage.labels(pool="full").set(stats.kv_full_usage)
         self.kv_usage.labels(pool="swa").set(stats.kv_swa_usage)
         return generate_latest(self.registry)

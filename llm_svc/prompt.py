@@ -81,6 +81,16 @@ def prepare_request(
 
     Raises ``InvalidRequest`` (-> HTTP 400) with a message that says what to fix.
     """
+    s = req.sampling
+    # refuse what cannot fit before rendering and tokenizing it (an 8 MB prompt takes seconds)
+    text_bytes = sum(len(p.text.encode("utf-8", "replace")) for m in req.messages for p in m.content
+                     if isinstance(p, PromptText))
+    at_least = lm.min_tokens(text_bytes)
+    if at_least + s.max_tokens > max_model_len:
+        raise InvalidRequest(
+            f"the prompt has at least {at_least} tokens ({text_bytes} bytes of text) and max_tokens is "
+            f"{s.max_tokens}: together they exceed max_model_len={max_model_len}; shorten the prompt or "
+            "lower max_tokens", param="messages", code="context_length_exceeded")
     media = [p for m in req.messages for p in m.content if isinstance(p, PromptMedia)]
     supported = sorted(lm.pad_ids)
     for p in media:
@@ -95,7 +105,6 @@ def prepare_request(
         raise InvalidRequest(f"body has tensors {extra} that no media part refers to", param="body")
     items = {p.index: _check_tensor(lm, p, tensors) for p in media}
 
-    s = req.sampling
     bad = [t for t in s.stop_token_ids if not 0 <= t < lm.vocab_size]
     if bad:
         raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary [0, {lm.vocab_size})",

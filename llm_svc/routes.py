@@ -52,7 +52,7 @@ async def readyz(state: StateDep) -> JSONResponse:
         body = HealthStatus(status="ok", service="llm", model=state.model_name)
         return JSONResponse(body.model_dump())
     status = "error" if state.error else "loading"
-    body = HealthStatus(status=status, service="llm", model=state.model_name, detail=state.error)
+    body = HealthStatus(status=status, service="llm", model=state.model_name, detail=state.not_ready_detail)
     return JSONResponse(body.model_dump(), status_code=503)
 
 
@@ -85,30 +85,52 @@ class _Tracker:
 
 @router.post("/v1/generate")
 async def generate(request: Request, state: StateDep):
+    if not state.ready or state.prep is None:
+        return _error(state, 503, f"the model is not serving ({state.not_ready_detail}); retry later",
+                      type_="service_unavailable")
     body = await request.body()
-    try:
-        tensors, req = unpack(body, GenerateRequest)
+    try:  # unpacking and tokenizing run on worker threads: the event loop keeps answering
+        prep = await state.prep.run(_prepare, body, state.settings.max_model_len)
     except WireError as e:
         return _error(state, 400, f"the body must be shared.wire.pack(tensors, GenerateRequest) bytes: {e}",
                       param="body")
-    if not state.ready:
-        return _error(state, 503, f"the model is not loaded ({state.error or 'loading'}); retry later",
-                      type_="service_unavailable")
-    try:
-        prep = prepare_request(state.lm, req, tensors, state.settings.max_model_len)
     except InvalidRequest as e:
         return _error(state, 400, e.message, e.param, e.code)
+    if not state.ready:
+        return _error(state, 503, f"the model is not serving ({state.not_ready_detail}); retry later",
+                      type_="service_unavailable")
     if prep.request_id in state.in_flight:
         return _error(state, 400, f"request_id {prep.request_id!r} is already in flight; use a unique id",
                       param="request_id")
     try:
         stream = state.backend.submit(prep)
     except InvalidRequest as e:
+        if e.code == "engine_unavailable":
+            return _error(state, 503, e.message, type_="service_unavailable")
         return _error(state, 400, e.message, e.param, e.code)
     state.in_flight.add(prep.request_id)
     if prep.stream:
         return StreamingResponse(_ndjson(state, prep, stream), media_type=NDJSON)
     return await _collect(request, state, prep, stream)
+
+
+# JSON may spend up to 6 bytes on one byte of text (``\\u0001``); the rest of a header is a few
+# hundred bytes per message, each message rendering at least one token
+_JSON_BYTES_PER_TEXT_BYTE = 6
+_HEADER_SLACK = 1 << 20
+
+
+def _prepare(lm, body: bytes, max_model_len: int) -> PreparedRequest:
+    # a header far longer than any prompt that fits is refused before it is parsed (parsing
+    # 8 MB of JSON holds the GIL for tens of milliseconds)
+    header_bytes = int.from_bytes(body[:8], "little") if len(body) >= 8 else 0
+    limit = _JSON_BYTES_PER_TEXT_BYTE * lm.max_token_bytes * max_model_len + _HEADER_SLACK
+    if header_bytes > limit:
+        raise InvalidRequest(
+            f"the request header is {header_bytes} bytes: its prompt cannot fit max_model_len={max_model_len} "
+            "tokens; shorten the prompt", param="messages", code="context_length_exceeded")
+    tensors, req = unpack(body, GenerateRequest)
+    return prepare_request(lm, req, tensors, max_model_len)
 
 
 async def _ndjson(state: ServiceState, prep: PreparedRequest, stream: RequestStream) -> AsyncIterator[bytes]:
@@ -182,7 +204,10 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
         state.in_flight.discard(prep.request_id)
     assert final is not None
     if final.error:
-        return _error(state, 500, final.error, type_="server_error")
+        if final.error_status < 500:
+            return _error(state, final.error_status, final.error)
+        type_ = "service_unavailable" if final.error_status == 503 else "server_error"
+        return _error(state, final.error_status, final.error, type_=type_)
     return GenerateResponse(
         request_id=prep.request_id,
         text="".join(text),

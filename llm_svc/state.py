@@ -1,18 +1,48 @@
-"""What the routes of one LLM service app share: settings, the loaded model, the backend."""
+"""What the routes of one LLM service app share: settings, the loaded model, the backend, and
+the pool of threads that decode bodies and tokenize prompts off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from shared.settings import LLMSettings
 
-from .backends import Backend, create_backend
+from .backends import Backend, backend_class
 from .loader import LoadedLM, load_lm
 from .metrics import LLMMetrics
 
 log = logging.getLogger(__name__)
+
+PREP_THREADS = 2
+
+
+class PrepPool:
+    """Runs ``fn(lm, *args)`` on a worker thread, each thread with its own tokenizer copy (an HF
+    fast tokenizer must not be used from two threads at once), so that unpacking a big body
+    or tokenizing a long prompt never blocks ``/readyz`` or other requests."""
+
+    def __init__(self, lm: LoadedLM, workers: int = PREP_THREADS):
+        self._lm = lm
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="llm-prep")
+
+    def _call(self, fn, args):
+        lm = getattr(self._local, "lm", None)
+        if lm is None:
+            lm = self._local.lm = dataclasses.replace(self._lm, tokenizer=copy.deepcopy(self._lm.tokenizer))
+        return fn(lm, *args)
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._call, fn, args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
@@ -21,6 +51,7 @@ class ServiceState:
     metrics: LLMMetrics = field(default_factory=LLMMetrics)
     lm: LoadedLM | None = None
     backend: Backend | None = None
+    prep: PrepPool | None = None
     error: str | None = None
     in_flight: set[str] = field(default_factory=set)
 
@@ -32,16 +63,27 @@ class ServiceState:
 
     @property
     def ready(self) -> bool:
-        return self.backend is not None
+        return self.backend is not None and self.backend.ready
+
+    @property
+    def not_ready_detail(self) -> str:
+        if self.error:
+            return self.error
+        if self.backend is not None:
+            return self.backend.detail or "not serving"
+        return "loading"
 
     async def load(self) -> None:
-        """Load weights off the event loop, then start the backend; failures land in ``error``."""
+        """Load the model (the weights only where the backend runs in this process) off the
+        event loop, then start the backend; failures land in ``error``."""
         try:
             s = self.settings
-            lm = await asyncio.to_thread(load_lm, s.model_dir, s.device, s.dtype)
-            backend = await asyncio.to_thread(create_backend, s, lm)
+            cls = backend_class(s.backend)
+            lm = await asyncio.to_thread(load_lm, s.model_dir, s.device, s.dtype, cls.needs_weights)
+            backend = await asyncio.to_thread(cls, s, lm)
+            self.lm, self.prep = lm, PrepPool(lm)
             await backend.start()
-            self.lm, self.backend = lm, backend
+            self.backend = backend
             log.info("llm service ready: %s backend=%s", self.model_name, s.backend)
         except Exception as e:
             log.exception("llm service failed to load")
@@ -51,3 +93,5 @@ class ServiceState:
         if self.backend is not None:
             await self.backend.close()
             self.backend = None
+        if self.prep is not None:
+            self.prep.close()

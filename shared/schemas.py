@@ -4,7 +4,10 @@ Three groups live here, and nowhere else:
 
 * the OpenAI chat-completions subset the gateway accepts (``ChatCompletionRequest`` ...),
 * the encoder protocol (``EncodeParams`` in, ``EncodeResult`` + a tensor out),
-* the LLM protocol (``GenerateRequest`` in, ``GenerateResponse`` / ``GenerateChunk`` out).
+* the LLM protocol (``GenerateRequest`` in, ``GenerateResponse`` / ``GenerateChunk`` out),
+* the engine-core protocol between the LLM service's HTTP front and its engine-core process
+  (``CoreAdd`` / ``CoreAbort`` in, ``CoreReady`` / ``CoreOutputs`` / ``CoreFailed`` out):
+  msgspec structs, msgpack-encoded, over ZMQ (a per-token path, so no pydantic here).
 
 Embeddings never travel as JSON floats: they travel as safetensors bytes (see ``shared.wire``),
 with the typed header of the message stored in the safetensors metadata.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Modality = Literal["image", "video", "audio"]
@@ -322,3 +326,112 @@ class HealthStatus(BaseModel):
     service: str
     model: str | None = None
     detail: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Engine-core protocol (LLM front <-> engine-core process, msgpack over ZMQ)
+#
+# Every message carries the ``epoch`` of the core process it is for / from: the front starts
+# epoch 1, 2, ... on each (re)start and drops anything of an older one, and a core drops input
+# of another epoch, so nothing of a crashed core leaks into its successor.
+# --------------------------------------------------------------------------------------------
+
+
+class CoreTensor(msgspec.Struct, frozen=True):
+    """A tensor as raw bytes (row-major): ``dtype`` is a torch dtype name, e.g. ``"float32"``."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class CoreSampling(msgspec.Struct, frozen=True):
+    """``SamplingParams`` as the core needs it (already validated by the front)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class CoreAdd(msgspec.Struct, tag="add"):
+    """Start a request: the tokenized prompt with its media embeddings and spans."""
+
+    epoch: int
+    request_id: str
+    prompt_ids: list[int]
+    sampling: CoreSampling
+    mm_items: list[CoreTensor] = []
+    mm_spans: list[tuple[int, int, int]] = []  # (start_position, length, item_index)
+    mm_hashes: list[str] = []
+    bidirectional: bool = False
+    return_logprobs: bool = False
+
+
+class CoreAbort(msgspec.Struct, tag="abort"):
+    """Stop requests and free what they hold (unknown ids are ignored)."""
+
+    epoch: int
+    request_ids: list[str]
+
+
+class CoreShutdown(msgspec.Struct, tag="shutdown"):
+    epoch: int
+
+
+CoreInput = Union[CoreAdd, CoreAbort, CoreShutdown]
+
+
+class CoreToken(msgspec.Struct, array_like=True):
+    """One step's result for one request: a sampled token (or none, for a finish without one)
+    and, on the last, ``finish_reason``; ``error`` (with ``status``, 4xx or 5xx) fails it."""
+
+    request_id: str
+    token_id: int | None = None
+    logprob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0
+    error: str | None = None
+    status: int = 0
+
+
+class CoreStats(msgspec.Struct):
+    running: int = 0
+    waiting: int = 0
+    kv_full_usage: float = 0.0
+    kv_swa_usage: float = 0.0
+    prefix_hit_tokens: int = 0
+    steps: int = 0
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs"):
+    """What one loop iteration of the core produced; also its heartbeat (``outputs`` may be
+    empty). ``stats`` rides along at most a few times a second."""
+
+    epoch: int
+    outputs: list[CoreToken] = []
+    stats: CoreStats | None = None
+
+
+class CoreReady(msgspec.Struct, tag="ready"):
+    """The core loaded the model and serves; capacities let the front refuse what never fits."""
+
+    epoch: int
+    pid: int
+    num_full_slots: int
+    num_swa_slots: int
+    window: int
+    kv_bytes: int
+
+
+class CoreFailed(msgspec.Struct, tag="failed"):
+    """The core could not start (e.g. the model does not load); it exits after sending this."""
+
+    epoch: int
+    error: str
+
+
+CoreOutput = Union[CoreOutputs, CoreReady, CoreFailed]

@@ -73,6 +73,16 @@ class LLMSettings(_ServiceSettings):
         default="compute_aware",
         description="admission order: compute_aware (fewest uncached tokens first, with aging) or fcfs",
     )
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="dtype of the KV pools; auto: the model's dtype"
+    )
+    threads: int = Field(default=0, ge=0, description="torch threads of the engine core; 0: torch's default")
+    # the engine core runs in its own process, supervised by the HTTP front
+    core_stall_timeout: float = Field(
+        default=60.0, gt=0, description="seconds without a heartbeat from a busy engine core before it is restarted"
+    )
+    core_start_timeout: float = Field(default=600.0, gt=0, description="seconds a starting engine core may take")
+    core_max_backoff: float = Field(default=30.0, gt=0, description="longest wait between engine-core restarts")
 
 
 class GatewaySettings(_ServiceSettings):

@@ -30,12 +30,17 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_backend(settings: LLMSettings, lm: LoadedLM) -> Backend:
+def backend_class(name: str) -> BackendFactory:
+    """The registered backend ``name`` (its ``needs_weights`` tells how to load the LM)."""
     _ensure_builtin()
-    if settings.backend not in _REGISTRY:
-        raise ValueError(f"unknown backend {settings.backend!r}; choose one of {sorted(_REGISTRY)}")
-    return _REGISTRY[settings.backend](settings, lm)
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; choose one of {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def create_backend(settings: LLMSettings, lm: LoadedLM) -> Backend:
+    return backend_class(settings.backend)(settings, lm)
 
 
 __all__ = ["Backend", "BackendStats", "GenOutput", "RequestStream", "available_backends",
-           "create_backend", "register_backend"]
+           "backend_class", "create_backend", "register_backend"]

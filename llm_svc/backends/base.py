@@ -20,6 +20,7 @@ class GenOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    error_status: int = 500  # HTTP status of ``error``: 4xx the request's fault, 5xx ours
     logprobs: list[float] = field(default_factory=list)  # one per token_ids entry, if requested
 
     @property
@@ -62,6 +63,7 @@ class BackendStats:
     kv_full_usage: float = 0.0  # fraction of the full-attention KV pool in use
     kv_swa_usage: float = 0.0
     prefix_hit_tokens: int = 0  # cumulative
+    engine_restarts: int = 0  # engine-core processes restarted by the front's supervisor
 
 
 class Backend(ABC):
@@ -72,6 +74,19 @@ class Backend(ABC):
     """
 
     name: str = ""
+    # False: the front runs without the weights (they live in another process); ``load_lm`` is
+    # then called with ``weights=False``
+    needs_weights: bool = True
+
+    @property
+    def ready(self) -> bool:
+        """Serving now (an out-of-process engine may be restarting)."""
+        return True
+
+    @property
+    def detail(self) -> str | None:
+        """Why it is not ready, when it is not."""
+        return None
 
     @abstractmethod
     async def start(self) -> None:

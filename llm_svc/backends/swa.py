@@ -1,106 +1,49 @@
-"""``swa`` backend: our hybrid SWA engine (dual KV pools, radix prefix cache, continuous batching)."""
+"""``swa`` backend: our hybrid SWA engine (dual KV pools, radix prefix cache, continuous
+batching), run in its own supervised engine-core process (``llm_svc.core``)."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-from dataclasses import dataclass
-
-import torch
-
 from shared.settings import LLMSettings
 
-from ..attention import FULL, SLIDING
-from ..engine.engine import Engine
-from ..engine.model_runner import ModelRunner
-from ..engine.scheduler import Scheduler, SchedulerConfig
-from ..kv.budget import size_pools
+from ..core.build import build_engine  # noqa: F401  (the in-process engine, for tests and benchmarks)
+from ..core.client import EngineCoreClient
 from ..loader import LoadedLM
-from ..models import build_model
 from ..prompt import PreparedRequest
 from . import register_backend
 from .base import Backend, BackendStats, RequestStream
 
 
-def kv_budget_bytes(settings: LLMSettings, device: torch.device) -> int:
-    """``kv_bytes``, or ``kv_fraction`` of the device's free memory when that is set."""
-    if settings.kv_fraction <= 0:
-        return settings.kv_bytes
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(free * settings.kv_fraction)
-
-
-@dataclass(frozen=True)
-class MeasuredGeometry:
-    """Bytes per slot of each pool, measured from the model's real layer shapes (MiMo's sliding
-    layers have twice the KV heads of its full layers, which a single ``kv_heads`` cannot say).
-    Has what ``size_pools`` reads from a ``KVGeometry``."""
-
-    full_token_bytes: int
-    swa_token_bytes: int
-    window: int
-
-    @classmethod
-    def of(cls, model, dtype: torch.dtype) -> "MeasuredGeometry":
-        size = torch.finfo(dtype).bits // 8
-        per = {FULL: 0, SLIDING: 0}
-        for spec in model.layers:
-            per[spec.kind] += spec.kv_heads * (spec.qk_dim + spec.v_dim) * size
-        return cls(per[FULL], per[SLIDING], model.window)
-
-
-def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict | None = None) -> Engine:
-    """Model + pools sized from the byte budget + scheduler + runner, wired into an Engine."""
-    model = build_model(lm.arch, lm.model)
-    cfg = SchedulerConfig(
-        max_batch_tokens=settings.max_batch_tokens,
-        max_running=settings.max_running,
-        window=model.window,
-        enable_prefix_cache=settings.enable_prefix_cache,
-        **{"policy": settings.schedule_policy, **(scheduler_overrides or {})},
-    )
-    geometry = MeasuredGeometry.of(model, lm.dtype)
-    num_full, num_swa = size_pools(kv_budget_bytes(settings, lm.device), geometry, settings.swa_fraction,
-                                   max_chunk=settings.max_batch_tokens, expected_seq_len=settings.max_model_len,
-                                   release_interval=cfg.decode_release_interval)
-    num_swa = max(num_swa, cfg.min_swa_slots())
-    scheduler = Scheduler(cfg, num_full, num_swa)
-    runner = ModelRunner(model, num_full, num_swa, device=lm.device, dtype=lm.dtype)
-    return Engine(runner, scheduler, lm.tokenizer, lm.eos_token_ids)
-
-
 @register_backend("swa")
 class SWABackend(Backend):
     name = "swa"
+    needs_weights = False
 
     def __init__(self, settings: LLMSettings, lm: LoadedLM):
         self.settings = settings
         self.lm = lm
-        self.engine = build_engine(settings, lm)
+        self.client = EngineCoreClient(settings, lm.tokenizer)
+
+    @property
+    def ready(self) -> bool:
+        return self.client.ready
+
+    @property
+    def detail(self) -> str | None:
+        return self.client.detail
 
     async def start(self) -> None:
-        self.engine.start()
+        await self.client.start()
 
     def submit(self, req: PreparedRequest) -> RequestStream:
-        stream = RequestStream(req.request_id, asyncio.get_running_loop())
-        self.engine.submit(req, stream)
-        return stream
+        return self.client.submit(req)
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        self.client.abort(request_id)
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.engine.stop)
+        await self.client.close()
 
     def stats(self) -> BackendStats:
-        s = self.engine.scheduler.stats()
-        return BackendStats(
-            running=int(s["running"]),
-            waiting=int(s["waiting"]),
-            kv_full_usage=1.0 - s["full_free"] / s["full_total"],
-            kv_swa_usage=1.0 - s["swa_free"] / s["swa_total"],
-            prefix_hit_tokens=int(s["cached_tokens"]),
-        )
+        s = self.client.stats()
+        s.engine_restarts = self.client.restarts
+        return s

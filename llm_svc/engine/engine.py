@@ -1,70 +1,64 @@
-"""The engine loop, in one background thread: schedule -> run -> sample -> postprocess -> emit.
+"""One engine step: schedule -> run -> sample -> postprocess, token ids out. No threads, no text.
 
-Requests enter with ``submit`` (validated and queued in the scheduler at once, so a request
-that can never fit fails synchronously); aborts are queued and applied between steps. Outputs
-(detokenized, stop strings applied) go to each request's ``RequestStream``.
+The engine-core process (``llm_svc.core.process``) calls ``add`` / ``abort`` between steps and
+``step`` in a loop; detokenization and stop strings live in the front (``llm_svc.core.front``).
+
+Failure containment: every phase of a step (aborts, schedule, run, sample, postprocess, orphan
+closing) runs inside one ``try``. When a phase raises, only the requests that phase touched
+fail (an abort's target; the step's batch for run, sample and postprocess; the orphans), and
+every live request when that is unknown (a failed ``schedule`` may have admitted or preempted
+any of them),
+then ``check_integrity`` proves the bookkeeping is still sound; if it is not, ``EngineBroken``
+propagates and the core process exits so that its supervisor restarts it. The engine is never
+left silently dead.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from llm_svc.backends.base import GenOutput, RequestStream
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.request import Request, make_prompt_keys
 from llm_svc.engine.sampler import make_generator, sample
 from llm_svc.engine.scheduler import Scheduler, StepOutput
 from llm_svc.errors import InvalidRequest
 from llm_svc.prompt import PreparedRequest
-from llm_svc.textproc import OutputText
+from shared.schemas import CoreToken
 
 log = logging.getLogger(__name__)
+
+
+class EngineBroken(RuntimeError):
+    """The engine's state is inconsistent after a failure: the process must restart."""
 
 
 @dataclass
 class _Live:
     prep: PreparedRequest
-    stream: RequestStream
-    text: OutputText
     generator: torch.Generator | None
-    num_out: int = 0
-    logprob: float | None = None  # of the token sampled this step (return_logprobs only)
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, eos_token_ids: list[int]):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_token_ids: list[int]):
         self.runner = runner
         self.scheduler = scheduler
-        self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self._live: dict[str, _Live] = {}
-        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._lock = threading.Lock()  # a request is in the scheduler iff it is in _live
-        self._stop = False
-        self._thread: threading.Thread | None = None
+        self._aborts: list[str] = []
+        self._affected: list[str] | None = None  # requests of the phase running now
+        self._out: list[CoreToken] = []
         self.steps = 0
-        self._batch_ids: list[str] | None = None  # requests of the step in flight
+        self.failures = 0
 
-    # ------------------------------------------------------------------ API (any thread)
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="swa-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(30)
-            self._thread = None
-
-    def submit(self, prep: PreparedRequest, stream: RequestStream) -> None:
+    # ------------------------------------------------------------------ requests in and out
+    def add(self, prep: PreparedRequest) -> None:
         """Queue a request; raises ``InvalidRequest`` if it can never run (e.g. too big for the pool)."""
+        if prep.request_id in self._live:
+            raise InvalidRequest(f"request_id {prep.request_id!r} is already running; use a unique id",
+                                 param="request_id")
         req = Request(
             req_id=prep.request_id,
             prompt_ids=prep.prompt_ids,
@@ -75,111 +69,105 @@ class Engine:
             bidirectional=prep.bidirectional,
             eos_token_ids=self.eos_token_ids,
         )
-        live = _Live(prep, stream, OutputText(self.tokenizer, prep.sampling), make_generator(prep.sampling))
-        with self._lock:
-            self._live[req.req_id] = live  # first: the engine may schedule it right after add
-            try:
-                self.scheduler.add(req)
-            except ValueError as e:
-                self._live.pop(req.req_id, None)
-                raise InvalidRequest(str(e), param="max_tokens") from e
-        self._wake.set()
+        try:
+            self.scheduler.add(req)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="max_tokens") from e
+        self._live[req.req_id] = _Live(prep, make_generator(prep.sampling, self.runner.device))
 
     def abort(self, req_id: str) -> None:
-        self._aborts.put(req_id)
-        self._wake.set()
+        """Stop a request at the start of the next step; it ends with ``finish_reason="abort"``."""
+        self._aborts.append(req_id)
 
-    # ------------------------------------------------------------------ the loop
-    def _loop(self) -> None:
-        while not self._stop:
+    def has_work(self) -> bool:
+        return bool(self._aborts) or self.scheduler.has_unfinished()
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[CoreToken]:
+        """Apply aborts, run one batch, close orphans; returns this step's token outputs."""
+        self._out = []
+        try:
             self._apply_aborts()
-            if not self.scheduler.has_unfinished():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            self._batch_ids = None
-            try:
-                self.step()
-            except Exception as e:  # a failed step fails the requests in it, never the engine
-                log.exception("engine step failed")
-                self._fail(self._batch_ids or list(self._live), f"engine step failed: {e}")
+            self._affected = None
+            if self.scheduler.has_unfinished():
+                self._run_batch()
+            gone = self._orphans()
+            self._affected = gone
+            self._close_orphans(gone)
+            self.steps += 1
+        except Exception as e:  # a failed phase fails the requests it touched, never the engine
+            self.failures += 1
+            victims = self._affected if self._affected is not None else list(self._live)
+            log.exception("engine step failed; failing %d request(s)", len(victims))
+            self._fail(victims, f"the engine failed while running this request ({type(e).__name__}); "
+                                "retry it")
+        self._affected = None
+        return self._out
 
-    def step(self) -> list[StepOutput]:
-        """One engine step (public for tests that drive the engine without the thread)."""
+    def _run_batch(self) -> None:
         batch = self.scheduler.schedule()
         if batch is None:
-            self._wake.wait(0.01)
-            self._wake.clear()
-            return []
-        self._batch_ids = [sf.req_id for sf in batch.seqs]
+            return
+        self._affected = [sf.req_id for sf in batch.seqs]
         logits = self.runner.run(batch)
         ids = list(logits)
         tokens: dict[str, int] = {}
+        logprobs: dict[str, float] = {}
         if ids:
             lives = [self._live[i] for i in ids]
             rows = torch.stack([logits[i] for i in ids])  # [N, vocab]
             sampled = sample(rows, [lv.prep.sampling for lv in lives], [lv.generator for lv in lives])
             tokens = dict(zip(ids, sampled))
-            for n, (lv, tok) in enumerate(zip(lives, sampled)):
-                if lv.prep.return_logprobs:
-                    lv.logprob = float(torch.log_softmax(rows[n], -1)[tok])
-        outs = self.scheduler.postprocess(batch, tokens)
-        for o in outs:
-            self._emit(o)
-        self._close_orphans()
-        self.steps += 1
-        return outs
+            want = [n for n, lv in enumerate(lives) if lv.prep.return_logprobs]
+            if want:
+                sel = torch.tensor(want, device=rows.device)
+                toks = torch.tensor([sampled[n] for n in want], device=rows.device)
+                lp = torch.log_softmax(rows.index_select(0, sel).float(), -1).gather(1, toks[:, None])
+                logprobs = {ids[n]: v for n, v in zip(want, lp[:, 0].tolist())}
+        for o in self.scheduler.postprocess(batch, tokens):
+            self._emit(o, logprobs.get(o.req_id))
 
-    def _close_orphans(self) -> None:
-        """Requests the scheduler dropped on its own (one that cannot fit even alone)."""
-        with self._lock:
-            gone = [rid for rid in self._live if rid not in self.scheduler.requests]
-        for rid in gone:
-            self._close(rid, GenOutput(), "abort", 0)
-
-    def _emit(self, o: StepOutput) -> None:
-        live = self._live.get(o.req_id)
-        if live is None:
+    def _emit(self, o: StepOutput, logprob: float | None) -> None:
+        if o.req_id not in self._live:
             return
-        live.num_out += 1
-        delta = live.text.push(o.token_id) if o.token_id is not None else ""
         reason = o.finish_reason if o.finished else None
-        if live.text.stopped:  # a stop string matched (it wins over length on the same token)
-            if reason is None:
-                self.scheduler.finish(o.req_id, "stop")
-            reason = "stop"
-        out = GenOutput(text=delta, token_ids=[o.token_id] if o.token_id is not None else [])
-        if live.prep.return_logprobs and o.token_id is not None:
-            out.logprobs = [live.logprob]
+        self._out.append(CoreToken(o.req_id, o.token_id, logprob, reason, o.num_cached_tokens))
         if reason is not None:
-            out.text += live.text.flush()
-            self._close(o.req_id, out, reason, o.num_cached_tokens)
-        else:
-            live.stream.put(out)
+            self._live.pop(o.req_id, None)
 
-    def _close(self, req_id: str, out: GenOutput, reason: str, cached: int) -> None:
-        live = self._live.pop(req_id)
-        out.finish_reason = reason
-        out.prompt_tokens = len(live.prep.prompt_ids)
-        out.completion_tokens = live.num_out
-        out.cached_tokens = cached
-        live.stream.put(out)
+    def _orphans(self) -> list[str]:
+        """Requests the scheduler dropped on its own (one that cannot fit even alone)."""
+        return [rid for rid in self._live if rid not in self.scheduler.requests]
+
+    def _close_orphans(self, gone: list[str]) -> None:
+        for rid in gone:
+            self._live.pop(rid)
+            self._out.append(CoreToken(rid, finish_reason="abort"))
 
     def _apply_aborts(self) -> None:
-        while True:
-            try:
-                rid = self._aborts.get_nowait()
-            except queue.Empty:
-                return
+        while self._aborts:
+            rid = self._aborts.pop(0)
+            self._affected = [rid]
             req = self.scheduler.requests.get(rid)
             cached = req.num_cached_tokens if req is not None else 0
             self.scheduler.abort(rid)
-            if rid in self._live:
-                self._close(rid, GenOutput(), "abort", cached)
+            if self._live.pop(rid, None) is not None:
+                self._out.append(CoreToken(rid, finish_reason="abort", num_cached_tokens=cached))
 
     def _fail(self, req_ids: list[str], message: str) -> None:
-        for rid in req_ids:
-            self.scheduler.abort(rid)
-            live = self._live.pop(rid, None)
-            if live is not None:
-                live.stream.put(GenOutput(error=message, prompt_tokens=len(live.prep.prompt_ids)))
+        try:
+            for rid in req_ids:
+                self.scheduler.abort(rid)
+                if self._live.pop(rid, None) is not None:
+                    self._out.append(CoreToken(rid, error=message, status=500))
+            self.scheduler.check_integrity()
+        except Exception as e:
+            raise EngineBroken(f"engine state inconsistent after a failure: {type(e).__name__}: {e}") from e
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, float]:
+        return {**self.scheduler.stats(), "steps": self.steps, "failures": self.failures}

@@ -11,6 +11,7 @@ from transformers import StoppingCriteriaList
 
 from llm_svc.backends.base import GenOutput, RequestStream
 from llm_svc.backends.hf import generate_kwargs, generation_config, media_rows_injected
+from llm_svc.core.local import InProcessEngine
 from llm_svc.engine.engine import Engine
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
@@ -42,16 +43,16 @@ class ListStream(RequestStream):
         return [t for o in self.outs for t in o.token_ids]
 
 
-def make_engine(lm, num_full=4096, num_swa=None, **cfg) -> Engine:
+def make_engine(lm, num_full=4096, num_swa=None, **cfg) -> InProcessEngine:
     cfg.setdefault("max_batch_tokens", 64)
     config = SchedulerConfig(window=W, **cfg)
     num_swa = num_swa or config.min_swa_slots() * 4
     model = build_model(lm.arch, lm.model)
-    return Engine(ModelRunner(model, num_full, num_swa), Scheduler(config, num_full, num_swa), lm.tokenizer,
-                  lm.eos_token_ids)
+    engine = Engine(ModelRunner(model, num_full, num_swa), Scheduler(config, num_full, num_swa), lm.eos_token_ids)
+    return InProcessEngine(engine, lm.tokenizer)
 
 
-def run_to_end(engine: Engine, preps: list[PreparedRequest], max_steps: int = 5000) -> dict[str, ListStream]:
+def run_to_end(engine: InProcessEngine, preps: list[PreparedRequest], max_steps: int = 5000) -> dict[str, ListStream]:
     streams = {p.request_id: ListStream(p.request_id) for p in preps}
     for p in preps:
         engine.submit(p, streams[p.request_id])
@@ -194,7 +195,6 @@ def test_stop_string_and_abort_free_everything(mimo16):
         engine.step()
     engine.abort("gone")
     while not (streams["stop"].done and streams["gone"].done):
-        engine._apply_aborts()
         engine.step()
         engine.scheduler.check_integrity()
     assert streams["gone"].outs[-1].finish_reason == "abort"
@@ -231,10 +231,7 @@ def test_preemption_with_recompute_keeps_greedy_outputs(mimo16, preempt_refs, en
 
 
 def test_failed_step_fails_only_its_requests(mimo16):
-    """A step that raises fails the requests in it; a waiting request is served afterwards and
-    the engine thread keeps running."""
-    import time
-
+    """A step that raises fails the requests in it; a waiting request is served afterwards."""
     engine = make_engine(mimo16, max_running=1)
     real_run = engine.runner.run
 
@@ -246,18 +243,15 @@ def test_failed_step_fails_only_its_requests(mimo16):
     engine.runner.run = run
     doomed, fine = image_prep(mimo16, "doomed", 30, None, 11), image_prep(mimo16, "fine", 30, None, 12)
     streams = {"doomed": ListStream("doomed"), "fine": ListStream("fine")}
-    engine.start()
-    try:
-        engine.submit(doomed, streams["doomed"])
-        engine.submit(fine, streams["fine"])
-        deadline = time.monotonic() + 60
-        while not all(s.done for s in streams.values()):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-    finally:
-        engine.stop()
-    assert "injected failure" in streams["doomed"].outs[-1].error
+    engine.submit(doomed, streams["doomed"])
+    engine.submit(fine, streams["fine"])
+    for _ in range(200):
+        if all(s.done for s in streams.values()):
+            break
+        engine.step()
+        engine.scheduler.check_integrity()
+    assert "RuntimeError" in streams["doomed"].outs[-1].error
+    assert streams["doomed"].outs[-1].error_status == 500
     assert streams["fine"].outs[-1].finish_reason == "length"
     assert streams["fine"].tokens == hf_tokens(mimo16, fine)
-    engine.scheduler.check_integrity()
     assert engine.scheduler.stats()["running"] == 0

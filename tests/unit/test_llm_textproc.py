@@ -1,11 +1,9 @@
-"""Streaming detokenization (partial UTF-8), stop strings, token finish rules, sampling."""
+"""Streaming detokenization (partial UTF-8), stop strings, token finish rules (sampling: test_llm_sampler.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from llm_svc.engine.sampler import make_generator, sample
 from llm_svc.textproc import IncrementalDetokenizer, OutputText, StopStringFilter, token_finish_reason
 from shared.schemas import SamplingParams
 
@@ -77,31 +75,3 @@ def test_token_finish_reason_rules():
     assert token_finish_reason(5, 3, sp, [2]) == "length"
     assert token_finish_reason(2, 1, SamplingParams(ignore_eos=True), [2]) is None
 
-
-def test_greedy_and_degenerate_sampling_take_argmax():
-    logits = torch.tensor([[0.1, 3.0, 0.2, -1.0], [2.0, 0.0, 5.0, 1.0]])
-    greedy = SamplingParams()
-    top1 = SamplingParams(temperature=1.5, top_k=1)
-    tiny_p = SamplingParams(temperature=1.0, top_p=1e-6)
-    out = sample(logits, [greedy, top1], [None, make_generator(top1)])
-    assert out == [1, 2]
-    assert sample(logits[1:], [tiny_p], [make_generator(tiny_p)]) == [2]
-
-
-def test_seeded_sampling_reproducible_and_restricted_to_top_k():
-    logits = torch.zeros(1, 50)
-    logits[0, 10] = logits[0, 20] = logits[0, 30] = 4.0
-    sp = SamplingParams(temperature=1.0, top_k=3, seed=123)
-    g1, g2 = make_generator(sp), make_generator(sp)
-    a = [sample(logits, [sp], [g1])[0] for _ in range(60)]
-    b = [sample(logits, [sp], [g2])[0] for _ in range(60)]
-    assert a == b
-    assert set(a) == {10, 20, 30}
-
-
-def test_top_p_keeps_the_nucleus_only():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    sp = SamplingParams(temperature=1.0, top_p=0.75, seed=0)
-    g = make_generator(sp)
-    seen = {sample(probs.log(), [sp], [g])[0] for _ in range(200)}
-    assert seen == {0, 1}

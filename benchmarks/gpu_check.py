@@ -1,0 +1,391 @@
+"""The one prepared script for a lent GPU (H200): is our engine right and how fast is it there.
+
+    python -m benchmarks.gpu_check [--device cuda] [--quick]
+
+Parts (each in its own try/except; an error is recorded in the JSON and the next part runs):
+
+* ``logits``: the tiny MiMo and the tiny Gemma 3 (``shared.tiny_model``), float32 on the device.
+  Three greedy requests (prompts 40/150/300 tokens, past the window of 128) run together
+  through ``build_engine`` + ``submit``/``step``; every step's logits (captured around
+  ``engine.runner.run``) are compared with one teacher-forced transformers forward of
+  prompt + output on the same device: max abs diff, and how many greedy tokens agree with the
+  reference argmax and with ``generate``.
+* ``sampling``: the sampler on the device (greedy + seeded + unseeded rows, B=64, V=32768): time
+  per call, and through the engine a mixed batch (greedy, seeded, unseeded) on the tiny MiMo:
+  no step fails, the seeded request repeats across runs, the greedy one equals the greedy run.
+* ``throughput``: a random text-only MiMo (hidden 1024, 16 layers = 2 x (1 full + 7 sliding),
+  16 q / 4 kv heads of 128, dense MLP 4096, vocab 32768, ~350 M parameters; bfloat16 on cuda):
+  output tok/s at 1 / 16 / 64 concurrent greedy requests (prompts 128 tokens, 128 output
+  tokens, ``ignore_eos``), and the median decode step time.
+* ``bandwidth``: each decode step against the memory-bandwidth bound of reading the weights
+  (all parameters but the input embedding) + the KV the step attends to (full layers: the whole
+  context; sliding layers: the window), at ``--hbm-tbps`` (4.8 for an H200).
+
+``--quick``: fewer output tokens; on the cpu also a small "big" model (hidden 256, 4 layers,
+vocab 4096), so ``--device cpu --quick`` checks the script itself (about a minute on 2 cores).
+On an H200 the full run should take 2-4 minutes (estimated: no GPU was lent when this was
+written); run it with a timeout that leaves room for one rerun, e.g. ``--skip logits,sampling``.
+The last line of output is a JSON object with every number and every error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from llm_svc.backends.base import GenOutput, RequestStream
+from llm_svc.loader import load_lm
+from llm_svc.prompt import PreparedRequest
+from shared.schemas import SamplingParams
+from shared.settings import LLMSettings
+
+
+class _Collect(RequestStream):
+    def __init__(self, rid: str):
+        self.request_id, self.outs = rid, []
+
+    def put(self, out: GenOutput) -> None:
+        self.outs.append(out)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.outs) and self.outs[-1].final
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for o in self.outs for t in o.token_ids]
+
+    @property
+    def error(self) -> str | None:
+        return next((o.error for o in self.outs if o.error), None)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _make_engine(lm, device: str, max_running: int, kv_bytes: int):
+    from llm_svc.backends.swa import build_engine
+
+    settings = LLMSettings(model_dir=str(lm.spec.root), backend="swa", device=device, kv_bytes=kv_bytes,
+                           max_batch_tokens=512, max_running=max_running, enable_prefix_cache=False)
+    engine = build_engine(settings, lm)
+    if not hasattr(engine, "submit"):  # the bare core Engine (add/step -> CoreToken): add the front's half
+        from llm_svc.core.local import InProcessEngine
+
+        engine = InProcessEngine(engine, lm.tokenizer)
+    return engine
+
+
+def _run(engine, reqs: list[tuple[str, list[int], SamplingParams]], device: str, step_times: list | None = None,
+         max_steps: int = 100_000) -> dict[str, _Collect]:
+    """Submit all, step until every stream is final; ``step_times`` gets (seconds, decode_only)."""
+    streams = {rid: _Collect(rid) for rid, _, _ in reqs}
+    for rid, ids, sp in reqs:
+        engine.submit(PreparedRequest(rid, ids, sp), streams[rid])
+    for _ in range(max_steps):
+        if all(s.done for s in streams.values()):
+            break
+        decode_only = all(s.outs and not s.done for s in streams.values())
+        t0 = time.perf_counter()
+        engine.step()
+        _sync(device)
+        if step_times is not None:
+            step_times.append((time.perf_counter() - t0, decode_only))
+    else:
+        raise RuntimeError(f"not finished after {max_steps} steps")
+    return streams
+
+
+def _prompts(n: int, lengths: list[int] | int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lens = lengths if isinstance(lengths, list) else [lengths] * n
+    return [[rng.randrange(20, vocab) for _ in range(k)] for k in lens]
+
+
+# ------------------------------------------------------------------ (a) logits vs transformers
+def check_logits(arch: str, device: str, tmp: Path, max_tokens: int, dtype: str) -> dict:
+    from shared.tiny_model import write_tiny_model
+
+    lm = load_lm(str(write_tiny_model(tmp / f"tiny-{arch}", arch=arch)), device=device, dtype=dtype)
+    engine = _make_engine(lm, device, max_running=8, kv_bytes=64 * 1024 * 1024)
+    captured: dict[str, list[torch.Tensor]] = {}
+    run = engine.runner.run
+
+    def capture(batch, *a, **kw):
+        out = run(batch, *a, **kw)
+        if isinstance(out, dict):  # {req_id: logits [V]} today; anything else: tokens only
+            for rid, row in out.items():
+                captured.setdefault(rid, []).append(row.detach().float().cpu())
+        return out
+
+    engine.runner.run = capture
+    prompts = _prompts(3, [40, 150, 300], lm.vocab_size, seed=1)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    streams = _run(engine, [(f"q{i}", p, sp) for i, p in enumerate(prompts)], device)
+    res = {"model": lm.spec.lm_architecture, "dtype": dtype, "requests": len(prompts), "max_tokens": max_tokens,
+           "max_abs_diff": 0.0, "max_abs_logit": 0.0, "tokens_agree": 0, "tokens": 0, "generate_match": 0}
+    m, diffs = lm.model, []
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            s = streams[f"q{i}"]
+            if s.error:
+                raise RuntimeError(f"request q{i}: {s.error}")
+            toks = s.tokens
+            full = torch.tensor([p + toks[:-1]], device=device)
+            ref = m(input_ids=full, attention_mask=torch.ones_like(full)).logits[0, len(p) - 1:].float().cpu()
+            if f"q{i}" in captured:
+                got = torch.stack(captured[f"q{i}"])  # [N, V], one row per output token
+                assert got.shape == ref.shape, (got.shape, ref.shape)
+                diffs.append(float((got - ref).abs().max()))
+            res["max_abs_logit"] = max(res["max_abs_logit"], float(ref.abs().max()))
+            res["tokens_agree"] += sum(a == b for a, b in zip(toks, ref.argmax(-1).tolist()))
+            res["tokens"] += len(toks)
+            ids = torch.tensor([p], device=device)
+            gen = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=[], pad_token_id=0)[0, len(p):].tolist()
+            res["generate_match"] += int(gen == toks)
+    res["max_abs_diff"] = max(diffs) if len(diffs) == len(prompts) else None  # None: logits not captured
+    engine.scheduler.check_integrity()
+    return res
+
+
+# ------------------------------------------------------------------ sampling on the device
+def check_sampling(device: str, tmp: Path, max_tokens: int) -> dict:
+    from llm_svc.engine.sampler import make_generator, sample
+
+    B, V = 64, 32768
+    logits = torch.randn(B, V, device=device)
+    params = [SamplingParams(temperature=0.0) if i % 4 == 0 else
+              SamplingParams(temperature=0.8, top_k=50 if i % 4 == 1 else -1, top_p=0.9 if i % 4 == 2 else 1.0,
+                             seed=i if i % 2 else None) for i in range(B)]
+    gens = [make_generator(p, device) for p in params]
+    for _ in range(3):
+        sample(logits, params, gens)
+    n, t0 = 20, time.perf_counter()
+    for _ in range(n):
+        out = sample(logits, params, gens)
+    res = {"sample_ms_b64_v32768": round((time.perf_counter() - t0) / n * 1e3, 3)}
+    res["greedy_rows_ok"] = all(out[i] == int(logits[i].argmax()) for i in range(0, B, 4))
+
+    path = tmp / "tiny-mimo"
+    if not path.exists():
+        from shared.tiny_model import write_tiny_model
+
+        write_tiny_model(path, arch="mimo")
+    lm = load_lm(str(path), device=device, dtype="float32")
+    prompt = _prompts(1, 60, lm.vocab_size, seed=2)[0]
+    kinds = {"greedy": SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+             "seeded": SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.9, top_k=40, seed=123),
+             "unseeded": SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, top_p=0.9)}
+    runs = []
+    for _ in range(2):
+        engine = _make_engine(lm, device, max_running=8, kv_bytes=32 * 1024 * 1024)
+        streams = _run(engine, [(k, prompt, sp) for k, sp in kinds.items()], device)
+        errs = {k: s.error for k, s in streams.items() if s.error}
+        if errs:
+            raise RuntimeError(f"engine sampling on {device}: {errs}")
+        runs.append({k: s.tokens for k, s in streams.items()})
+    alone = _run(_make_engine(lm, device, 8, 32 * 1024 * 1024), [("seeded", prompt, kinds["seeded"])], device)
+    res["engine_seeded_repeats"] = runs[0]["seeded"] == runs[1]["seeded"]
+    res["engine_seeded_same_alone"] = alone["seeded"].tokens == runs[0]["seeded"]
+    res["engine_greedy_repeats"] = runs[0]["greedy"] == runs[1]["greedy"]
+    res["engine_unseeded_differs"] = runs[0]["unseeded"] != runs[1]["unseeded"]
+    return res
+
+
+# ------------------------------------------------------------------ (b) throughput, (c) bandwidth
+def write_big_model(out: Path, hidden: int, layers: int, vocab: int, dtype: torch.dtype, device: str) -> Path:
+    """A random text-only MiMo (plain HF layout): (1 full + 7 sliding) blocks, dense MLPs."""
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+    from shared.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE, build_tokenizer
+
+    tok = build_tokenizer(CHATML_SPECIALS, 640, CHATML_TEMPLATE, eos="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_tokens([f"<x{i}>" for i in range(vocab - len(tok))])  # a realistic lm_head size
+    block = min(8, layers)
+    layer_types = (["full_attention"] + ["sliding_attention"] * (block - 1)) * (layers // block)
+    layer_types += ["sliding_attention"] * (layers - len(layer_types))
+    heads = max(1, hidden // 64)
+    cfg = MiMoV2FlashConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=hidden,
+        num_hidden_layers=layers, layer_types=layer_types, mlp_layer_types=["dense"] * layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=128 if hidden >= 1024 else 64,
+        v_head_dim=128 if hidden >= 1024 else 64, n_routed_experts=8, num_experts_per_tok=2, sliding_window=128,
+        max_position_embeddings=8192, bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), tie_word_embeddings=False,
+    )
+    cfg.architectures = ["MiMoV2FlashForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device(device):  # random init on the device: seconds, not minutes
+        model = MiMoV2FlashForCausalLM(cfg).to(dtype).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    del model
+    return out
+
+
+def weight_bytes(lm) -> int:
+    """Bytes a decode step reads of the weights: every parameter except the input embedding
+    (only B rows of it are read), unless it is tied to the output head."""
+    emb = lm.model.get_input_embeddings().weight
+    head = lm.model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
+    total = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    return total if tied else total - emb.numel() * emb.element_size()
+
+
+def kv_token_bytes(engine) -> tuple[int, int, int]:
+    """(full bytes/token over the full layers, sliding bytes/token over the sliding layers,
+    window), from the runner's model layer specs and its KV pool dtype."""
+    from llm_svc.attention import FULL
+
+    runner = engine.runner
+    size = runner.kv[0].k.element_size() if getattr(runner, "kv", None) else torch.finfo(runner.dtype).bits // 8
+    full = swa = 0
+    for spec in runner.model.layers:
+        b = spec.kv_heads * (spec.qk_dim + spec.v_dim) * size
+        full, swa = (full + b, swa) if spec.kind == FULL else (full, swa + b)
+    return full, swa, runner.model.window
+
+
+def check_throughput(args, tmp: Path, result: dict) -> None:
+    small = args.device == "cpu" and args.quick
+    hidden = args.hidden or (256 if small else 1024)
+    layers = args.layers or (4 if small else 16)
+    vocab = args.vocab or (4096 if small else 32768)
+    dtype = "float32" if args.device == "cpu" else args.dtype
+    prompt_len = 32 if small else 128
+    out_len = args.max_tokens or (16 if small else (64 if args.quick else 128))
+    path = write_big_model(tmp / "big", hidden, layers, vocab, getattr(torch, dtype), args.device)
+    lm = load_lm(str(path), device=args.device, dtype=dtype)
+    n_params = sum(p.numel() for p in lm.model.parameters())
+    conc = [1, 16, 64]
+    engine = _make_engine(lm, args.device, max_running=max(conc), kv_bytes=int(args.kv_gib * 2**30))
+    try:
+        full_b, swa_b, window = kv_token_bytes(engine)
+    except Exception as e:  # the runner's internals moved: the bound then counts weights only
+        result["errors"]["kv_geometry"] = f"{type(e).__name__}: {e}"
+        full_b, swa_b, window = 0, 0, 0
+    wbytes = weight_bytes(lm)
+    _run(engine, [("warm", _prompts(1, prompt_len, vocab, 99)[0], SamplingParams(max_tokens=4))], args.device)
+    tp = {"model": {"hidden": hidden, "layers": layers, "vocab": vocab, "params_m": round(n_params / 1e6, 1),
+                    "dtype": dtype, "window": window},
+          "prompt_tokens": prompt_len, "output_tokens": out_len, "runs": {}}
+    bw = {"hbm_tbps": args.hbm_tbps, "weight_bytes": wbytes, "kv_full_bytes_per_token": full_b,
+          "kv_swa_bytes_per_token": swa_b, "runs": {}}
+    result["throughput"], result["bandwidth"] = tp, bw
+    for n in conc:
+        sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
+        reqs = [(f"c{n}-{i}", p, sp) for i, p in enumerate(_prompts(n, prompt_len, vocab, seed=n))]
+        steps: list[tuple[float, bool]] = []
+        t0 = time.perf_counter()
+        streams = _run(engine, reqs, args.device, steps)
+        wall = time.perf_counter() - t0
+        errs = [s.error for s in streams.values() if s.error]
+        if errs:
+            raise RuntimeError(f"{len(errs)} of {n} requests failed: {errs[0]}")
+        decode = [t for t, d in steps if d]
+        med = statistics.median(decode) if decode else float("nan")
+        tp["runs"][str(n)] = {"output_tok_s": round(n * out_len / wall, 1), "wall_s": round(wall, 3),
+                              "steps": len(steps), "decode_steps": len(decode),
+                              "decode_step_ms_p50": round(med * 1e3, 3),
+                              "decode_tok_s": round(n / med, 1) if decode else None}
+        ctx = prompt_len + out_len / 2  # mean context over the decode steps
+        step_bytes = wbytes + n * (ctx * full_b + min(ctx, window) * swa_b)
+        bound = step_bytes / (args.hbm_tbps * 1e12)
+        bw["runs"][str(n)] = {"bytes_per_step": int(step_bytes), "bound_ms": float(f"{bound * 1e3:.4g}"),
+                              "measured_ms": round(med * 1e3, 3), "fraction_of_bound": float(f"{bound / med:.3g}")}
+    engine.scheduler.check_integrity()
+
+
+# ------------------------------------------------------------------ main
+def _part(result: dict, name: str, fn, *a) -> None:
+    t0 = time.perf_counter()
+    try:
+        out = fn(*a)
+        if out is not None:
+            result[name] = out
+    except Exception as e:  # recorded, and the next part runs
+        result["errors"][name] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    result["part_s"][name] = round(time.perf_counter() - t0, 1)
+
+
+def _print_table(r: dict) -> None:
+    print(f"\n== gpu_check on {r['device']} ({r.get('gpu', 'no gpu')}), torch {r['torch']}")
+    for arch in ("mimo", "gemma3"):
+        x = r.get(f"logits_{arch}")
+        if x:
+            diff = "n/a" if x["max_abs_diff"] is None else f"{x['max_abs_diff']:.2e}"
+            print(f"logits {arch:7s}: max|diff| {diff} (max|logit| {x['max_abs_logit']:.2f})  "
+                  f"greedy agree {x['tokens_agree']}/{x['tokens']}  generate match {x['generate_match']}/{x['requests']}")
+    if "sampling" in r:
+        print("sampling      : " + "  ".join(f"{k} {v}" for k, v in r["sampling"].items()))
+    tp, bw = r.get("throughput"), r.get("bandwidth")
+    if tp:
+        m = tp["model"]
+        print(f"big model     : hidden {m['hidden']}, {m['layers']} layers, vocab {m['vocab']}, {m['params_m']} M params, "
+              f"{m['dtype']}; prompts {tp['prompt_tokens']}, {tp['output_tokens']} output tokens each")
+        print(f"{'seqs':>6} {'out tok/s':>10} {'decode ms':>10} {'bound ms':>10} {'of bound':>9} {'steps':>6}")
+        for n, x in tp["runs"].items():
+            b = (bw or {}).get("runs", {}).get(n, {})
+            print(f"{n:>6} {x['output_tok_s']:>10} {x['decode_step_ms_p50']:>10} {b.get('bound_ms', '-'):>10} "
+                  f"{b.get('fraction_of_bound', '-'):>9} {x['steps']:>6}")
+    for k, v in r["errors"].items():
+        print(f"ERROR {k}: {v}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="the big model's dtype on cuda (the cpu always uses float32)")
+    ap.add_argument("--logits-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="dtype of the tiny models in the logits check (float32: exactness)")
+    ap.add_argument("--hidden", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request of the big model")
+    ap.add_argument("--kv-gib", type=float, default=None, help="KV budget of the big model's engine")
+    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: logits,sampling,throughput")
+    args = ap.parse_args()
+    if args.kv_gib is None:
+        args.kv_gib = 0.5 if args.device == "cpu" else 4.0
+    skip = set(filter(None, args.skip.split(",")))
+    result = {"benchmark": "gpu_check", "device": args.device, "quick": args.quick, "torch": torch.__version__,
+              "cuda": torch.version.cuda, "errors": {}, "part_s": {}}
+    if args.device.startswith("cuda"):
+        result["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    t_all = time.perf_counter()
+    small_out = 12 if args.quick else 24
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        if "logits" not in skip:
+            for arch in ("mimo", "gemma3"):
+                _part(result, f"logits_{arch}", check_logits, arch, args.device, tmp, small_out, args.logits_dtype)
+        if "sampling" not in skip:
+            _part(result, "sampling", check_sampling, args.device, tmp, small_out)
+        if "throughput" not in skip:
+            _part(result, "throughput", check_throughput, args, tmp, result)
+    if args.device.startswith("cuda"):
+        result["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    result["total_s"] = round(time.perf_counter() - t_all, 1)
+    _print_table(result)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""The front's side of the engine core: spawns and supervises the core process, sends it
+requests, and turns its token outputs into text for each request's ``RequestStream``.
+
+Supervision (a watchdog task on the front's event loop, never blocked by engine work):
+
+* the core exits (crash, OOM kill, ``EngineBroken``), or a busy core sends nothing for
+  ``core_stall_timeout`` seconds (it stopped stepping): the core is killed, every in-flight
+  request fails at once with a 503 error, ``ready`` turns False, and a new core is started
+  after a backoff (0.5 s doubling to ``core_max_backoff``; reset once a core has served 60 s);
+* the first core failing to load is fatal (``start`` raises: the service reports the error,
+  as before); a restarted one failing to load is retried with the backoff.
+
+Each core epoch gets its own pair of ZMQ sockets on fresh abstract-namespace IPC addresses
+(no files to leak): nothing sent to a dead core can reach its successor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from shared.schemas import CoreAbort, CoreFailed, CoreOutput, CoreOutputs, CoreReady, CoreShutdown, CoreStats, CoreToken
+from shared.settings import LLMSettings
+
+from ..backends.base import BackendStats, RequestStream
+from ..errors import InvalidRequest
+from ..prompt import PreparedRequest
+from .convert import to_core_add
+from .output import OutputProcessor
+from .process import SETTINGS_ENV
+
+log = logging.getLogger(__name__)
+
+HEALTHY_RESET_S = 60.0
+WATCH_S = 0.1
+
+
+class CoreStartError(RuntimeError):
+    """The first engine core could not start (the message says why)."""
+
+
+@dataclass
+class _Core:
+    """One core process of one epoch and its sockets."""
+
+    epoch: int
+    proc: subprocess.Popen
+    inputs: zmq.Socket  # sync PUSH (front -> core)
+    outputs: zmq.asyncio.Socket  # PULL (core -> front)
+    started: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    last_msg: float = field(default_factory=time.monotonic)
+    failed: str | None = None  # what its CoreFailed said
+
+
+class EngineCoreClient:
+    def __init__(self, settings: LLMSettings, tokenizer):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self._sync_ctx = zmq.Context()
+        self._async_ctx = zmq.asyncio.Context()
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(CoreOutput)
+        self._reqs = OutputProcessor(tokenizer)
+        self._core: _Core | None = None
+        self._epoch = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._closing = False
+        self._backoff = 0.5
+        self._first = asyncio.Event()
+        self.ready = False
+        self.detail: str | None = "starting the engine core"
+        self.restarts = 0
+        self.capacity: CoreReady | None = None
+        self.core_stats = CoreStats()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Start the first core and wait until it serves; raises ``CoreStartError`` if it cannot."""
+        self._spawn()
+        self._task(self._watch())
+        await self._first.wait()
+        if not self.ready:
+            err = self.detail or "the engine core exited during start-up"
+            await self.close()
+            raise CoreStartError(err)
+
+    async def close(self) -> None:
+        self._closing = True
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await t
+        core, self._core = self._core, None
+        if core is not None:
+            await asyncio.to_thread(self._stop_core, core, graceful=True)
+        self._fail_all("the LLM service is shutting down", 503)
+        self._sync_ctx.term()
+        self._async_ctx.term()
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._core.proc.pid if self._core is not None else None
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prep: PreparedRequest) -> RequestStream:
+        """Send a request to the core; raises ``InvalidRequest`` if it can never fit the KV pool."""
+        if not self.ready or self._core is None:
+            raise InvalidRequest("the engine core is restarting; retry shortly", code="engine_unavailable")
+        cap = self.capacity
+        need = len(prep.prompt_ids) + prep.sampling.max_tokens
+        if cap is not None and need > cap.num_full_slots:
+            raise InvalidRequest(
+                f"the request needs {need} KV slots (prompt + max_tokens) but the KV pool holds "
+                f"{cap.num_full_slots}; shorten the prompt or max_tokens", param="max_tokens",
+                code="context_length_exceeded")
+        if prep.request_id in self._reqs:
+            raise InvalidRequest(f"request_id {prep.request_id!r} is already in flight; use a unique id",
+                                 param="request_id")
+        stream = RequestStream(prep.request_id, asyncio.get_running_loop())
+        self._reqs.add(prep, stream)
+        self._send(to_core_add(prep, self._core.epoch))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """The stream ends with ``finish_reason="abort"`` once the core confirms."""
+        if request_id in self._reqs and self._core is not None:
+            self._send(CoreAbort(self._core.epoch, [request_id]))
+
+    def stats(self) -> BackendStats:
+        s = self.core_stats
+        return BackendStats(running=s.running, waiting=s.waiting, kv_full_usage=s.kv_full_usage,
+                            kv_swa_usage=s.kv_swa_usage, prefix_hit_tokens=s.prefix_hit_tokens)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._reqs)
+
+    def _send(self, msg) -> None:
+        try:
+            self._core.inputs.send(self._enc.encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # no connected core (it is dying): the watchdog fails the requests
+            log.warning("engine core not connected; dropped a %s", type(msg).__name__)
+
+    # ------------------------------------------------------------------ outputs
+    def _on_outputs(self, msg: CoreOutputs) -> None:
+        if msg.stats is not None:
+            self.core_stats = msg.stats
+        for t in msg.outputs:
+            self._on_token(t)
+
+    def _on_token(self, t: CoreToken) -> None:
+        if self._reqs.process(t):
+            self._send(CoreAbort(self._core.epoch, [t.request_id]))
+
+    def _fail_all(self, message: str, status: int) -> None:
+        self._reqs.fail_all(message, status)
+
+    async def _read(self, core: _Core) -> None:
+        """Receive one core's messages until its sockets close."""
+        while True:
+            try:
+                frame = await core.outputs.recv()
+            except zmq.ZMQError:  # its sockets were closed: that core is gone
+                return
+            core.last_msg = time.monotonic()
+            try:
+                msg = self._dec.decode(frame)
+            except msgspec.DecodeError:
+                log.exception("undecodable message from the engine core")
+                continue
+            if msg.epoch != core.epoch or core is not self._core:
+                continue
+            if isinstance(msg, CoreOutputs):
+                self._on_outputs(msg)
+            elif isinstance(msg, CoreReady):
+                core.ready_at = time.monotonic()
+                self.capacity = msg
+                self.ready, self.detail = True, None
+                self._first.set()
+                log.info("engine core %d serving (epoch %d)", msg.pid, msg.epoch)
+            elif isinstance(msg, CoreFailed):
+                core.failed = msg.error
+                self.detail = f"the engine core failed to start: {msg.error}"
+
+    # ------------------------------------------------------------------ supervision
+    def _spawn(self) -> None:
+        self._epoch += 1
+        tag = f"mmserve-llm-{os.getpid()}-{self._epoch}-{secrets.token_hex(4)}"
+        in_addr, out_addr = f"ipc://@{tag}-in", f"ipc://@{tag}-out"
+        inputs = self._sync_ctx.socket(zmq.PUSH)
+        inputs.setsockopt(zmq.SNDHWM, 0)
+        inputs.setsockopt(zmq.LINGER, 0)
+        inputs.bind(in_addr)
+        outputs = self._async_ctx.socket(zmq.PULL)
+        outputs.setsockopt(zmq.RCVHWM, 0)
+        outputs.setsockopt(zmq.LINGER, 0)
+        outputs.bind(out_addr)
+        env = {**os.environ, SETTINGS_ENV: self.settings.model_dump_json()}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llm_svc.core.process", "--epoch", str(self._epoch), "--inputs", in_addr,
+             "--outputs", out_addr, "--parent", str(os.getpid())], env=env)
+        self._core = _Core(self._epoch, proc, inputs, outputs)
+        self._task(self._read(self._core))
+        log.info("started engine core pid %d (epoch %d)", proc.pid, self._epoch)
+
+    async def _watch(self) -> None:
+        s = self.settings
+        while not self._closing:
+            await asyncio.sleep(WATCH_S)
+            core = self._core
+            if core is None:
+                continue
+            now = time.monotonic()
+            code = core.proc.poll()
+            if code is not None:
+                why = core.failed or f"exited with code {code}"
+                await self._on_death(core, f"the engine core {why}")
+            elif core.ready_at is None and now - core.started > s.core_start_timeout:
+                await self._on_death(core, f"the engine core did not start within {s.core_start_timeout:g} s")
+            elif core.ready_at is not None and self._reqs and now - core.last_msg > s.core_stall_timeout:
+                await self._on_death(core, f"the engine core stopped stepping (silent for {s.core_stall_timeout:g} s)")
+            elif core.ready_at is not None and now - core.ready_at > HEALTHY_RESET_S:
+                self._backoff = 0.5
+
+    async def _on_death(self, core: _Core, why: str) -> None:
+        self.ready = False
+        first = not self._first.is_set()
+        self.detail = why + ("" if first else "; restarting it")
+        log.error("%s", self.detail)
+        self._core = None
+        await asyncio.to_thread(self._stop_core, core, graceful=False)
+        self._fail_all(f"{why}; the request was not completed, retry it", 503)
+        if first:  # a model that does not load at all: report it, do not loop
+            self._first.set()
+            self._closing = True
+            return
+        delay, self._backoff = self._backoff, min(2 * self._backoff, self.settings.core_max_backoff)
+        await asyncio.sleep(delay)
+        if not self._closing:
+            self.restarts += 1
+            self._spawn()
+
+    def _stop_core(self, core: _Core, graceful: bool) -> None:
+        """Stop ``core``'s process (blocking; call off the loop) and close its sockets."""
+        p = core.proc
+        if graceful and p.poll() is None:
+            with contextlib.suppress(zmq.ZMQError):
+                core.inputs.send(self._enc.encode(CoreShutdown(core.epoch)), zmq.NOBLOCK)
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGTERM)
+        if p.poll() is None:
+            try:
+                p.wait(1 if graceful else 0.01)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(10)
+        core.inputs.close(0)
+        core.outputs.close(0)
+
+    def _task(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)

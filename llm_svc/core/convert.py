@@ -1,0 +1,56 @@
+"""``PreparedRequest`` <-> ``CoreAdd`` (the engine-core protocol), tensors as raw bytes."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.schemas import CoreAdd, CoreSampling, CoreTensor, SamplingParams
+
+from ..prompt import PreparedRequest
+
+_SEED_RANGE = 1 << 63  # msgpack and torch generators take 64-bit seeds; any int maps into range
+
+
+def tensor_to_wire(t: torch.Tensor) -> CoreTensor:
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the raw 16-bit words
+        data = t.view(torch.int16).numpy().tobytes()
+    else:
+        data = t.numpy().tobytes()
+    return CoreTensor(str(t.dtype).removeprefix("torch."), list(t.shape), data)
+
+
+def tensor_from_wire(w: CoreTensor) -> torch.Tensor:
+    dtype = getattr(torch, w.dtype)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {w.dtype!r}")
+    flat = torch.frombuffer(bytearray(w.data), dtype=dtype) if w.data else torch.empty(0, dtype=dtype)
+    return flat.reshape(w.shape)
+
+
+def to_core_add(prep: PreparedRequest, epoch: int) -> CoreAdd:
+    s = prep.sampling
+    sampling = CoreSampling(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        seed=None if s.seed is None else s.seed % _SEED_RANGE, stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+    return CoreAdd(
+        epoch=epoch, request_id=prep.request_id, prompt_ids=list(prep.prompt_ids), sampling=sampling,
+        mm_items=[tensor_to_wire(t) for t in prep.mm_items], mm_spans=[tuple(x) for x in prep.mm_spans],
+        mm_hashes=list(prep.mm_hashes), bidirectional=prep.bidirectional, return_logprobs=prep.return_logprobs,
+    )
+
+
+def from_core_add(msg: CoreAdd, device: torch.device, dtype: torch.dtype) -> PreparedRequest:
+    s = msg.sampling
+    sampling = SamplingParams.model_construct(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+        stop=[], stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    )
+    return PreparedRequest(
+        request_id=msg.request_id, prompt_ids=list(msg.prompt_ids), sampling=sampling,
+        mm_items=[tensor_from_wire(t).to(device=device, dtype=dtype) for t in msg.mm_items],
+        mm_spans=[tuple(x) for x in msg.mm_spans], mm_hashes=list(msg.mm_hashes),
+        bidirectional=msg.bidirectional, return_logprobs=msg.return_logprobs,
+    )

@@ -1,0 +1,41 @@
+"""``InProcessEngine``: an ``Engine`` and an ``OutputProcessor`` in one process, stepped by the
+caller: what the core process and the front do together, for tests and benchmarks."""
+
+from __future__ import annotations
+
+from ..engine.engine import Engine
+from ..prompt import PreparedRequest
+from .output import OutputProcessor
+
+
+class InProcessEngine:
+    def __init__(self, engine: Engine, tokenizer):
+        self.engine = engine
+        self.outputs = OutputProcessor(tokenizer)
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    @property
+    def runner(self):
+        return self.engine.runner
+
+    def submit(self, prep: PreparedRequest, sink) -> None:
+        """Queue ``prep``; its ``GenOutput``s go to ``sink.put``. Raises ``InvalidRequest``."""
+        self.engine.add(prep)
+        self.outputs.add(prep, sink)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self) -> int:
+        """One engine step; returns the number of token outputs it produced."""
+        outs = self.engine.step()
+        for t in outs:
+            if self.outputs.process(t):
+                self.engine.abort(t.request_id)
+        return len(outs)

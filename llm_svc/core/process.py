@@ -1,0 +1,193 @@
+"""The engine-core process: loads the model, then loops ``inputs -> Engine.step() -> outputs``.
+
+Started by the front (``llm_svc.core.front.CoreSupervisor``) as
+``python -m llm_svc.core.process --epoch N --inputs ADDR --outputs ADDR`` with the service's
+settings in ``MMSERVE_LLM_CORE_SETTINGS`` (JSON). It connects a ZMQ PULL socket to ``inputs``
+(``CoreAdd`` / ``CoreAbort`` / ``CoreShutdown``) and a PUSH socket to ``outputs``
+(``CoreReady`` once, then ``CoreOutputs`` every step and at least every ``HEARTBEAT_S`` when
+idle: the front's watchdog reads silence as a stalled core). It exits when its parent dies
+(``PR_SET_PDEATHSIG``, and a parent-pid check), on ``CoreShutdown``, and with status 3 on
+``EngineBroken``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from shared.schemas import (
+    CoreAbort, CoreAdd, CoreFailed, CoreInput, CoreOutputs, CoreReady, CoreShutdown, CoreStats, CoreToken,
+)
+from shared.settings import LLMSettings
+
+from ..errors import InvalidRequest
+
+log = logging.getLogger("llm_svc.core")
+
+HEARTBEAT_S = 0.5
+STATS_EVERY_S = 0.25
+SETTINGS_ENV = "MMSERVE_LLM_CORE_SETTINGS"
+EXIT_BROKEN = 3
+EXIT_LOAD_FAILED = 2
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the front dies, so a crashed front never leaves a core behind."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+
+
+class CoreLoop:
+    """One core's loop over an ``Engine``; ``run`` returns on shutdown."""
+
+    def __init__(self, engine, inputs: zmq.Socket, outputs: zmq.Socket, epoch: int, parent: int,
+                 media_dtype):
+        self.engine = engine
+        self.inputs, self.outputs = inputs, outputs
+        self.epoch, self.parent = epoch, parent
+        self._dec = msgspec.msgpack.Decoder(CoreInput)
+        self._enc = msgspec.msgpack.Encoder()
+        self._device = engine.runner.device
+        self._media_dtype = media_dtype  # media embeddings are cast to the model's dtype
+        self._stop = False
+        self._last_send = 0.0
+        self._last_stats = 0.0
+
+    def run(self) -> None:
+        while not self._stop:
+            idle = not self.engine.has_work()
+            if self.inputs.poll(int(HEARTBEAT_S * 1000) if idle else 0):
+                self._drain()
+            outs = self.engine.step() if self.engine.has_work() else []
+            self._send(outs)
+            if idle and os.getppid() != self.parent:
+                log.warning("the front process is gone; core exiting")
+                return
+
+    def _drain(self) -> None:
+        pending: list[CoreToken] = []
+        while True:
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                msg = self._dec.decode(frame)
+            except msgspec.DecodeError:
+                log.exception("dropping an undecodable core input")
+                continue
+            if msg.epoch != self.epoch:
+                continue  # queued for a core that no longer exists
+            if isinstance(msg, CoreAdd):
+                self._add(msg, pending)
+            elif isinstance(msg, CoreAbort):
+                for rid in msg.request_ids:
+                    self.engine.abort(rid)
+            elif isinstance(msg, CoreShutdown):
+                self._stop = True
+        if pending:
+            self._send(pending)
+
+    def _add(self, msg: CoreAdd, pending: list[CoreToken]) -> None:
+        from .convert import from_core_add
+
+        try:
+            prep = from_core_add(msg, self._device, self._media_dtype)
+            self.engine.add(prep)
+        except InvalidRequest as e:
+            pending.append(CoreToken(msg.request_id, error=e.message, status=400))
+        except Exception as e:  # a bad item never fails other requests
+            log.exception("could not add request %s", msg.request_id)
+            pending.append(CoreToken(msg.request_id, error=f"the request could not be started: {e}", status=400))
+
+    def _send(self, outs: list[CoreToken]) -> None:
+        now = time.monotonic()
+        stats = None
+        # stats ride along a few times a second, and with every finish: /metrics read right
+        # after a response then never shows that request as running
+        finished = any(t.finish_reason is not None or t.error is not None for t in outs)
+        if finished or now - self._last_stats >= STATS_EVERY_S:
+            self._last_stats = now
+            stats = self._stats()
+        if not outs and stats is None and now - self._last_send < HEARTBEAT_S:
+            return
+        self._last_send = now
+        self.outputs.send(self._enc.encode(CoreOutputs(self.epoch, outs, stats)), copy=False)
+
+    def _stats(self) -> CoreStats:
+        s = self.engine.stats()
+        return CoreStats(
+            running=int(s["running"]), waiting=int(s["waiting"]),
+            kv_full_usage=1.0 - s["full_free"] / s["full_total"], kv_swa_usage=1.0 - s["swa_free"] / s["swa_total"],
+            prefix_hit_tokens=int(s["cached_tokens"]), steps=int(s["steps"]),
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--epoch", type=int, required=True)
+    ap.add_argument("--inputs", required=True)
+    ap.add_argument("--outputs", required=True)
+    ap.add_argument("--parent", type=int, default=os.getppid())
+    args = ap.parse_args(argv)
+    _die_with_parent(args.parent)
+    settings = LLMSettings.model_validate_json(os.environ[SETTINGS_ENV])
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s core %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.connect(args.outputs)
+    inputs = ctx.socket(zmq.PULL)
+    inputs.setsockopt(zmq.LINGER, 0)
+    inputs.connect(args.inputs)
+    enc = msgspec.msgpack.Encoder()
+    try:
+        from ..loader import load_lm
+        from .build import build_engine
+
+        if settings.threads > 0:
+            import torch
+
+            torch.set_num_threads(settings.threads)
+        lm = load_lm(settings.model_dir, settings.device, settings.dtype)
+        engine = build_engine(settings, lm)
+    except Exception as e:
+        log.exception("engine core failed to load")
+        outputs.send(enc.encode(CoreFailed(args.epoch, f"{type(e).__name__}: {e}")))
+        inputs.close()
+        outputs.close()
+        ctx.term()
+        return EXIT_LOAD_FAILED
+    loop = CoreLoop(engine, inputs, outputs, args.epoch, args.parent, lm.dtype)
+    r = engine.runner
+    outputs.send(enc.encode(CoreReady(args.epoch, os.getpid(), r.num_full_slots, r.num_swa_slots,
+                                      engine.scheduler.config.window, r.kv_bytes())))
+    log.info("engine core %d ready (epoch %d): %d full / %d swa slots", os.getpid(), args.epoch,
+             r.num_full_slots, r.num_swa_slots)
+    code = 0
+    try:
+        loop.run()
+    except Exception:
+        log.exception("engine core broken; exiting so the front restarts it")
+        code = EXIT_BROKEN
+    inputs.close()
+    outputs.close()
+    ctx.term()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
