@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from llm_svc.backends.base import GenOutput, RequestStream
+from llm_svc.types import GenOutput, RequestStream
 from llm_svc.loader import load_lm
-from llm_svc.prompt import PreparedRequest
+from llm_svc.types import PreparedRequest
 from shared.schemas import SamplingParams
 from shared.settings import LLMSettings
 

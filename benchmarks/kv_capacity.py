@@ -34,7 +34,7 @@ import json
 import random
 import time
 
-from llm_svc.engine.request import Request
+from llm_svc.types import Request
 from llm_svc.engine.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.kv.budget import KVGeometry, size_pools

@@ -48,7 +48,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from llm_svc.engine.request import Request
+from llm_svc.types import Request
 from llm_svc.engine.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from shared.schemas import SamplingParams

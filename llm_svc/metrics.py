@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .backends.base import BackendStats
+from .types import BackendStats
 
 
 class LLMMetrics:

@@ -2,39 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import torch
 
-from shared.schemas import GenerateRequest, PromptMedia, PromptText, SamplingParams
+from shared.schemas import GenerateRequest, PromptMedia, PromptText
 
 from .errors import InvalidRequest
 from .loader import LoadedLM
-
-
-@dataclass
-class PreparedRequest:
-    """Everything a backend needs to run one request.
-
-    ``mm_spans`` are ``(start_position, length, item_index)``; ``mm_items[i]`` is item i's
-    embeddings ``[num_tokens, hidden]`` in the model dtype.
-    """
-
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    stream: bool = False
-    mm_items: list[torch.Tensor] = field(default_factory=list)
-    mm_spans: list[tuple[int, int, int]] = field(default_factory=list)
-    mm_hashes: list[str] = field(default_factory=list)
-    bidirectional: bool = False
-    return_logprobs: bool = False  # log-probability of each sampled token (raw model distribution)
-
-    def __post_init__(self) -> None:
-        assert self.prompt_ids, "empty prompt"
-        for start, length, item in self.mm_spans:
-            assert 0 <= start and start + length <= len(self.prompt_ids)
-            assert self.mm_items[item].shape[0] == length
+from .types import PreparedRequest
 
 
 def render_prompt_ids(lm: LoadedLM, req: GenerateRequest) -> list[int]:

@@ -17,7 +17,8 @@ from shared.wire import WireError, unpack
 
 from .backends import BackendStats, GenOutput, RequestStream
 from .errors import InvalidRequest, error_body
-from .prompt import PreparedRequest, prepare_request
+from .prompt import prepare_request
+from .types import PreparedRequest
 from .state import ServiceState
 
 router = APIRouter()

@@ -14,7 +14,14 @@ slices: peak memory is capped even for one very long chunk.
 Per row the bias encodes causal + sliding window (keys in ``(p - W, p]``) + Gemma 3's
 bidirectional image spans + the key padding; a padded query row gets key 0 as its only key (no
 NaN from an all ``-inf`` row) and is dropped before the output is written back. MiMo's sinks
-are an extra logit column in ``attend`` (exact; sdpa cannot take it).
+are an extra logit column in ``attend``.
+
+Metadata per step is O(members) Python plus tensor ops: each member's key slots are read from
+the runner's persistent slot tables (``table_slots``: one row slice / gather), never as Python
+lists. Per layer, the context K/V is gathered once into a reused workspace, already in the
+head-major ``[Hkv * B, L, D]`` layout two ``bmm`` read in place: that copy and the ``bmm``
+reading it are what remains O(context) per step (reading the KV is inherent to attention; the
+copy is the price of a paged pool without a paged kernel).
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llm_svc.engine.forward_batch import ForwardBatch, SeqForward
+from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.engine.slot_tables import StepTables
 
 from . import register_attention_backend
-from .base import FULL, SLIDING, AttentionBackend, AttentionParams, LayerKV
-from .torch_common import allowed_mask, attend, ctx_of
+from .base import FULL, SLIDING, AttentionBackend, AttentionParams, LayerKV, Workspace
+from .torch_common import allowed_mask, attend, ctx_range, table_slots
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,7 @@ class Bucket:
 
     nq: int  # padded queries per sequence
     q_index: torch.Tensor | None  # [B * nq] long: step row of each padded query (pads repeat one); None: rows 0..T-1
-    ctx_slots: torch.Tensor  # [B, L] long: pool slot of each context position (pad: 0)
+    ctx_slots: torch.Tensor  # [B, L] long: pool slot of each context position (pad: 0), from the slot table
     bias: torch.Tensor  # [B, nq, L] float32: 0 where the query may attend, -inf elsewhere
     real: torch.Tensor | None  # [T_b] long: the real queries among the B * nq; None: all real
     rows: torch.Tensor  # [T_b] long: their step rows
@@ -77,18 +85,19 @@ class _Member:
     row: int  # step row of the first query
     qstart: int  # its position
     n: int  # queries
-    slots: list[int]  # context slots of this kind, positions k0..k0+len-1
-    k0: int
+    trow: int  # the sequence's slot-table row
+    k0: int  # position of its first key
+    klen: int  # keys: positions k0..k0+klen-1
     spans: list[tuple[int, int]]
 
 
-def split_queries(sf: SeqForward, row: int, kind: str, window: int, q_block: int) -> list[_Member]:
+def split_queries(sf: SeqForward, row: int, trow: int, kind: str, window: int, q_block: int) -> list[_Member]:
     """Cut a chunk's queries into blocks of ``q_block`` (0: one block); each block keeps only the
     keys it may see: sliding from ``qa - W + 1``, up to its last query or the end of an image
-    span it overlaps. Long chunks then cost ``n * (W + q_block)`` in sliding layers, not ``n^2``."""
-    slots, k0 = ctx_of(sf, kind)
-    n, qs = len(sf.token_ids), sf.positions[0]
-    end = qs + n
+    span it overlaps. Long chunks then cost ``n * (W + q_block)`` in sliding layers, not ``n^2``.
+    O(blocks) Python: the key slots come from the slot table as tensors (``_bucket``)."""
+    k0, end = ctx_range(sf, kind)
+    n, qs = len(sf.token_ids), sf.start
     step = q_block if q_block > 0 else n
     out = []
     for a in range(0, n, step):
@@ -98,7 +107,7 @@ def split_queries(sf: SeqForward, row: int, kind: str, window: int, q_block: int
             if s < qb and e > qa:
                 kend = max(kend, min(e, end))
         kstart = max(k0, qa - window + 1) if kind == SLIDING else k0
-        out.append(_Member(row + a, qa, qb - qa, slots[kstart - k0:kend - k0], kstart, sf.bidirectional_spans))
+        out.append(_Member(row + a, qa, qb - qa, trow, kstart, kend - kstart, sf.bidirectional_spans))
     return out
 
 
@@ -129,12 +138,17 @@ def plan_buckets(sizes: list[tuple[int, int]], policy: BucketPolicy) -> list[lis
     return buckets + ([decodes] if decodes else [])
 
 
-def _bucket(members: list[_Member], kind: str, window: int, device) -> Bucket:
-    b = len(members)
-    ns = torch.tensor([m.n for m in members])
-    lens = torch.tensor([len(m.slots) for m in members])
-    nq, L = int(ns.max()), int(lens.max())
-    ar_q, ar_k = torch.arange(nq), torch.arange(L)
+def _bucket(members: list[_Member], kind: str, window: int, table: torch.Tensor, device) -> Bucket:
+    """One bucket's index and bias tensors, built with tensor ops on ``device`` from a few ints
+    per member (no per-position Python: O(B * nq * L) tensor work)."""
+    def t(xs):
+        return torch.tensor(xs, dtype=torch.long, device=device)
+
+    ns, lens = t([m.n for m in members]), t([m.klen for m in members])
+    nq, L = max(m.n for m in members), max(m.klen for m in members)
+    k0 = t([m.k0 for m in members]) if any(m.k0 for m in members) else None
+    ctx = table_slots(table, t([m.trow for m in members]), k0, lens, L)  # [B, L]
+    ar_q, ar_k = torch.arange(nq, device=device), torch.arange(L, device=device)
     key_ok = (ar_k[None, :] < lens[:, None])[:, None, :]  # [B, 1, L]
     q_real = ar_q[None, :] < ns[:, None]  # [B, nq]
     if nq == 1:
@@ -142,31 +156,31 @@ def _bucket(members: list[_Member], kind: str, window: int, device) -> Bucket:
         # scheduler; a span before it does not widen it), so only key padding is masked
         ok = key_ok
     else:
-        qpos = torch.tensor([m.qstart for m in members])[:, None] + ar_q  # [B, nq]
-        kpos = torch.tensor([m.k0 for m in members])[:, None] + ar_k  # [B, L]
-        ok = allowed_mask(qpos, kpos, [], window if kind == SLIDING else None)  # [B, nq, L]
+        w = window if kind == SLIDING else None
+        qpos = t([m.qstart for m in members])[:, None] + ar_q  # [B, nq]
+        kpos = (ar_k[None, :] if k0 is None else k0[:, None] + ar_k)  # [B or 1, L]
+        kpos = kpos.expand(len(members), L)
+        ok = allowed_mask(qpos, kpos, [], w)  # [B, nq, L]
         for j, m in enumerate(members):
             if m.spans:
-                ok[j] = allowed_mask(qpos[j], kpos[j], m.spans, window if kind == SLIDING else None)
+                ok[j] = allowed_mask(qpos[j], kpos[j], m.spans, w)
         ok &= key_ok
         ok &= q_real[:, :, None]
         ok[:, :, 0] |= ~q_real  # a padded query row sees key 0 only: finite softmax, output dropped
-    bias = torch.zeros(ok.shape, dtype=torch.float32).masked_fill_(~ok, float("-inf"))
+    bias = torch.zeros(ok.shape, dtype=torch.float32, device=device).masked_fill_(~ok, float("-inf"))
 
-    starts = torch.tensor([m.row for m in members])
+    starts = t([m.row for m in members])
     q_index = (starts[:, None] + torch.minimum(ar_q[None, :], (ns - 1)[:, None])).reshape(-1)  # [B * nq]
-    padded = bool((ns < nq).any())
+    padded = any(m.n < nq for m in members)
     real = q_real.reshape(-1).nonzero().squeeze(1) if padded else None
     rows = q_index[real] if padded else q_index
-    flat = [s for m in members for s in m.slots + [0] * (L - len(m.slots))]
-    return Bucket(nq, q_index.to(device), torch.tensor(flat, dtype=torch.long, device=device).view(b, L),
-                  bias.to(device), None if real is None else real.to(device), rows.to(device))
+    return Bucket(nq, q_index, ctx, bias, real, rows)
 
 
 def attend_capped(q, k, v, bias, params: AttentionParams, max_elems: int) -> torch.Tensor:
     """``attend`` in query slices so that no score tensor exceeds ``max_elems`` elements."""
     b, nq, hq, _ = q.shape
-    step = max(1, max_elems // max(1, b * hq * k.shape[1]))
+    step = max(1, max_elems // max(1, b * hq * k.shape[2]))
     if step >= nq:
         return attend(q, k, v, bias, params)
     return torch.cat([attend(q[:, i:i + step], k, v, bias[:, i:i + step], params) for i in range(0, nq, step)], 1)
@@ -178,20 +192,26 @@ class TorchBatchedAttention(AttentionBackend):
 
     def __init__(self, policy: BucketPolicy | None = None):
         self.policy = policy or BucketPolicy()
+        self.ws = Workspace()  # the gathered context KV, reused by every layer and step
 
-    def prepare(self, batch: ForwardBatch, window: int, device: torch.device) -> StepMeta:
+    def attend(self, q, k, v, bias, params: AttentionParams) -> torch.Tensor:
+        """q [B, nq, Hq, D], k/v [Hkv, B, L, D/Dv], bias [B, nq, L] -> [B, nq, Hq, Dv]."""
+        return attend_capped(q, k, v, bias, params, self.policy.max_score_elems)
+
+    def prepare(self, batch: ForwardBatch, tables: StepTables, window: int, device: torch.device) -> StepMeta:
         meta = StepMeta()
         for kind in (FULL, SLIDING):
             out: list[int] = []
             members: list[_Member] = []
             row = 0
-            for sf in batch.seqs:
+            for sf, trow in zip(batch.seqs, tables.rows):
                 out.extend(sf.out_full_slots if kind == FULL else sf.out_swa_slots)
-                members.extend(split_queries(sf, row, kind, window, self.policy.q_block))
+                members.extend(split_queries(sf, row, trow, kind, window, self.policy.q_block))
                 row += len(sf.token_ids)
-            plan = plan_buckets([(m.n, len(m.slots)) for m in members], self.policy)
+            plan = plan_buckets([(m.n, m.klen) for m in members], self.policy)
+            table = tables.full if kind == FULL else tables.swa
             # members keep batch order inside a bucket: a single unpadded bucket is then rows 0..T-1
-            buckets = [_bucket([members[i] for i in sorted(idx)], kind, window, device) for idx in plan]
+            buckets = [_bucket([members[i] for i in sorted(idx)], kind, window, table, device) for idx in plan]
             whole = len(buckets) == 1 and buckets[0].real is None
             if whole:
                 buckets[0].q_index = None
@@ -206,10 +226,8 @@ class TorchBatchedAttention(AttentionBackend):
         for bk in km.buckets:
             b = bk.ctx_slots.shape[0]
             qg = (q if bk.q_index is None else q.index_select(0, bk.q_index)).view(b, bk.nq, hq, d)
-            idx = bk.ctx_slots.view(-1)  # index_select is ~5x faster than advanced indexing on CPU
-            kg = cache.k.index_select(0, idx).view(b, -1, *cache.k.shape[1:]).to(q.dtype)  # [B, L, Hkv, D]
-            vg = cache.v.index_select(0, idx).view(b, -1, *cache.v.shape[1:]).to(q.dtype)  # [B, L, Hkv, Dv]
-            o = attend_capped(qg, kg, vg, bk.bias, params, self.policy.max_score_elems)  # [B, nq, Hq, Dv]
+            kg, vg = cache.gather(bk.ctx_slots, q.dtype, self.ws)  # [Hkv, B, L, D], [Hkv, B, L, Dv]
+            o = self.attend(qg, kg, vg, bk.bias, params)  # [B, nq, Hq, Dv]
             o = o.reshape(b * bk.nq, hq, -1)
             if km.whole:
                 return o

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_svc.engine.forward_batch import SeqForward
+from llm_svc.types import SeqForward
 
 from .base import FULL, AttentionParams
 
@@ -31,27 +31,45 @@ def additive_bias(mask: torch.Tensor, device) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf")).to(device)
 
 
-def ctx_of(sf: SeqForward, kind: str) -> tuple[list[int], int]:
-    """Context slots of ``kind``'s pool and the position of the first one."""
-    return (sf.ctx_full_slots, 0) if kind == FULL else (sf.ctx_swa_slots, sf.swa_ctx_start)
+def ctx_range(sf: SeqForward, kind: str) -> tuple[int, int]:
+    """Positions ``[k0, end)`` of the keys ``sf``'s queries may read in ``kind``'s pool."""
+    return (0 if kind == FULL else sf.swa_ctx_start), sf.end
+
+
+def table_slots(table: torch.Tensor, rows: torch.Tensor, k0: torch.Tensor | None, lens: torch.Tensor,
+                length: int) -> torch.Tensor:
+    """Pool slots ``[B, length]`` of positions ``k0[b] .. k0[b] + lens[b] - 1`` of table row
+    ``rows[b]`` (``table [R, capacity]``; ``k0`` None: all 0), 0 past ``lens[b]`` (padding,
+    masked by the caller). O(B * length) tensor work, no Python per position."""
+    ar = torch.arange(length, device=table.device)
+    ok = ar[None, :] < lens[:, None]  # [B, L]
+    if k0 is None:  # every context starts at 0 (full layers): row slices
+        out = table[:, :length].index_select(0, rows)
+    else:
+        pos = (k0[:, None] + ar[None, :]).clamp_(max=table.shape[1] - 1)
+        out = table[rows[:, None], pos]
+    return out.masked_fill_(~ok, 0)
 
 
 def attend(q, k, v, bias, params: AttentionParams) -> torch.Tensor:
-    """q [B, nq, Hq, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv], bias [B, nq, L] (0 / -inf)
-    -> [B, nq, Hq, Dv]. Every query row needs one finite bias entry (or a sink)."""
+    """q [B, nq, Hq, D], k [Hkv, B, L, D], v [Hkv, B, L, Dv] (head-major, as ``LayerKV.gather``
+    returns them), bias [B, nq, L] (0 / -inf) -> [B, nq, Hq, Dv]. Every query row needs one
+    finite bias entry (or a sink). Two ``bmm`` over ``Hkv * B`` read the gathered KV in place."""
     b, nq, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv, _, L, dv = v.shape
     g = hq // hkv  # query head h reads kv head h // g (transformers' repeat_kv order)
-    qh = q.reshape(b, nq, hkv, g, d)
-    s = torch.einsum("bqhgd,blhd->bhgql", qh, k).float() * params.scale  # [B, Hkv, G, nq, L]
+    qh = q.reshape(b, nq, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv * b, g * nq, d)  # [Hkv*B, G*nq, D]
+    s = torch.bmm(qh.to(k.dtype), k.reshape(hkv * b, L, d).transpose(1, 2))  # [Hkv*B, G*nq, L]
+    s = s.float().view(hkv, b, g, nq, L).mul_(params.scale)
     if params.softcap is not None:
         s = torch.tanh(s / params.softcap) * params.softcap
-    s = s + bias[:, None, None]
+    s = s + bias[None, :, None]  # [Hkv, B, G, nq, L]
     if params.sinks is not None:
-        sink = params.sinks.float().reshape(1, hkv, g, 1, 1).expand(b, hkv, g, nq, 1)
+        sink = params.sinks.float().reshape(hkv, 1, g, 1, 1).expand(hkv, b, g, nq, 1)
         s = torch.cat([s, sink], dim=-1)
     p = torch.softmax(s, dim=-1)
     if params.sinks is not None:
         p = p[..., :-1]  # the sink absorbs probability mass but has no value
-    out = torch.einsum("bhgql,blhd->bqhgd", p.to(v.dtype), v)  # [B, nq, Hkv, G, Dv]
-    return out.reshape(b, nq, hq, -1)
+    p = p.reshape(hkv * b, g * nq, L).to(v.dtype)
+    out = torch.bmm(p, v.reshape(hkv * b, L, dv))  # [Hkv*B, G*nq, Dv]
+    return out.view(hkv, b, g, nq, dv).permute(1, 3, 0, 2, 4).reshape(b, nq, hq, dv)

@@ -21,7 +21,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from shared.settings import LLMSettings
 
 from ..loader import LoadedLM
-from ..prompt import PreparedRequest, input_embeds
+from ..prompt import input_embeds
+from ..types import PreparedRequest
 from ..textproc import OutputText, token_finish_reason
 from . import register_backend
 from .base import Backend, BackendStats, GenOutput, RequestStream

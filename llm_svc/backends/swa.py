@@ -8,7 +8,7 @@ from shared.settings import LLMSettings
 from ..core.build import build_engine  # noqa: F401  (the in-process engine, for tests and benchmarks)
 from ..core.client import EngineCoreClient
 from ..loader import LoadedLM
-from ..prompt import PreparedRequest
+from ..types import PreparedRequest
 from . import register_backend
 from .base import Backend, BackendStats, RequestStream
 

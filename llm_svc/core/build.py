@@ -70,5 +70,5 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
                                    release_interval=cfg.decode_release_interval)
     num_swa = max(num_swa, cfg.min_swa_slots())
     scheduler = Scheduler(cfg, num_full, num_swa)
-    runner = ModelRunner(model, num_full, num_swa, device=lm.device, dtype=kv_dtype)
+    runner = ModelRunner(model, num_full, num_swa, device=lm.device, kv_dtype=kv_dtype)
     return Engine(runner, scheduler, lm.eos_token_ids)

@@ -34,9 +34,9 @@ import zmq.asyncio
 from shared.schemas import CoreAbort, CoreFailed, CoreOutput, CoreOutputs, CoreReady, CoreShutdown, CoreStats, CoreToken
 from shared.settings import LLMSettings
 
-from ..backends.base import BackendStats, RequestStream
+from ..types import BackendStats, RequestStream
 from ..errors import InvalidRequest
-from ..prompt import PreparedRequest
+from ..types import PreparedRequest
 from .convert import to_core_add
 from .output import OutputProcessor
 from .process import SETTINGS_ENV

@@ -6,7 +6,7 @@ import torch
 
 from shared.schemas import CoreAdd, CoreSampling, CoreTensor, SamplingParams
 
-from ..prompt import PreparedRequest
+from ..types import PreparedRequest
 
 _SEED_RANGE = 1 << 63  # msgpack and torch generators take 64-bit seeds; any int maps into range
 

@@ -4,7 +4,7 @@ caller: what the core process and the front do together, for tests and benchmark
 from __future__ import annotations
 
 from ..engine.engine import Engine
-from ..prompt import PreparedRequest
+from ..types import PreparedRequest
 from .output import OutputProcessor
 
 

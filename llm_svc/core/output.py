@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from shared.schemas import CoreToken
 
-from ..backends.base import GenOutput
-from ..prompt import PreparedRequest
+from ..types import GenOutput
+from ..types import PreparedRequest
 from ..textproc import OutputText
 
 

@@ -1,7 +1,9 @@
-"""The model runner: owns the KV pool tensors and executes one ``ForwardBatch``. No policy.
+"""The model runner: owns the KV pool tensors and the per-request slot tables, and executes
+one ``ForwardBatch``. No policy.
 
-Input: the scheduler's batch (prefill chunks and decodes mixed, in any order). Output: logits
-of the last token of every sequence with ``need_logits``.
+Input: the scheduler's batch (prefill chunks and decodes mixed, in any order; only the slots
+that changed, see ``llm_svc.engine.forward_batch``). Output: logits of the last token of every
+sequence with ``need_logits``.
 """
 
 from __future__ import annotations
@@ -9,28 +11,32 @@ from __future__ import annotations
 import torch
 
 from llm_svc.attention import FULL, LayerKV, create_attention_backend
-from llm_svc.engine.forward_batch import ForwardBatch
+from llm_svc.types import ForwardBatch
+from llm_svc.engine.slot_tables import DeviceSlotTables
 from llm_svc.models import HybridModel
 
 
 class ModelRunner:
-    """Runs ``model`` over KV pools of ``num_full_slots`` / ``num_swa_slots`` slots."""
+    """Runs ``model`` over KV pools of ``num_full_slots`` / ``num_swa_slots`` slots.
+
+    ``kv_dtype``: the pools' dtype (bf16/fp16/fp32), independent of the model's compute dtype
+    (its weights'): K/V are cast on write and back to the compute dtype when read. ``dtype`` is
+    the older name of the same argument (``kv_dtype`` wins when both are given).
+    ``attention``: a registered backend name; ``auto`` picks the default for ``device``."""
 
     def __init__(self, model: HybridModel, num_full_slots: int, num_swa_slots: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 attention: str = "torch"):
+                 attention: str = "auto", kv_dtype: torch.dtype | None = None):
         self.model = model
         self.device = torch.device(device)
-        self.dtype = dtype
-        self.attn = create_attention_backend(attention)
+        self.kv_dtype = self.dtype = kv_dtype or dtype
+        self.attn = create_attention_backend(attention, self.device)
         self.num_full_slots, self.num_swa_slots = num_full_slots, num_swa_slots
+        self.tables = DeviceSlotTables(self.device)
         self.kv: list[LayerKV] = []
         for spec in model.layers:
             n = num_full_slots if spec.kind == FULL else num_swa_slots
-            self.kv.append(LayerKV(
-                k=torch.zeros(n, spec.kv_heads, spec.qk_dim, dtype=dtype, device=self.device),
-                v=torch.zeros(n, spec.kv_heads, spec.v_dim, dtype=dtype, device=self.device),
-            ))
+            self.kv.append(LayerKV.empty(n, spec.kv_heads, spec.qk_dim, spec.v_dim, self.kv_dtype, self.device))
 
     def kv_bytes(self) -> int:
         return sum(t.k.numel() * t.k.element_size() + t.v.numel() * t.v.element_size() for t in self.kv)
@@ -56,9 +62,10 @@ class ModelRunner:
     def run(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
         """Execute the batch; returns ``{req_id: logits [vocab] float32}`` for ``need_logits`` seqs."""
         assert batch.seqs, "empty batch"
+        tables = self.tables.apply(batch)
         positions = torch.tensor([p for s in batch.seqs for p in s.positions], dtype=torch.long,
                                  device=self.device)
-        meta = self.attn.prepare(batch, self.model.window, self.device)
+        meta = self.attn.prepare(batch, tables, self.model.window, self.device)
         h = self.model.forward(self._input_embeds(batch), positions, self.kv, self.attn, meta)
         last, ids, row = [], [], 0
         for sf in batch.seqs:

@@ -6,14 +6,17 @@ context slot a step reads holds exactly the KV of that position of *that* sequen
 pseudo-hit (stale, foreign or out-of-window KV) raises at once. Its default next token is
 derived from what the read slots hold, so a wrong read also changes the output: caching on vs
 off must give identical tokens. ``next_token`` overrides the choice (e.g. a scripted trace).
+It keeps the slot tables exactly as the model runner does (``HostSlotTables``, fed only the
+batch's changes), so a missing table reset reads the wrong slots and raises too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from llm_svc.engine.forward_batch import ForwardBatch, SeqForward
-from llm_svc.engine.request import Request
+from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.types import Request
+from llm_svc.engine.slot_tables import HostSlotTables
 
 
 class KVReadError(AssertionError):
@@ -36,6 +39,7 @@ class SimRunner:
         self.next_token = next_token
         self.full: dict[int, tuple[int, int]] = {}
         self.swa: dict[int, tuple[int, int]] = {}
+        self.tables = HostSlotTables()
         self.tokens_read = 0
         self.tokens_written = 0
 
@@ -50,9 +54,10 @@ class SimRunner:
     def run(self, batch: ForwardBatch) -> dict[str, int]:
         """Next token for every seq with ``need_logits``."""
         out: dict[str, int] = {}
+        self.tables.apply(batch)
         for sf in batch.seqs:
             req = self.requests(sf.req_id)
-            end = sf.positions[0] + len(sf.token_ids)
+            end = sf.end
             self.tokens_written += len(sf.token_ids)
             self.tokens_read += end
             if self.verify:
@@ -62,18 +67,19 @@ class SimRunner:
         return out
 
     def _write_and_check(self, req: Request, sf: SeqForward, end: int) -> None:
-        if sf.token_ids != req.all_ids[sf.positions[0]:end]:
+        if sf.token_ids != req.all_ids[sf.start:end]:
             raise KVReadError(f"{sf.req_id}: token ids differ from the request's")
         hs = self.prefix_hashes(req.all_keys, end)
         for i, p in enumerate(sf.positions):
             self.full[sf.out_full_slots[i]] = (p, hs[p])
             self.swa[sf.out_swa_slots[i]] = (p, hs[p])
-        if len(set(sf.ctx_full_slots)) != end or len(set(sf.ctx_swa_slots)) != len(sf.ctx_swa_slots):
+        ctx_full, ctx_swa = self.tables.ctx_full(sf), self.tables.ctx_swa(sf)
+        if len(set(ctx_full)) != end or len(set(ctx_swa)) != len(ctx_swa):
             raise KVReadError(f"{sf.req_id}: a slot appears twice in the context")
-        for q, slot in enumerate(sf.ctx_full_slots):
+        for q, slot in enumerate(ctx_full):
             if self.full.get(slot) != (q, hs[q]):
                 raise KVReadError(f"{sf.req_id}: full pseudo-hit at position {q} (slot {slot})")
-        for j, slot in enumerate(sf.ctx_swa_slots):
+        for j, slot in enumerate(ctx_swa):
             q = sf.swa_ctx_start + j
             if self.swa.get(slot) != (q, hs[q]):
                 raise KVReadError(f"{sf.req_id}: SWA pseudo-hit at position {q} (slot {slot})")
@@ -81,6 +87,7 @@ class SimRunner:
     def _derived_token(self, sf: SeqForward, end: int) -> int:
         # depends on what the slots hold (not on the chunking): the last token's window start,
         # the token itself and position 0
-        oldest = sf.ctx_swa_slots[max(0, end - self.window) - sf.swa_ctx_start]
-        seen = (self.full.get(sf.ctx_full_slots[-1]), self.swa.get(oldest), self.full.get(sf.ctx_full_slots[0]))
+        full, swa = self.tables.full[sf.req_id], self.tables.swa[sf.req_id]
+        oldest = swa[max(0, end - self.window)]
+        seen = (self.full.get(full[end - 1]), self.swa.get(oldest), self.full.get(full[0]))
         return hash(seen) % self.vocab

@@ -14,6 +14,9 @@ One engine step: ``schedule()`` -> runner -> ``postprocess(batch, next_tokens)``
   the prompt's end: a follow-up turn re-sends the prompt but rarely the generated token ids).
 * When a request's prefill completes, its computed KV goes into the prefix tree at once (it keeps
   a lock and continues from the tree's slots), so concurrent requests sharing it hit it.
+* The runner keeps each request's slot tables across steps: a batch carries only the new
+  tokens' slots, a table reset when a view was created or rewritten (``SeqKV.synced``), and the
+  ids of requests whose views ended (``ForwardBatch.dropped``). A decode is O(1) here.
 * When a decode cannot get a slot, the newest running request not already in this step's batch
   is preempted: its computed KV goes into the prefix tree (or is freed without caching) and it
   is requeued first, to recompute prompt + outputs so far.
@@ -26,8 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llm_svc.engine.forward_batch import ForwardBatch, SeqForward
-from llm_svc.engine.request import Request, RequestStatus
+from llm_svc.types import ForwardBatch, Request, RequestStatus, SeqForward, StepOutput
 from llm_svc.engine.sched_policy import make_policy
 from llm_svc.kv.manager import KVManager
 from llm_svc.kv.radix import NO_SLOT
@@ -64,17 +66,6 @@ class SchedulerConfig:
         return 4 * self.window + max(self.chunk_tokens, self.decode_release_interval) + 1
 
 
-@dataclass
-class StepOutput:
-    """One sampled token of a request (``token_id`` None only for a finish without a token)."""
-
-    req_id: str
-    token_id: int | None
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int
-
-
 class Scheduler:
     """Owns the request queues and one ``KVManager``. Public methods take an internal lock, so
     ``abort``/``finish`` may come from another thread; ``schedule`` and ``postprocess`` alternate
@@ -98,6 +89,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order: oldest first
         self.requests: dict[str, Request] = {}
+        self._dropped: list[str] = []  # views ended since the last batch (the runner frees their tables)
         self._lock = threading.RLock()
         self.num_preemptions = 0
         self.prompt_tokens = 0
@@ -147,7 +139,10 @@ class Scheduler:
             for _ in range(len(self.running) + 2):
                 batch = self._schedule_once()
                 if batch.seqs or not self.running:
-                    return batch if batch.seqs else None
+                    if not batch.seqs:
+                        return None
+                    batch.dropped, self._dropped = self._dropped, []
+                    return batch
                 # running requests exist but none could get slots: make room and retry
                 if len(self.running) == 1:
                     self._finish(self.running[0], "abort")  # cannot progress even alone
@@ -264,11 +259,15 @@ class Scheduler:
         return self._build(req, start, end)
 
     def _build(self, req: Request, start: int, end: int) -> SeqForward:
+        """O(end - start + W) unless the view needs a table reset (then O(start), once)."""
         w = self.config.window
         kv = req.kv
         swa_start = max(0, start - w + 1)
-        ctx_swa = kv.swa[swa_start:end]
-        assert NO_SLOT not in ctx_swa, f"{req.req_id}: SWA KV missing inside the window"
+        assert NO_SLOT not in kv.swa[swa_start:end], f"{req.req_id}: SWA KV missing inside the window"
+        reset_full = reset_swa = None
+        if not kv.synced:
+            reset_full, reset_swa = kv.full[:start], kv.swa[swa_start:start]
+            kv.synced = True
         mm_rows: list[tuple[int, int, int]] = []
         bidi: list[tuple[int, int]] = []
         for s, n, idx in req.mm_spans:
@@ -278,14 +277,14 @@ class Scheduler:
                 bidi.append((s, s + n))
         return SeqForward(
             req_id=req.req_id,
-            token_ids=req.all_ids[start:end],
-            positions=list(range(start, end)),
+            token_ids=req.token_slice(start, end),
+            start=start,
             out_full_slots=kv.full[start:end],
             out_swa_slots=kv.swa[start:end],
-            ctx_full_slots=kv.full[:end],
-            ctx_swa_slots=ctx_swa,
             swa_ctx_start=swa_start,
             need_logits=end == req.num_tokens,
+            reset_full=reset_full,
+            reset_swa=reset_swa,
             mm_rows=mm_rows,
             mm_items=req.mm_items if mm_rows else [],
             bidirectional_spans=bidi,
@@ -298,9 +297,9 @@ class Scheduler:
         with self._lock:
             for sf in batch.seqs:
                 req = self.requests.get(sf.req_id)
-                if req is None or req.status != RequestStatus.RUNNING or sf.positions[0] != req.num_computed:
+                if req is None or req.status != RequestStatus.RUNNING or sf.start != req.num_computed:
                     continue  # aborted or finished while the step ran (or an id reused since)
-                end = sf.positions[0] + len(sf.token_ids)
+                end = sf.end
                 req.num_computed = end
                 if sf.need_logits and not req.prefill_cached:
                     # prefill done: cache it now, so concurrent requests sharing it hit it.
@@ -346,6 +345,7 @@ class Scheduler:
         self._release(req)
         self.kv.finish(req.kv, req.all_keys, req.num_computed, cache=True)
         self.running.remove(req)
+        self._dropped.append(req.req_id)
         req.kv = None
         req.num_computed = 0
         req.num_preemptions += 1
@@ -358,6 +358,7 @@ class Scheduler:
             self._release(req)
             self.kv.finish(req.kv, req.all_keys, req.num_computed, cache=True)
             self.running.remove(req)
+            self._dropped.append(req.req_id)
             req.kv = None
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)

@@ -24,6 +24,9 @@ class SeqKV:
     swa_released_to: int = 0  # positions below this hold no SWA in this view
     # window ends p whose SWA [p - W, p) is kept until the end (see KVManager.start)
     keep_ends: tuple[int, ...] = ()
+    # False when slots of positions the runner already has were created or rewritten (a new
+    # view, ``cache_prefix``): the scheduler then sends the runner a table reset
+    synced: bool = False
 
     def __post_init__(self) -> None:
         assert len(self.full) == len(self.swa) == self.cached_len
@@ -147,7 +150,8 @@ class KVManager:
         if not self.enable_prefix_cache or upto <= seq.cached_len:
             return 0
         assert upto <= len(seq.full)
-        added = self.tree.insert(keys[:upto], seq.full[:upto], seq.swa[:upto], seq.cached_len)
+        prev = seq.cached_len
+        added = self.tree.insert(keys[:upto], seq.full[:upto], seq.swa[:upto], prev)
         m = self.tree.match_exact(keys[:upto])
         h = self.tree.lock(m)
         if seq.handle is not None:
@@ -156,6 +160,10 @@ class KVManager:
         seq.full[:upto] = m.full_slots
         seq.swa[:upto] = [NO_SLOT] * lo + m.swa_slots[lo:]
         seq.cached_len, seq.handle = upto, h
+        if added != upto - prev:
+            # some positions matched KV the tree already had: the view switched to those slots
+            # (all new: the tree took the request's own slots, the view is unchanged)
+            seq.synced = False
         seq.swa_released_to = max(seq.swa_released_to, lo)
         return added
 

@@ -22,7 +22,8 @@ from tests.integration.test_llm_service import ServerThread
 pytestmark = pytest.mark.integration
 
 
-def core_processes() -> list[int]:
+def core_processes(parent: int | None = None) -> list[int]:
+    """Engine-core processes on this machine (of front ``parent``, when given)."""
     out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -32,7 +33,7 @@ def core_processes() -> list[int]:
                 cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if b"llm_svc.core.process" in cmd:
+        if b"llm_svc.core.process" in cmd and (parent is None or str(parent).encode() in cmd):
             out.append(int(pid))
     return out
 
@@ -140,7 +141,7 @@ def test_killed_front_takes_its_core_along(mimo_bundle, tmp_path):
                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(f"http://127.0.0.1:{port}")
-        cores = [p for p in core_processes() if f"--parent\0{front.pid}".encode() in open(f"/proc/{p}/cmdline", "rb").read()]
+        cores = core_processes(front.pid)
         assert len(cores) == 1
         front.kill()
         front.wait(10)
@@ -164,7 +165,6 @@ def test_first_core_that_cannot_load_is_reported_not_looped(mimo_bundle, tmp_pat
     bad = tmp_path / "bad"
     shutil.copytree(mimo_bundle, bad)
     (bad / "model.safetensors").write_bytes(b"not a safetensors file")
-    before = set(core_processes())
     svc = ServerThread(create_app(LLMSettings(model_dir=str(bad), kv_bytes=32 * 1024 * 1024)))
     svc.thread.start()
     try:
@@ -181,6 +181,6 @@ def test_first_core_that_cannot_load_is_reported_not_looped(mimo_bundle, tmp_pat
         assert "engine core" in r.json()["detail"]
         assert httpx.get(svc.url + "/readyz", timeout=2).status_code == 503
         time.sleep(1.5)
-        assert set(core_processes()) <= before, "a core of the failed service is still running"
+        assert not core_processes(os.getpid()), "a core of the failed service is still running"
     finally:
         svc.__exit__()

@@ -8,7 +8,7 @@ import torch
 
 from llm_svc.core.build import build_engine
 from llm_svc.core.local import InProcessEngine
-from llm_svc.prompt import PreparedRequest
+from llm_svc.types import PreparedRequest
 from shared.schemas import SamplingParams
 from shared.settings import LLMSettings
 

@@ -144,7 +144,7 @@ def test_geometry_from_hf_config_matches_the_runner_kv_tensors(arch, mimo_bundle
     per_slot = {True: 0, False: 0}
     for spec, t in zip(runner.model.layers, runner.kv):
         n = 3 if spec.kind == FULL else 5
-        assert t.k.shape[0] == t.v.shape[0] == n
+        assert t.num_slots == t.v.shape[1] == n
         per_slot[spec.kind == FULL] += (t.k.numel() * t.k.element_size() + t.v.numel() * t.v.element_size()) // n
     assert (g.full_token_bytes, g.swa_token_bytes) == (per_slot[True], per_slot[False])
     assert runner.kv_bytes() == 3 * g.full_token_bytes + 5 * g.swa_token_bytes

@@ -11,7 +11,8 @@ import torch
 
 from llm_svc.attention import FULL, SLIDING, AttentionParams, LayerKV, create_attention_backend
 from llm_svc.attention.torch_batched import BucketPolicy, TorchBatchedAttention, plan_buckets
-from llm_svc.engine.forward_batch import ForwardBatch, SeqForward
+from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.engine.slot_tables import DeviceSlotTables
 
 pytestmark = pytest.mark.unit
 HQ, D, DV = 4, 8, 6
@@ -36,14 +37,19 @@ def random_step(rng: random.Random, window: int, num_seqs: int, num_full: int, n
         if spans and n >= 6 and rng.random() < 0.9:  # an image inside the chunk, as the scheduler keeps it
             a = rng.randint(start, end - 4)
             sp = [(a, min(end, a + rng.randint(3, 24)))]
-        seqs.append(SeqForward(f"r{i}", [7] * n, list(range(start, end)), full[start:], swa[-n:], full, swa, s0,
-                               True, bidirectional_spans=sp))
+        seqs.append(SeqForward(f"r{i}", [7] * n, start, full[start:], swa[-n:], s0, True,
+                               reset_full=full[:start], reset_swa=swa[:-n], bidirectional_spans=sp))
     rng.shuffle(seqs)
     return ForwardBatch(seqs)
 
 
+def prepare(backend, batch, window):
+    """Slot tables filled from the batch's resets (every seq carries one), then the metadata."""
+    return backend.prepare(batch, DeviceSlotTables().apply(batch), window, torch.device("cpu"))
+
+
 def run_backend(backend, batch, window, kind, q, k, v, cache, params):
-    meta = backend.prepare(batch, window, torch.device("cpu"))
+    meta = prepare(backend, batch, window)
     c = LayerKV(cache.k.clone(), cache.v.clone())
     return backend.forward(kind, q, k, v, c, meta, params), c
 
@@ -59,7 +65,7 @@ def test_batched_matches_loop_on_random_steps(seed, kind):
     t = batch.num_tokens
     q, k = torch.randn(t, HQ, D, generator=g), torch.randn(t, hkv, D, generator=g)
     v = torch.randn(t, hkv, DV, generator=g)
-    cache = LayerKV(torch.randn(2048, hkv, D, generator=g), torch.randn(2048, hkv, DV, generator=g))
+    cache = LayerKV(torch.randn(hkv, 2048, D, generator=g), torch.randn(hkv, 2048, DV, generator=g))
     params = AttentionParams(
         scale=D ** -0.5,
         sinks=torch.randn(HQ, generator=g) * 3 if seed % 3 != 1 else None,
@@ -72,7 +78,7 @@ def test_batched_matches_loop_on_random_steps(seed, kind):
                    BucketPolicy(max_pad_ratio=1.0, pad_slack=0, q_block=0)):
         backend = TorchBatchedAttention(policy)
         got, got_cache = run_backend(backend, batch, window, kind, q, k, v, cache, params)
-        for bucket in backend.prepare(batch, window, torch.device("cpu")).kinds[kind].buckets:
+        for bucket in prepare(backend, batch, window).kinds[kind].buckets:
             assert (bucket.bias > float("-inf")).any(-1).all()  # every row, padded or not, has a key
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -87,7 +93,7 @@ def test_spans_change_the_output():
     g = torch.Generator().manual_seed(0)
     t = batch.num_tokens
     q, k, v = torch.randn(t, HQ, D, generator=g), torch.randn(t, 2, D, generator=g), torch.randn(t, 2, DV, generator=g)
-    cache = LayerKV(torch.randn(2048, 2, D, generator=g), torch.randn(2048, 2, DV, generator=g))
+    cache = LayerKV(torch.randn(2, 2048, D, generator=g), torch.randn(2, 2048, DV, generator=g))
     params = AttentionParams(scale=0.3)
     with_spans, _ = run_backend(TorchBatchedAttention(), batch, 16, FULL, q, k, v, cache, params)
     for s in batch.seqs:
@@ -119,12 +125,37 @@ def test_one_long_prefill_and_many_decodes_stay_apart():
     sizes = [(2048, 4096)] + [(1, 4000 + i) for i in range(64)]
     plan = plan_buckets(sizes, BucketPolicy(q_block=0))
     assert [0] in plan and sum(len(b) for b in plan if 0 not in b) == 64
-    long = SeqForward("long", [1] * 300, list(range(300)), list(range(300)), list(range(300)), list(range(300)),
-                      list(range(300)), 0, True)
-    decodes = [SeqForward(f"d{i}", [1], [200], [300 + i], [300 + i], list(range(200)) + [300 + i],
-                          list(range(185, 200)) + [300 + i], 185, True) for i in range(32)]
+    long = SeqForward("long", [1] * 300, 0, list(range(300)), list(range(300)), 0, True)
+    decodes = [SeqForward(f"d{i}", [1], 200, [300 + i], [300 + i], 185, True, reset_full=list(range(200)),
+                          reset_swa=list(range(185, 200))) for i in range(32)]
     batch = ForwardBatch([long, *decodes])
-    meta = TorchBatchedAttention(BucketPolicy(q_block=64)).prepare(batch, 16, torch.device("cpu"))
+    meta = prepare(TorchBatchedAttention(BucketPolicy(q_block=64)), batch, 16)
     for kind in (FULL, SLIDING):
         biggest = max(b.bias.numel() for b in meta.kinds[kind].buckets)
         assert biggest <= 2 * 300 * 300  # not (1 + 32) * 300 * 300
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("kind", [FULL, SLIDING])
+def test_sdpa_backend_matches_batched_on_cpu(seed, kind):
+    """``sdpa`` (the CUDA default) runs on CPU too and equals ``torch_batched``: window, GQA,
+    padding, bidirectional spans, and sinks as an extra zero key."""
+    rng = random.Random(100 + seed)
+    g = torch.Generator().manual_seed(seed)
+    window = rng.choice([4, 16, 33])
+    hkv = rng.choice([1, 2, 4])
+    batch = random_step(rng, window, num_seqs=rng.randint(2, 9), num_full=2048, num_swa=2048, spans=seed % 2 == 0)
+    t = batch.num_tokens
+    q, k = torch.randn(t, HQ, D, generator=g), torch.randn(t, hkv, D, generator=g)
+    v = torch.randn(t, hkv, DV, generator=g)
+    cache = LayerKV(torch.randn(hkv, 2048, D, generator=g), torch.randn(hkv, 2048, DV, generator=g))
+    params = AttentionParams(scale=D ** -0.5, sinks=torch.randn(HQ, generator=g) * 3 if seed % 3 else None)
+    ref, ref_cache = run_backend(TorchBatchedAttention(), batch, window, kind, q, k, v, cache, params)
+    got, got_cache = run_backend(create_attention_backend("sdpa"), batch, window, kind, q, k, v, cache, params)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_cache.k, ref_cache.k)
+
+
+def test_auto_backend_per_device():
+    assert create_attention_backend("auto", "cpu").name == "torch_batched"
+    assert create_attention_backend("auto", "cuda").name == "sdpa"  # built lazily: no GPU needed here

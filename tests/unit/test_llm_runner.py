@@ -13,7 +13,7 @@ import torch
 
 from llm_svc.attention import create_attention_backend
 from llm_svc.attention.torch_batched import BucketPolicy, TorchBatchedAttention
-from llm_svc.engine.forward_batch import ForwardBatch, SeqForward
+from llm_svc.types import ForwardBatch, SeqForward
 from llm_svc.engine.model_runner import ModelRunner
 from tests.conftest import SMALL_W
 from llm_svc.models import build_model
@@ -44,10 +44,9 @@ class SlotSim:
             full.append(self.free_full.pop())
             swa.append(self.free_swa.pop())
         s0 = max(0, start - W + 1)
-        return SeqForward(
-            req_id=rid, token_ids=list(tokens), positions=list(range(start, end)),
-            out_full_slots=full[start:end], out_swa_slots=swa[start:end], ctx_full_slots=list(full),
-            ctx_swa_slots=swa[s0:end], swa_ctx_start=s0, need_logits=need_logits,
+        return SeqForward(  # the runner keeps the tables: only the new slots travel
+            req_id=rid, token_ids=list(tokens), start=start,
+            out_full_slots=full[start:end], out_swa_slots=swa[start:end], swa_ctx_start=s0, need_logits=need_logits,
             mm_rows=list(mm_rows), mm_items=list(mm_items), bidirectional_spans=list(spans),
         )
 
@@ -132,7 +131,7 @@ def test_greedy_tokens_match_generate(mimo16):
     assert got == expected
 
 
-@pytest.mark.parametrize("attention", ["torch", "torch_sdpa_loop", "blocks8"])
+@pytest.mark.parametrize("attention", ["torch", "torch_sdpa_loop", "blocks8", "sdpa"])
 @pytest.mark.parametrize("arch", ["mimo", "gemma3"])
 def test_mixed_batch_of_prefills_and_decodes(arch, attention, mimo16, gemma16):
     lm = mimo16 if arch == "mimo" else gemma16
@@ -194,7 +193,7 @@ def test_mimo_image_rows_are_injected(mimo16):
     assert not torch.allclose(ref[69], plain[69], atol=1e-3)  # the image changed the output
 
 
-@pytest.mark.parametrize("attention", ["torch", "torch_sdpa_loop", "blocks8"])
+@pytest.mark.parametrize("attention", ["torch", "torch_sdpa_loop", "blocks8", "sdpa"])
 def test_gemma3_image_attends_bidirectionally(attention, gemma16):
     lm = gemma16
     g = torch.Generator().manual_seed(5)
@@ -228,10 +227,10 @@ def test_kv_tensor_shapes_follow_layer_geometry(mimo16):
     runner = make_runner(mimo16, 100, 50)
     kinds = [t for t in mimo16.model.config.layer_types]
     for layer_kv, t in zip(runner.kv, kinds):
-        assert layer_kv.k.shape[0] == (100 if t == "full_attention" else 50)
+        assert layer_kv.num_slots == (100 if t == "full_attention" else 50)
         assert layer_kv.k.shape[-1] == 24 and layer_kv.v.shape[-1] == 16  # qk 24, v 16
-    # MiMo's sliding layers have twice the KV heads of its full layers
-    assert runner.kv[1].k.shape[1] == 2 * runner.kv[0].k.shape[1]
+    # MiMo's sliding layers have twice the KV heads of its full layers (head-major pools)
+    assert runner.kv[1].k.shape[0] == 2 * runner.kv[0].k.shape[0]
 
 
 def test_gemma3_text_only_lm_with_softcaps():
@@ -259,3 +258,39 @@ def test_gemma3_text_only_lm_with_softcaps():
     got = run_chunked(runner, sim, "t", ids, 13, 50)
     for p, logits in got.items():
         torch.testing.assert_close(logits, ref[p], atol=ATOL, rtol=1e-4)
+
+
+def test_table_reset_after_kv_moved_to_other_slots(mimo16):
+    """A rewritten view (the scheduler switched a request to the prefix tree's slots): the KV
+    now lives in other slots, the step sends a reset, and the logits are unchanged."""
+    lm = mimo16
+    ids = torch.randint(10, lm.vocab_size, (60,), generator=torch.Generator().manual_seed(7)).tolist()
+    ref = hf_logits(lm, ids)
+    runner, sim = make_runner(lm, 1024, 128), SlotSim(1024, 128, seed=7)
+    run_chunked(runner, sim, "m", ids[:40], 16, 40)
+    full, swa = sim.full["m"], sim.swa["m"]
+    s0 = max(0, 40 - W + 1)
+    new_full = [sim.free_full.pop() for _ in full]
+    new_swa = [sim.free_swa.pop() for _ in range(s0, 40)]
+    for layer, spec in zip(runner.kv, runner.model.layers):
+        src, dst = (full, new_full) if spec.kind == "full" else (swa[s0:40], new_swa)
+        for t in (layer.k, layer.v):
+            t[:, dst] = t[:, src]
+            t[:, src] = 0.0  # the old slots are gone: reading them would change the logits
+    sim.full["m"], sim.swa["m"] = new_full, [-1] * s0 + new_swa
+    sf = sim.seq("m", ids[40:41], 40, True)
+    sf.reset_full, sf.reset_swa = new_full[:40], new_swa
+    got = runner.run(ForwardBatch([sf]))["m"]
+    torch.testing.assert_close(got, ref[40], atol=ATOL, rtol=1e-4)
+
+
+def test_kv_dtype_is_separate_from_the_compute_dtype(mimo16):
+    """bf16 pools under a float32 model: K/V are cast on write and read; logits stay close."""
+    lm = mimo16
+    ids = torch.randint(10, lm.vocab_size, (50,), generator=torch.Generator().manual_seed(8)).tolist()
+    ref = hf_logits(lm, ids)
+    runner = ModelRunner(build_model(lm.arch, lm.model), 512, 128, kv_dtype=torch.bfloat16)
+    assert all(t.k.dtype == t.v.dtype == torch.bfloat16 for t in runner.kv)
+    got = run_chunked(runner, SlotSim(512, 128, seed=8), "b", ids, 13, 45)
+    for p, logits in got.items():
+        torch.testing.assert_close(logits, ref[p], atol=5e-2, rtol=5e-2)

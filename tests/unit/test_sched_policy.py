@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from llm_svc.engine.request import Request
+from llm_svc.types import Request
 from llm_svc.engine.sched_policy import ComputeAwarePolicy, FCFSPolicy, make_policy, uncached_tokens
 from llm_svc.engine.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from llm_svc.engine.request import Request
+from llm_svc.types import Request
 from llm_svc.engine.sched_policy import ComputeAwarePolicy, FCFSPolicy
 from llm_svc.engine.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
+from llm_svc.engine.slot_tables import HostSlotTables
 from llm_svc.kv.radix import NO_SLOT
 from shared.schemas import SamplingParams
 
@@ -51,18 +52,22 @@ def test_chunked_prefill_and_decode_against_a_simple_sequence_model():
     full_at: dict[int, int] = {}
     swa_at: dict[int, int] = {}
     sizes, logits = [], []
+    tables = HostSlotTables()
     expect_start = 0
     while (batch := sched.schedule()) is not None:
         (sf,) = batch.seqs
-        start, end = sf.positions[0], sf.positions[0] + len(sf.token_ids)
-        assert start == expect_start and sf.positions == list(range(start, end))
+        start, end = sf.start, sf.end
+        assert start == expect_start and list(sf.positions) == list(range(start, end))
         assert sf.token_ids == (prompt + r.output_ids)[start:end]
+        # one reset at admission (an empty table), then only the new slots
+        assert (sf.reset_full is not None) == (start == 0)
         for i, p in enumerate(sf.positions):
             assert p not in full_at
             full_at[p], swa_at[p] = sf.out_full_slots[i], sf.out_swa_slots[i]
-        assert sf.ctx_full_slots == [full_at[q] for q in range(end)]
+        tables.apply(batch)
+        assert tables.ctx_full(sf) == [full_at[q] for q in range(end)]
         assert sf.swa_ctx_start == max(0, start - w + 1)
-        assert sf.ctx_swa_slots == [swa_at[q] for q in range(sf.swa_ctx_start, end)]
+        assert tables.ctx_swa(sf) == [swa_at[q] for q in range(sf.swa_ctx_start, end)]
         sizes.append(end - start)
         logits.append(sf.need_logits)
         sched.postprocess(batch, runner.run(batch))
@@ -220,8 +225,8 @@ def test_bidirectional_spans_are_never_split():
     sched.add(r)
     chunks = []
     drive(sched, runner, on_step=lambda b: chunks.extend(b.seqs))
-    pre = [s for s in chunks if not (len(s.token_ids) == 1 and s.positions[0] >= 24)]
-    bounds = [(s.positions[0], s.positions[0] + len(s.token_ids)) for s in pre]
+    pre = [s for s in chunks if not (len(s.token_ids) == 1 and s.start >= 24)]
+    bounds = [(s.start, s.start + len(s.token_ids)) for s in pre]
     # stop before a span; a span longer than the step budget goes in one piece
     assert bounds == [(0, 5), (5, 15), (15, 23), (23, 24)]
     assert pre[1].bidirectional_spans == [(5, 15)] and pre[2].bidirectional_spans == [(16, 20)]
