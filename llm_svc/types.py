@@ -13,7 +13,7 @@ Everything here is plain Python (ints and lists): the runner turns it into index
 
 Slot tables live across steps (vLLM's persistent block table): the runner keeps, per request,
 the full-pool slot of every position and the SWA-pool slot of every position inside the window
-(``llm_svc.engine.slot_tables``). A step sends only what changed: the new tokens' out slots,
+(``llm_svc.attention.slot_tables``). A step sends only what changed: the new tokens' out slots,
 appended to the tables, plus a *reset* (the whole table before the new tokens) when the
 request's view was created or rewritten (admission, a cached prefix switched to the tree's
 slots). A decode step is then O(1) Python per request, whatever its context length.

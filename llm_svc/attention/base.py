@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from llm_svc.types import ForwardBatch
-from llm_svc.engine.slot_tables import StepTables
+from llm_svc.attention.slot_tables import StepTables
 
 FULL, SLIDING = "full", "sliding"
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llm_svc.types import ForwardBatch, SeqForward
-from llm_svc.engine.slot_tables import StepTables
+from llm_svc.attention.slot_tables import StepTables
 
 from . import register_attention_backend
 from .base import FULL, SLIDING, AttentionBackend, AttentionParams, LayerKV, Workspace

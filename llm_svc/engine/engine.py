@@ -21,12 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from llm_svc.engine.model_runner import ModelRunner
-from llm_svc.types import Request, make_prompt_keys
 from llm_svc.engine.sampler import make_generator, sample
 from llm_svc.engine.scheduler import Scheduler
-from llm_svc.types import StepOutput
 from llm_svc.errors import InvalidRequest
-from llm_svc.types import PreparedRequest
+from llm_svc.types import PreparedRequest, Request, StepOutput, make_prompt_keys
 from shared.schemas import CoreToken
 
 log = logging.getLogger(__name__)

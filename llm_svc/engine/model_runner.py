@@ -12,7 +12,7 @@ import torch
 
 from llm_svc.attention import FULL, LayerKV, create_attention_backend
 from llm_svc.types import ForwardBatch
-from llm_svc.engine.slot_tables import DeviceSlotTables
+from llm_svc.attention.slot_tables import DeviceSlotTables
 from llm_svc.models import HybridModel
 
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llm_svc.types import ForwardBatch, SeqForward
-from llm_svc.types import Request
-from llm_svc.engine.slot_tables import HostSlotTables
+from llm_svc.types import ForwardBatch, Request, SeqForward
+from llm_svc.attention.slot_tables import HostSlotTables
 
 
 class KVReadError(AssertionError):

@@ -12,7 +12,7 @@ import torch
 from llm_svc.attention import FULL, SLIDING, AttentionParams, LayerKV, create_attention_backend
 from llm_svc.attention.torch_batched import BucketPolicy, TorchBatchedAttention, plan_buckets
 from llm_svc.types import ForwardBatch, SeqForward
-from llm_svc.engine.slot_tables import DeviceSlotTables
+from llm_svc.attention.slot_tables import DeviceSlotTables
 
 pytestmark = pytest.mark.unit
 HQ, D, DV = 4, 8, 6

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llm_svc.types import ForwardBatch, SeqForward
-from llm_svc.engine.slot_tables import DeviceSlotTables, HostSlotTables, TableProtocolError
+from llm_svc.attention.slot_tables import DeviceSlotTables, HostSlotTables, TableProtocolError
 
 pytestmark = pytest.mark.unit
 W = 8
