@@ -7,7 +7,8 @@ tokens) and a ``/readyz`` probe every 50 ms. Two phases, alternated (quiet, big,
 
 * quiet: just that load;
 * big: the same, plus an 8 MB text prompt (far over ``max_model_len``, so it must be refused
-  with 400) every ``--big-every`` seconds.
+  with 400) every ``--big-every`` seconds, sent from another process (so the client's own GIL
+  does not enter the measurement).
 
 Reported: p50/p99 latency of the small requests and of ``/readyz`` in each phase, the ratio
 big/quiet of the p99s (target <= 1.2x), and how long the 8 MB prompt took to be refused.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import socket
 import statistics
 import subprocess
@@ -52,8 +54,29 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+# the 8 MB sender: its own process (so building and sending 8 MB never takes the measuring
+# process's GIL), importing only httpx, started and ready before the phase begins
+_SENDER = """
+import sys, time, json, httpx
+url, path, every, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+body = open(path, "rb").read()
+c = httpx.Client(timeout=120)
+print("ready", flush=True)
+sys.stdin.readline()
+end = time.monotonic() + seconds
+time.sleep(every / 2)
+out = []
+while time.monotonic() < end:
+    t = time.monotonic()
+    r = c.post(url + "/v1/generate", content=body)
+    out.append((r.status_code, time.monotonic() - t))
+    time.sleep(max(0.0, every - (time.monotonic() - t)))
+print(json.dumps(out), flush=True)
+"""
+
+
 class Phase:
-    def __init__(self, url: str, clients: int, seconds: float, big_every: float | None, big_body: bytes):
+    def __init__(self, url: str, clients: int, seconds: float, big_every: float | None, big_body: str):
         self.url, self.clients, self.seconds = url, clients, seconds
         self.big_every, self.big_body = big_every, big_body
         self.small: list[float] = []
@@ -89,25 +112,27 @@ class Phase:
                     self.errors += 1
                 time.sleep(max(0.0, 0.05 - (time.monotonic() - t)))
 
-    def _big_loop(self, end: float) -> None:
-        with httpx.Client(timeout=120) as c:
-            time.sleep(self.big_every / 2)
-            while time.monotonic() < end:
-                t = time.monotonic()
-                r = c.post(self.url + "/v1/generate", content=self.big_body)
-                self.big.append((r.status_code, time.monotonic() - t))
-                time.sleep(max(0.0, self.big_every - (time.monotonic() - t)))
+    def _start_sender(self) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", _SENDER, self.url, self.big_body, str(self.big_every),
+                              str(self.seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        return p
 
     def run(self) -> "Phase":
+        sender = self._start_sender() if self.big_every else None
         end = time.monotonic() + self.seconds
         threads = [threading.Thread(target=self._small_loop, args=(end,)) for _ in range(self.clients)]
         threads.append(threading.Thread(target=self._ready_loop, args=(end,)))
-        if self.big_every:
-            threads.append(threading.Thread(target=self._big_loop, args=(end,)))
+        if sender is not None:
+            sender.stdin.write("go\n")
+            sender.stdin.flush()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        if sender is not None:
+            self.big.extend(tuple(x) for x in json.loads(sender.stdout.readline()))
+            sender.wait(30)
         return self
 
 
@@ -151,13 +176,18 @@ def main() -> None:
         words = ("lorem ipsum dolor sit amet consectetur adipiscing elit " * 1000).split()
         big_text = " ".join(words)
         big_text = (big_text * (int(args.big_mb * 1e6) // len(big_text) + 1))[: int(args.big_mb * 1e6)]
-        big_body = _body("big", big_text, 8)
+        big_file = tempfile.NamedTemporaryFile(prefix="mmserve-big-", suffix=".bin", delete=False)
+        big_file.write(_body("big", big_text, 8))
+        big_file.close()
+        big_body = big_file.name  # the sender process reads it
         Phase(url, args.clients, 3.0, None, big_body).run()  # warm-up
         quiet, big = [], []
         for _ in range(repeats):
             quiet.append(Phase(url, args.clients, seconds, None, big_body).run())
             big.append(Phase(url, args.clients, seconds, args.big_every, big_body).run())
     finally:
+        if "big_body" in locals():
+            os.unlink(big_body)
         proc.terminate()
         try:
             proc.wait(30)
