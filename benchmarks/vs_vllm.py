@@ -46,7 +46,7 @@ everything else (``foreign``; a run with more than 0.3 foreign cores is flagged 
 
 Cost on the 2-core dev box: ``--quick`` about 3-4 min (vLLM start-up ~50 s with a warm
 ``~/.cache/vllm`` compile cache, ~2 min cold; ours ~15 s; the runs ~1.5 min); the full run
-TBD.
+about 31 min (4 concurrency runs of 2-3 min, 4 rate runs of ~4.5 min), 36 min with --profile.
 
     python -m benchmarks.vs_vllm [--quick] [--requests N] [--concurrency C] [--rate R] [--pairs P]
                                  [--seed S] [--profile DIR] [--ours-threads N] [--ours-batch-tokens N]

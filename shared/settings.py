@@ -76,7 +76,7 @@ class LLMSettings(_ServiceSettings):
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="dtype of the KV pools; auto: the model's dtype"
     )
-    threads: int = Field(default=0, ge=0, description="torch threads of the engine core; 0: torch's default")
+    threads: int = Field(default=0, ge=0, description="torch threads of the engine core; 0: every core but one on CPU")
     # the engine core runs in its own process, supervised by the HTTP front
     core_stall_timeout: float = Field(
         default=60.0, gt=0, description="seconds without a heartbeat from a busy engine core before it is restarted"
