@@ -110,7 +110,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _sigterm)  # stop children on `kill` too, not only Ctrl-C
     with LocalStack(spec) as stack:
-        stack.wait_ready(timeout=args.ready_timeout)
+        print(f"starting {len(stack.services)} services (logs: {stack.log_dir}) ...", flush=True)
+        stack.wait_ready(timeout=args.ready_timeout, progress=lambda line: print(line, flush=True))
         print(stack.banner(), flush=True)
         stack.wait()
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -110,29 +112,44 @@ def _load_failed(r: httpx.Response) -> bool:
         return False
 
 
-def wait_ready(services: list[Service], timeout: float) -> None:
-    """Poll every service's /readyz until all answer 200; raise with their logs otherwise."""
-    deadline = time.monotonic() + timeout
+def wait_ready(
+    services: list[Service], timeout: float, progress: Callable[[str], None] | None = None
+) -> None:
+    """Poll every service's /readyz until all answer 200; raise with their logs otherwise.
+
+    ``progress`` gets one line per service as it becomes ready. The polls themselves are not
+    logged (httpx logs every request at INFO, which buried the banner under dozens of lines).
+    """
+    start = time.monotonic()
+    deadline = start + timeout
     pending = list(services)
-    with httpx.Client(timeout=2.0) as client:
-        while pending:
-            for svc in list(pending):
-                if not svc.alive():
-                    raise RuntimeError(f"{svc.name} exited early:\n{svc.log_tail()}")
-                try:
-                    r = client.get(f"{svc.url}/readyz")
-                    if r.status_code == 200:
-                        pending.remove(svc)
-                    elif _load_failed(r):
-                        raise RuntimeError(f"{svc.name} failed to load: {r.text}\n{svc.log_tail()}")
-                except httpx.HTTPError:
-                    pass
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(s.name for s in pending)
-                logs = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in pending)
-                raise TimeoutError(f"not ready after {timeout}s: {names}\n{logs}")
-            if pending:
-                time.sleep(0.3)
+    httpx_log = logging.getLogger("httpx")
+    old_level = httpx_log.level
+    httpx_log.setLevel(max(old_level, logging.WARNING))
+    try:
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for svc in list(pending):
+                    if not svc.alive():
+                        raise RuntimeError(f"{svc.name} exited early:\n{svc.log_tail()}")
+                    try:
+                        r = client.get(f"{svc.url}/readyz")
+                        if r.status_code == 200:
+                            pending.remove(svc)
+                            if progress:
+                                progress(f"  {svc.name:<12} ready  {time.monotonic() - start:5.1f} s  {svc.url}")
+                        elif _load_failed(r):
+                            raise RuntimeError(f"{svc.name} failed to load: {r.text}\n{svc.log_tail()}")
+                    except httpx.HTTPError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    names = ", ".join(s.name for s in pending)
+                    logs = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in pending)
+                    raise TimeoutError(f"not ready after {timeout}s: {names}\n{logs}")
+                if pending:
+                    time.sleep(0.3)
+    finally:
+        httpx_log.setLevel(old_level)
 
 
 def sample_png_data_url(size: int = 32) -> str:
@@ -215,8 +232,8 @@ class LocalStack:
         for svc in reversed(self.services):
             svc.stop()
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        wait_ready(self.services, timeout)
+    def wait_ready(self, timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> None:
+        wait_ready(self.services, timeout, progress)
 
     def restart(self, service: Service, timeout: float = 120.0) -> None:
         """Stop ``service`` if it runs, start it again with the same command and port, and wait

@@ -56,6 +56,11 @@ def test_run_command_starts_a_stack_whose_printed_curl_answers(tmp_path):
             if line.startswith("curl "):
                 curl = line.strip()
         assert curl, "no curl printed:\n" + "".join(lines[-50:])
+        # startup a person can read: one progress line per service, no per-poll HTTP logs
+        assert not [ln for ln in lines if "HTTP Request" in ln or "/readyz" in ln], "".join(lines)
+        ready = [ln for ln in lines if re.match(r"\s+(encoder|llm|gateway)\S*\s+ready\b", ln)]
+        assert len(ready) == 3, "".join(lines)
+        assert len(lines) < 20, "".join(lines)
         assert f":{port}/v1/chat/completions" in curl
         out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
