@@ -46,11 +46,16 @@ class SchedulerConfig:
     # False keeps SWA KV for every token (a conventional cache; the benchmarks' baseline)
     release_swa: bool = True
     max_chunk_tokens: int = 0  # largest prefill chunk of one request; 0 = max_batch_tokens
+    # > 0: note pages of this many tokens (and SWA windows at their boundaries) for a shared
+    # lower KV tier (``KVManager.note_l3``)
+    l3_page_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_running", "window", "decode_release_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1")
+        if self.l3_page_tokens < 0:
+            raise ValueError("SchedulerConfig.l3_page_tokens must be >= 0")
         if not 0 <= self.max_chunk_tokens <= self.max_batch_tokens:
             raise ValueError("SchedulerConfig.max_chunk_tokens must be in [0, max_batch_tokens]")
         make_policy(self.policy)  # raises on an unknown name
@@ -62,8 +67,10 @@ class SchedulerConfig:
     def min_swa_slots(self) -> int:
         """Smallest SWA pool that always lets one request progress (four windows: its own, a
         pinned cached one, a kept branch point and a kept checkpoint (a ``swa_checkpoints``
-        entry or the prompt's end); plus a chunk or the decode release interval)."""
-        return 4 * self.window + max(self.chunk_tokens, self.decode_release_interval) + 1
+        entry or the prompt's end; one more for the prompt's last page boundary with a lower
+        tier); plus a chunk or the decode release interval)."""
+        windows = 5 if self.l3_page_tokens else 4
+        return windows * self.window + max(self.chunk_tokens, self.decode_release_interval) + 1
 
 
 class Scheduler:
@@ -73,7 +80,7 @@ class Scheduler:
 
     def __init__(
         self, config: SchedulerConfig, num_full_slots: int, num_swa_slots: int,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, num_host_full: int = 0, num_host_swa: int = 0,
     ) -> None:
         if config.release_swa and num_swa_slots < config.min_swa_slots():
             raise ValueError(
@@ -81,7 +88,8 @@ class Scheduler:
                 "(4*window + max(chunk, decode_release_interval) + 1)"
             )
         self.config = config
-        self.kv = KVManager(num_full_slots, num_swa_slots, config.window, config.enable_prefix_cache)
+        self.kv = KVManager(num_full_slots, num_swa_slots, config.window, config.enable_prefix_cache,
+                            num_host_full, num_host_swa, config.l3_page_tokens)
         self.policy = make_policy(config.policy)
         # the admission policy's "now" (same time base as Request.arrival_time); a simulation
         # passes its simulated clock
@@ -96,14 +104,18 @@ class Scheduler:
         self.cached_tokens = 0
 
     # ------------------------------------------------------------------ requests in and out
-    def add(self, req: Request) -> None:
-        """Queue a request. Raises ValueError if it can never fit in the full pool."""
+    def check_fits(self, req: Request) -> None:
+        """Raise ValueError if ``req`` can never fit in the full pool."""
         need = len(req.prompt_ids) + req.sampling.max_tokens
         if need > self.kv.full_pool.num_slots:
             raise ValueError(
                 f"request {req.req_id} needs {need} KV slots (prompt + max_tokens) but the KV pool "
                 f"holds {self.kv.full_pool.num_slots}; shorten the prompt or max_tokens"
             )
+
+    def add(self, req: Request) -> None:
+        """Queue a request. Raises ValueError if it can never fit in the full pool."""
+        self.check_fits(req)
         with self._lock:
             if req.req_id in self.requests:
                 raise ValueError(f"duplicate request id {req.req_id}")
@@ -253,6 +265,8 @@ class Scheduler:
         if not req.admitted_once:
             req.admitted_once = True
             req.num_cached_tokens = min(seq.cached_len, len(req.prompt_ids))
+            if self.config.l3_page_tokens and seq.cached_len:
+                self.kv.hits.append(keys[:seq.cached_len])
             self.prompt_tokens += len(req.prompt_ids)
             self.cached_tokens += req.num_cached_tokens
         self.running.append(req)
@@ -301,6 +315,10 @@ class Scheduler:
                     continue  # aborted or finished while the step ran (or an id reused since)
                 end = sf.end
                 req.num_computed = end
+                if self.config.l3_page_tokens and not req.prefill_cached:
+                    if sf.need_logits or any(sf.start < c <= end for c in req.swa_checkpoints):
+                        # before the release below: the windows at this chunk's boundaries
+                        self.kv.note_l3(req.kv, req.all_keys, end, req.swa_checkpoints)
                 if sf.need_logits and not req.prefill_cached:
                     # prefill done: cache it now, so concurrent requests sharing it hit it.
                     # Out-of-window SWA is released first, but W + 1 positions stay: a request
@@ -341,7 +359,13 @@ class Scheduler:
         if self.config.release_swa:
             self.kv.release_window(req.kv, req.num_computed - self.config.window)
 
+    def _note_leaving(self, req: Request) -> None:
+        """Before a running request's KV goes: the generated part for the lower tier."""
+        if self.config.l3_page_tokens and req.num_computed > len(req.prompt_ids):
+            self.kv.note_l3(req.kv, req.all_keys, req.num_computed)
+
     def _preempt(self, req: Request) -> None:
+        self._note_leaving(req)
         self._release(req)
         self.kv.finish(req.kv, req.all_keys, req.num_computed, cache=True)
         self.running.remove(req)
@@ -355,6 +379,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.status == RequestStatus.RUNNING:
+            self._note_leaving(req)
             self._release(req)
             self.kv.finish(req.kv, req.all_keys, req.num_computed, cache=True)
             self.running.remove(req)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llm_svc.kv.pool import SlotPool
 from llm_svc.kv.radix import NO_SLOT, LockHandle, RadixCache
@@ -32,15 +32,37 @@ class SeqKV:
         assert len(self.full) == len(self.swa) == self.cached_len
 
 
-class KVManager:
-    """Allocation with eviction, window release, and caching of finished sequences."""
+@dataclass
+class L3Write:
+    """KV a lower tier should get, as device slots valid until the next ``schedule``: full KV of
+    positions ``[0, len(full))`` (keys ``keys``) and SWA windows ``(b, slots of [b - W, b))``."""
 
-    def __init__(self, num_full_slots: int, num_swa_slots: int, window: int, enable_prefix_cache: bool = True):
+    keys: list[int]
+    full: list[int]
+    windows: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
+class KVManager:
+    """Allocation with eviction, window release, and caching of finished sequences.
+
+    ``num_host_*``: host (L2) pools of the prefix tree; 0 for none. ``page_tokens`` > 0 turns on
+    the notes for a shared lower tier (``l3_notes``, drained by the engine): the pages and SWA
+    windows of every prompt at prefill end and of every sequence when it leaves, windows at
+    multiples of ``page_tokens``."""
+
+    def __init__(self, num_full_slots: int, num_swa_slots: int, window: int, enable_prefix_cache: bool = True,
+                 num_host_full: int = 0, num_host_swa: int = 0, page_tokens: int = 0):
         self.window = window
         self.enable_prefix_cache = enable_prefix_cache
         self.full_pool = SlotPool(num_full_slots, "full")
         self.swa_pool = SlotPool(num_swa_slots, "swa")
-        self.tree = RadixCache(window, self.full_pool, self.swa_pool)
+        self.host_full_pool = SlotPool(num_host_full, "host_full") if num_host_full > 0 else None
+        self.host_swa_pool = SlotPool(num_host_swa, "host_swa") if num_host_full > 0 else None
+        self.tree = RadixCache(window, self.full_pool, self.swa_pool, self.host_full_pool, self.host_swa_pool)
+        self.page_tokens = page_tokens
+        self.l3_notes: list[L3Write] = []
+        # prefixes served from the tree at admission (the engine refreshes them in the lower tier)
+        self.hits: list[list[int]] = []
 
     # ------------------------------------------------------------------ capacity
     def available_full(self) -> int:
@@ -80,10 +102,22 @@ class KVManager:
         ends = set(sorted(p for p in (*checkpoints, prompt_end) if p > m.length)[:1])  # SWA stays bounded
         if m.raw_length > m.length:
             ends.add(m.raw_length)
+        if self.page_tokens and prompt_end > m.length:
+            # the lower tier stores windows at page boundaries: keep the prompt's last one
+            b = prompt_end // self.page_tokens * self.page_tokens
+            if b > m.length:
+                ends.add(b)
         keep = tuple(sorted(ends))
         if m.length == 0:
             return SeqKV([], [], keep_ends=keep)
         h = self.tree.lock(m)
+        if m.needs_load and not self.tree.load(m):
+            # the device cannot take the host part now: use what the device has
+            self.tree.unlock(h)
+            m = self.tree.match_prefix(keys, forbidden_ends, device_only=True)
+            if m.length == 0:
+                return SeqKV([], [], keep_ends=keep)
+            h = self.tree.lock(m)
         return SeqKV(
             m.full_slots, m.swa_slots, m.length, h,
             swa_released_to=max(0, m.length - self.window), keep_ends=keep,
@@ -188,6 +222,36 @@ class KVManager:
         seq.keep_ends = ()
         return added
 
+    # ------------------------------------------------------------------ lower-tier notes
+    def note_l3(self, seq: SeqKV, keys: list[int], upto: int, boundaries: list[int] = ()) -> None:
+        """Note the KV of positions ``< upto`` (computed) for the lower tier, with the SWA window
+        before each page-aligned boundary in ``boundaries`` (and before ``upto``'s last page
+        boundary) that ``seq`` still holds. A no-op without ``page_tokens``."""
+        p = self.page_tokens
+        if not p or not self.enable_prefix_cache or upto < p:
+            return
+        w = self.window
+        windows = []
+        for b in sorted({*(x // p * p for x in boundaries if 0 < x <= upto), upto // p * p}):
+            lo = max(0, b - w)
+            slots = seq.swa[lo:b]
+            if b > 0 and NO_SLOT not in slots:
+                windows.append((b, list(slots)))
+        self.l3_notes.append(L3Write(list(keys[:upto // p * p]), list(seq.full[:upto // p * p]), windows))
+
+    def take_l3_notes(self) -> list[L3Write]:
+        notes, self.l3_notes = self.l3_notes, []
+        return notes
+
+    def take_hits(self) -> list[list[int]]:
+        hits, self.hits = self.hits, []
+        return hits
+
+    def take_ops(self) -> list[tuple[str, list[int], list[int]]]:
+        """Tier copies recorded since the last call, in the order they must run (before the
+        next forward)."""
+        return self.tree.take_ops()
+
     # ------------------------------------------------------------------ checks & stats
     def check_integrity(self, seqs: list[SeqKV]) -> None:
         """free + cached + in use == total in both pools, and no slot owned twice."""
@@ -216,6 +280,15 @@ class KVManager:
                 f"{name}: free {pool.num_free} + cached {len(tree)} + in use {len(own)} "
                 f"!= total {pool.num_slots} (leak)"
             )
+        if self.host_full_pool is not None:
+            host_full, host_swa = self.tree.owned_host_slots()
+            for name, pool, tree in (("host_full", self.host_full_pool, host_full),
+                                     ("host_swa", self.host_swa_pool, host_swa)):
+                pool.check_integrity()
+                allslots = pool.free_slots() + tree
+                assert len(set(allslots)) == len(allslots), f"{name}: a slot is owned twice"
+                assert len(allslots) == pool.num_slots, (
+                    f"{name}: free {pool.num_free} + cached {len(tree)} != total {pool.num_slots} (leak)")
 
     def usage(self) -> dict[str, int]:
         return {
@@ -226,4 +299,9 @@ class KVManager:
             "swa_free": self.swa_pool.num_free,
             "swa_cached": self.tree.swa_tokens,
             "tree_nodes": self.tree.num_nodes,
+            "host_full_total": self.host_full_pool.num_slots if self.host_full_pool else 0,
+            "host_full_cached": self.tree.host_full_tokens,
+            "host_swa_total": self.host_swa_pool.num_slots if self.host_swa_pool else 0,
+            "host_swa_cached": self.tree.host_swa_tokens,
+            **{f"tree_{k}": v for k, v in self.tree.stats.items()},
         }

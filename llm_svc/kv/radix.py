@@ -1,100 +1,136 @@
-"""SWA-aware radix prefix cache.
+"""SWA-aware radix prefix cache over two tiers: the device pools (L1) and host pools (L2).
 
 Keys are per-token ints (token ids, or media-hash keys at placeholder positions). Each node
 holds, per token, a full-pool slot and a SWA-pool slot or ``-1`` (a *tombstone*: SWA KV freed,
-full KV kept). Contract:
+full KV kept), on the device and/or on the host. Contract:
 
-* A match of length ``L`` is *window-safe*: every position in ``[max(0, L-W), L)`` has SWA KV.
-  Anything longer is clipped, so a prefill resuming at ``L`` never reads freed SWA KV.
+* A match of length ``L`` is *window-safe*: every position in ``[0, L)`` has full KV and every
+  position in ``[max(0, L-W), L)`` has SWA KV, each in some tier. Anything longer is clipped, so
+  a prefill resuming at ``L`` never reads freed SWA KV. A match that reaches into host-only KV
+  is brought back by ``load`` (it records host->device copies) before its slots are used.
 * The tree owns the slots in its nodes. ``insert`` takes ownership of the caller's slots from
   ``owned_from`` on; slots for keys already present are freed (never double-owned), and a
   caller's SWA slot over a tombstone revives it.
 * Handles must be locked (``lock``) before their slots are used and unlocked when done. A full
-  lock pins the whole path (never evicted); a SWA lock pins the SWA of the nodes covering the last
-  ``W`` matched tokens (never tombstoned). Every holder of a node's lock also holds its ancestors'
-  full lock, so an unlocked node has an unlocked subtree.
-* ``evict`` frees LRU leaves whole (leaves whose last token has no SWA first: no match can end
-  there) for full-pool needs, then tombstones the SWA of nodes by the time their SWA was last
-  needed (a match or insert ending within ``W`` tokens of them) for SWA-pool needs, keeping the
-  windows of branch points (nodes with >= 2 children) longest.
+  lock pins the whole path (never evicted from either tier); a SWA lock pins the SWA of the nodes
+  covering the last ``W`` matched tokens. Every holder of a node's lock also holds its
+  ancestors' full lock, so an unlocked node has an unlocked subtree.
+* Device residency is top-closed: a node with full KV on the device has a parent with full KV on
+  the device, so a match is a device part followed by a host part.
+* ``evict`` (``llm_svc.kv.radix_evict``) frees device slots: LRU device leaves are *demoted* to
+  the host (write-back: copied down if the host lacks them, then freed on the device) or dropped
+  when the host has no room; SWA is tombstoned by the time it was last needed, copied down first.
+  Host pools evict their own LRU entries to make room. Every copy is an op in ``ops`` (lists of
+  slot ids, no tensors): the engine runs them, in order, before the next forward.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 
 from llm_svc.kv.pool import SlotPool
+from llm_svc.kv.radix_evict import EvictionMixin
 from llm_svc.kv.radix_node import NO_SLOT, LockHandle, MatchResult, Node, common_len
 
 __all__ = ["NO_SLOT", "LockHandle", "MatchResult", "Node", "RadixCache"]
 
 
-class RadixCache:
-    """The tree over two ``SlotPool``s; see the module doc for the contract."""
+class RadixCache(EvictionMixin):
+    """The tree over two device ``SlotPool``s and, optionally, two host ones."""
 
-    def __init__(self, window: int, full_pool: SlotPool, swa_pool: SlotPool) -> None:
+    def __init__(self, window: int, full_pool: SlotPool, swa_pool: SlotPool,
+                 host_full_pool: SlotPool | None = None, host_swa_pool: SlotPool | None = None) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
+        if (host_full_pool is None) != (host_swa_pool is None):
+            raise ValueError("the host tier needs both a full and a SWA pool")
         self.window = window
         self.full_pool = full_pool
         self.swa_pool = swa_pool
+        self.host_full_pool = host_full_pool
+        self.host_swa_pool = host_swa_pool
         self.root = Node([], [], [], None)
         self.root.full_lock = 1  # never evicted
         self._nodes: set[Node] = set()
         self._clock = itertools.count(1)
-        self.full_tokens = 0  # full slots owned by the tree
-        self.swa_tokens = 0  # SWA slots owned by the tree
-        self.locked_full = 0  # full slots in nodes with full_lock > 0
-        self.locked_swa = 0  # SWA slots in nodes with SWA holders
-        self.stats = {"node_evictions": 0, "swa_evictions": 0, "revived_tokens": 0}
+        self.full_tokens = 0  # device full slots owned by the tree
+        self.swa_tokens = 0  # device SWA slots owned by the tree
+        self.host_full_tokens = 0
+        self.host_swa_tokens = 0
+        self.locked_full = 0  # device full slots in nodes with full_lock > 0
+        self.locked_swa = 0  # device SWA slots in nodes with SWA holders
+        # (kind, src slots, dst slots), kind in h2d_full / h2d_swa / d2h_full / d2h_swa
+        self.ops: list[tuple[str, list[int], list[int]]] = []
+        self.stats = {
+            "node_evictions": 0, "swa_evictions": 0, "revived_tokens": 0,
+            "demoted_full": 0, "demoted_swa": 0, "loaded_full": 0, "loaded_swa": 0,
+            "host_evictions": 0, "host_swa_evictions": 0, "host_inserted_full": 0, "host_inserted_swa": 0,
+        }
+
+    @property
+    def host_enabled(self) -> bool:
+        return self.host_full_pool is not None
+
+    def take_ops(self) -> list[tuple[str, list[int], list[int]]]:
+        ops, self.ops = self.ops, []
+        return ops
 
     # ------------------------------------------------------------------ matching
-    def match_prefix(self, keys: list[int], forbidden_ends: list[tuple[int, int]] = ()) -> MatchResult:
-        """Longest window-safe cached prefix of ``keys``; an end ``L`` with ``s < L < e`` for a
-        ``(s, e)`` in ``forbidden_ends`` is not allowed either (e.g. inside a bidirectional span).
-        Splits the node at ``L`` and marks the path recently used. Does not lock."""
-        path, swa = self._walk(keys)
+    def match_prefix(self, keys: list[int], forbidden_ends: list[tuple[int, int]] = (),
+                     device_only: bool = False) -> MatchResult:
+        """Longest window-safe cached prefix of ``keys`` (in any tier, or on the device only);
+        an end ``L`` with ``s < L < e`` for a ``(s, e)`` in ``forbidden_ends`` is not allowed
+        either (e.g. inside a bidirectional span). Splits the node at ``L`` and marks the path
+        recently used. Does not lock."""
+        path, swa = self._walk(keys, device_only)
         length = self._safe_length(swa, len(swa), forbidden_ends)
-        node, full, swa_out = self._materialize(path, length)
+        node, nodes = self._cut(path, length)
         self._touch_path(node, length)
-        return MatchResult(length, full, swa_out, node, raw_length=len(swa))
+        m = MatchResult(length, [], [], node, raw_length=len(swa), nodes=nodes)
+        if self._on_device(m):
+            m.full_slots, m.swa_slots = self._device_slots(m)
+        else:
+            m.needs_load = True
+        return m
 
     def match_exact(self, keys: list[int]) -> MatchResult:
-        """Like ``match_prefix`` for ``keys`` that are all in the tree with SWA KV for their last
-        ``min(W, len(keys))`` positions (just inserted by a running request): no clipping."""
-        path, swa = self._walk(keys)
+        """Like ``match_prefix`` for ``keys`` that are all in the tree on the device with SWA KV
+        for their last ``min(W, len(keys))`` positions (just inserted by a running request)."""
+        path, swa = self._walk(keys, True)
         assert len(swa) == len(keys), "keys not in the tree"
-        node, full, swa_out = self._materialize(path, len(keys))
-        assert NO_SLOT not in swa_out[max(0, len(keys) - self.window):], "window not in the tree"
+        node, nodes = self._cut(path, len(keys))
+        m = MatchResult(len(keys), [], [], node, raw_length=len(keys), nodes=nodes)
+        m.full_slots, m.swa_slots = self._device_slots(m)
+        assert NO_SLOT not in m.swa_slots[max(0, len(keys) - self.window):], "window not in the tree"
         self._touch_path(node, len(keys))
-        return MatchResult(len(keys), full, swa_out, node, raw_length=len(keys))
-
-    def _touch_path(self, node: Node, length: int) -> None:
-        """Mark the path to ``node`` (a match of ``length``) and its window recently used."""
-        tick = next(self._clock)
-        n = node
-        while n is not self.root:
-            n.last_access = tick
-            n = n.parent
-        self._touch_swa(node, length, tick)
+        return m
 
     def peek_match_len(self, keys: list[int]) -> int:
         """Window-safe match length without side effects (for scheduling policies)."""
-        _, swa = self._walk(keys)
+        _, swa = self._walk(keys, False)
         return self._safe_length(swa, len(swa), ())
 
-    def _walk(self, keys: list[int]) -> tuple[list[tuple[Node, int]], list[int]]:
+    def peek_raw_len(self, keys: list[int]) -> int:
+        """Keys of ``keys`` present in the tree with full KV in some tier (no side effects)."""
+        _, swa = self._walk(keys, False)
+        return len(swa)
+
+    def _walk(self, keys: list[int], device_only: bool) -> tuple[list[tuple[Node, int]], list[int]]:
+        """The matched path and, per matched position, a SWA slot in some tier or ``NO_SLOT``
+        (with ``device_only``: device slots, stopping at the first host-only node)."""
         path: list[tuple[Node, int]] = []
         swa: list[int] = []
         node, pos = self.root, 0
         while pos < len(keys):
             child = node.children.get(keys[pos])
-            if child is None:
+            if child is None or (device_only and child.full is None):
                 break
             k = common_len(child.key, keys, pos)
             path.append((child, k))
-            swa.extend(child.swa[:k])
+            if device_only or child.hswa is None:
+                swa.extend(child.swa[:k])
+            else:
+                swa.extend(d if d != NO_SLOT else h for d, h in zip(child.swa[:k], child.hswa[:k]))
             pos += k
             if k < len(child.key):
                 break
@@ -118,24 +154,55 @@ class RadixCache:
             ln = min(bad)
         return 0
 
-    def _materialize(self, path: list[tuple[Node, int]], length: int) -> tuple[Node, list[int], list[int]]:
+    def _cut(self, path: list[tuple[Node, int]], length: int) -> tuple[Node, list[Node]]:
+        """Split the path's nodes so that one ends exactly at ``length``; returns it and the path."""
         node, pos = self.root, 0
-        full: list[int] = []
-        swa: list[int] = []
+        nodes: list[Node] = []
         for child, k in path:
             if pos >= length:
                 break
             take = min(k, length - pos)
             if take < len(child.key):
                 child = self._split(child, take)
-            full.extend(child.full)
-            swa.extend(child.swa)
+            nodes.append(child)
             pos += take
             node = child
         assert pos == length
-        lo = max(0, length - self.window)
+        return node, nodes
+
+    def _window_positions(self, m: MatchResult):
+        """``(node, index)`` of the last ``min(W, length)`` positions of the match, last first."""
+        need = min(self.window, m.length)
+        for n in reversed(m.nodes):
+            for i in range(len(n.key) - 1, -1, -1):
+                if need == 0:
+                    return
+                yield n, i
+                need -= 1
+
+    def _on_device(self, m: MatchResult) -> bool:
+        if any(n.full is None for n in m.nodes):
+            return False
+        return all(n.swa[i] != NO_SLOT for n, i in self._window_positions(m))
+
+    def _device_slots(self, m: MatchResult) -> tuple[list[int], list[int]]:
+        full: list[int] = []
+        swa: list[int] = []
+        for n in m.nodes:
+            full.extend(n.full)
+            swa.extend(n.swa)
+        lo = max(0, m.length - self.window)
         swa[:lo] = [NO_SLOT] * lo
-        return node, full, swa
+        return full, swa
+
+    def _touch_path(self, node: Node, length: int) -> None:
+        """Mark the path to ``node`` (a match of ``length``) and its window recently used."""
+        tick = next(self._clock)
+        n = node
+        while n is not self.root:
+            n.last_access = tick
+            n = n.parent
+        self._touch_swa(node, length, tick)
 
     def _touch_swa(self, node: Node, length: int, tick: int) -> None:
         covered, need = 0, min(self.window, length)
@@ -148,9 +215,17 @@ class RadixCache:
         """Cut ``node`` after ``k`` tokens; returns the new prefix node (the suffix keeps ``node``)."""
         assert 0 < k < len(node.key)
         parent = node.parent
-        pre = Node(node.key[:k], node.full[:k], node.swa[:k], parent)
-        node.key, node.full, node.swa = node.key[k:], node.full[k:], node.swa[k:]
+        pre = Node(node.key[:k], None if node.full is None else node.full[:k], node.swa[:k], parent,
+                   None if node.hfull is None else node.hfull[:k], None if node.hswa is None else node.hswa[:k])
+        node.key, node.swa = node.key[k:], node.swa[k:]
+        if node.full is not None:
+            node.full = node.full[k:]
+        if node.hfull is not None:
+            node.hfull = node.hfull[k:]
+        if node.hswa is not None:
+            node.hswa = node.hswa[k:]
         node.num_swa -= pre.num_swa
+        node.num_hswa -= pre.num_hswa
         pre.full_lock = node.full_lock
         pre.swa_holders = set(node.swa_holders)
         for h in pre.swa_holders:  # conservative: holders of the suffix also pin the prefix
@@ -163,6 +238,57 @@ class RadixCache:
         # totals unchanged: both halves carry the same locks
         return pre
 
+    # ------------------------------------------------------------------ host -> device
+    def load_need(self, m: MatchResult) -> tuple[int, int]:
+        """Device ``(full, swa)`` slots that ``load(m)`` allocates."""
+        full = sum(len(n.key) for n in m.nodes if n.full is None)
+        swa = sum(1 for n, i in self._window_positions(m) if n.swa[i] == NO_SLOT)
+        return full, swa
+
+    def load(self, m: MatchResult) -> bool:
+        """Bring a locked match's host-only KV back to the device: full KV of every host-only
+        node on the path and SWA KV of its window (the host keeps its copies). Records the copies
+        in ``ops`` and fills ``m``'s slot lists. False (nothing changed) if the device cannot make
+        room."""
+        if not m.needs_load:
+            return True
+        need_full, need_swa = self.load_need(m)
+        if need_full > self.full_pool.num_free + self.evictable_full() or (
+            need_swa > self.swa_pool.num_free + self.evictable_swa()
+        ):
+            return False
+        short_full = need_full - self.full_pool.num_free
+        short_swa = need_swa - self.swa_pool.num_free
+        if short_full > 0 or short_swa > 0:
+            self.evict(max(0, short_full), max(0, short_swa))
+        full = self.full_pool.alloc(need_full)
+        swa = self.swa_pool.alloc(need_swa)
+        assert full is not None and swa is not None, "eviction freed less than it promised"
+        at = 0
+        for n in m.nodes:
+            if n.full is None:
+                n.full = full[at:at + len(n.key)]
+                at += len(n.key)
+                self.ops.append(("h2d_full", list(n.hfull), list(n.full)))
+                self.full_tokens += len(n.key)
+                if n.full_lock:
+                    self.locked_full += len(n.key)
+        src, dst = [], []
+        it = iter(swa)
+        for n, i in self._window_positions(m):
+            if n.swa[i] == NO_SLOT:
+                s = next(it)
+                src.append(n.hswa[i])
+                dst.append(s)
+                self._set_swa(n, i, s)
+        if dst:
+            self.ops.append(("h2d_swa", src, dst))
+        self.stats["loaded_full"] += need_full
+        self.stats["loaded_swa"] += need_swa
+        m.full_slots, m.swa_slots = self._device_slots(m)
+        m.needs_load = False
+        return True
+
     # ------------------------------------------------------------------ locking
     def lock(self, match: MatchResult) -> LockHandle:
         """Pin the path to ``match.last_node`` (full) and the SWA of its last ``W`` tokens."""
@@ -170,7 +296,7 @@ class RadixCache:
         h = LockHandle(node)
         n = node
         while n is not self.root:
-            if n.full_lock == 0:
+            if n.full_lock == 0 and n.full is not None:
                 self.locked_full += len(n.key)
             n.full_lock += 1
             n = n.parent
@@ -201,19 +327,19 @@ class RadixCache:
             while n is not self.root:
                 n.full_lock -= 1
                 assert n.full_lock >= 0
-                if n.full_lock == 0:
+                if n.full_lock == 0 and n.full is not None:
                     self.locked_full -= len(n.key)
                 n = n.parent
             h.full_locked = False
 
     # ------------------------------------------------------------------ insertion
     def insert(self, keys: list[int], full: list[int], swa: list[int], owned_from: int = 0) -> int:
-        """Cache a computed sequence; returns how many tokens were newly added.
+        """Cache a computed sequence (device slots); returns how many tokens were newly added.
 
         ``full``/``swa`` give slots for every position of ``keys`` (``swa`` -1 where not held).
         Positions ``< owned_from`` are already the tree's (a locked match) and are only walked.
         The tree takes or frees every caller slot at ``>= owned_from``: afterwards the caller owns
-        none of them.
+        none of them. A host-only node on the way takes the caller's slots as its device copy.
         """
         n_tok = len(keys)
         assert len(full) == len(swa) == n_tok and 0 <= owned_from <= n_tok
@@ -237,25 +363,103 @@ class RadixCache:
             k = common_len(child.key, keys, pos)
             if k < len(child.key):
                 child = self._split(child, k)
-            for i in range(k):
-                p = pos + i
-                if p < owned_from:
-                    assert child.full[i] == full[p], "caller's cached prefix differs from the tree"
-                    continue
-                assert child.full[i] != full[p]
-                dup_full.append(full[p])
-                if swa[p] != NO_SLOT:
-                    if child.swa[i] == NO_SLOT:
-                        self._set_swa(child, i, swa[p])  # revive the tombstone
-                        self.stats["revived_tokens"] += 1
-                    else:
-                        dup_swa.append(swa[p])
+            if child.full is None:  # host-only: the caller's KV becomes its device copy
+                assert pos >= owned_from, "locked prefix not on the device"
+                child.full = list(full[pos:pos + k])
+                self.full_tokens += k
+                if child.full_lock:
+                    self.locked_full += k
+                for i in range(k):
+                    if swa[pos + i] != NO_SLOT:
+                        self._set_swa(child, i, swa[pos + i])
+            else:
+                for i in range(k):
+                    p = pos + i
+                    if p < owned_from:
+                        assert child.full[i] == full[p], "caller's cached prefix differs from the tree"
+                        continue
+                    assert child.full[i] != full[p]
+                    dup_full.append(full[p])
+                    if swa[p] != NO_SLOT:
+                        if child.swa[i] == NO_SLOT:
+                            self._set_swa(child, i, swa[p])  # revive the tombstone
+                            self.stats["revived_tokens"] += 1
+                        else:
+                            dup_swa.append(swa[p])
             child.last_access = tick
             node, pos = child, pos + k
         self._touch_swa(node, n_tok, tick)
         self.full_pool.free(dup_full)
         self.swa_pool.free(dup_swa)
         return added
+
+    def insert_host(self, keys: list[int], full_from: int, window_from: int
+                    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+        """Make the tree hold ``keys`` with full KV (some tier) for every position and SWA KV
+        (some tier) for ``[window_from, len(keys))``, allocating host slots for what it lacks
+        (KV fetched from a lower tier). Positions ``< full_from`` must already be in the tree.
+        Returns ``(full, swa)`` lists of ``(position, host_slot)`` for the caller to fill, or
+        None (nothing changed) if positions below ``full_from`` are missing or the host has no
+        room."""
+        if not self.host_enabled:
+            return None
+        n_tok = len(keys)
+        path, _ = self._walk(keys, False)
+        raw = sum(k for _, k in path)
+        if raw < min(full_from, n_tok):
+            return None
+        new_full = n_tok - raw
+        node, nodes = self._cut(path, raw)
+        pin = self.lock(MatchResult(raw, [], [], node, nodes=nodes))  # host eviction spares the path
+        try:
+            return self._insert_host_at(keys, node, nodes, raw, window_from)
+        finally:
+            self.unlock(pin)
+
+    def _insert_host_at(self, keys, node, nodes, raw, window_from):
+        n_tok = len(keys)
+        new_full = n_tok - raw
+        # SWA positions in [window_from, n) lacking SWA in both tiers
+        lacking: list[tuple[Node, int, int]] = []
+        pos = 0
+        for n in nodes:
+            for i in range(len(n.key)):
+                p = pos + i
+                if p >= window_from and n.swa[i] == NO_SLOT and (n.hswa is None or n.hswa[i] == NO_SLOT):
+                    lacking.append((n, i, p))
+            pos += len(n.key)
+        swa_new = max(0, n_tok - max(raw, window_from))
+        hf = self._host_alloc_full(new_full)
+        if hf is None:
+            return None
+        hs = self._host_alloc_swa(len(lacking) + swa_new)
+        if hs is None:
+            self.host_full_pool.free(hf)
+            return None
+        out_full: list[tuple[int, int]] = []
+        out_swa: list[tuple[int, int]] = []
+        it = iter(hs)
+        for n, i, p in lacking:
+            s = next(it)
+            self._set_hswa(n, i, s)
+            out_swa.append((p, s))
+        if new_full:
+            hswa = [NO_SLOT] * new_full
+            for p in range(max(raw, window_from), n_tok):
+                s = next(it)
+                hswa[p - raw] = s
+                out_swa.append((p, s))
+            new = Node(list(keys[raw:]), None, [NO_SLOT] * new_full, node, list(hf), hswa)
+            node.children[keys[raw]] = new
+            self._nodes.add(new)
+            self.host_full_tokens += new_full
+            self.host_swa_tokens += new.num_hswa
+            out_full = [(raw + i, s) for i, s in enumerate(hf)]
+            node = new
+        self._touch_path(node, n_tok)
+        self.stats["host_inserted_full"] += len(out_full)
+        self.stats["host_inserted_swa"] += len(out_swa)
+        return out_full, out_swa
 
     def _set_swa(self, node: Node, i: int, slot: int) -> None:
         was = node.swa[i] != NO_SLOT
@@ -267,67 +471,13 @@ class RadixCache:
         if node.swa_holders:
             self.locked_swa += delta
 
-    # ------------------------------------------------------------------ eviction
-    def evictable_full(self) -> int:
-        return self.full_tokens - self.locked_full
-
-    def evictable_swa(self) -> int:
-        return self.swa_tokens - self.locked_swa
-
-    def evict(self, full_needed: int, swa_needed: int) -> tuple[int, int]:
-        """Free at least the asked numbers of slots if possible; returns ``(full, swa)`` freed."""
-        freed_full = freed_swa = 0
-        if full_needed > 0:
-            heap = [self._leaf_key(n) for n in self._nodes if not n.children and n.full_lock == 0]
-            heapq.heapify(heap)
-            while heap and freed_full < full_needed:
-                *_, node = heapq.heappop(heap)
-                parent = node.parent
-                f, s = self._remove_leaf(node)
-                freed_full += f
-                freed_swa += s
-                if parent is not self.root and not parent.children and parent.full_lock == 0:
-                    heapq.heappush(heap, self._leaf_key(parent))
-        if swa_needed > freed_swa:
-            # windows at branch points (>= 2 children: e.g. the end of a shared system prompt)
-            # go last; among the rest, least recently needed first
-            cands = sorted(
-                (n for n in self._nodes if n.num_swa and not n.swa_holders),
-                key=lambda n: (len(n.children) >= 2, n.swa_access),
-            )
-            for node in cands:
-                if freed_swa >= swa_needed:
-                    break
-                freed_swa += self._tombstone(node)
-        return freed_full, freed_swa
-
-    @staticmethod
-    def _leaf_key(n: Node) -> tuple:
-        alive_tail = n.swa[-1] != NO_SLOT
-        return (alive_tail, n.last_access, id(n), n)
-
-    def _remove_leaf(self, node: Node) -> tuple[int, int]:
-        assert not node.children and node.full_lock == 0 and not node.swa_holders
-        del node.parent.children[node.key[0]]
-        self._nodes.discard(node)
-        swa = [s for s in node.swa if s != NO_SLOT]
-        self.full_pool.free(node.full)
-        self.swa_pool.free(swa)
-        self.full_tokens -= len(node.full)
-        self.swa_tokens -= len(swa)
-        node.parent = None
-        self.stats["node_evictions"] += 1
-        return len(node.full), len(swa)
-
-    def _tombstone(self, node: Node) -> int:
-        assert not node.swa_holders
-        swa = [s for s in node.swa if s != NO_SLOT]
-        self.swa_pool.free(swa)
-        node.swa = [NO_SLOT] * len(node.swa)
-        node.num_swa = 0
-        self.swa_tokens -= len(swa)
-        self.stats["swa_evictions"] += 1
-        return len(swa)
+    def _set_hswa(self, node: Node, i: int, slot: int) -> None:
+        if node.hswa is None:
+            node.hswa = [NO_SLOT] * len(node.key)
+        delta = int(slot != NO_SLOT) - int(node.hswa[i] != NO_SLOT)
+        node.hswa[i] = slot
+        node.num_hswa += delta
+        self.host_swa_tokens += delta
 
     # ------------------------------------------------------------------ checks
     @property
@@ -335,38 +485,64 @@ class RadixCache:
         return len(self._nodes)
 
     def owned_slots(self) -> tuple[list[int], list[int]]:
+        """Device ``(full, swa)`` slots owned by the tree."""
         full: list[int] = []
         swa: list[int] = []
         for n in self._nodes:
-            full.extend(n.full)
+            if n.full is not None:
+                full.extend(n.full)
             swa.extend(s for s in n.swa if s != NO_SLOT)
         return full, swa
 
+    def owned_host_slots(self) -> tuple[list[int], list[int]]:
+        full: list[int] = []
+        swa: list[int] = []
+        for n in self._nodes:
+            if n.hfull is not None:
+                full.extend(n.hfull)
+            if n.hswa is not None:
+                swa.extend(s for s in n.hswa if s != NO_SLOT)
+        return full, swa
+
     def check_integrity(self) -> None:
-        """Raise AssertionError if the tree's structure or counters are inconsistent."""
+        """Raise AssertionError if the tree's structure, tiers or counters are inconsistent."""
         seen: set[Node] = set()
-        full_tokens = swa_tokens = locked_full = locked_swa = 0
+        full_tokens = swa_tokens = locked_full = locked_swa = hfull_tokens = hswa_tokens = 0
         stack = [self.root]
         while stack:
             n = stack.pop()
             for k, c in n.children.items():
                 assert c.parent is n, "bad parent pointer"
                 assert c.key and c.key[0] == k, "child key mismatch"
-                assert len(c.key) == len(c.full) == len(c.swa), "node lengths differ"
+                assert len(c.key) == len(c.swa), "node lengths differ"
+                assert c.full is None or len(c.full) == len(c.key), "device full length differs"
+                assert c.hfull is None or len(c.hfull) == len(c.key), "host full length differs"
+                assert c.hswa is None or len(c.hswa) == len(c.key), "host SWA length differs"
+                assert c.full is not None or c.hfull is not None, "node with full KV in no tier"
+                assert c.full is None or n is self.root or n.full is not None, "device residency not top-closed"
+                if c.full is None:
+                    assert c.num_swa == 0, "device SWA without device full KV"
                 assert c.num_swa == sum(s != NO_SLOT for s in c.swa), "num_swa stale"
+                assert c.num_hswa == (sum(s != NO_SLOT for s in c.hswa) if c.hswa else 0), "num_hswa stale"
                 assert 0 <= c.full_lock <= n.full_lock or n is self.root, "child locked more than parent"
                 if c.swa_holders:
                     assert c.full_lock > 0, "SWA-locked node without full lock"
-                full_tokens += len(c.key)
+                if c.full is not None:
+                    full_tokens += len(c.key)
+                    locked_full += len(c.key) if c.full_lock else 0
                 swa_tokens += c.num_swa
-                locked_full += len(c.key) if c.full_lock else 0
                 locked_swa += c.num_swa if c.swa_holders else 0
+                hfull_tokens += len(c.key) if c.hfull is not None else 0
+                hswa_tokens += c.num_hswa
                 seen.add(c)
                 stack.append(c)
         assert seen == self._nodes, "node registry differs from the tree"
-        assert (full_tokens, swa_tokens, locked_full, locked_swa) == (
+        assert (full_tokens, swa_tokens, locked_full, locked_swa, hfull_tokens, hswa_tokens) == (
             self.full_tokens, self.swa_tokens, self.locked_full, self.locked_swa,
+            self.host_full_tokens, self.host_swa_tokens,
         ), "tree counters stale"
-        full, swa = self.owned_slots()
-        assert len(set(full)) == len(full), "a full slot is owned twice in the tree"
-        assert len(set(swa)) == len(swa), "a SWA slot is owned twice in the tree"
+        for owned in (self.owned_slots(), self.owned_host_slots()):
+            for slots in owned:
+                assert len(set(slots)) == len(slots), "a slot is owned twice in the tree"
+        if not self.host_enabled:
+            assert hfull_tokens == hswa_tokens == 0, "host KV without a host tier"
