@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from shared.bundle import BundleSpec, load_bundle_spec
+from shared.bundle import BundleSpec, CheckpointError, load_bundle_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,7 +67,7 @@ def _max_token_bytes(tokenizer) -> int:
 
 def _arch_of(architecture: str) -> tuple[str, dict]:
     """Our model family of an HF architecture name, and the from_pretrained kwargs it needs."""
-    if architecture.startswith("MiMoV2Flash"):
+    if architecture in ("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM"):
         return "mimo", {"attn_implementation": "eager"}  # sdpa has no sink API
     if architecture.startswith("Gemma3"):
         return "gemma3", {"attn_implementation": "eager"}
@@ -84,18 +86,24 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     tdtype = DTYPES[dtype]
     tokenizer = AutoTokenizer.from_pretrained(spec.lm_dir)
-    cls = getattr(transformers, spec.lm_architecture, None)
-    if cls is None:
-        raise ValueError(f"transformers has no class {spec.lm_architecture!r}")
     arch, kwargs = _arch_of(spec.lm_architecture)
-    if weights:
-        model = cls.from_pretrained(spec.lm_dir, dtype=tdtype, **kwargs).to(device).eval()
-        model.requires_grad_(False)
-        config, eos_src = model.config, model
+    geometry = _mimo_geometry(spec.lm_dir) if arch == "mimo" else None
+    if geometry is not None and geometry.dialect == "published":
+        model, config, eos_src = _load_native_mimo(spec.lm_dir, geometry, tdtype, device, weights)
     else:
-        model = None
-        config = transformers.AutoConfig.from_pretrained(spec.lm_dir)
-        eos_src = _ConfigOnly(config, spec.lm_dir)
+        cls = getattr(transformers, spec.lm_architecture, None)
+        if cls is None:
+            raise ValueError(f"transformers has no class {spec.lm_architecture!r}")
+        if weights:
+            model = cls.from_pretrained(spec.lm_dir, dtype=tdtype, **kwargs).to(device).eval()
+            model.requires_grad_(False)
+            if geometry is not None:
+                model.geometry = geometry
+            config, eos_src = model.config, model
+        else:
+            model = None
+            config = transformers.AutoConfig.from_pretrained(spec.lm_dir)
+            eos_src = _ConfigOnly(config, spec.lm_dir)
     tcfg = config.get_text_config()
     pad_ids = {}
     for modality, ph in spec.placeholders.items():
@@ -117,6 +125,36 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
         dtype=tdtype,
         max_token_bytes=_max_token_bytes(tokenizer),
     )
+
+
+def _mimo_geometry(lm_dir: Path):
+    from .models.geometry import mimo_geometry
+
+    path = Path(lm_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from e
+    return mimo_geometry(raw, path)
+
+
+def _load_native_mimo(lm_dir: Path, geometry, dtype: torch.dtype, device: str, weights: bool):
+    """A published-dialect MiMo: our modules, built from its geometry (transformers would derive
+    other layer shapes from this file); ``config`` carries the sizes and token ids."""
+    from transformers import PretrainedConfig
+
+    from .models.mimo_native import load_mimo
+
+    raw = json.loads((Path(lm_dir) / "config.json").read_text())
+    config = PretrainedConfig(
+        vocab_size=geometry.vocab_size, hidden_size=geometry.hidden_size,
+        **{k: raw[k] for k in ("eos_token_id", "bos_token_id", "pad_token_id", "architectures") if k in raw})
+    holder = _ConfigOnly(config, lm_dir)
+    if not weights:
+        return None, config, holder
+    model = load_mimo(lm_dir, geometry, config, dtype, device, bool(raw.get("tie_word_embeddings", False)))
+    model.generation_config = holder.generation_config
+    return model, config, model
 
 
 class _ConfigOnly:

@@ -34,6 +34,11 @@ class BundleError(ValueError):
     """The directory is not a readable model bundle."""
 
 
+class CheckpointError(BundleError):
+    """A checkpoint file cannot be served as written; the message names the file and the field
+    or tensor (an unknown config key, a missing weight, a shape that disagrees with the config)."""
+
+
 @dataclass(frozen=True)
 class Placeholder:
     """How one media item appears in the prompt: ``start + pad * num_tokens + end``.

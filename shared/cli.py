@@ -1,6 +1,6 @@
 """The ``mmserve`` console script.
 
-    mmserve tiny-model --out DIR [--arch mimo|gemma3] [--sliding-window W]
+    mmserve tiny-model --out DIR [--arch mimo|gemma3|mimo-v2-flash|...] [--sliding-window W]
     mmserve encoder  --model DIR [--port 8100] [...]        one encoder service
     mmserve llm      --model DIR [--port 8200] [--backend hf|swa] [...]
     mmserve gateway  [--port 8000] [--encoder-urls URL,...] [--llm-urls URL,...]
@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-model", help="write a tiny random-weight model bundle")
     p.add_argument("--out", required=True)
-    p.add_argument("--arch", default="mimo", choices=["mimo", "gemma3"])
+    from shared.tiny_model import ARCHS
+
+    p.add_argument("--arch", default="mimo", choices=sorted(ARCHS))
     p.add_argument("--sliding-window", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_tiny_model)

@@ -8,6 +8,9 @@ Architectures (``--arch``):
   as an mmserve bundle (``mmserve_bundle.json``).
 * ``gemma3``: a plain HF ``Gemma3ForConditionalGeneration`` directory (5 sliding : 1 full,
   SigLIP tower, ``multi_modal_projector``), exactly the layout of a real Gemma 3 checkpoint.
+* ``mimo-v2-flash`` / ``mimo-v2.5``: MiMo-V2 LMs in Xiaomi's published layout (config dialect
+  with ``hybrid_layer_pattern`` / ``swa_*``, per-expert weights, MTP heads); see
+  ``shared/tiny/mimo_published.py``.
 
 Weights are random but seeded, so two runs write identical bundles.
 """
@@ -300,7 +303,21 @@ def write_gemma3_checkpoint(out: Path, sliding_window: int = 128, image_size: in
     return out
 
 
-ARCHS = {"mimo": write_mimo_bundle, "gemma3": write_gemma3_checkpoint}
+def _mimo_published(preset: str):
+    def write(out: Path, sliding_window: int = 128, seed: int = 0) -> Path:
+        from shared.tiny import mimo_published as mp
+
+        return mp.write_mimo_published(out, getattr(mp, preset), seed=seed, sliding_window=sliding_window)
+
+    return write
+
+
+ARCHS = {
+    "mimo": write_mimo_bundle,
+    "gemma3": write_gemma3_checkpoint,
+    "mimo-v2-flash": _mimo_published("FLASH"),  # Xiaomi's published layout (shared/tiny/mimo_published.py)
+    "mimo-v2.5": _mimo_published("V25"),
+}
 
 
 def write_tiny_model(out: str | Path, arch: str = "mimo", sliding_window: int = 128, seed: int = 0) -> Path:

@@ -133,6 +133,9 @@ class HFBackend(Backend):
     name = "hf"
 
     def __init__(self, settings: LLMSettings, lm: LoadedLM):
+        if not hasattr(lm.model, "generate"):
+            raise ValueError(f"{lm.spec.lm_dir}: this checkpoint format is served by mmserve's own modules, which "
+                             "the hf (transformers) backend cannot drive; serve it with --backend swa")
         self.settings = settings
         self.lm = lm
         self._q: queue.Queue = queue.Queue()

@@ -1,5 +1,9 @@
-"""MiMo-V2-Flash: hybrid SWA (sliding layers have 2x KV heads and attention sinks), qk head dim
-!= v head dim, partial rotary with per-layer-type theta, value scaling, dense + MoE MLPs."""
+"""MiMo-V2 (Flash / V2.5): hybrid SWA with per-kind KV heads, head dims, rope theta and sinks,
+qk head dim != v head dim, partial rotary, value scaling, dense + MoE MLPs.
+
+Drives either module tree: transformers' ``MiMoV2FlashForCausalLM`` (a transformers-dialect
+checkpoint) or ``mimo_native.MiMoForCausalLM`` (a published-dialect one). The layer shapes come
+from the one ``MiMoGeometry`` of the config and are checked against the loaded modules."""
 
 from __future__ import annotations
 
@@ -9,22 +13,31 @@ from llm_svc.attention import AttentionBackend, AttentionParams, LayerKV
 
 from . import register_model
 from .base import HF_KIND, HybridModel, LayerSpec, apply_rope
+from .geometry import MiMoGeometry, mimo_geometry
+
+
+def geometry_of(hf_model) -> MiMoGeometry:
+    """The geometry a loaded module tree was built from (native) or its HF config implies."""
+    g = getattr(hf_model, "geometry", None)
+    return g if g is not None else mimo_geometry(hf_model.config.to_dict(), "config.json (loaded)")
 
 
 @register_model("mimo")
 class MiMoModel(HybridModel):
     def __init__(self, hf_model):
         self.hf = hf_model
-        self.cfg = hf_model.config
         self.inner = hf_model.model
-        self.layer_types = list(self.cfg.layer_types)
-        self.window = int(self.cfg.sliding_window)
-        self.hidden_size = int(self.cfg.hidden_size)
-        self.layers = []
-        self.params = []
-        for layer, t in zip(self.inner.layers, self.layer_types):
-            a = layer.self_attn
-            self.layers.append(LayerSpec(HF_KIND[t], a.k_proj.out_features // a.head_dim, a.head_dim, a.v_head_dim))
+        self.geometry = g = geometry_of(hf_model)
+        self.layer_types = list(g.layer_types)
+        self.window = g.window
+        self.hidden_size = g.hidden_size
+        self.layers, self.params = [], []
+        for i, (layer, t) in enumerate(zip(self.inner.layers, self.layer_types, strict=True)):
+            a, kind = layer.self_attn, g.attn(i)
+            spec = LayerSpec(HF_KIND[t], kind.kv_heads, kind.qk_dim, kind.v_dim)
+            if (a.k_proj.out_features, a.v_proj.out_features) != (spec.kv_heads * spec.qk_dim, spec.kv_heads * spec.v_dim):
+                raise ValueError(f"layer {i}: loaded k/v projections disagree with the config's geometry {kind}")
+            self.layers.append(spec)
             self.params.append(AttentionParams(scale=a.scaling, sinks=a.sinks))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -37,9 +50,9 @@ class MiMoModel(HybridModel):
             a = layer.self_attn
             spec = self.layers[i]
             x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(t, -1, a.head_dim)  # [T, Hq, Dqk]
-            k = a.k_proj(x).view(t, -1, a.head_dim)  # [T, Hkv, Dqk]
-            v = a.v_proj(x).view(t, -1, a.v_head_dim) * a.v_scale  # [T, Hkv, Dv]
+            q = a.q_proj(x).view(t, -1, spec.qk_dim)  # [T, Hq, Dqk]
+            k = a.k_proj(x).view(t, -1, spec.qk_dim)  # [T, Hkv, Dqk]
+            v = a.v_proj(x).view(t, -1, spec.v_dim) * a.v_scale  # [T, Hkv, Dv]
             cos, sin = rope[self.layer_types[i]]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o = attn.forward(spec.kind, q, k, v, kv[i], meta, self.params[i])  # [T, Hq, Dv]

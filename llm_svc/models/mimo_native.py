@@ -1,0 +1,185 @@
+"""MiMo-V2 as torch modules built from a ``MiMoGeometry`` (any dialect), with the weight names
+of Xiaomi's published checkpoints (the names transformers also writes, and vLLM's
+``mimo_v2_flash.py`` ``load_weights`` reads):
+
+    model.embed_tokens.weight, model.norm.weight, lm_head.weight
+    model.layers.N.{input_layernorm,post_attention_layernorm}.weight
+    model.layers.N.self_attn.{q,k,v,o}_proj.weight (+ .bias with attention_bias)
+    model.layers.N.self_attn.attention_sink_bias           (layers whose kind has sinks)
+    model.layers.N.mlp.{gate,up,down}_proj.weight          (dense layers)
+    model.layers.N.mlp.gate.weight, mlp.gate.e_score_correction_bias,
+    model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight (MoE layers)
+    model.mtp.layers.M.*                                    (MTP heads: read past)
+
+Attribute names follow transformers' ``MiMoV2Flash*`` modules, so the engine's ``MiMoModel``
+drives either one. Per-kind heads / head dims / rope theta / sinks come from the geometry, so a
+file whose sliding layers have other KV heads or head dims than transformers derives builds
+exactly what it says.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .geometry import FULL_T, SLIDING_T, MiMoGeometry
+from .weights import load_strict
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, g: MiMoGeometry, layer: int):
+        super().__init__()
+        a = g.attn(layer)
+        self.head_dim, self.v_head_dim = a.qk_dim, a.v_dim
+        self.scaling = a.qk_dim ** -0.5
+        self.v_scale = g.value_scale
+        bias = g.attention_bias
+        self.q_proj = nn.Linear(g.hidden_size, a.heads * a.qk_dim, bias=bias)
+        self.k_proj = nn.Linear(g.hidden_size, a.kv_heads * a.qk_dim, bias=bias)
+        self.v_proj = nn.Linear(g.hidden_size, a.kv_heads * a.v_dim, bias=bias)
+        self.o_proj = nn.Linear(a.heads * a.v_dim, g.hidden_size, bias=False)
+        self.attention_sink_bias = nn.Parameter(torch.zeros(a.heads)) if a.sinks else None
+
+    @property
+    def sinks(self) -> torch.Tensor | None:
+        return self.attention_sink_bias
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores; ``e_score_correction_bias`` only steers the choice (noaux_tc); group-limited
+    top-k; weights are the chosen raw scores, renormalized, times the routed scaling factor."""
+
+    def __init__(self, g: MiMoGeometry):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(g.n_experts, g.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(g.n_experts))
+        self.g = g
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.g
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if g.n_group > 1:
+            groups = choice.view(-1, g.n_group, g.n_experts // g.n_group).topk(2, dim=-1)[0].sum(-1)  # [T, G]
+            keep = torch.zeros_like(groups).scatter_(1, groups.topk(g.topk_group, dim=-1)[1], 1.0)
+            mask = keep.unsqueeze(-1).expand(-1, g.n_group, g.n_experts // g.n_group).reshape(-1, g.n_experts)
+            choice = choice.masked_fill(mask == 0, float("-inf"))
+        idx = choice.topk(g.top_k, dim=-1)[1]  # [T, K]
+        w = scores.gather(1, idx)
+        if g.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * g.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    def __init__(self, g: MiMoGeometry):
+        super().__init__()
+        self.gate = Router(g)
+        self.experts = nn.ModuleList(MLP(g.hidden_size, g.moe_intermediate_size) for _ in range(g.n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        idx, w = self.gate(x)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            out.index_add_(0, tok, (self.experts[e](x[tok]) * w[tok, slot, None]).to(x.dtype))
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, g: MiMoGeometry, layer: int):
+        super().__init__()
+        self.self_attn = Attention(g, layer)
+        self.mlp = MoE(g) if g.moe_layers[layer] else MLP(g.hidden_size, g.intermediate_size)
+        self.input_layernorm = RMSNorm(g.hidden_size, g.rms_eps)
+        self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_eps)
+
+
+class Rotary(nn.Module):
+    """cos/sin per layer type (own theta and rotary dim), called like transformers' MiMo rotary:
+    ``(x, position_ids [1, N], layer_type) -> cos, sin [1, N, R]`` (R = the rotary dim)."""
+
+    def __init__(self, g: MiMoGeometry):
+        super().__init__()
+        self.inv_freq = {}
+        for t, a in ((FULL_T, g.full), (SLIDING_T, g.sliding)):
+            r = a.rotary_dim
+            self.inv_freq[t] = 1.0 / (a.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str):
+        freqs = position_ids[..., None].float() * self.inv_freq[layer_type].to(x.device)[None, None]  # [1, N, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class Inner(nn.Module):
+    def __init__(self, g: MiMoGeometry):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(g.vocab_size, g.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(g, i) for i in range(g.num_layers))
+        self.norm = RMSNorm(g.hidden_size, g.rms_eps)
+        self.rotary_emb = Rotary(g)
+
+
+class MiMoForCausalLM(nn.Module):
+    """The LM; ``config`` carries what the service reads of an HF config (sizes, eos)."""
+
+    def __init__(self, g: MiMoGeometry, config):
+        super().__init__()
+        self.geometry = g
+        self.config = config
+        self.model = Inner(g)
+        self.lm_head = nn.Linear(g.hidden_size, g.vocab_size, bias=False)
+        self.generation_config = None
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+
+def _published_name(name: str) -> str | None:
+    if name.startswith("model.mtp."):
+        return None  # MTP draft heads: mmserve does not speculate
+    return name
+
+
+def load_mimo(model_dir: str | Path, g: MiMoGeometry, config, dtype: torch.dtype,
+              device: str | torch.device = "cpu", tie_word_embeddings: bool = False) -> MiMoForCausalLM:
+    """Build the LM of ``g`` and load its weights from ``model_dir`` strictly."""
+    m = MiMoForCausalLM(g, config)
+    derived = frozenset()
+    if tie_word_embeddings:
+        m.lm_head.weight = m.model.embed_tokens.weight
+        derived = frozenset({"lm_head.weight"})
+    load_strict(m, model_dir, dtype, _published_name, derived)
+    return m.to(device).eval().requires_grad_(False)

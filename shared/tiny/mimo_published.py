@@ -1,0 +1,193 @@
+"""Tiny MiMo-V2 checkpoints in Xiaomi's published layout (``--arch mimo-v2-flash`` / ``mimo-v2.5``).
+
+Layout, as on the hub (XiaomiMiMo/MiMo-V2-Flash, XiaomiMiMo/MiMo-V2.5): ``config.json`` in
+Xiaomi's dialect (key set as read by vLLM's ``mimo_v2_flash.py`` and dropped/renamed by
+transformers' ``convert_mimo_v2_flash_weights_to_hf.py``; values as in Megatron-Bridge's
+``mimo_v2_flash_bridge.megatron_to_hf_config``: ``sliding_window`` = ``sliding_window_size`` =
+``attention_chunk_size``, sinks on sliding layers only, ``topk_method: noaux_tc``,
+``routed_scaling_factor: null``), ``model.safetensors`` with per-expert weights and
+``self_attn.attention_sink_bias`` (vLLM's ``load_weights`` names), MTP heads under
+``model.mtp.layers.N`` (``eh_proj``, ``enorm``, ``hnorm``, as the bridge maps them),
+``generation_config.json`` and a ChatML tokenizer (``tokenizer.json``, ``tokenizer_config.json``
+with the chat template). The hub's V2.5 weights use ``attention_projection_layout: fused_qkv``
+(TP-interleaved rows) and FP8; the tiny one is ``split`` and float32 (what mmserve reads).
+
+``to_transformers_dialect`` rewrites such a directory the way transformers' converter does,
+for the transformers oracle (only for geometries transformers can express).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TinyMiMoSpec:
+    """The geometry of a tiny published-format MiMo (small sizes, real structure)."""
+
+    architecture: str = "MiMoV2FlashForCausalLM"
+    pattern: tuple[int, ...] = (0, 1, 1, 1, 1, 0, 1, 1)  # V2-Flash: full at 0 and every 6th
+    moe: tuple[int, ...] = (0, 1, 1, 1, 1, 1, 1, 1)  # first layer dense
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 1
+    swa_heads: int = 4
+    swa_kv_heads: int = 2  # V2-Flash: twice the full layers' (4 vs 8 on the hub)
+    head_dim: int = 32
+    v_head_dim: int = 16  # V2-Flash: 192 / 128
+    partial_rotary: float = 0.5
+    rope_theta: float = 5_000_000.0
+    swa_rope_theta: float = 10_000.0
+    window: int = 128
+    intermediate: int = 256
+    moe_intermediate: int = 64
+    experts: int = 8
+    top_k: int = 2
+    value_scale: float = 0.707
+    full_sinks: bool = False
+    swa_sinks: bool = True
+    mtp_layers: int = 1
+    eps: float = 1e-5
+    extra: dict = field(default_factory=dict)  # more config keys (tests: an unknown field)
+
+    def __post_init__(self) -> None:
+        if len(self.pattern) != len(self.moe):
+            raise ValueError("pattern and moe must have one entry per layer")
+
+    @property
+    def transformers_expressible(self) -> bool:
+        """transformers' MiMoV2Flash derives sliding KV heads = 2 x full, shared dims, no full sinks."""
+        return (self.swa_kv_heads == 2 * self.kv_heads and self.swa_heads == self.heads and not self.full_sinks
+                and self.swa_sinks)
+
+
+FLASH = TinyMiMoSpec()
+# MiMo-V2.5(-Pro): sliding layers keep the full layers' KV heads (8 and 8 on the hub), 1 full : 6 sliding
+V25 = TinyMiMoSpec(architecture="MiMoV2ForCausalLM", pattern=(0, 1, 1, 1, 1, 1, 1, 0), moe=(0,) + (1,) * 7,
+                   kv_heads=2, swa_kv_heads=2, rope_theta=10_000_000.0)
+
+
+def published_config(s: TinyMiMoSpec, vocab_size: int, eos_id: int, pad_id: int) -> dict:
+    n = len(s.pattern)
+    cfg = {
+        "architectures": [s.architecture],
+        "model_type": "mimo_v2_flash" if s.architecture == "MiMoV2FlashForCausalLM" else "mimo_v2",
+        "auto_map": {
+            "AutoConfig": "configuration_mimo_v2_flash.MiMoV2FlashConfig",
+            "AutoModel": "modeling_mimo_v2_flash.MiMoV2FlashModel",
+            "AutoModelForCausalLM": "modeling_mimo_v2_flash.MiMoV2FlashForCausalLM",
+        },
+        "vocab_size": vocab_size, "hidden_size": s.hidden, "intermediate_size": s.intermediate,
+        "moe_intermediate_size": s.moe_intermediate, "num_hidden_layers": n,
+        "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "head_dim": s.head_dim,
+        "v_head_dim": s.v_head_dim, "swa_num_attention_heads": s.swa_heads,
+        "swa_num_key_value_heads": s.swa_kv_heads, "swa_head_dim": s.head_dim, "swa_v_head_dim": s.v_head_dim,
+        "partial_rotary_factor": s.partial_rotary, "rope_theta": s.rope_theta, "swa_rope_theta": s.swa_rope_theta,
+        "rope_scaling": None, "sliding_window": s.window, "sliding_window_size": s.window,
+        "attention_chunk_size": s.window, "hybrid_layer_pattern": list(s.pattern), "hybrid_block_size": None,
+        "moe_layer_freq": list(s.moe), "n_routed_experts": s.experts, "num_experts_per_tok": s.top_k,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": None,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_shared_experts": None,
+        "add_full_attention_sink_bias": s.full_sinks, "add_swa_attention_sink_bias": s.swa_sinks,
+        "attention_value_scale": s.value_scale, "layernorm_epsilon": s.eps,
+        "num_nextn_predict_layers": s.mtp_layers, "attention_projection_layout": "split",
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False, "use_cache": True,
+        "torch_dtype": "float32", "transformers_version": "4.57.1",
+        "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": pad_id,
+    }
+    cfg.update(s.extra)
+    return cfg
+
+
+def _random_state(geometry, seed: int) -> dict:
+    """Weights of our module tree for ``geometry``, drawn so that greedy outputs vary (a 0.02
+    normal init makes a tiny random model repeat one token)."""
+    import torch
+
+    from llm_svc.models.mimo_native import MiMoForCausalLM
+
+    g = torch.Generator().manual_seed(seed)
+    m = MiMoForCausalLM(geometry, config=None)
+    state = {}
+    for name, p in m.state_dict().items():
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        elif "attention_sink_bias" in name:
+            t = torch.randn(p.shape, generator=g)
+        elif "e_score_correction_bias" in name:
+            t = 0.1 * torch.randn(p.shape, generator=g)
+        elif "embed_tokens" in name:
+            t = torch.randn(p.shape, generator=g)
+        else:  # [out, in] projections: unit-variance outputs
+            t = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
+        state[name] = t.contiguous()
+    return state
+
+
+def write_mimo_published(out: Path, spec: TinyMiMoSpec = FLASH, seed: int = 0, sliding_window: int | None = None) -> Path:
+    """Write a tiny MiMo-V2 checkpoint in Xiaomi's published layout to ``out``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from llm_svc.models.geometry import mimo_geometry
+    from shared.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE, build_tokenizer
+
+    if sliding_window is not None and sliding_window != spec.window:
+        spec = TinyMiMoSpec(**{**asdict(spec), "window": sliding_window})
+    tok = build_tokenizer(CHATML_SPECIALS, 640, CHATML_TEMPLATE, eos="<|im_end|>", pad_token="<|endoftext|>")
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    vocab = -(-len(tok) // 64) * 64  # the hub pads vocab_size past the tokenizer (152576)
+    cfg = published_config(spec, vocab, eos, pad)
+    geometry = mimo_geometry({k: v for k, v in cfg.items() if k not in spec.extra}, out / "config.json")
+    state = _random_state(geometry, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for i in range(spec.mtp_layers):  # MTP heads: present in the file, read past by mmserve and vLLM
+        p = f"model.mtp.layers.{i}."
+        state[p + "eh_proj.weight"] = torch.randn(spec.hidden, 2 * spec.hidden, generator=g) * 0.05
+        state[p + "enorm.weight"] = torch.ones(spec.hidden)
+        state[p + "hnorm.weight"] = torch.ones(spec.hidden)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [eos], "pad_token_id": pad, "do_sample": False, "transformers_version": "4.57.1"}, indent=2))
+    tok.save_pretrained(out)
+    return out
+
+
+def to_transformers_dialect(src: Path, dst: Path) -> Path:
+    """``src`` (published layout) rewritten as transformers' converter does (same weights):
+    ``hybrid_layer_pattern`` -> ``layer_types``, ``moe_layer_freq`` -> ``mlp_layer_types``,
+    ``layernorm_epsilon`` -> ``rms_norm_eps``, thetas -> per-type ``rope_parameters``; the
+    ``swa_*`` / sink keys are dropped (transformers derives them)."""
+    cfg = json.loads((src / "config.json").read_text())
+    if not (cfg["swa_num_key_value_heads"] == 2 * cfg["num_key_value_heads"] and cfg["add_swa_attention_sink_bias"]
+            and not cfg.get("add_full_attention_sink_bias") and cfg.get("swa_head_dim", cfg["head_dim"]) == cfg["head_dim"]):
+        raise ValueError("transformers' MiMoV2Flash cannot express this geometry")
+    drop = {"attention_chunk_size", "sliding_window_size", "n_shared_experts", "scoring_func", "topk_method",
+            "swa_num_attention_heads", "swa_num_key_value_heads", "swa_qk_head_dim", "swa_head_dim", "swa_v_head_dim",
+            "add_swa_attention_sink_bias", "add_full_attention_sink_bias", "auto_map", "num_nextn_predict_layers",
+            "attention_projection_layout", "hybrid_block_size", "rope_scaling", "torch_dtype"}
+    new = {k: v for k, v in cfg.items() if k not in drop}
+    new["rms_norm_eps"] = new.pop("layernorm_epsilon")
+    new["layer_types"] = ["sliding_attention" if p else "full_attention" for p in new.pop("hybrid_layer_pattern")]
+    new["mlp_layer_types"] = ["sparse" if f else "dense" for f in new.pop("moe_layer_freq")]
+    new["routed_scaling_factor"] = new.get("routed_scaling_factor") or 1.0
+    factor = new.pop("partial_rotary_factor")
+    new["rope_parameters"] = {
+        "full_attention": {"rope_type": "default", "rope_theta": new.pop("rope_theta"), "partial_rotary_factor": factor},
+        "sliding_attention": {"rope_type": "default", "rope_theta": new.pop("swa_rope_theta"),
+                              "partial_rotary_factor": factor},
+    }
+    new["architectures"] = ["MiMoV2FlashForCausalLM"]
+    new["model_type"] = "mimo_v2_flash"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, dst / f.name)
+    (dst / "config.json").write_text(json.dumps(new, indent=2))
+    return dst
