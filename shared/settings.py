@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from typing import Annotated, Literal
 
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -83,6 +83,33 @@ class LLMSettings(_ServiceSettings):
     )
     core_start_timeout: float = Field(default=600.0, gt=0, description="seconds a starting engine core may take")
     core_max_backoff: float = Field(default=30.0, gt=0, description="longest wait between engine-core restarts")
+    # KV tiers below the device pools (README "Tiered KV")
+    host_kv_full_bytes: int = Field(
+        default=512 * 1024 * 1024, ge=0, description="host (L2) pool for full-layer KV; 0 turns the host tier off"
+    )
+    host_kv_swa_bytes: int = Field(default=64 * 1024 * 1024, ge=0, description="host (L2) pool for SWA-layer KV")
+    kv_l3_url: str | None = Field(
+        default=None, description="Redis URL of the L3 KV tier shared by every LLM replica (needs the host tier)"
+    )
+    kv_l3_page_tokens: int = Field(default=64, ge=1, description="tokens per L3 page; SWA windows at page boundaries")
+    kv_l3_ttl_s: int = Field(default=86400, ge=1)
+    kv_l3_timeout: float = Field(default=0.5, gt=0, description="seconds per Redis command before L3 counts as down")
+    kv_l3_prefetch_timeout: float = Field(
+        default=0.5, gt=0, description="longest wait for an L3 lookup before a request is admitted without it"
+    )
+    swa_retention_interval: int = Field(
+        default=1024, ge=0, description="K: keep SWA windows every K prompt tokens (and at the system message's end) "
+        "for prompts up to swa_retention_max_len; 0 turns the every-K points off"
+    )
+    swa_retention_max_len: int = Field(default=8192, ge=0)
+
+    @model_validator(mode="after")
+    def _tiers(self):
+        if self.kv_l3_url and (self.host_kv_full_bytes <= 0 or self.host_kv_swa_bytes <= 0):
+            raise ValueError("kv_l3_url needs the host KV tier: set host_kv_full_bytes and host_kv_swa_bytes > 0")
+        if (self.host_kv_full_bytes > 0) != (self.host_kv_swa_bytes > 0):
+            raise ValueError("host_kv_full_bytes and host_kv_swa_bytes are both 0 (no host tier) or both > 0")
+        return self
 
 
 class GatewaySettings(_ServiceSettings):

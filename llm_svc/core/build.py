@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -61,6 +63,7 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
         max_running=settings.max_running,
         window=model.window,
         enable_prefix_cache=settings.enable_prefix_cache,
+        l3_page_tokens=settings.kv_l3_page_tokens if settings.kv_l3_url else 0,
         **{"policy": settings.schedule_policy, **(scheduler_overrides or {})},
     )
     kv_dtype = kv_dtype_of(settings, lm)
@@ -69,6 +72,46 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
                                    max_chunk=settings.max_batch_tokens, expected_seq_len=settings.max_model_len,
                                    release_interval=cfg.decode_release_interval)
     num_swa = max(num_swa, cfg.min_swa_slots())
-    scheduler = Scheduler(cfg, num_full, num_swa)
+    host_full = settings.host_kv_full_bytes // geometry.full_token_bytes
+    host_swa = settings.host_kv_swa_bytes // geometry.swa_token_bytes if host_full else 0
+    scheduler = Scheduler(cfg, num_full, num_swa, num_host_full=host_full, num_host_swa=host_swa)
     runner = ModelRunner(model, num_full, num_swa, device=lm.device, kv_dtype=kv_dtype)
-    return Engine(runner, scheduler, lm.eos_token_ids)
+    tiers = build_tiers(settings, lm, model, runner, scheduler, kv_dtype) if host_full and host_swa else None
+    return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers)
+
+
+def model_identity(model_dir: str | Path) -> str:
+    """What distinguishes one checkpoint's KV from another's with the same config: the config and
+    each weight file's name, size and first MiB (its header and leading tensors)."""
+    h = hashlib.sha256()
+    d = Path(model_dir)
+    for f in sorted(d.rglob("*")):
+        if f.is_file() and (f.name.endswith("config.json") or f.suffix in (".safetensors", ".bin", ".pt")):
+            h.update(f.relative_to(d).as_posix().encode())
+            h.update(str(f.stat().st_size).encode())
+            with f.open("rb") as fh:
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
+def build_tiers(settings: LLMSettings, lm: LoadedLM, model, runner: ModelRunner, scheduler: Scheduler,
+                kv_dtype: torch.dtype):
+    """Host pools beside the runner's, and the shared Redis tier when ``kv_l3_url`` is set."""
+    from ..offload.host_kv import HostKV
+    from ..offload.l3 import L3Store, fingerprint
+    from ..offload.tiers import KVTiers
+
+    kinds = [spec.kind for spec in model.layers]
+    kv = scheduler.kv
+    host = HostKV(runner.kv, kinds, kv.host_full_pool.num_slots, kv.host_swa_pool.num_slots)
+    l3 = None
+    if settings.kv_l3_url:
+        fp = fingerprint({
+            "model": model_identity(settings.model_dir), "arch": lm.arch,
+            "layers": [(s.kind, s.kv_heads, s.qk_dim, s.v_dim) for s in model.layers],
+            "kv_dtype": str(kv_dtype), "page": settings.kv_l3_page_tokens, "window": model.window,
+        })
+        l3 = L3Store(settings.kv_l3_url, fp, settings.kv_l3_page_tokens, model.window,
+                     host.token_bytes(FULL), host.token_bytes(SLIDING), ttl_s=settings.kv_l3_ttl_s,
+                     timeout_s=settings.kv_l3_timeout)
+    return KVTiers(kv, host, l3, prefetch_timeout=settings.kv_l3_prefetch_timeout)

@@ -16,6 +16,8 @@ left silently dead.
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -40,10 +42,22 @@ class _Live:
     generator: torch.Generator | None
 
 
+@dataclass
+class _Prefetch:
+    req: Request
+    future: Future
+    deadline: float
+
+
 class Engine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_token_ids: list[int]):
+    """``tiers`` (``llm_svc.offload.tiers.KVTiers``): host and L3 KV tiers, or None for the
+    device pools alone."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_token_ids: list[int], tiers=None):
         self.runner = runner
         self.scheduler = scheduler
+        self.tiers = tiers
+        self._prefetching: dict[str, _Prefetch] = {}
         self.eos_token_ids = list(eos_token_ids)
         self._live: dict[str, _Live] = {}
         self._aborts: list[str] = []
@@ -69,17 +83,23 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
         )
         try:
-            self.scheduler.add(req)
+            self.scheduler.check_fits(req)
         except ValueError as e:
             raise InvalidRequest(str(e), param="max_tokens") from e
-        self._live[req.req_id] = _Live(prep, make_generator(prep.sampling, self.runner.device))
+        gen = make_generator(prep.sampling, self.runner.device)
+        fut = self.tiers.prefetch(req.all_keys[:-1]) if self.tiers is not None else None
+        if fut is not None:  # queued once its L3 lookup is back (see _admit_prefetched)
+            self._prefetching[req.req_id] = _Prefetch(req, fut, time.monotonic() + self.tiers.prefetch_timeout)
+        else:
+            self.scheduler.add(req)
+        self._live[req.req_id] = _Live(prep, gen)
 
     def abort(self, req_id: str) -> None:
         """Stop a request at the start of the next step; it ends with ``finish_reason="abort"``."""
         self._aborts.append(req_id)
 
     def has_work(self) -> bool:
-        return bool(self._aborts) or self.scheduler.has_unfinished()
+        return bool(self._aborts) or bool(self._prefetching) or self.scheduler.has_unfinished()
 
     @property
     def num_live(self) -> int:
@@ -92,8 +112,12 @@ class Engine:
         try:
             self._apply_aborts()
             self._affected = None
+            if self._prefetching:
+                self._admit_prefetched()
             if self.scheduler.has_unfinished():
                 self._run_batch()
+            elif self.tiers is not None:
+                self.tiers.write_notes()
             gone = self._orphans()
             self._affected = gone
             self._close_orphans(gone)
@@ -107,8 +131,38 @@ class Engine:
         self._affected = None
         return self._out
 
+    def _admit_prefetched(self) -> None:
+        """Queue requests whose L3 lookup is back (its hit goes into the host tier first) or
+        late (they go on without it)."""
+        now = time.monotonic()
+        ready = [rid for rid, p in self._prefetching.items() if p.future.done() or now >= p.deadline]
+        if not ready and not self.scheduler.has_unfinished():
+            # nothing else to do: wait a moment for the first lookup instead of spinning
+            first = next(iter(self._prefetching.values()))
+            try:
+                first.future.result(timeout=max(0.0, min(0.005, first.deadline - now)))
+            except Exception:
+                pass
+            return
+        for rid in ready:
+            p = self._prefetching.pop(rid)
+            self._affected = [rid]
+            if p.future.done() and p.future.exception() is None:
+                self.tiers.ingest(p.req.all_keys, p.future.result())
+            else:
+                self.tiers.stats["l3_wait_seconds"] += self.tiers.prefetch_timeout
+            self.scheduler.add(p.req)
+        self._affected = None
+
     def _run_batch(self) -> None:
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.write_notes()  # before schedule: the noted slots still hold their KV
+            tiers.run_ops()
         batch = self.scheduler.schedule()
+        if tiers is not None:
+            tiers.run_ops()  # demotions and load-backs before the forward
+            tiers.touch_hits()
         if batch is None:
             return
         self._affected = [sf.req_id for sf in batch.seqs]
@@ -129,6 +183,8 @@ class Engine:
                 logprobs = {ids[n]: v for n, v in zip(want, lp[:, 0].tolist())}
         for o in self.scheduler.postprocess(batch, tokens):
             self._emit(o, logprobs.get(o.req_id))
+        if tiers is not None:
+            tiers.write_notes()
 
     def _emit(self, o: StepOutput, logprob: float | None) -> None:
         if o.req_id not in self._live:
@@ -140,7 +196,7 @@ class Engine:
 
     def _orphans(self) -> list[str]:
         """Requests the scheduler dropped on its own (one that cannot fit even alone)."""
-        return [rid for rid in self._live if rid not in self.scheduler.requests]
+        return [rid for rid in self._live if rid not in self.scheduler.requests and rid not in self._prefetching]
 
     def _close_orphans(self, gone: list[str]) -> None:
         for rid in gone:
@@ -153,6 +209,7 @@ class Engine:
             self._affected = [rid]
             req = self.scheduler.requests.get(rid)
             cached = req.num_cached_tokens if req is not None else 0
+            self._prefetching.pop(rid, None)
             self.scheduler.abort(rid)
             if self._live.pop(rid, None) is not None:
                 self._out.append(CoreToken(rid, finish_reason="abort", num_cached_tokens=cached))
@@ -160,6 +217,7 @@ class Engine:
     def _fail(self, req_ids: list[str], message: str) -> None:
         try:
             for rid in req_ids:
+                self._prefetching.pop(rid, None)
                 self.scheduler.abort(rid)
                 if self._live.pop(rid, None) is not None:
                     self._out.append(CoreToken(rid, error=message, status=500))
@@ -169,4 +227,8 @@ class Engine:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, float]:
-        return {**self.scheduler.stats(), "steps": self.steps, "failures": self.failures}
+        out = {**self.scheduler.stats(), "steps": self.steps, "failures": self.failures,
+               "prefetching": len(self._prefetching)}
+        if self.tiers is not None:
+            out.update(self.tiers.metrics())
+        return out
