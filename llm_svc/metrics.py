@@ -29,6 +29,18 @@ class LLMMetrics:
         self.restarts = Gauge("mmserve_llm_engine_core_restarts", "Engine-core processes restarted by the front",
                               registry=r)
         self.kv_usage = Gauge("mmserve_llm_kv_pool_usage", "Fraction of a KV pool in use", ["pool"], registry=r)
+        # KV tiers (cumulative since the engine core started)
+        self.tier_tokens = Gauge("mmserve_llm_kv_tier_tokens", "KV tokens moved between tiers",
+                                 ["tier", "event"], registry=r)
+        self.tier_bytes = Gauge("mmserve_llm_kv_tier_bytes", "KV bytes moved to/from a tier", ["tier", "direction"],
+                                registry=r)
+        self.tier_evictions = Gauge("mmserve_llm_kv_tier_evictions", "Evictions in a tier", ["tier", "kind"],
+                                    registry=r)
+        self.tier_seconds = Gauge("mmserve_llm_kv_tier_seconds", "Seconds spent on tier transfers", ["tier", "what"],
+                                  registry=r)
+        self.l3_events = Gauge("mmserve_llm_kv_l3_events", "L3 (Redis) lookups, hits, misses, corrupt values, "
+                               "errors, skipped and dropped operations", ["event"], registry=r)
+        self.l3_up = Gauge("mmserve_llm_kv_l3_up", "1 if the L3 KV store answered its last command", registry=r)
 
     def render(self, stats: BackendStats) -> bytes:
         self.running.set(stats.running)
@@ -36,4 +48,35 @@ class LLMMetrics:
         self.restarts.set(stats.engine_restarts)
         self.kv_usage.labels(pool="full").set(stats.kv_full_usage)
         self.kv_usage.labels(pool="swa").set(stats.kv_swa_usage)
+        t = stats.tiers
+        if t:
+            for (tier, event), key in _TIER_TOKENS.items():
+                self.tier_tokens.labels(tier=tier, event=event).set(t.get(key, 0))
+            for (tier, d), key in _TIER_BYTES.items():
+                self.tier_bytes.labels(tier=tier, direction=d).set(t.get(key, 0))
+            for (tier, kind), key in _TIER_EVICTIONS.items():
+                self.tier_evictions.labels(tier=tier, kind=kind).set(t.get(key, 0))
+            self.tier_seconds.labels(tier="host", what="copy").set(t.get("host_load_seconds", 0))
+            self.tier_seconds.labels(tier="l3", what="prefetch_timeout").set(t.get("l3_wait_seconds", 0))
+            if "l3_up" in t:
+                self.l3_up.set(t["l3_up"])
+                for ev in ("lookups", "hits", "misses", "corrupt", "errors", "skipped", "dropped_writes",
+                           "touches", "pages_written", "windows_written"):
+                    self.l3_events.labels(event=ev).set(t.get(f"l3_{ev}", 0))
         return generate_latest(self.registry)
+
+
+_TIER_TOKENS = {
+    ("device", "demoted_full"): "tree_demoted_full", ("device", "demoted_swa"): "tree_demoted_swa",
+    ("host", "loaded_full"): "tree_loaded_full", ("host", "loaded_swa"): "tree_loaded_swa",
+    ("l3", "ingested_full"): "l3_ingested_full", ("l3", "ingested_swa"): "l3_ingested_swa",
+    ("l3", "hit_full"): "l3_hit_tokens",
+}
+_TIER_BYTES = {
+    ("host", "in"): "host_bytes_d2h", ("host", "out"): "host_bytes_h2d",
+    ("l3", "in"): "l3_bytes_written", ("l3", "out"): "l3_bytes_read",
+}
+_TIER_EVICTIONS = {
+    ("device", "node"): "tree_node_evictions", ("device", "swa"): "tree_swa_evictions",
+    ("host", "node"): "tree_host_evictions", ("host", "swa"): "tree_host_swa_evictions",
+}

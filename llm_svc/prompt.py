@@ -14,6 +14,35 @@ from .types import PreparedRequest
 
 def render_prompt_ids(lm: LoadedLM, req: GenerateRequest) -> list[int]:
     """Chat template (one pad token per media item) -> token ids, no extra special tokens."""
+    return _render(lm, _template_messages(req), add_generation_prompt=True)
+
+
+def _render(lm: LoadedLM, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return list(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def system_prefix_len(lm: LoadedLM, req: GenerateRequest, ids: list[int]) -> int:
+    """Tokens of ``ids`` that the leading text-only system message renders to (0 if none): where
+    other conversations with the same system prompt branch off."""
+    first = req.messages[0] if req.messages else None
+    if first is None or first.role != "system" or len(req.messages) < 2:
+        return 0
+    if not all(isinstance(p, PromptText) for p in first.content):
+        return 0
+    try:
+        sys_ids = _render(lm, _template_messages(req)[:1], add_generation_prompt=False)
+    except Exception:  # a template that refuses a lone system message
+        return 0
+    n = 0
+    for a, b in zip(sys_ids, ids):
+        if a != b:
+            break
+        n += 1
+    return n if n < len(ids) else 0
+
+
+def _template_messages(req: GenerateRequest) -> list[dict]:
     messages = []
     for m in req.messages:
         parts = []
@@ -23,8 +52,7 @@ def render_prompt_ids(lm: LoadedLM, req: GenerateRequest) -> list[int]:
             else:
                 parts.append({"type": p.modality})
         messages.append({"role": m.role, "content": parts})
-    text = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return messages
 
 
 def _check_tensor(lm: LoadedLM, part: PromptMedia, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -124,6 +152,7 @@ def prepare_request(
         mm_hashes=[p.content_hash for p in sorted(media, key=lambda p: p.index)],
         bidirectional=lm.bidirectional_media and bool(spans),
         return_logprobs=req.return_logprobs,
+        system_len=system_prefix_len(lm, req, ids) if not spans or spans[0][0] > 0 else 0,
     )
 
 

@@ -55,6 +55,10 @@ class PreparedRequest:
     mm_hashes: list[str] = field(default_factory=list)
     bidirectional: bool = False
     return_logprobs: bool = False  # log-probability of each sampled token (raw model distribution)
+    system_len: int = 0  # prompt tokens of the leading system message (0: none)
+    # positions where later prompts are likely to branch off: their SWA windows are kept for the
+    # prefix cache (chosen by the backend from ``system_len`` and its retention settings)
+    swa_checkpoints: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         assert self.prompt_ids, "empty prompt"
@@ -306,3 +310,4 @@ class BackendStats:
     kv_swa_usage: float = 0.0
     prefix_hit_tokens: int = 0  # cumulative
     engine_restarts: int = 0  # engine-core processes restarted by the front's supervisor
+    tiers: dict[str, float] = field(default_factory=dict)  # KV tier counters of the engine core

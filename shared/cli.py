@@ -77,7 +77,7 @@ def cmd_encoder(args: argparse.Namespace) -> int:
 def cmd_llm(args: argparse.Namespace) -> int:
     from shared.settings import LLMSettings
 
-    return _run_model_service(args, "llm_svc.app", LLMSettings, ["backend", "kv_bytes"])
+    return _run_model_service(args, "llm_svc.app", LLMSettings, ["backend", "kv_bytes", "kv_l3_url"])
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -144,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--backend", default=None, help="hf | swa")
     p.add_argument("--kv-bytes", type=int, default=None)
+    p.add_argument("--kv-l3-url", default=None, help="Redis URL of the L3 KV tier shared by LLM replicas")
     p.set_defaults(fn=cmd_llm)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
@@ -162,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoders", type=int, default=1)
     p.add_argument("--llms", type=int, default=1)
     p.add_argument("--backend", default=None, help="LLM backend: hf | swa")
-    p.add_argument("--redis-url", default=None, help="shared encoder cache (default: embedded)")
+    p.add_argument("--redis-url", default=None,
+                   help="shared encoder cache and L3 KV tier of the LLMs (default: embedded cache, device + host KV)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.set_defaults(fn=cmd_up)
     return ap

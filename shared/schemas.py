@@ -369,6 +369,7 @@ class CoreAdd(msgspec.Struct, tag="add"):
     mm_hashes: list[str] = []
     bidirectional: bool = False
     return_logprobs: bool = False
+    swa_checkpoints: list[int] = []  # prompt positions whose SWA windows the prefix cache keeps
 
 
 class CoreAbort(msgspec.Struct, tag="abort"):
@@ -405,6 +406,7 @@ class CoreStats(msgspec.Struct):
     kv_swa_usage: float = 0.0
     prefix_hit_tokens: int = 0
     steps: int = 0
+    tiers: dict[str, float] = {}  # KV tier counters (llm_svc.offload.tiers.KVTiers.metrics)
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):

@@ -9,6 +9,7 @@ from ..core.build import build_engine  # noqa: F401  (the in-process engine, for
 from ..core.client import EngineCoreClient
 from ..loader import LoadedLM
 from ..types import PreparedRequest
+from ..retention import retention_points
 from . import register_backend
 from .base import Backend, BackendStats, RequestStream
 
@@ -35,6 +36,8 @@ class SWABackend(Backend):
         await self.client.start()
 
     def submit(self, req: PreparedRequest) -> RequestStream:
+        req.swa_checkpoints = retention_points(len(req.prompt_ids), req.system_len,
+                                               self.settings.swa_retention_interval, self.settings.swa_retention_max_len)
         return self.client.submit(req)
 
     def abort(self, request_id: str) -> None:

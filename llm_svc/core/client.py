@@ -143,7 +143,8 @@ class EngineCoreClient:
     def stats(self) -> BackendStats:
         s = self.core_stats
         return BackendStats(running=s.running, waiting=s.waiting, kv_full_usage=s.kv_full_usage,
-                            kv_swa_usage=s.kv_swa_usage, prefix_hit_tokens=s.prefix_hit_tokens)
+                            kv_swa_usage=s.kv_swa_usage, prefix_hit_tokens=s.prefix_hit_tokens,
+                            tiers=dict(s.tiers))
 
     @property
     def num_in_flight(self) -> int:

@@ -145,7 +145,11 @@ class CoreLoop:
             running=int(s["running"]), waiting=int(s["waiting"]),
             kv_full_usage=1.0 - s["full_free"] / s["full_total"], kv_swa_usage=1.0 - s["swa_free"] / s["swa_total"],
             prefix_hit_tokens=int(s["cached_tokens"]), steps=int(s["steps"]),
+            tiers={k: float(v) for k, v in s.items() if k.startswith(TIER_STAT_PREFIXES)},
         )
+
+
+TIER_STAT_PREFIXES = ("host_", "l3_", "tree_", "prefetching")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,6 +80,7 @@ class Engine:
             mm_items=prep.mm_items,
             mm_spans=prep.mm_spans,
             bidirectional=prep.bidirectional,
+            swa_checkpoints=[c for c in prep.swa_checkpoints if 0 < c <= len(prep.prompt_ids)],
             eos_token_ids=self.eos_token_ids,
         )
         try:

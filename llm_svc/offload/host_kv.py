@@ -28,8 +28,8 @@ class HostKV:
             n = num_full if kind == FULL else num_swa
             heads, _, dk = kv.k.shape
             dv = kv.v.shape[2]
-            self.host.append(LayerKV(torch.zeros(heads, n, dk, dtype=kv.k.dtype, pin_memory=pin),
-                                     torch.zeros(heads, n, dv, dtype=kv.v.dtype, pin_memory=pin)))
+            self.host.append(LayerKV(torch.empty(heads, n, dk, dtype=kv.k.dtype, pin_memory=pin),
+                                     torch.empty(heads, n, dv, dtype=kv.v.dtype, pin_memory=pin)))
         self.bytes_d2h = 0
         self.bytes_h2d = 0
 
