@@ -66,12 +66,19 @@ class _Job:
             self.future.set_exception(exc)
 
     def put(self, index: int, row: torch.Tensor) -> None:
+        """Hand row ``index`` back; the last one resolves the future (or fails it when the rows
+        cannot be stacked: the forward broke its contract for this job)."""
         if self.future.done():
             return
         self.outputs[index] = row
         self.remaining -= 1
         if self.remaining == 0:
-            self.future.set_result(torch.stack(self.outputs))  # type: ignore[arg-type]
+            try:
+                out = torch.stack(self.outputs)  # type: ignore[arg-type]
+            except RuntimeError as e:
+                self.fail(ForwardFailed(f"the {self.encoder} encoder returned rows of mismatched shapes: {e}"))
+                return
+            self.future.set_result(out)
 
 
 class Batcher:
@@ -209,27 +216,36 @@ class Batcher:
             if got is None:
                 return
             (encoder, _, _), items = got
-            now = time.monotonic()
-            x = torch.stack([job.inputs[i] for job, i, _ in items])  # [B, *shape]
-            m = self._metrics
-            if m is not None:
-                m.batch_size.labels(encoder).observe(len(items))
-                for _, _, t in items:
-                    m.queue_wait.labels(encoder).observe(now - t)
-            try:
-                y = self._run_fn(encoder, x)
-                if len(y) != len(items):
-                    raise RuntimeError(f"forward returned {len(y)} outputs for {len(items)} inputs")
+            try:  # nothing here may kill the worker: every later request would hang
+                self._run_batch(encoder, items)
             except Exception as e:  # noqa: BLE001 - every job in the batch must hear about it
-                log.exception("forward of a %s batch of %d failed", encoder, len(items))
-                if m is not None:
-                    m.forward_errors.labels(encoder).inc()
-                err = ForwardFailed(f"the {encoder} encoder failed on a batch: {type(e).__name__}: {e}")
+                log.exception("a %s batch of %d failed outside the forward", encoder, len(items))
+                err = ForwardFailed(f"the {encoder} encoder failed on a batch: {type(e).__name__}")
                 for job, _, _ in items:
                     job.fail(err)
-                continue
+
+    def _run_batch(self, encoder: str, items: list[tuple[_Job, int, float]]) -> None:
+        now = time.monotonic()
+        m = self._metrics
+        if m is not None:
+            m.batch_size.labels(encoder).observe(len(items))
+            for _, _, t in items:
+                m.queue_wait.labels(encoder).observe(now - t)
+        try:
+            x = torch.stack([job.inputs[i] for job, i, _ in items])  # [B, *shape]
+            y = self._run_fn(encoder, x)
+            if len(y) != len(items):
+                raise RuntimeError(f"forward returned {len(y)} outputs for {len(items)} inputs")
+        except Exception as e:  # noqa: BLE001 - every job in the batch must hear about it
+            log.exception("forward of a %s batch of %d failed", encoder, len(items))
             if m is not None:
-                m.forwards.labels(encoder).inc()
-                m.forward_items.labels(encoder).inc(len(items))
-            for (job, i, _), row in zip(items, y):
-                job.put(i, row)
+                m.forward_errors.labels(encoder).inc()
+            err = ForwardFailed(f"the {encoder} encoder failed on a batch: {type(e).__name__}: {e}")
+            for job, _, _ in items:
+                job.fail(err)
+            return
+        if m is not None:
+            m.forwards.labels(encoder).inc()
+            m.forward_items.labels(encoder).inc(len(items))
+        for (job, i, _), row in zip(items, y):
+            job.put(i, row)

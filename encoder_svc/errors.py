@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -55,13 +57,22 @@ class ForwardFailed(EncodeError):
     type = "server_error"
 
 
-def short_reason(e: BaseException) -> str:
-    """First line of a library's error, without build paths, for a client-facing message."""
-    import re
+_SOURCE_PATH = re.compile(r"\S*/\S+\.(?:cpp|cc|c|h|py):\d+\S*")
+_OBJECT_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>")  # <_io.BytesIO object at 0x7f...>
+_LOG_STAMP = re.compile(r"^\[\d{2}:\d{2}:\d{2}\]\s*")  # dmlc/decord log prefix
+_CHECK_FAILED = re.compile(r"Check failed:.*?(?:ERROR\s+|$)")  # decord asserts: keep its ERROR text
 
+
+def short_reason(e: BaseException) -> str:
+    """A library's error as a client may see it: first line only, without build paths, object
+    addresses or internal assertion text; empty becomes the exception's type name."""
     text = (str(e).strip().splitlines() or [""])[0]
-    text = re.sub(r"\S*/\S+\.(?:cpp|cc|c|h|py):\d+\S*", "", text).strip(" ,:")
-    return (text or type(e).__name__)[:160]
+    text = _LOG_STAMP.sub("", text)
+    text = _SOURCE_PATH.sub("", text)
+    text = _OBJECT_REPR.sub("", text).replace("  ", " ")
+    text = re.sub(r"^\w+Decoder,\s*", "", text)  # torchcodec class prefix
+    text = _CHECK_FAILED.sub("", text).strip(" ,:")
+    return (text or "the decoder rejected the data")[:160]
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None) -> dict:
@@ -77,4 +88,5 @@ async def unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:
     import logging
 
     logging.getLogger("encoder_svc").exception("unhandled error", exc_info=exc)
-    return JSONResponse(error_body(f"internal encoder error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+    return JSONResponse(error_body(f"internal encoder error ({type(exc).__name__}); see the encoder log",
+                                   "server_error"), status_code=500)

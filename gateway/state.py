@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 
 from gateway.fetch import MediaFetcher
 from gateway.metrics import GatewayMetrics
+from gateway.routing.capacity import ReplicaLimits
 from gateway.routing.encoder_ring import EncoderRing
 from gateway.routing.llm_router import make_router
 from gateway.routing.replicas import ReplicaPool, http_prober
@@ -34,6 +35,7 @@ class GatewayState:
     encoders: EncoderClient
     llms: LLMClient
     fetcher: MediaFetcher
+    llm_limits: ReplicaLimits
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @classmethod
@@ -51,9 +53,11 @@ class GatewayState:
             headers={"user-agent": "mmserve-gateway"},
         )
         prober = http_prober(http, timeout=min(2.0, s.connect_timeout))
+        llm_limits = ReplicaLimits()
+        llm_prober = http_prober(http, timeout=min(2.0, s.connect_timeout), on_ready=llm_limits.record)
         threshold = s.health_fail_threshold
         encoder_pool = ReplicaPool("encoder", s.encoder_urls, prober=prober, fail_threshold=threshold)
-        llm_pool = ReplicaPool("llm", s.llm_urls, prober=prober, fail_threshold=threshold)
+        llm_pool = ReplicaPool("llm", s.llm_urls, prober=llm_prober, fail_threshold=threshold)
         ring = EncoderRing()
         encoder_pool.on_change(lambda: ring.set_nodes(encoder_pool.routable()))
         timeout = httpx.Timeout(s.request_timeout, connect=s.connect_timeout)
@@ -66,7 +70,7 @@ class GatewayState:
             fetch_http, SSRFGuard(s.allowed_hosts),
             max_bytes=s.max_media_bytes, timeout=s.fetch_timeout, max_redirects=s.max_redirects,
         )
-        return cls(s, metrics, http, fetch_http, encoder_pool, llm_pool, encoders, llms, fetcher)
+        return cls(s, metrics, http, fetch_http, encoder_pool, llm_pool, encoders, llms, fetcher, llm_limits)
 
     def start(self) -> None:
         """Background DNS refresh and health probes of both pools."""

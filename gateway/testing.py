@@ -75,11 +75,12 @@ def free_port_url() -> str:
 
 def fake_encoder_app(name: str, hidden: int = 8) -> FastAPI:
     """``app.state.calls`` lists ``(modality, content_hash, len(body))``; set ``app.state.ready``
-    / ``app.state.fail_5xx`` to make it unready or failing."""
+    / ``app.state.fail_5xx`` to make it unready or failing (with ``app.state.fail_status``)."""
     app = FastAPI()
     app.state.calls = []
     app.state.ready = True
     app.state.fail_5xx = False
+    app.state.fail_status = 500
 
     @app.get("/readyz")
     async def readyz() -> Response:
@@ -94,7 +95,7 @@ def fake_encoder_app(name: str, hidden: int = 8) -> FastAPI:
         body = await request.body()
         app.state.calls.append((modality, content_hash, len(body)))
         if app.state.fail_5xx:
-            return JSONResponse({"detail": "boom"}, status_code=500)
+            return JSONResponse({"detail": "boom"}, status_code=app.state.fail_status)
         if body.startswith(b"BAD"):
             return JSONResponse({"detail": "bad media"}, status_code=400)
         if modality == "image":

@@ -4,14 +4,20 @@ Failure policy (the protocol in ``shared.schemas``):
 
 * a 4xx from the encoder means the media is bad -> ``MediaError`` (400 naming the item);
 * a 4xx from the LLM means the request is bad (e.g. prompt too long) -> 400 with its message;
-* connection errors, timeouts and 5xx are retried on the next distinct replica; when every
-  attempt fails -> ``UpstreamError`` (502, or 503 when no replica exists).
+* a 429 (the replica is overloaded) -> 429 with its ``Retry-After``: more load elsewhere would
+  not help a saturated stack, the client backs off;
+* only connection errors and 503 (not serving: loading, restarting) are retried, on the next
+  distinct replica after a jittered backoff; any other 5xx or a timeout is answered at once
+  (retrying work that failed or timed out multiplies load on an overloaded stack);
+  when every attempt fails -> ``UpstreamError`` (502, or 503 when no replica exists).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -31,7 +37,23 @@ from shared.wire import SAFETENSORS_MIME, WireError, unpack
 
 log = logging.getLogger("mmserve.gateway.upstream")
 
-_RETRYABLE_4XX = (408, 429)
+RETRY_BASE_S = 0.025  # first retry waits U(0, 25 ms), then U(0, 50 ms), ...
+# the connection failed, or broke before a response: another replica may well serve it
+_CONNECTION_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.NetworkError)
+
+
+async def backoff(attempt: int) -> None:
+    """Full-jitter exponential backoff before retry ``attempt`` (1, 2, ...)."""
+    await asyncio.sleep(random.uniform(0.0, RETRY_BASE_S * (2 ** (attempt - 1))))
+
+
+def overloaded(response: httpx.Response, service: str) -> APIError:
+    """A replica's 429 as the gateway's own 429, keeping its ``Retry-After``."""
+    retry_after = response.headers.get("retry-after", "1")
+    return APIError(
+        429, f"the {service} service is overloaded: {error_text(response)}", code="overloaded",
+        headers={"Retry-After": retry_after},
+    )
 
 
 class UpstreamError(APIError):
@@ -111,7 +133,9 @@ class EncoderClient:
         if not nodes:
             raise UpstreamError("no encoder replica is configured", status=503)
         errors: list[str] = []
-        for node in nodes:
+        for attempt, node in enumerate(nodes):
+            if attempt:
+                await backoff(attempt)
             try:
                 return await self._encode_on(node, item)
             except _Retry as e:
@@ -135,12 +159,20 @@ class EncoderClient:
         except httpx.ConnectError as e:
             self._pool.report_failure(node)
             raise _Retry(f"connection failed: {e}") from e
-        except httpx.TransportError as e:
+        except _CONNECTION_ERRORS as e:
             raise _Retry(f"{type(e).__name__}: {e}") from e
-        if 400 <= r.status_code < 500 and r.status_code not in _RETRYABLE_4XX:
+        except httpx.TimeoutException as e:
+            raise UpstreamError(f"{item.where}: encoding the {item.modality} timed out on {node}", status=504) from e
+        if r.status_code == 429:
+            raise overloaded(r, "encoder")
+        if 400 <= r.status_code < 500:
             raise MediaError(item.where, f"{item.modality} could not be decoded: {error_text(r)}")
+        if r.status_code == 503:
+            raise _Retry(f"HTTP 503: {error_text(r)}")
+        if r.status_code == 504:
+            raise UpstreamError(f"{item.where}: encoding the {item.modality} timed out: {error_text(r)}", status=504)
         if r.status_code != 200:
-            raise _Retry(f"HTTP {r.status_code}: {error_text(r)}")
+            raise UpstreamError(f"{item.where}: encoding the {item.modality} failed: {error_text(r)}")
         try:
             tensors, result = unpack(r.content, EncodeResult)
         except WireError as e:
@@ -226,6 +258,8 @@ class LLMClient:
         tried: list[str] = []
         errors: list[str] = []
         while len(tried) < min(self.attempts, len(replicas)):
+            if tried:
+                await backoff(len(tried))
             replica = self.router.choose([r for r in replicas if r not in tried], blocks)
             tried.append(replica)
             try:
@@ -247,12 +281,12 @@ class LLMClient:
             self.router.end(replica)
             self._pool.report_failure(replica)
             raise _Retry(f"connection failed: {e}") from e
-        except httpx.ReadTimeout as e:
-            self.router.end(replica)
-            raise UpstreamError(f"LLM {replica} timed out") from e
-        except httpx.TransportError as e:
+        except _CONNECTION_ERRORS as e:
             self.router.end(replica)
             raise _Retry(f"{type(e).__name__}: {e}") from e
+        except httpx.TimeoutException as e:
+            self.router.end(replica)
+            raise UpstreamError(f"LLM {replica} timed out", status=504) from e
         except BaseException:
             self.router.end(replica)
             raise
@@ -265,6 +299,13 @@ class LLMClient:
             pass
         finally:
             await stream.aclose()
-        if 400 <= response.status_code < 500 and response.status_code not in _RETRYABLE_4XX:
+        if response.status_code == 429:
+            raise overloaded(response, "LLM")
+        if response.status_code == 413:
+            raise APIError(413, error_text(response), code="request_too_large")
+        if 400 <= response.status_code < 500:
             raise APIError(400, error_text(response), code="invalid_request")
-        raise _Retry(f"HTTP {response.status_code}: {error_text(response)}")
+        if response.status_code == 503:
+            raise _Retry(f"HTTP 503: {error_text(response)}")
+        status = 504 if response.status_code == 504 else 502
+        raise UpstreamError(f"generation failed on {replica}: HTTP {response.status_code}: {error_text(response)}", status)

@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse, HealthStatus
+from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse, HealthStatus, ServiceLimits
+from shared.streaming import ClosingStreamingResponse
 from shared.wire import WireError, unpack
 
 from .backends import BackendStats, GenOutput, RequestStream
@@ -50,7 +51,10 @@ async def healthz(state: StateDep) -> JSONResponse:
 @router.get("/readyz")
 async def readyz(state: StateDep) -> JSONResponse:
     if state.ready:
-        body = HealthStatus(status="ok", service="llm", model=state.model_name)
+        limits = None
+        if state.lm is not None:
+            limits = ServiceLimits(max_model_len=state.settings.max_model_len, max_token_bytes=state.lm.max_token_bytes)
+        body = HealthStatus(status="ok", service="llm", model=state.model_name, limits=limits)
         return JSONResponse(body.model_dump())
     status = "error" if state.error else "loading"
     body = HealthStatus(status=status, service="llm", model=state.model_name, detail=state.not_ready_detail)
@@ -89,7 +93,10 @@ async def generate(request: Request, state: StateDep):
     if not state.ready or state.prep is None:
         return _error(state, 503, f"the model is not serving ({state.not_ready_detail}); retry later",
                       type_="service_unavailable")
-    body = await request.body()
+    body = await _read_body(request, state.settings.max_request_bytes)
+    if isinstance(body, JSONResponse):
+        state.metrics.rejected.labels(status="413").inc()
+        return body
     try:  # unpacking and tokenizing run on worker threads: the event loop keeps answering
         prep = await state.prep.run(_prepare, body, state.settings.max_model_len)
     except WireError as e:
@@ -111,8 +118,27 @@ async def generate(request: Request, state: StateDep):
         return _error(state, 400, e.message, e.param, e.code)
     state.in_flight.add(prep.request_id)
     if prep.stream:
-        return StreamingResponse(_ndjson(state, prep, stream), media_type=NDJSON)
+        out = _NdjsonStream(state, prep, stream)
+        # on_close: a client gone before the first byte never starts the generator
+        return ClosingStreamingResponse(out.lines(), on_close=out.close, media_type=NDJSON)
     return await _collect(request, state, prep, stream)
+
+
+async def _read_body(request: Request, limit: int) -> bytes | JSONResponse:
+    """The body, or a 413 as soon as it is known to exceed ``limit`` (never buffered past it)."""
+    declared = request.headers.get("content-length")
+    too_big = JSONResponse(status_code=413, content=error_body(
+        f"the request body exceeds {limit} bytes (MMSERVE_LLM_MAX_REQUEST_BYTES); send a shorter prompt "
+        "or fewer media", param="body", code="request_too_large"))
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 # JSON may spend up to 6 bytes on one byte of text (``\\u0001``); the rest of a header is a few
@@ -134,29 +160,43 @@ def _prepare(lm, body: bytes, max_model_len: int) -> PreparedRequest:
     return prepare_request(lm, req, tensors, max_model_len)
 
 
-async def _ndjson(state: ServiceState, prep: PreparedRequest, stream: RequestStream) -> AsyncIterator[bytes]:
-    tracker = _Tracker(state)
-    finished = False
-    try:
-        async for out in stream:
-            tracker.see(out)
-            chunk = GenerateChunk(request_id=prep.request_id, text=out.text, token_ids=out.token_ids)
-            if out.final:
-                finished = True
-                chunk.finish_reason = out.finish_reason or "abort"
-                chunk.error = out.error
-                chunk.prompt_tokens = out.prompt_tokens
-                chunk.completion_tokens = out.completion_tokens
-                chunk.cached_tokens = out.cached_tokens
-            yield (chunk.model_dump_json(exclude_none=True) + "\n").encode()
-    finally:  # the client went away (the generator was cancelled/closed) -> free everything
-        if not finished:
-            state.backend.abort(prep.request_id)
-            task = asyncio.create_task(_drain(state, prep, stream, tracker))
-            _draining.add(task)
-            task.add_done_callback(_draining.discard)
-        else:
-            state.in_flight.discard(prep.request_id)
+class _NdjsonStream:
+    """One streamed generation: ``lines()`` is the body; ``close()`` (idempotent) aborts an
+    unfinished generation and releases the request id once its stream has drained."""
+
+    def __init__(self, state: ServiceState, prep: PreparedRequest, stream: RequestStream) -> None:
+        self.state, self.prep, self.stream = state, prep, stream
+        self.tracker = _Tracker(state)
+        self.finished = False
+        self.closed = False
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        try:
+            async for out in self.stream:
+                self.tracker.see(out)
+                chunk = GenerateChunk(request_id=self.prep.request_id, text=out.text, token_ids=out.token_ids)
+                if out.final:
+                    self.finished = True
+                    chunk.finish_reason = out.finish_reason or "abort"
+                    chunk.error = out.error
+                    chunk.prompt_tokens = out.prompt_tokens
+                    chunk.completion_tokens = out.completion_tokens
+                    chunk.cached_tokens = out.cached_tokens
+                yield (chunk.model_dump_json(exclude_none=True) + "\n").encode()
+        finally:  # the client went away (the generator was cancelled/closed) -> free everything
+            await self.close()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.finished:
+            self.state.in_flight.discard(self.prep.request_id)
+            return
+        self.state.backend.abort(self.prep.request_id)
+        task = asyncio.create_task(_drain(self.state, self.prep, self.stream, self.tracker))
+        _draining.add(task)
+        task.add_done_callback(_draining.discard)
 
 
 _draining: set[asyncio.Task] = set()

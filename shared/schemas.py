@@ -59,9 +59,12 @@ class VideoPart(_Lenient):
     video_url: VideoURL
 
 
+AudioFormat = Literal["wav", "mp3", "flac", "ogg", "opus", "webm", "m4a", "aac"]
+
+
 class InputAudio(_Lenient):
     data: str = Field(min_length=1, description="base64-encoded audio bytes")
-    format: str = Field(default="wav", description="wav, mp3, flac, ogg")
+    format: AudioFormat = Field(default="wav", description="the container of ``data``")
 
 
 class AudioPart(_Lenient):
@@ -135,10 +138,14 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+# OpenAI's values; an aborted generation is an error for the client, never a finish reason
+OpenAIFinishReason = Literal["stop", "length"]
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: OpenAIFinishReason | None
 
 
 class ChatCompletion(BaseModel):
@@ -158,7 +165,7 @@ class DeltaMessage(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: OpenAIFinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -321,11 +328,19 @@ class GenerateChunk(BaseModel):
     error: str | None = None
 
 
+class ServiceLimits(BaseModel):
+    """What an LLM replica can take, so the gateway refuses what cannot fit before sending it."""
+
+    max_model_len: int = Field(ge=1)
+    max_token_bytes: int = Field(ge=1, description="longest token in UTF-8 bytes: tokens >= bytes / this")
+
+
 class HealthStatus(BaseModel):
     status: Literal["ok", "loading", "error"]
     service: str
     model: str | None = None
     detail: str | None = None
+    limits: ServiceLimits | None = None
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from encoder_svc.errors import BadMedia, MediaTooLarge, short_reason
 
 TARGET_SR = 16_000
 MAX_AUDIO_SECONDS = 3600.0  # a small compressed file can expand to hours of samples
+_OVER_LIMIT_S = 1.0  # decoded past the limit, so "longer than the limit" is seen
 
 
 def _soundfile(data: bytes) -> tuple[torch.Tensor, int] | None:
@@ -39,7 +40,8 @@ def _torchcodec(data: bytes) -> tuple[torch.Tensor, int]:
         dur = dec.metadata.duration_seconds_from_header
         if dur is not None and dur > MAX_AUDIO_SECONDS:
             raise MediaTooLarge(f"audio is {dur:.0f} s; the limit is {MAX_AUDIO_SECONDS:.0f} s")
-        s = dec.get_all_samples()
+        # the header may lie or be absent (raw streams): never decode past the limit
+        s = dec.get_samples_played_in_range(0.0, MAX_AUDIO_SECONDS + _OVER_LIMIT_S)
     except MediaTooLarge:
         raise
     except Exception as e:  # torchcodec raises RuntimeError/ValueError with FFmpeg's message

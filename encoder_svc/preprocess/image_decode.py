@@ -17,7 +17,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
-from encoder_svc.errors import BadMedia, MediaTooLarge
+from encoder_svc.errors import BadMedia, MediaTooLarge, short_reason
 
 _TORCHVISION_FORMATS = {"JPEG", "PNG", "WEBP"}
 
@@ -33,7 +33,7 @@ def probe(data: bytes, max_pixels: int) -> tuple[str, int, int, bool]:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise MediaTooLarge(f"image is too large to decode ({e}); send at most {max_pixels} pixels") from e
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise BadMedia(f"cannot decode the image: not a supported image file ({e})") from e
+        raise BadMedia(f"cannot decode the image: not a supported image file ({short_reason(e)})") from e
     if w * h > max_pixels:
         raise MediaTooLarge(f"image is {w}x{h} = {w * h} pixels; the limit is {max_pixels}, send a smaller image")
     if w < 1 or h < 1:
@@ -48,7 +48,7 @@ def _pil_first_frame(data: bytes) -> torch.Tensor:
             rgb = img.convert("RGB")
             arr = np.asarray(rgb, dtype=np.uint8)
     except (OSError, ValueError, SyntaxError, EOFError) as e:
-        raise BadMedia(f"cannot decode the image: it is corrupt or truncated ({e})") from e
+        raise BadMedia(f"cannot decode the image: it is corrupt or truncated ({short_reason(e)})") from e
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()  # [3, H, W]
 
 
@@ -65,7 +65,7 @@ def decode_rgb(data: bytes, max_pixels: int, device: torch.device | str = "cpu")
         else:
             out = decode_image(raw, mode=ImageReadMode.RGB).to(device)
     except RuntimeError as e:
-        raise BadMedia(f"cannot decode the {fmt} image: it is corrupt or truncated ({e})") from e
+        raise BadMedia(f"cannot decode the {fmt} image: it is corrupt or truncated ({short_reason(e)})") from e
     if tuple(out.shape) != (3, h, w):
         raise BadMedia(f"decoded {fmt} image has shape {tuple(out.shape)}, header said {h}x{w}")
     return out

@@ -11,7 +11,7 @@ from contextlib import aclosing
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from gateway.auth import ApiKeyDep
 from gateway.errors import APIError
@@ -20,13 +20,18 @@ from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion, comple
 from gateway.prompt import build_generate_request, pack_generate
 from gateway.state import GatewayState, StateDep
 from gateway.upstream import LLMStream, UpstreamError
-from shared.schemas import ChatCompletionRequest, GenerateRequest
+from gateway.validate import check_fits, check_text
+from shared.schemas import ChatCompletionRequest, GenerateRequest, GenerateResponse
+from shared.streaming import ClosingStreamingResponse
 
 log = logging.getLogger("mmserve.gateway.chat")
 router = APIRouter(dependencies=[ApiKeyDep])
 T = TypeVar("T")
 
 CLIENT_CLOSED = 499  # nginx's "client closed request"
+
+
+ABORTED = "the LLM service aborted the generation (it is shutting down or restarting); retry the request"
 
 
 class ClientGone(Exception):
@@ -63,6 +68,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float,
 async def prepare(state: GatewayState, body: ChatCompletionRequest, cid: str) -> tuple[GenerateRequest, bytes]:
     """Media fetched, encoded (all items concurrently) and packed with the prompt."""
     s = state.settings
+    check_fits(body, s.default_max_tokens, state.llm_limits.best())  # before any fetch or encode
     refs = collect_media(body, s.max_media_items)
     for ref in refs:
         state.metrics.media_items.labels(ref.modality).inc()
@@ -74,6 +80,7 @@ async def prepare(state: GatewayState, body: ChatCompletionRequest, cid: str) ->
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Response:
+    check_text(body)  # before anything may echo a string back
     if body.model != state.settings.model_name:
         raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
     cid, created, start = completion_id(), now(), time.monotonic()
@@ -88,16 +95,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         return Response(status_code=CLIENT_CLOSED)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     writer = ChunkWriter(cid, created, body.model, include_usage)
-    return StreamingResponse(
+    return ClosingStreamingResponse(
         sse_events(stream, writer, state, start),
+        on_close=stream.aclose,  # runs even if the client left before the first byte
         media_type="text/event-stream",
         headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
     )
 
 
-async def _generate(state: GatewayState, body: ChatCompletionRequest, cid: str):
+async def _generate(state: GatewayState, body: ChatCompletionRequest, cid: str) -> GenerateResponse:
     gen, packed = await prepare(state, body, cid)
-    return await state.llms.generate(gen, packed)
+    resp = await state.llms.generate(gen, packed)
+    if resp.finish_reason == "abort":
+        raise UpstreamError(ABORTED, status=503)
+    return resp
 
 
 async def _open(state: GatewayState, body: ChatCompletionRequest, cid: str) -> LLMStream:
@@ -123,6 +134,9 @@ async def sse_events(
                         state.metrics.ttft.observe(time.monotonic() - start)
                         first_token = False
                     yield writer.content(chunk.text)
+                if chunk.finish_reason == "abort":
+                    yield writer.error(ABORTED)
+                    break
                 if chunk.finish_reason is not None:
                     yield writer.finish(chunk.finish_reason)
                     if writer.include_usage:

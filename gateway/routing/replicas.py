@@ -27,12 +27,20 @@ async def resolve_ipv4(host: str, port: int) -> list[str]:
     return sorted({info[4][0] for info in infos})
 
 
-def http_prober(client: httpx.AsyncClient, timeout: float = 2.0) -> Prober:
-    """A prober that calls ``GET {url}/readyz`` and wants a 200."""
+def http_prober(
+    client: httpx.AsyncClient, timeout: float = 2.0, on_ready: Callable[[str, object], None] | None = None
+) -> Prober:
+    """A prober that calls ``GET {url}/readyz`` and wants a 200; ``on_ready(url, json_body)``
+    sees each ready answer (replicas report their limits there)."""
 
     async def probe(url: str) -> bool:
         try:
             r = await client.get(f"{url}/readyz", timeout=timeout)
+            if r.status_code == 200 and on_ready is not None:
+                try:
+                    on_ready(url, r.json())
+                except ValueError:
+                    pass
             return r.status_code == 200
         except httpx.HTTPError:
             return False

@@ -102,7 +102,10 @@ def test_all_encoders_failing_is_502(servers):
         assert c.get("/readyz").status_code == 503
 
 
-def test_encoder_5xx_fails_over(servers):
+@pytest.mark.parametrize("status,fails_over", [(503, True), (500, False), (504, False)])
+def test_encoder_fails_over_only_on_503(servers, status, fails_over):
+    """503 (not serving) is tried on the next replica; a 500 or a 504 is answered at once:
+    retrying failed or timed-out work would add load to an overloaded stack."""
     encs, llms = servers
     urls = [e.url for e in encs]
     ring = EncoderRing(urls)
@@ -110,13 +113,21 @@ def test_encoder_5xx_fails_over(servers):
     owner = next(e for e in encs if e.url == ring.owner(content_hash(blob)))
     other = next(e for e in encs if e is not owner)
     owner.server.config.app.state.fail_5xx = True
+    owner.server.config.app.state.fail_status = status
     try:
         with gateway(urls, [llms[0].url]) as gw, httpx.Client(base_url=gw.url, timeout=30) as c:
             n_other = len(calls(other))
-            echo(c.post("/v1/chat/completions", json=chat(audio(blob))))
-            assert calls(other)[n_other:] == [("audio", content_hash(blob), len(blob))]
+            r = c.post("/v1/chat/completions", json=chat(audio(blob)))
+            if fails_over:
+                echo(r)
+                assert calls(other)[n_other:] == [("audio", content_hash(blob), len(blob))]
+            else:
+                assert r.status_code == (504 if status == 504 else 502), r.text
+                assert "boom" in r.json()["error"]["message"]
+                assert calls(other)[n_other:] == []
     finally:
         owner.server.config.app.state.fail_5xx = False
+        owner.server.config.app.state.fail_status = 500
 
 
 def test_health_checker_removes_and_readds_unready_encoder(servers):

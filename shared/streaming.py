@@ -1,0 +1,36 @@
+"""A streaming response that always runs its cleanup.
+
+Starlette's ``StreamingResponse`` runs the body generator's ``finally`` only if the generator
+started: when the client is gone before the first byte (the ``http.response.start`` send fails,
+or the disconnect listener wins the race) the generator is never entered, so cleanup written in
+it never runs -- an upstream stream stays open, a router's in-flight count leaks, generation runs
+on.  ``ClosingStreamingResponse`` calls ``on_close`` exactly once however the response ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """``StreamingResponse`` plus ``on_close()``, awaited (shielded from cancellation) after the
+    response ends, fails, or never starts; it must be idempotent with the generator's own
+    cleanup, which may have run already."""
+
+    def __init__(self, content, *, on_close: Callable[[], Awaitable[None]], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()  # a started generator runs its finally here
+                await self._on_close()
