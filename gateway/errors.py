@@ -69,9 +69,11 @@ def loc_to_param(loc: tuple[Any, ...]) -> str:
     name schema branches, not request fields, so they are dropped when they contain brackets or
     follow a list index as a tag."""
     out = ""
-    for part in loc:
+    for k, part in enumerate(loc):
         if part == "body" and not out:
             continue
+        if k and isinstance(loc[k - 1], int) and k + 1 < len(loc) and loc[k + 1] == part:
+            continue  # a discriminator tag: [0].input_audio.input_audio.format
         if isinstance(part, int):
             out += f"[{part}]"
         elif "[" in str(part) or str(part) in ("str", "int", "float", "bool", "none"):

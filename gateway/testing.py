@@ -135,30 +135,36 @@ def echo_summary(req: GenerateRequest, tensors: dict[str, torch.Tensor], replica
 def fake_llm_app(name: str) -> FastAPI:
     """Echoes a JSON summary of the request as its text.  Prompt text containing ``TOO_LONG``
     gets a 400; ``FAIL_MID`` streams one chunk then an error chunk; ``NO_FINISH`` ends the stream
-    without a finish chunk; ``SLOW`` answers slowly
+    without a finish chunk; ``ABORT`` finishes with ``finish_reason="abort"``; ``SLOW`` answers slowly
     (stream or not) and sets ``app.state.aborted`` when the caller goes away."""
     app = FastAPI()
     app.state.requests = []
     app.state.aborted = asyncio.Event()
     app.state.ready = True
     app.state.fail_5xx = False
+    app.state.fail_status = 503
+    app.state.limits = None  # a dict of ServiceLimits fields to report on /readyz
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        return Response(status_code=200 if app.state.ready else 503)
+        if not app.state.ready:
+            return Response(status_code=503)
+        return JSONResponse({"status": "ok", "service": "llm", "limits": app.state.limits})
 
     @app.post("/v1/generate")
     async def generate(request: Request) -> Response:
         tensors, req = unpack(await request.body(), GenerateRequest)
         app.state.requests.append(req)
         if app.state.fail_5xx:
-            return JSONResponse({"detail": "engine down"}, status_code=503)
+            headers = {"retry-after": "3"} if app.state.fail_status == 429 else None
+            return JSONResponse({"detail": "engine down"}, status_code=app.state.fail_status, headers=headers)
         prompt = " ".join(p.text for m in req.messages for p in m.content if not isinstance(p, PromptMedia))
         if "TOO_LONG" in prompt:
             return JSONResponse({"error": {"message": "prompt is too long: 9999 > 4096 tokens"}}, status_code=400)
         text = json.dumps(echo_summary(req, tensors, name))
         media_tokens = sum(p.num_tokens for p in req.media())
         counts = {"prompt_tokens": media_tokens + len(prompt.split()), "completion_tokens": 7, "cached_tokens": 3}
+        finish = "abort" if "ABORT" in prompt else "stop"
         if not req.stream:
             if "SLOW" in prompt:  # answers after 10 s unless the caller hangs up first
                 for _ in range(100):
@@ -167,7 +173,7 @@ def fake_llm_app(name: str) -> FastAPI:
                         app.state.aborted.set()
                         return Response(status_code=499)
             return JSONResponse(
-                GenerateResponse(request_id=req.request_id, text=text, token_ids=[], finish_reason="stop", **counts).model_dump()
+                GenerateResponse(request_id=req.request_id, text=text, token_ids=[], finish_reason=finish, **counts).model_dump()
             )
 
         async def lines():
@@ -181,7 +187,7 @@ def fake_llm_app(name: str) -> FastAPI:
                         yield GenerateChunk(request_id=req.request_id, error="engine exploded").model_dump_json() + "\n"
                         return
                 if "NO_FINISH" not in prompt:
-                    yield GenerateChunk(request_id=req.request_id, finish_reason="stop", **counts).model_dump_json() + "\n"
+                    yield GenerateChunk(request_id=req.request_id, finish_reason=finish, **counts).model_dump_json() + "\n"
             except asyncio.CancelledError:
                 app.state.aborted.set()
                 raise

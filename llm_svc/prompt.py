@@ -11,6 +11,8 @@ from .errors import InvalidRequest
 from .loader import LoadedLM
 from .types import PreparedRequest
 
+SEED_RANGE = 1 << 63  # every backend's generator takes it; the engine core reduces the same way
+
 
 def render_prompt_ids(lm: LoadedLM, req: GenerateRequest) -> list[int]:
     """Chat template (one pad token per media item) -> token ids, no extra special tokens."""
@@ -85,6 +87,8 @@ def prepare_request(
     Raises ``InvalidRequest`` (-> HTTP 400) with a message that says what to fix.
     """
     s = req.sampling
+    if s.seed is not None and not 0 <= s.seed < SEED_RANGE:  # JSON ints are unbounded, generators are not
+        s = s.model_copy(update={"seed": s.seed % SEED_RANGE})
     # refuse what cannot fit before rendering and tokenizing it (an 8 MB prompt takes seconds)
     text_bytes = sum(len(p.text.encode("utf-8", "replace")) for m in req.messages for p in m.content
                      if isinstance(p, PromptText))

@@ -182,3 +182,27 @@ def test_close_fails_pending_jobs(make):
     b.close()
     with pytest.raises(EncodeError, match="shutting down"):
         pending.result(5)
+
+
+def test_a_forward_breaking_its_contract_fails_its_jobs_and_the_worker_lives_on(make):
+    """Rows that cannot be stacked (a job's outputs of different shapes) or outputs that are not
+    tensors fail those jobs; the worker thread survives and serves the next job."""
+    mode = {"bad": "ragged"}
+
+    def run(encoder: str, x: torch.Tensor):
+        if mode["bad"] == "ragged":  # row i has i + 1 columns
+            return [torch.zeros(i + 1) for i in range(len(x))]
+        if mode["bad"] == "not-tensors":
+            return [object()] * len(x)
+        return x * 2 + 1
+
+    b = make(run, max_batch_size=4, max_wait_ms=0)
+    with pytest.raises(ForwardFailed):
+        b.submit("vision", torch.ones(2, 3)).result(timeout=5)
+    mode["bad"] = "not-tensors"
+    with pytest.raises(ForwardFailed):
+        b.submit("vision", torch.ones(2, 3)).result(timeout=5)
+    mode["bad"] = None
+    out = b.submit("vision", torch.ones(2, 3)).result(timeout=5)
+    assert torch.equal(out, torch.full((2, 3), 3.0))
+    b.check_integrity()

@@ -1,0 +1,113 @@
+"""The LLM service's front under bad input and vanishing clients (issue 11), hf backend in-process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from shared.schemas import GenerateRequest, HealthStatus, PromptMessage, PromptText, SamplingParams
+from shared.settings import LLMSettings
+from shared.wire import SAFETENSORS_MIME, pack
+
+pytestmark = pytest.mark.integration
+
+
+def request(rid: str, stream: bool, max_tokens: int = 200, **sampling) -> bytes:
+    req = GenerateRequest(request_id=rid, stream=stream, sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+                          messages=[PromptMessage(role="user", content=[PromptText(text="hello there")])])
+    return pack({}, req)
+
+
+def scope(body: bytes, spec: str = "2.4") -> dict:
+    return {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": "/v1/generate", "raw_path": b"/v1/generate",
+        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+        "headers": [(b"content-type", SAFETENSORS_MIME.encode()), (b"content-length", str(len(body)).encode())],
+    }
+
+
+@pytest.fixture(scope="module")
+def service(mimo_bundle):
+    """The app with its state loaded in this test's event loop (no server: ASGI calls)."""
+    from llm_svc.app import create_app
+
+    settings = LLMSettings(model_dir=str(mimo_bundle), backend="hf", max_model_len=512, max_request_bytes=64 * 1024)
+    return create_app(settings)
+
+
+def test_stream_is_aborted_when_the_client_is_gone_before_the_first_byte(service):
+    state = service.state.svc
+
+    async def go() -> None:
+        await state.load()
+        assert state.ready, state.error
+        try:
+            for spec in ("2.4", "2.3"):  # send fails / the disconnect listener wins
+                body = request(f"gone-{spec}", stream=True)
+                delivered = False
+
+                async def receive():
+                    nonlocal delivered
+                    if not delivered:
+                        delivered = True
+                        return {"type": "http.request", "body": body, "more_body": False}
+                    return {"type": "http.disconnect"}
+
+                async def send(message):
+                    if message["type"] == "http.response.start":
+                        if spec == "2.4":
+                            raise OSError("client went away")
+                        await asyncio.sleep(0.5)  # the disconnect is seen meanwhile
+
+                try:
+                    await service(scope(body, spec), receive, send)
+                except Exception:  # noqa: BLE001 - starlette re-raises the disconnect
+                    pass
+                for _ in range(200):  # the abort drains the stream, then the id is released
+                    if not state.in_flight:
+                        break
+                    await asyncio.sleep(0.05)
+                assert state.in_flight == set(), spec
+                assert state.backend.stats().running == 0
+        finally:
+            await state.close()
+
+    asyncio.run(go())
+
+
+def test_body_over_the_limit_is_a_413_and_readyz_reports_limits(mimo_bundle):
+    from llm_svc.app import create_app
+
+    app = create_app(LLMSettings(model_dir=str(mimo_bundle), backend="hf", max_model_len=512,
+                                 max_request_bytes=64 * 1024))
+
+    async def go() -> None:
+        state = app.state.svc
+        await state.load()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                ready = HealthStatus.model_validate((await c.get("/readyz")).json())
+                assert ready.limits is not None and ready.limits.max_model_len == 512
+                assert ready.limits.max_token_bytes == state.lm.max_token_bytes >= 1
+                big = pack({}, GenerateRequest(request_id="big", messages=[
+                    PromptMessage(role="user", content=[PromptText(text="x" * 100_000)])]))
+                r = await c.post("/v1/generate", content=big, headers={"content-type": SAFETENSORS_MIME})
+                assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+                async def chunked():  # no content-length: counted while it arrives
+                    for i in range(0, len(big), 8192):
+                        yield big[i : i + 8192]
+
+                r = await c.post("/v1/generate", content=chunked(), headers={"content-type": SAFETENSORS_MIME})
+                assert r.status_code == 413
+                # a seed past 2**64 with sampling is served (reduced into the generator's range)
+                r = await c.post("/v1/generate", content=request("seed", False, 4, temperature=1.0, seed=2**70),
+                                 headers={"content-type": SAFETENSORS_MIME})
+                assert r.status_code == 200, r.text
+        finally:
+            await state.close()
+
+    asyncio.run(go())
