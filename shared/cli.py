@@ -113,8 +113,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"starting {len(stack.services)} services (logs: {stack.log_dir}) ...", flush=True)
         stack.wait_ready(timeout=args.ready_timeout, progress=lambda line: print(line, flush=True))
         print(stack.banner(), flush=True)
-        stack.wait()
-    return 0
+        code = stack.wait()  # restarts crashed services; non-zero once it gives up
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,6 +24,8 @@ from typing import Callable
 
 import httpx
 
+from shared.supervisor import RestartPolicy, supervise
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -72,6 +74,10 @@ class Service:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        """The return code once exited (negative: killed by that signal), else None."""
+        return None if self.proc is None else self.proc.poll()
 
     def kill(self) -> None:
         """SIGKILL the service's process group (a crash, no graceful shutdown) and reap it."""
@@ -244,15 +250,13 @@ class LocalStack:
         service.start()
         wait_ready([service], timeout)
 
-    def wait(self) -> None:
-        """Block until a service dies or the user interrupts (then stop everything)."""
+    def wait(self, policy: RestartPolicy | None = None) -> int:
+        """Supervise until the user interrupts (0) or a service keeps crashing (1): an exited
+        service is restarted with backoff while the rest keeps serving (``shared.supervisor``)."""
         try:
-            while all(s.alive() for s in self.services):
-                time.sleep(0.5)
-            dead = [s for s in self.services if not s.alive()]
-            print(f"{dead[0].name} exited; stopping the stack. Log:\n{dead[0].log_tail()}", flush=True)
+            return supervise(self.services, policy or RestartPolicy())
         except KeyboardInterrupt:
-            pass
+            return 0
 
     def banner(self) -> str:
         body = {
