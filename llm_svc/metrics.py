@@ -22,6 +22,10 @@ class LLMMetrics:
             "mmserve_llm_time_to_first_token_seconds", "Time to first token", registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
+        self.itl = Histogram(
+            "mmserve_llm_inter_token_latency_seconds", "Time between consecutive output tokens", registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
         self.e2e = Histogram("mmserve_llm_request_seconds", "Request latency", registry=r,
                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self.running = Gauge("mmserve_llm_running_requests", "Requests being generated", registry=r)

@@ -68,18 +68,26 @@ async def metrics(state: StateDep) -> Response:
 
 
 class _Tracker:
-    """Per-request metrics: TTFT on the first token, counts on the final output."""
+    """Per-request metrics: TTFT on the first token, the gap before each later token (ITL),
+    counts on the final output."""
 
     def __init__(self, state: ServiceState):
         self.state = state
         self.t0 = time.monotonic()
         self.first = True
+        self.last = self.t0
 
     def see(self, out: GenOutput) -> None:
         m = self.state.metrics
-        if self.first and out.token_ids:
-            self.first = False
-            m.ttft.observe(time.monotonic() - self.t0)
+        if out.token_ids:
+            now = time.monotonic()
+            if self.first:
+                self.first = False
+                m.ttft.observe(now - self.t0)
+            else:
+                for _ in out.token_ids:  # an increment of k tokens: k gaps of (now - last) / k
+                    m.itl.observe((now - self.last) / len(out.token_ids))
+            self.last = now
         if out.final:
             m.requests.labels(finish_reason=out.finish_reason or "error").inc()
             m.prompt_tokens.inc(out.prompt_tokens)

@@ -19,6 +19,11 @@ if [ -n "$extras" ] && ! command -v redis-server >/dev/null 2>&1; then
   as_root apt-get update -qq && as_root apt-get install -y -qq redis-server >/dev/null
 fi
 
+if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
+  echo "[setup] installing chromium (the dashboard's e2e test)" >&2
+  as_root apt-get update -qq && as_root apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
+
 mkdir -p .mmserve
 stamp=".mmserve/installed${extras}.stamp"
 want=$( (cat pyproject.toml; "$PY" --version) | sha256sum | cut -c1-16)

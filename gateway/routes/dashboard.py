@@ -1,0 +1,40 @@
+"""``GET /dashboard`` (a page), ``GET /dashboard/data`` (the JSON it polls), and the page's
+vendored static files (uPlot, MIT, from npm: no CDN, the machines are offline). Not behind API
+keys, like ``/metrics``: it shows the same numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+from gateway.dashboard import snapshot
+from gateway.errors import APIError
+from gateway.state import StateDep
+
+router = APIRouter()
+STATIC = Path(__file__).resolve().parents[1] / "static"
+_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".LICENSE": "text/plain"}
+_FILES = {p.name: p for p in STATIC.iterdir() if p.suffix in _TYPES} if STATIC.is_dir() else {}
+
+
+@router.get("/dashboard")
+async def dashboard_page() -> Response:
+    return FileResponse(STATIC / "dashboard.html", media_type="text/html")
+
+
+@router.get("/dashboard/data")
+async def dashboard_data(state: StateDep) -> JSONResponse:
+    """Every replica's /metrics, scraped now and reduced (``gateway.dashboard``)."""
+    snap = await snapshot(state.http, state.llm_pool.replicas(), state.encoder_pool.replicas(),
+                          state.metrics.render().decode())
+    return JSONResponse(snap.to_json(), headers={"cache-control": "no-store"})
+
+
+@router.get("/dashboard/static/{name}")
+async def dashboard_static(name: str) -> Response:
+    path = _FILES.get(name)
+    if path is None:
+        raise APIError(404, f"no dashboard file {name!r}", param="name", code="not_found")
+    return FileResponse(path, media_type=_TYPES[path.suffix])
