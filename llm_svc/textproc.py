@@ -87,13 +87,19 @@ class OutputText:
     def __init__(self, tokenizer, sampling: SamplingParams):
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringFilter(sampling.stop)
+        self._min_tokens = sampling.min_tokens
+        self._n = 0
 
     @property
     def stopped(self) -> bool:
         return self._stops.stopped
 
     def push(self, token_id: int) -> str:
-        return self._stops.push(self._detok.push(token_id))
+        self._n += 1
+        delta = self._detok.push(token_id)
+        if self._n <= self._min_tokens:  # stop strings are looked for after min_tokens (vLLM)
+            return delta
+        return self._stops.push(delta)
 
     def flush(self) -> str:
         return self._stops.push(self._detok.flush()) + self._stops.flush()
@@ -102,11 +108,22 @@ class OutputText:
 def token_finish_reason(
     token_id: int, num_output: int, sampling: SamplingParams, eos_token_ids: Sequence[int]
 ) -> str | None:
-    """Finish reason decided by the token just sampled (the ``num_output``-th output token)."""
-    if token_id in sampling.stop_token_ids:
-        return "stop"
-    if not sampling.ignore_eos and token_id in eos_token_ids:
+    """Finish reason decided by the token just sampled (the ``num_output``-th output token).
+    EOS and stop tokens count only past ``min_tokens`` (before that they are masked out of the
+    logits, see ``min_tokens_banned``)."""
+    if num_output > sampling.min_tokens and token_id in stop_ids(sampling, eos_token_ids):
         return "stop"
     if num_output >= sampling.max_tokens:
         return "length"
     return None
+
+
+def stop_ids(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
+    """The token ids that end this request: its stop tokens, plus EOS unless ``ignore_eos``."""
+    return list(sampling.stop_token_ids) + ([] if sampling.ignore_eos else list(eos_token_ids))
+
+
+def min_tokens_banned(sampling: SamplingParams, num_output: int, eos_token_ids: Sequence[int]) -> list[int]:
+    """Token ids the next sample must not take: the stop ids while fewer than ``min_tokens``
+    tokens were produced (``num_output`` so far), none after."""
+    return stop_ids(sampling, eos_token_ids) if num_output < sampling.min_tokens else []

@@ -107,6 +107,9 @@ class ChatCompletionRequest(_Lenient):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
+    # vLLM extensions that benchmark clients (aiperf, guidellm) send to hold output lengths
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
 
     @field_validator("stop")
     @classmethod
@@ -118,8 +121,16 @@ class ChatCompletionRequest(_Lenient):
             raise ValueError("at most 4 stop sequences are supported")
         return [s for s in stops if s]
 
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "ChatCompletionRequest":
+        cap = self.max_completion_tokens or self.max_tokens
+        if cap is not None and self.min_tokens > cap:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({cap})")
+        return self
+
     def effective_max_tokens(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
+        """The request's cap, or ``default`` (raised to ``min_tokens`` when that asks for more)."""
+        return self.max_completion_tokens or self.max_tokens or max(default, self.min_tokens)
 
 
 class PromptTokensDetails(BaseModel):
@@ -278,6 +289,15 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    # no EOS, stop token or stop string ends the request before this many output tokens
+    # (vLLM's semantics: EOS and stop tokens are masked out of the logits until then)
+    min_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
 
 
 class GenerateRequest(BaseModel):
@@ -370,6 +390,7 @@ class CoreSampling(msgspec.Struct, frozen=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 class CoreAdd(msgspec.Struct, tag="add"):

@@ -19,6 +19,12 @@ async def healthz(state: StateDep) -> HealthStatus:
     return HealthStatus(status="ok", service="gateway", model=state.settings.model_name)
 
 
+@router.get("/health")
+async def health(state: StateDep) -> HealthStatus:
+    """Alias of /healthz for load clients that probe ``GET /health`` (guidellm, vLLM's path)."""
+    return await healthz(state)
+
+
 @router.get("/readyz")
 async def readyz(state: StateDep) -> JSONResponse:
     """200 when at least one encoder and one LLM replica answer their /readyz now."""

@@ -23,7 +23,7 @@ from shared.settings import LLMSettings
 from ..loader import LoadedLM
 from ..prompt import input_embeds
 from ..types import PreparedRequest
-from ..textproc import OutputText, token_finish_reason
+from ..textproc import OutputText, min_tokens_banned, token_finish_reason
 from . import register_backend
 from .base import Backend, BackendStats, GenOutput, RequestStream
 
@@ -115,6 +115,20 @@ class _Tap(StoppingCriteria):
         self.stream.put(out)
 
 
+class _MinTokens:
+    """A logits processor masking EOS and stop tokens until ``min_tokens`` were produced."""
+
+    def __init__(self, tap: _Tap):
+        self.tap = tap
+
+    def __call__(self, input_ids, scores):
+        banned = min_tokens_banned(self.tap.prep.sampling, self.tap.n, self.tap.lm.eos_token_ids)
+        if banned:
+            scores = scores.clone()
+            scores[:, banned] = float("-inf")
+        return scores
+
+
 class _RawLogits:
     """A logits processor that only records the model's raw next-token logits."""
 
@@ -202,7 +216,10 @@ class HFBackend(Backend):
                 **generate_kwargs(self.lm, prep),
                 generation_config=generation_config(self.lm, prep),
                 stopping_criteria=StoppingCriteriaList([tap]),
-                logits_processor=LogitsProcessorList([_RawLogits(tap)] if prep.return_logprobs else []),
+                logits_processor=LogitsProcessorList(
+                    ([_RawLogits(tap)] if prep.return_logprobs else [])
+                    + ([_MinTokens(tap)] if prep.sampling.min_tokens else [])
+                ),
             )
         if not tap.finished:  # generate stopped on its own (it should not): close the stream
             tap.finish(GenOutput(text=tap.text.flush()), "length")

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from llm_svc.engine.model_runner import ModelRunner
-from llm_svc.engine.sampler import make_generator, sample
+from llm_svc.engine.sampler import make_generator, sample, suppress
 from llm_svc.engine.scheduler import Scheduler
 from llm_svc.errors import InvalidRequest
+from llm_svc.textproc import min_tokens_banned
 from llm_svc.types import PreparedRequest, Request, StepOutput, make_prompt_keys
 from shared.schemas import CoreToken
 
@@ -174,7 +175,11 @@ class Engine:
         if ids:
             lives = [self._live[i] for i in ids]
             rows = torch.stack([logits[i] for i in ids])  # [N, vocab]
-            sampled = sample(rows, [lv.prep.sampling for lv in lives], [lv.generator for lv in lives])
+            banned = {n: min_tokens_banned(lv.prep.sampling, len(self.scheduler.requests[rid].output_ids),
+                                           self.eos_token_ids)
+                      for n, (rid, lv) in enumerate(zip(ids, lives)) if lv.prep.sampling.min_tokens}
+            sampled = sample(suppress(rows, banned), [lv.prep.sampling for lv in lives],
+                             [lv.generator for lv in lives])
             tokens = dict(zip(ids, sampled))
             want = [n for n, lv in enumerate(lives) if lv.prep.return_logprobs]
             if want:

@@ -63,6 +63,18 @@ def _uniform_row(u_row: torch.Tensor, g: torch.Generator) -> None:
         u_row.copy_(torch.rand(u_row.shape, generator=g, device=g.device, dtype=u_row.dtype))
 
 
+def suppress(logits: torch.Tensor, banned: dict[int, list[int]]) -> torch.Tensor:
+    """logits [B, V] -> a copy with ``banned[row]`` token ids at -inf in that row (EOS before
+    ``min_tokens``); ``logits`` itself is left as it is (logprobs report the raw model)."""
+    if not any(banned.values()):
+        return logits
+    rows = [r for r, ids in banned.items() for _ in ids]
+    cols = [t for ids in banned.values() for t in ids]
+    out = logits.clone()
+    out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    return out
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits [B, V] -> one token per row. Greedy rows (temperature 0) take the argmax (ties:
     lowest id) and never touch a generator; sampled rows use their own generator, or one

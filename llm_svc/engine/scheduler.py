@@ -33,6 +33,7 @@ from llm_svc.types import ForwardBatch, Request, RequestStatus, SeqForward, Step
 from llm_svc.engine.sched_policy import make_policy
 from llm_svc.kv.manager import KVManager
 from llm_svc.kv.radix import NO_SLOT
+from llm_svc.textproc import token_finish_reason
 
 
 @dataclass(frozen=True)
@@ -346,12 +347,7 @@ class Scheduler:
 
     @staticmethod
     def _stop_reason(req: Request, tok: int) -> str | None:
-        sp = req.sampling
-        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in req.eos_token_ids):
-            return "stop"
-        if len(req.output_ids) >= sp.max_tokens:
-            return "length"
-        return None
+        return token_finish_reason(tok, len(req.output_ids), req.sampling, req.eos_token_ids)
 
     # ------------------------------------------------------------------ freeing
     def _release(self, req: Request) -> None:

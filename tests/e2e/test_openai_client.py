@@ -99,3 +99,33 @@ def test_metrics_are_prometheus_text(stack):
         r = httpx.get(f"{svc.url}/metrics", timeout=5)
         assert r.status_code == 200, svc.name
         assert "# TYPE" in r.text, svc.name
+
+
+def test_ignore_eos_and_min_tokens_hold_the_length_clients_ask_for(client, stack):
+    """vLLM's extensions (sent by aiperf / guidellm) pass through the gateway to the engine:
+    the streamed and plain answers both report exactly the tokens asked for."""
+    msgs = [{"role": "user", "content": "Count to ten."}]
+    for extra in ({"ignore_eos": True}, {"min_tokens": 17}):
+        r = client.chat.completions.create(model=stack.model_name, messages=msgs, max_tokens=17, extra_body=extra)
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 17), extra
+        usage, n_chunks = None, 0
+        for chunk in client.chat.completions.create(
+            model=stack.model_name, messages=msgs, max_tokens=17, extra_body=extra, stream=True,
+            stream_options={"include_usage": True},
+        ):  # fmt: skip
+            usage = chunk.usage or usage
+            n_chunks += sum(1 for c in chunk.choices if c.delta.content)
+        assert usage.completion_tokens == 17 and 0 < n_chunks <= 17, extra
+
+
+def test_min_tokens_above_max_tokens_is_a_400_naming_the_field(stack):
+    body = {"model": stack.model_name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+            "min_tokens": 5}
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400
+    assert "min_tokens" in r.json()["error"]["message"]
+
+
+def test_health_answers_for_load_clients(stack):
+    r = httpx.get(f"{stack.url}/health", timeout=5)
+    assert r.status_code == 200 and r.json()["status"] == "ok"

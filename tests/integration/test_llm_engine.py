@@ -205,6 +205,25 @@ def test_stop_string_and_abort_free_everything(mimo16):
     assert u["full_free"] + u["full_cached"] == u["full_total"]
 
 
+def test_min_tokens_masks_stop_tokens_until_reached(mimo16):
+    """Greedy tokens t1..tn; with stop_token_ids=[t1, t2] the free run would stop at once, but
+    min_tokens=4 masks both for four tokens: four tokens come out, none of them t1 or t2, and
+    the usage count is what the client got. ignore_eos + max_tokens holds the length exactly."""
+    lm = mimo16
+    engine = make_engine(lm)
+    free = run_to_end(engine, [image_prep(lm, "free", 30, None, 9, max_tokens=6)])["free"].tokens
+    banned = free[:2]
+    p = image_prep(lm, "min", 30, None, 9, max_tokens=4, min_tokens=4, stop_token_ids=banned)
+    q = image_prep(lm, "nomin", 30, None, 9, max_tokens=4, stop_token_ids=banned)
+    r = image_prep(lm, "len", 30, None, 9, max_tokens=13)
+    s = run_to_end(engine, [p, q, r])
+    assert len(s["min"].tokens) == 4 and not set(s["min"].tokens) & set(banned)
+    assert s["min"].outs[-1].finish_reason == "length" and s["min"].outs[-1].completion_tokens == 4
+    assert s["nomin"].tokens == free[:1] and s["nomin"].outs[-1].finish_reason == "stop"
+    assert len(s["len"].tokens) == s["len"].outs[-1].completion_tokens == 13
+    engine.scheduler.check_integrity()
+
+
 def preempt_workload(lm):
     return [image_prep(lm, f"p{i}", 20 + 7 * i, 3 if i % 3 == 0 else None, 50 + i, max_tokens=40) for i in range(8)]
 

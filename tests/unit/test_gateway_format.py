@@ -82,6 +82,16 @@ def test_sampling_defaults_are_the_llm_defaults():
     assert (s.max_tokens, s.top_k, s.seed) == (5, 4, 1)
 
 
+def test_vllm_length_extensions_reach_the_sampling_params():
+    msgs = [{"role": "user", "content": "x"}]
+    s = sampling_params(ChatCompletionRequest(model="m", messages=msgs, max_tokens=9, min_tokens=9, ignore_eos=True), 32)
+    assert (s.max_tokens, s.min_tokens, s.ignore_eos) == (9, 9, True)
+    s = sampling_params(ChatCompletionRequest(model="m", messages=msgs, min_tokens=50), 32)
+    assert (s.max_tokens, s.min_tokens) == (50, 50)  # no cap given: the default rises to min_tokens
+    with pytest.raises(ValueError, match="min_tokens"):
+        ChatCompletionRequest(model="m", messages=msgs, max_tokens=4, min_tokens=5)
+
+
 def test_repeated_media_pack_as_separate_tensors():
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "AAAA"}},

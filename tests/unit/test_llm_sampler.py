@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from llm_svc.engine.sampler import make_generator, sample
+from llm_svc.engine.sampler import make_generator, sample, suppress
 from shared.schemas import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -263,3 +263,11 @@ def test_distribution_on_the_device(device):
     got = _frequencies(_draw_seeded(sp, device=device), len(BASE_PROBS))
     want = _expected(BASE_PROBS, temperature=0.8, top_k=4, top_p=0.9)
     assert max(abs(a - b) for a, b in zip(got, want)) < MAX_ABS_DIFF, (got, want)
+
+
+def test_suppress_masks_only_the_banned_ids_of_their_rows_and_copies():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    out = suppress(logits, {0: [1]})
+    assert sample(out, [SamplingParams(), SamplingParams()], [None, None]) == [2, 1]
+    assert logits[0, 1] == 5.0  # the caller's logits (logprobs) are untouched
+    assert suppress(logits, {0: []}) is logits

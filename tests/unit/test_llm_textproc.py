@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from llm_svc.textproc import IncrementalDetokenizer, OutputText, StopStringFilter, token_finish_reason
+from llm_svc.textproc import (
+    IncrementalDetokenizer,
+    OutputText,
+    StopStringFilter,
+    min_tokens_banned,
+    token_finish_reason,
+)
 from shared.schemas import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -75,3 +81,38 @@ def test_token_finish_reason_rules():
     assert token_finish_reason(5, 3, sp, [2]) == "length"
     assert token_finish_reason(2, 1, SamplingParams(ignore_eos=True), [2]) is None
 
+
+
+def test_min_tokens_defers_eos_and_stop_tokens():
+    sp = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[7])
+    assert [token_finish_reason(t, n, sp, [2]) for t, n in ((2, 1), (7, 2), (2, 3))] == [None, None, None]
+    assert token_finish_reason(2, 4, sp, [2]) == "stop"
+    assert token_finish_reason(7, 4, sp, [2]) == "stop"
+    assert token_finish_reason(5, 8, SamplingParams(max_tokens=8, min_tokens=8), [2]) == "length"
+
+
+def test_min_tokens_banned_lists_stop_ids_until_reached():
+    sp = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[7])
+    assert min_tokens_banned(sp, 0, [2]) == [7, 2]
+    assert min_tokens_banned(sp, 1, [2]) == [7, 2]
+    assert min_tokens_banned(sp, 2, [2]) == []
+    assert min_tokens_banned(SamplingParams(min_tokens=2, ignore_eos=True), 0, [2]) == []
+    assert min_tokens_banned(SamplingParams(), 0, [2]) == []
+
+
+def test_stop_strings_are_looked_for_only_after_min_tokens(tokenizer):
+    ids = tokenizer("red cat red dog", add_special_tokens=False)["input_ids"]
+    n_first = len(tokenizer("red cat", add_special_tokens=False)["input_ids"])
+    ot = OutputText(tokenizer, SamplingParams(stop=["red"], max_tokens=64, min_tokens=n_first))
+    out = ""
+    for t in ids:
+        out += ot.push(t)
+        if ot.stopped:
+            break
+    assert ot.stopped
+    assert (out + ot.flush()).startswith("red cat") and "dog" not in out
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
