@@ -71,6 +71,8 @@ def _arch_of(architecture: str) -> tuple[str, dict]:
         return "mimo", {"attn_implementation": "eager"}  # sdpa has no sink API
     if architecture.startswith("Gemma3"):
         return "gemma3", {"attn_implementation": "eager"}
+    if architecture == "GptOssForCausalLM":
+        return "gpt_oss", {"attn_implementation": "eager"}  # sdpa has no sink API
     return "other", {}
 
 
@@ -88,6 +90,8 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
     tokenizer = AutoTokenizer.from_pretrained(spec.lm_dir)
     arch, kwargs = _arch_of(spec.lm_architecture)
     geometry = _mimo_geometry(spec.lm_dir) if arch == "mimo" else None
+    if arch == "gpt_oss":
+        _refuse_mxfp4(spec.lm_dir)
     if geometry is not None and geometry.dialect == "published":
         model, config, eos_src = _load_native_mimo(spec.lm_dir, geometry, tdtype, device, weights)
     else:
@@ -136,6 +140,18 @@ def _mimo_geometry(lm_dir: Path):
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read ({e})") from e
     return mimo_geometry(raw, path)
+
+
+def _refuse_mxfp4(lm_dir: Path) -> None:
+    """openai/gpt-oss-* store their experts MXFP4-packed (``*_blocks`` / ``*_scales`` tensors,
+    ``quantization_config.quant_method = "mxfp4"``); mmserve serves the dequantized (bf16) layout."""
+    path = Path(lm_dir) / "config.json"
+    q = json.loads(path.read_text()).get("quantization_config") or {}
+    if q:
+        raise CheckpointError(
+            f"{path}: field 'quantization_config' (quant_method={q.get('quant_method')!r}): quantized gpt-oss "
+            "experts are not supported; serve the bf16 checkpoint (e.g. dequantize with transformers' "
+            "Mxfp4Config(dequantize=True) and save_pretrained)")
 
 
 def _load_native_mimo(lm_dir: Path, geometry, dtype: torch.dtype, device: str, weights: bool):

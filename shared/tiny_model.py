@@ -11,6 +11,8 @@ Architectures (``--arch``):
 * ``mimo-v2-flash`` / ``mimo-v2.5``: MiMo-V2 LMs in Xiaomi's published layout (config dialect
   with ``hybrid_layer_pattern`` / ``swa_*``, per-expert weights, MTP heads); see
   ``shared/tiny/mimo_published.py``.
+* ``gpt-oss``: ``GptOssForCausalLM`` in openai/gpt-oss' config layout, experts unpacked (bf16
+  layout, not MXFP4); see ``shared/tiny/gpt_oss.py``.
 
 Weights are random but seeded, so two runs write identical bundles.
 """
@@ -317,6 +319,8 @@ ARCHS = {
     "gemma3": write_gemma3_checkpoint,
     "mimo-v2-flash": _mimo_published("FLASH"),  # Xiaomi's published layout (shared/tiny/mimo_published.py)
     "mimo-v2.5": _mimo_published("V25"),
+    "gpt-oss": lambda out, sliding_window=128, seed=0: __import__(
+        "shared.tiny.gpt_oss", fromlist=["write_gpt_oss"]).write_gpt_oss(out, sliding_window, seed),
 }
 
 

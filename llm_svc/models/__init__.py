@@ -18,7 +18,7 @@ def register_model(arch: str):
 
 
 def build_model(arch: str, hf_model) -> HybridModel:
-    from . import gemma3, mimo  # noqa: F401  (register)
+    from . import gemma3, gpt_oss, mimo  # noqa: F401  (register)
 
     if arch not in _REGISTRY:
         raise ValueError(f"the swa engine has no model for arch {arch!r} (supported: {sorted(_REGISTRY)})")

@@ -58,7 +58,7 @@ def test_published_layer_shapes_follow_the_file_not_transformers(tmp_path):
     assert [s.kind for s in m.layers] == ["full"] + ["sliding"] * 6 + ["full"]
 
 
-@pytest.mark.parametrize("chunk", [7, 64])
+@pytest.mark.parametrize("chunk", [13])
 def test_published_logits_match_transformers(flash_pair, chunk):
     pub, hf = flash_pair
     assert type(pub.model).__name__ == "MiMoForCausalLM" and type(hf.model).__name__ == "MiMoV2FlashForCausalLM"
@@ -73,13 +73,13 @@ def test_published_greedy_matches_transformers(flash_pair):
     pub, hf = flash_pair
     g = torch.Generator().manual_seed(5)
     preps = [PreparedRequest(request_id=f"r{i}", prompt_ids=torch.randint(10, 600, (n,), generator=g).tolist(),
-                             sampling=SamplingParams(max_tokens=16, ignore_eos=True))
-             for i, n in enumerate((5, 40, 75, 120))]
+                             sampling=SamplingParams(max_tokens=12, ignore_eos=True))
+             for i, n in enumerate((5, 40, 100))]
     streams = run_to_end(make_engine(pub), preps)
     distinct = set()
     for p in preps:
         with torch.no_grad():
-            ref = hf.model.generate(torch.tensor([p.prompt_ids]), max_new_tokens=16, do_sample=False,
+            ref = hf.model.generate(torch.tensor([p.prompt_ids]), max_new_tokens=12, do_sample=False,
                                     pad_token_id=0)[0, len(p.prompt_ids):].tolist()
         assert streams[p.request_id].tokens == ref, p.request_id
         distinct |= set(ref)

@@ -1,0 +1,77 @@
+"""Tiny gpt-oss checkpoint (``--arch gpt-oss``) in the layout of openai/gpt-oss-20b's
+``config.json`` (https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json: ``rope_theta`` +
+YaRN ``rope_scaling``, ``experts_per_token``, ``initial_context_length``, ``swiglu_limit``,
+``layer_types`` sliding/full alternating from a sliding layer, ``attention_bias``) with the
+dequantized (bf16-style, unpacked) expert tensors ``mlp.experts.{gate_up_proj,down_proj}[_bias]``.
+
+The hub's weights pack the experts in MXFP4 (``*_blocks`` / ``*_scales`` and a
+``quantization_config``); mmserve refuses that form at startup with a message, see the loader.
+The tokenizer is a small byte-level BPE with the harmony special tokens (``<|start|>``,
+``<|message|>``, ``<|end|>``, ``<|return|>``...) and a reduced harmony chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HARMONY_SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
+                    "<|call|>", "<|constrain|>"]
+HARMONY_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|start|>' + message['role'] + '<|message|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant<|channel|>final<|message|>' }}{% endif %}"
+)
+
+
+def write_gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, head_dim: int = 32) -> Path:
+    """Write a tiny random-weight ``GptOssForCausalLM`` checkpoint to ``out``."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from shared.tiny_model import build_tokenizer
+
+    torch.manual_seed(seed)
+    tok = build_tokenizer(HARMONY_SPECIALS, 640, HARMONY_TEMPLATE, eos="<|return|>", pad_token="<|endoftext|>")
+    eos, pad = tok.convert_tokens_to_ids("<|return|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    layer_types = ["sliding_attention", "full_attention"] * 3
+    rope_scaling = {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                    "rope_type": "yarn", "truncate": False}
+    cfg = GptOssConfig(
+        vocab_size=-(-len(tok) // 64) * 64, hidden_size=128, intermediate_size=128, num_hidden_layers=len(layer_types),
+        layer_types=layer_types, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=sliding_window, max_position_embeddings=131072,
+        rope_parameters={"rope_theta": 150000.0, **rope_scaling}, eos_token_id=eos, pad_token_id=pad,
+        attention_bias=True, tie_word_embeddings=False)
+    cfg.architectures = ["GptOssForCausalLM"]
+    model = GptOssForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # the 0.02 init makes a tiny random model repeat one token
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("sinks") or name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif "experts" in name:  # [E, in, out]
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-2] ** -0.5)
+            else:  # [out, in]
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    # the published key set: legacy rope fields and gpt-oss' own names next to transformers' ones
+    c = json.loads((out / "config.json").read_text())
+    rope = c.pop("rope_parameters")
+    c["rope_theta"] = rope.pop("rope_theta")
+    c["rope_scaling"] = rope
+    c.update(experts_per_token=c["num_experts_per_tok"], initial_context_length=4096, swiglu_limit=7.0,
+             router_aux_loss_coef=0.9)
+    (out / "config.json").write_text(json.dumps(c, indent=2))
+    return out
