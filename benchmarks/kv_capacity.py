@@ -1,7 +1,9 @@
 """KV capacity: how many 32K-token requests one KV byte budget holds, dual pools vs one pool.
 
-Geometry: MiMo-V2.5-Pro, 70 layers = 10 full-attention + 60 sliding (W=128), 4 KV heads,
-K dim 192 / V dim 128, bf16 (the ratio is geometric: head sizes cancel out).
+Geometry: read from a published-format MiMo-V2.5-Pro ``config.json``
+(``benchmarks/configs/mimo-v2.5-pro.config.json``, parsed by the loader's ``mimo_geometry``):
+70 layers = 10 full-attention + 60 sliding (W=128), 8 KV heads on both kinds, K dim 192 / V dim
+128, bf16. The ratio is reported in requests and in KV bytes per request.
 
 * ours: a full pool (10 layers, every token) + a SWA pool (60 layers), split by
   ``size_pools``' default rule; out-of-window SWA is released after every prefill chunk and
@@ -22,9 +24,9 @@ The byte budget is a whole number of baseline requests (16 with --quick, 32 with
    mean resident length (ours fills more slowly, so its requests have decoded a little more).
    Its budget has room for 64 more tokens per baseline request, for the same reason.
 
-Geometric limit at 32K: 70 * 32768 / (10 * 32768 + 60 * 128) = 6.84x.
+Geometric limit at 32K (equal per-layer bytes on both kinds): 70 * 32768 / (10 * 32768 + 60 * 128) = 6.84x.
 
-    python -m benchmarks.kv_capacity [--quick] [--requests-in-baseline N] [--skip-scheduler]
+    python -m benchmarks.kv_capacity [--quick] [--requests-in-baseline N] [--skip-scheduler] [--config FILE]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 from llm_svc.types import Request
 from llm_svc.engine.sched_sim import SimRunner
@@ -41,7 +44,20 @@ from llm_svc.kv.budget import KVGeometry, size_pools
 from llm_svc.kv.manager import KVManager
 from shared.schemas import SamplingParams
 
-GEOMETRY = KVGeometry(full_layers=10, swa_layers=60, window=128, kv_heads=4, qk_head_dim=192, v_head_dim=128)
+CONFIG = Path(__file__).parent / "configs" / "mimo-v2.5-pro.config.json"
+
+
+def geometry_from_config(path: Path = CONFIG, dtype_bytes: int = 2) -> KVGeometry:
+    """KV geometry of a MiMo ``config.json`` (either dialect), through the loader's parser."""
+    from llm_svc.models.geometry import FULL_T, mimo_geometry
+
+    g = mimo_geometry(json.loads(Path(path).read_text()), path)
+    if (g.sliding.qk_dim, g.sliding.v_dim) != (g.full.qk_dim, g.full.v_dim):
+        raise ValueError(f"{path}: KVGeometry needs one qk/v head dim for both layer kinds")
+    n_full = sum(t == FULL_T for t in g.layer_types)
+    return KVGeometry(full_layers=n_full, swa_layers=g.num_layers - n_full, window=g.window, kv_heads=g.full.kv_heads,
+                      qk_head_dim=g.full.qk_dim, v_head_dim=g.full.v_dim, dtype_bytes=dtype_bytes,
+                      swa_kv_heads=g.sliding.kv_heads)
 SEQ_LEN = 32768
 CHUNK = 2048
 RELEASE_N = 16
@@ -114,27 +130,36 @@ def main() -> None:
     ap.add_argument("--requests-in-baseline", type=int, default=None, help="budget in baseline requests")
     ap.add_argument("--skip-scheduler", action="store_true", help="admission count only")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", type=Path, default=CONFIG, help="a MiMo config.json (published or transformers form)")
     args = ap.parse_args()
     k_base = args.requests_in_baseline or (16 if args.quick else 32)
-    g = GEOMETRY
+    g = geometry_from_config(args.config)
     slot70 = g.full_token_bytes + g.swa_token_bytes
     kv_bytes = k_base * SEQ_LEN * slot70
-    geometric = (g.full_layers + g.swa_layers) * SEQ_LEN / (g.full_layers * SEQ_LEN + g.swa_layers * g.window)
+    geometric = slot70 * SEQ_LEN / (g.full_token_bytes * SEQ_LEN + g.swa_token_bytes * g.window)
     nf, ns = size_pools(kv_bytes, g, max_chunk=CHUNK, expected_seq_len=SEQ_LEN, release_interval=RELEASE_N)
     n_single = kv_bytes // slot70
 
-    print(f"geometry: {g.full_layers} full + {g.swa_layers} sliding layers, W={g.window}, "
-          f"{g.layer_token_bytes} B per token per layer; KV budget {kv_bytes / 2**30:.1f} GiB")
+    print(f"geometry ({args.config.name}): {g.full_layers} full + {g.swa_layers} sliding layers, W={g.window}, "
+          f"full {g.full_token_bytes} B / sliding {g.swa_token_bytes} B per token (all layers of the kind); "
+          f"KV budget {kv_bytes / 2**30:.1f} GiB")
     print(f"ours: full pool {nf} slots x {g.full_layers} layers + SWA pool {ns} slots x {g.swa_layers} layers;"
           f" baseline: {n_single} slots x {g.full_layers + g.swa_layers} layers")
     t0 = time.perf_counter()
     base = admit_until_full(n_single, n_single, g.window, release=False)
     ours = admit_until_full(nf, ns, g.window, release=True)
     ratio = ours["requests"] / base["requests"]
+    # KV bytes one admitted request holds, each side (full slots x full bytes + SWA slots x SWA bytes)
+    for r in (base, ours):
+        r["bytes_per_request"] = round((r["full_used"] * g.full_token_bytes + r["swa_used"] * g.swa_token_bytes)
+                                       / max(r["requests"], 1))
+    bytes_ratio = base["bytes_per_request"] / ours["bytes_per_request"]
     print(f"[admission, {time.perf_counter() - t0:.1f} s] 32K-token requests admitted: "
           f"baseline {base['requests']}, ours {ours['requests']} "
           f"({ours['swa_per_request']} SWA slots each, limited by the {ours['limited_by']} pool)")
-    print(f"ratio: {ratio:.2f}x   (geometric limit {geometric:.2f}x, Xiaomi ~7x, target >= 6.7x)")
+    print(f"ratio: {ratio:.2f}x requests, {bytes_ratio:.2f}x KV bytes per request "
+          f"({base['bytes_per_request'] / 2**20:.1f} MiB vs {ours['bytes_per_request'] / 2**20:.1f} MiB)   "
+          f"(geometric limit {geometric:.2f}x, Xiaomi ~7x, target >= 6.7x)")
 
     sched_res = None
     if not args.skip_scheduler:
@@ -163,6 +188,8 @@ def main() -> None:
         "ours_requests": ours["requests"],
         "baseline_requests": base["requests"],
         "ratio": round(ratio, 3),
+        "bytes_ratio": round(bytes_ratio, 3),
+        "config": str(args.config.name),
         "geometric_limit": round(geometric, 3),
         "target": 6.7,
         "ours": ours,

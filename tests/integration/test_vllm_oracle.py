@@ -1,0 +1,99 @@
+"""vLLM 0.32 (CPU) as the second oracle for the LMs in their published layouts: greedy tokens
+equal and logprobs within tolerance, our engine vs vLLM, on the same tiny checkpoints.
+
+vLLM runs from its own venv (``scripts/vllm_venv.sh``, cached outside the clone) in a
+subprocess (``scripts/vllm_oracle.py``) that writes JSON; one subprocess serves every model.
+Geometry picked for vLLM's CPU build: qk head dim = v head dim (otherwise it picks a Triton-only
+path), an even rotary dim, and sliding layers with their own KV heads
+(``swa_num_key_value_heads``: V2-Flash doubles them, V2.5 keeps them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_svc.loader import load_lm
+from llm_svc.types import PreparedRequest
+from shared.schemas import SamplingParams
+from shared.tiny import mimo_published as mp
+from shared.tiny.gpt_oss import write_gpt_oss
+from tests.conftest import SMALL_W
+from tests.integration.test_llm_engine import make_engine, run_to_end
+from tests.unit.test_llm_runner import SlotSim, make_runner, run_chunked
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+REPO = Path(__file__).resolve().parents[2]
+MAX_TOKENS = 12
+LOGPROB_ATOL = 2e-3
+WRITERS = {
+    "mimo-v2-flash": lambda d: mp.write_mimo_published(d, replace(mp.FLASH, v_head_dim=32), sliding_window=SMALL_W),
+    "mimo-v2.5": lambda d: mp.write_mimo_published(d, replace(mp.V25, v_head_dim=32), sliding_window=SMALL_W),
+    "gpt-oss": lambda d: write_gpt_oss(d, sliding_window=SMALL_W),
+}
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(10, 600, (n,), generator=g).tolist() for n in (5, 40, 100)]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    """The vLLM venv's python (built on first use by the script, then cached)."""
+    out = subprocess.run(["bash", str(REPO / "scripts" / "vllm_venv.sh")], capture_output=True, text=True, timeout=1200)
+    if out.returncode != 0:
+        pytest.fail(f"scripts/vllm_venv.sh failed:\n{out.stderr[-3000:]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vllm-ckpt")
+    return {name: w(root / name) for name, w in WRITERS.items()}
+
+
+@pytest.fixture(scope="module")
+def vllm_results(vllm_python, checkpoints, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("vllm-run")
+    jobs = [{"name": n, "model": str(d), "prompts": _prompts(), "max_tokens": MAX_TOKENS, "logprobs": 5}
+            for n, d in checkpoints.items()]
+    (work / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([vllm_python, str(REPO / "scripts" / "vllm_oracle.py"), str(work / "jobs.json"),
+                           str(work / "out.json")], capture_output=True, text=True, timeout=1500,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1",
+                               "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode != 0:
+        pytest.fail(f"vLLM failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads((work / "out.json").read_text())
+
+
+@pytest.mark.timeout(1800)  # the first one also waits for vLLM (its start-up dominates)
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_engine_matches_vllm(name, checkpoints, vllm_results):
+    lm = load_lm(str(checkpoints[name]))
+    prompts, ref = _prompts(), vllm_results[name]
+    preps = [PreparedRequest(request_id=f"p{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+             for i, p in enumerate(prompts)]
+    streams = run_to_end(make_engine(lm), preps)
+    equal, worst, distinct = 0, 0.0, set()
+    for i, p in enumerate(prompts):
+        want = ref[i]["tokens"]
+        distinct |= set(want)
+        equal += streams[f"p{i}"].tokens == want
+        # teacher-forced on vLLM's tokens: our logprobs of vLLM's top-5 at every generated step
+        ids = p + want
+        got = run_chunked(make_runner(lm), SlotSim(2048, 256, seed=i), f"t{i}", ids, 32, len(p))
+        for j, step in enumerate(ref[i]["logprobs"]):
+            ours = torch.log_softmax(got[len(p) - 1 + j].float(), -1)
+            worst = max(worst, max(abs(float(ours[int(t)]) - lp) for t, lp in step.items()))
+    print(f"\n[vllm-oracle] {name}: greedy equal {equal}/{len(prompts)}, max |logprob diff| {worst:.2e}, "
+          f"{len(distinct)} distinct tokens", file=sys.stderr)
+    assert len(distinct) > 6  # outputs vary: a repeated token would prove little
+    assert equal == len(prompts)
+    assert worst < LOGPROB_ATOL
