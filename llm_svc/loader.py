@@ -87,7 +87,8 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     tdtype = DTYPES[dtype]
-    tokenizer = AutoTokenizer.from_pretrained(spec.lm_dir)
+    # never run a checkpoint's own code (auto_map), never prompt for it: the tokenizer files suffice
+    tokenizer = AutoTokenizer.from_pretrained(spec.lm_dir, trust_remote_code=False)
     arch, kwargs = _arch_of(spec.lm_architecture)
     geometry = _mimo_geometry(spec.lm_dir) if arch == "mimo" else None
     if arch == "gpt_oss":

@@ -5,7 +5,7 @@ imports nothing of mmserve. One process serves every job in turn (vLLM's import 
 dominate the cost).
 
     VENV_PY scripts/vllm_oracle.py JOBS.json OUT.json
-    JOBS.json: [{"name", "model", "prompts": [[ids]], "max_tokens", "logprobs", "max_model_len"}]
+    JOBS.json: [{"name", "model", "prompts": [[ids]], "max_tokens", "logprobs", "max_model_len", "trust_remote_code"}]
     OUT.json:  {name: [{"tokens": [...], "logprobs": [{token_id: logprob} per step]} per prompt]}
 """
 
@@ -26,7 +26,7 @@ def main(jobs_path: str, out_path: str) -> int:
     results = {}
     for job in json.loads(open(jobs_path).read()):
         llm = LLM(model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 512),
-                  enforce_eager=True, seed=0, max_num_seqs=8)
+                  enforce_eager=True, seed=0, max_num_seqs=8, trust_remote_code=job.get("trust_remote_code", False))
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=job.get("logprobs", 5),
                                 ignore_eos=True)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)

@@ -72,13 +72,14 @@ V25 = TinyMiMoSpec(architecture="MiMoV2ForCausalLM", pattern=(0, 1, 1, 1, 1, 1, 
 
 def published_config(s: TinyMiMoSpec, vocab_size: int, eos_id: int, pad_id: int) -> dict:
     n = len(s.pattern)
+    flash = s.architecture == "MiMoV2FlashForCausalLM"
+    stem = "mimo_v2_flash" if flash else "mimo_v2"
     cfg = {
         "architectures": [s.architecture],
-        "model_type": "mimo_v2_flash" if s.architecture == "MiMoV2FlashForCausalLM" else "mimo_v2",
+        "model_type": stem,
         "auto_map": {
-            "AutoConfig": "configuration_mimo_v2_flash.MiMoV2FlashConfig",
-            "AutoModel": "modeling_mimo_v2_flash.MiMoV2FlashModel",
-            "AutoModelForCausalLM": "modeling_mimo_v2_flash.MiMoV2FlashForCausalLM",
+            "AutoConfig": f"configuration_{stem}.{'MiMoV2FlashConfig' if flash else 'MiMoV2Config'}",
+            "AutoModelForCausalLM": f"modeling_{stem}.{s.architecture}",
         },
         "vocab_size": vocab_size, "hidden_size": s.hidden, "intermediate_size": s.intermediate,
         "moe_intermediate_size": s.moe_intermediate, "num_hidden_layers": n,
@@ -156,7 +157,24 @@ def write_mimo_published(out: Path, spec: TinyMiMoSpec = FLASH, seed: int = 0, s
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [eos], "pad_token_id": pad, "do_sample": False, "transformers_version": "4.57.1"}, indent=2))
     tok.save_pretrained(out)
+    if spec.architecture != "MiMoV2FlashForCausalLM":
+        # transformers has no "mimo_v2" model type: the hub repo ships its configuration code
+        # (auto_map); a config class is all a reader of config.json needs (vLLM: trust_remote_code)
+        (out / "configuration_mimo_v2.py").write_text(_V2_CONFIG_CODE)
     return out
+
+
+_V2_CONFIG_CODE = '''"""MiMo-V2 configuration (tiny stand-in for the hub repo's configuration_mimo_v2.py)."""
+
+from transformers import PretrainedConfig
+
+
+class MiMoV2Config(PretrainedConfig):
+    model_type = "mimo_v2"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+'''
 
 
 def to_transformers_dialect(src: Path, dst: Path) -> Path:
