@@ -86,7 +86,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     kw = _overrides(args, ["host", "port", "log_level", "model_name", "llm_routing"])
     for name in ("encoder_urls", "llm_urls", "api_keys", "allowed_hosts"):
-        if getattr(args, name, None):
+        # an explicit empty --encoder-urls "": a text-only model, served without encoders
+        if getattr(args, name, None) or (name == "encoder_urls" and getattr(args, name, None) == ""):
             kw[name] = [s.strip() for s in getattr(args, name).split(",") if s.strip()]
     settings = GatewaySettings(**kw)
     _serve(create_app(settings), settings)
@@ -96,11 +97,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from shared.launcher import LocalStack, StackSpec
 
+    from shared.bundle import load_bundle_spec
+
+    model_dir = ensure_default_model(args.model)
     spec = StackSpec(
-        model_dir=ensure_default_model(args.model),
+        model_dir=model_dir,
         host=args.host or "127.0.0.1",
         gateway_port=args.port or 8000,
-        encoders=args.encoders,
+        encoders=args.encoders if load_bundle_spec(model_dir).modalities() else 0,  # text-only LM: no encoder
         llms=args.llms,
         llm_backend=args.backend,
         redis_url=args.redis_url,

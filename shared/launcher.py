@@ -50,8 +50,8 @@ class StackSpec:
     gateway_env: dict[str, str] = field(default_factory=dict)  # MMSERVE_GATEWAY_<FIELD> by field name
 
     def __post_init__(self) -> None:
-        if self.encoders < 1 or self.llms < 1:
-            raise ValueError("a stack needs at least one encoder and one LLM service")
+        if self.encoders < 0 or self.llms < 1:  # 0 encoders: a text-only LM (no media encoder to run)
+            raise ValueError("a stack needs at least one LLM service (and encoders >= 0)")
         if self.llm_routing not in (None, "cache_aware", "round_robin"):
             raise ValueError(f"llm_routing must be cache_aware or round_robin, not {self.llm_routing!r}")
 

@@ -27,8 +27,10 @@ async def health(state: StateDep) -> HealthStatus:
 
 @router.get("/readyz")
 async def readyz(state: StateDep) -> JSONResponse:
-    """200 when at least one encoder and one LLM replica answer their /readyz now."""
+    """200 when at least one encoder and one LLM replica answer their /readyz now (no encoder
+    configured: a text-only model, the LLM replicas alone)."""
     enc_ok, llm_ok = await asyncio.gather(state.encoder_pool.any_ready(), state.llm_pool.any_ready())
+    enc_ok = enc_ok or not state.settings.encoder_urls
     if enc_ok and llm_ok:
         body = HealthStatus(status="ok", service="gateway", model=state.settings.model_name)
         return JSONResponse(body.model_dump(), status_code=200)

@@ -5,6 +5,7 @@ and clear startup errors for wrong or partial checkpoints."""
 from __future__ import annotations
 
 import json
+import sys
 import shutil
 
 import pytest
@@ -66,6 +67,7 @@ def test_published_logits_match_transformers(flash_pair, chunk):
     ref = hf_logits(hf, ids)
     got = run_chunked(make_runner(pub), SlotSim(2048, 256, seed=chunk), "a", ids, chunk, 90)
     worst = max(float((logits - ref[p]).abs().max()) for p, logits in got.items())
+    print(f"\n[transformers-oracle] mimo-v2-flash published: max |logit diff| {worst:.2e} over {len(got)} positions", file=sys.stderr)
     assert worst < LOGIT_ATOL, worst
 
 
@@ -83,6 +85,8 @@ def test_published_greedy_matches_transformers(flash_pair):
                                     pad_token_id=0)[0, len(p.prompt_ids):].tolist()
         assert streams[p.request_id].tokens == ref, p.request_id
         distinct |= set(ref)
+    print(f"\n[transformers-oracle] mimo-v2-flash published: greedy equal {len(preps)}/{len(preps)}, {len(distinct)} distinct tokens",
+          file=sys.stderr)
     assert len(distinct) > 8  # the init makes greedy outputs vary (a repeated token proves little)
     assert isinstance(streams["r0"], ListStream)
 
