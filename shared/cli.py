@@ -95,9 +95,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from shared.launcher import LocalStack, StackSpec
-
     from shared.bundle import load_bundle_spec
+    from shared.launcher import LocalStack, StackSpec
 
     model_dir = ensure_default_model(args.model)
     spec = StackSpec(
