@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextvars
 import logging
 import threading
 import time
@@ -33,6 +34,9 @@ from encoder_svc.errors import EncodeError, EncodeTimeout, ForwardFailed
 from encoder_svc.metrics import EncoderMetrics
 
 log = logging.getLogger(__name__)
+
+# the monotonic deadline of the request whose items are submitted (None: only request_timeout)
+encode_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("encode_deadline", default=None)
 
 RunFn = Callable[[str, torch.Tensor], torch.Tensor]  # (encoder, [B, *in]) -> [B, *out]
 
@@ -53,6 +57,7 @@ class _Job:
     encoder: str
     inputs: torch.Tensor  # [n, *shape]
     created: float
+    deadline: float | None = None
     future: cf.Future = field(default_factory=cf.Future)
     outputs: list[torch.Tensor | None] = field(default_factory=list)
     remaining: int = 0
@@ -115,7 +120,7 @@ class Batcher:
         if inputs.ndim < 1 or len(inputs) == 0:
             raise ValueError("submit needs at least one item")
         now = time.monotonic()
-        job = _Job(encoder, inputs, now)
+        job = _Job(encoder, inputs, now, encode_deadline.get())
         key = (encoder, tuple(inputs.shape[1:]), inputs.dtype)
         with self._cv:
             if self._stopped:
@@ -203,6 +208,10 @@ class Batcher:
                 if not job.future.done() and now - job.created > self.cfg.request_timeout:
                     job.fail(EncodeTimeout(
                         f"the request waited over request_timeout={self.cfg.request_timeout} s; retry later"))
+                elif not job.future.done() and job.deadline is not None and now > job.deadline:
+                    if self._metrics is not None:
+                        self._metrics.deadline_drops.inc()
+                    job.fail(EncodeTimeout("the request's deadline passed while it was queued; dropped"))
                 if not job.future.done():
                     keep.append((job, i, t))
             if keep:

@@ -15,6 +15,7 @@ class EncodeError(Exception):
 
     status: int = 500
     type: str = "server_error"
+    headers: dict[str, str] | None = None
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -50,6 +51,17 @@ class EncodeTimeout(EncodeError):
     type = "server_error"
 
 
+class Busy(EncodeError):
+    """Admission control refused the request: too many in flight and queued."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after)}
+
+
 class ForwardFailed(EncodeError):
     """The model forward of a batch failed; every request in that batch gets this."""
 
@@ -80,7 +92,7 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 async def encode_error_handler(_: Request, exc: EncodeError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.type, exc.param), status_code=exc.status)
+    return JSONResponse(error_body(exc.message, exc.type, exc.param), status_code=exc.status, headers=exc.headers)
 
 
 async def unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:

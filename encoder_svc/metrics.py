@@ -41,5 +41,18 @@ class EncoderMetrics:
             "encoder_cache_errors", "cache tier failures (degraded, not failed)", ["tier"], registry=r
         )
 
+        self.overload_rejections = Counter(
+            "encoder_overload_rejections", "encode requests answered 429 by admission control", registry=r
+        )
+        self.deadline_drops = Counter(
+            "encoder_deadline_drops", "encode work dropped because its request's deadline passed", registry=r
+        )
+        self.admitted_in_flight = Gauge("encoder_admitted_in_flight", "encode requests holding a slot", registry=r)
+        self.admission_queued = Gauge("encoder_admission_queued", "encode requests waiting for a slot", registry=r)
+
+    def watch_admission(self, admission) -> None:
+        self.admitted_in_flight.set_function(lambda: admission.in_flight)
+        self.admission_queued.set_function(lambda: admission.queued)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

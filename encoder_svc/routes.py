@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from encoder_svc.errors import BadMedia, MediaTooLarge, NotReady, error_body
+from encoder_svc.batching import encode_deadline
+from encoder_svc.errors import BadMedia, Busy, EncodeTimeout, MediaTooLarge, NotReady, error_body
 from encoder_svc.service import EncoderService, split_key
+from shared.admission import Overloaded, deadline_from
 from shared.schemas import EncodeParams, EncodeResult, HealthStatus
 from shared.wire import SAFETENSORS_MIME, pack
 
@@ -58,9 +61,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
 @router.post("/v1/encode")
 async def encode(request: Request, svc: ServiceDep) -> Response:
     params = _params(request)
-    with svc.ctx.batcher.incoming():  # a request still arriving may join the next batch
-        body = await _read_body(request, svc.ctx.settings.max_media_bytes)
-    embeds, result = await svc.encode(params, body)
+    deadline = deadline_from(request.headers)
+    if deadline is not None and deadline <= time.monotonic():
+        svc.metrics.deadline_drops.inc()
+        raise EncodeTimeout("the request's deadline passed before it arrived; not encoded")
+    try:
+        ticket = await svc.admission.acquire()
+    except Overloaded as e:
+        svc.metrics.overload_rejections.inc()
+        raise Busy(e.message, e.retry_after) from None
+    token = encode_deadline.set(deadline)  # the batcher drops this request's items past it
+    try:
+        with svc.ctx.batcher.incoming():  # a request still arriving may join the next batch
+            body = await _read_body(request, svc.ctx.settings.max_media_bytes)
+        embeds, result = await svc.encode(params, body)
+    finally:
+        encode_deadline.reset(token)
+        ticket.release()
     return _wire(embeds, result, svc.cache_key(params, result.content_hash))
 
 

@@ -33,6 +33,7 @@ from encoder_svc.modalities import audio as audio_mod
 from encoder_svc.modalities import image as image_mod
 from encoder_svc.modalities import video as video_mod
 from encoder_svc.modalities.context import EncodeContext
+from shared.admission import Admission, AdmissionConfig
 from shared.hashing import content_hash
 from shared.schemas import EncodeParams, EncodeResult
 
@@ -58,6 +59,9 @@ class EncoderService:
         self.model_name = ctx.settings.model_name or ctx.models.spec.name
         self._pipelines = PIPELINES
         self._inflight: dict[str, asyncio.Task] = {}  # cache key -> the one encode of it running
+        s = ctx.settings
+        self.admission = Admission(AdmissionConfig(s.max_in_flight, s.max_queue, s.queue_timeout), "encoder")
+        metrics.watch_admission(self.admission)
 
     def supported(self) -> list[str]:
         return [m for m in self.ctx.models.modalities() if m in self._pipelines]
@@ -161,6 +165,7 @@ class EncoderService:
         assert all(not t.done() for t in self._inflight.values()), "finished encodes left in flight"
         if self.cache is not None:
             self.cache.check_integrity()
+        self.admission.check_integrity()
 
     def close(self) -> None:
         self.ctx.batcher.close()

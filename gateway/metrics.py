@@ -38,6 +38,22 @@ class GatewayMetrics:
             "mmserve_gateway_encoder_failovers", "encode attempts retried on another replica", registry=r
         )
 
+        self.rejected = Counter(
+            "mmserve_gateway_overload_rejections", "requests answered 429 by admission control, by who refused",
+            ["by"], registry=r,
+        )
+        self.admission_in_flight = Gauge(
+            "mmserve_gateway_admitted_in_flight", "chat requests holding an admission slot", registry=r
+        )
+        self.admission_queued = Gauge(
+            "mmserve_gateway_admission_queued", "chat requests waiting for an admission slot", registry=r
+        )
+
+    def watch_admission(self, admission) -> None:
+        """Gauges read the gate's counters at scrape time."""
+        self.admission_in_flight.set_function(lambda: admission.in_flight)
+        self.admission_queued.set_function(lambda: admission.queued)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

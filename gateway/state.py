@@ -17,6 +17,7 @@ from gateway.routing.llm_router import make_router
 from gateway.routing.replicas import ReplicaPool, http_prober
 from gateway.ssrf import SSRFGuard
 from gateway.upstream import EncoderClient, LLMClient
+from shared.admission import Admission, AdmissionConfig
 from shared.settings import GatewaySettings
 
 
@@ -36,6 +37,7 @@ class GatewayState:
     llms: LLMClient
     fetcher: MediaFetcher
     llm_limits: ReplicaLimits
+    admission: Admission
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @classmethod
@@ -70,7 +72,10 @@ class GatewayState:
             fetch_http, SSRFGuard(s.allowed_hosts),
             max_bytes=s.max_media_bytes, timeout=s.fetch_timeout, max_redirects=s.max_redirects,
         )
-        return cls(s, metrics, http, fetch_http, encoder_pool, llm_pool, encoders, llms, fetcher, llm_limits)
+        admission = Admission(AdmissionConfig(s.max_in_flight, s.max_queue, s.queue_timeout), "gateway")
+        metrics.watch_admission(admission)
+        return cls(s, metrics, http, fetch_http, encoder_pool, llm_pool, encoders, llms, fetcher, llm_limits,
+                   admission)
 
     def start(self) -> None:
         """Background DNS refresh and health probes of both pools."""

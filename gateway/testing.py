@@ -144,6 +144,7 @@ def fake_llm_app(name: str) -> FastAPI:
     app.state.fail_5xx = False
     app.state.fail_status = 503
     app.state.limits = None  # a dict of ServiceLimits fields to report on /readyz
+    app.state.headers = []  # the headers of each /v1/generate call
 
     @app.get("/readyz")
     async def readyz() -> Response:
@@ -155,6 +156,7 @@ def fake_llm_app(name: str) -> FastAPI:
     async def generate(request: Request) -> Response:
         tensors, req = unpack(await request.body(), GenerateRequest)
         app.state.requests.append(req)
+        app.state.headers.append(dict(request.headers))
         if app.state.fail_5xx:
             headers = {"retry-after": "3"} if app.state.fail_status == 429 else None
             return JSONResponse({"detail": "engine down"}, status_code=app.state.fail_status, headers=headers)

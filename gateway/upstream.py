@@ -15,6 +15,7 @@ Failure policy (the protocol in ``shared.schemas``):
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import random
@@ -32,11 +33,14 @@ from gateway.routing.encoder_ring import EncoderRing
 from gateway.routing.llm_router import LLMRouter
 from gateway.routing.prefix import prefix_blocks
 from gateway.routing.replicas import ReplicaPool
+from shared.admission import deadline_header
 from shared.schemas import EncodeResult, GenerateChunk, GenerateRequest, GenerateResponse
 from shared.wire import SAFETENSORS_MIME, WireError, unpack
 
 log = logging.getLogger("mmserve.gateway.upstream")
 
+# the monotonic deadline of the client request being served (set by the chat route)
+upstream_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("upstream_deadline", default=None)
 RETRY_BASE_S = 0.025  # first retry waits U(0, 25 ms), then U(0, 50 ms), ...
 # the connection failed, or broke before a response: another replica may well serve it
 _CONNECTION_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.NetworkError)
@@ -153,7 +157,7 @@ class EncoderClient:
                 f"{node}/v1/encode",
                 params={"modality": item.modality, "content_hash": item.content_hash},
                 content=item.data,
-                headers={"content-type": "application/octet-stream"},
+                headers={"content-type": "application/octet-stream", **deadline_header(upstream_deadline.get())},
                 timeout=self.timeout,
             )
         except httpx.ConnectError as e:
@@ -272,7 +276,8 @@ class LLMClient:
     async def _send_to(self, replica: str, body: bytes) -> LLMStream:
         request = self._client.build_request(
             "POST", f"{replica}/v1/generate", content=body,
-            headers={"content-type": SAFETENSORS_MIME}, timeout=self.timeout,
+            headers={"content-type": SAFETENSORS_MIME, **deadline_header(upstream_deadline.get())},
+            timeout=self.timeout,
         )
         self.router.begin(replica)
         try:

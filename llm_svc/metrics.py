@@ -28,6 +28,9 @@ class LLMMetrics:
         )
         self.e2e = Histogram("mmserve_llm_request_seconds", "Request latency", registry=r,
                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.deadline_drops = Counter("mmserve_llm_deadline_drops", "Requests stopped because their deadline passed",
+                                      registry=r)
+        self.admitted = Gauge("mmserve_llm_admitted_in_flight", "Requests holding an admission slot", registry=r)
         self.running = Gauge("mmserve_llm_running_requests", "Requests being generated", registry=r)
         self.waiting = Gauge("mmserve_llm_waiting_requests", "Requests waiting to start", registry=r)
         self.restarts = Gauge("mmserve_llm_engine_core_restarts", "Engine-core processes restarted by the front",
@@ -45,6 +48,9 @@ class LLMMetrics:
         self.l3_events = Gauge("mmserve_llm_kv_l3_events", "L3 (Redis) lookups, hits, misses, corrupt values, "
                                "errors, skipped and dropped operations", ["event"], registry=r)
         self.l3_up = Gauge("mmserve_llm_kv_l3_up", "1 if the L3 KV store answered its last command", registry=r)
+
+    def watch_admission(self, admission) -> None:
+        self.admitted.set_function(lambda: admission.in_flight)
 
     def render(self, stats: BackendStats) -> bytes:
         self.running.set(stats.running)

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from shared.admission import Overloaded, Ticket, deadline_from
 from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse, HealthStatus, ServiceLimits
 from shared.streaming import ClosingStreamingResponse
 from shared.wire import WireError, unpack
@@ -101,6 +102,28 @@ async def generate(request: Request, state: StateDep):
     if not state.ready or state.prep is None:
         return _error(state, 503, f"the model is not serving ({state.not_ready_detail}); retry later",
                       type_="service_unavailable")
+    deadline = deadline_from(request.headers)
+    if deadline is not None and deadline <= time.monotonic():
+        state.metrics.deadline_drops.inc()
+        return _error(state, 504, "the request's deadline passed before it arrived; not started",
+                      type_="timeout_error")
+    try:
+        ticket = await state.admission.acquire()
+    except Overloaded as e:
+        resp = _error(state, 429, e.message, code="overloaded", type_="rate_limit_error")
+        resp.headers["Retry-After"] = str(e.retry_after)
+        return resp
+    streaming = False  # a stream releases its ticket when it ends (release is idempotent)
+    try:
+        resp = await _admitted(request, state, ticket, deadline)
+        streaming = isinstance(resp, ClosingStreamingResponse)
+        return resp
+    finally:
+        if not streaming:
+            ticket.release()
+
+
+async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadline: float | None):
     body = await _read_body(request, state.settings.max_request_bytes)
     if isinstance(body, JSONResponse):
         state.metrics.rejected.labels(status="413").inc()
@@ -125,11 +148,51 @@ async def generate(request: Request, state: StateDep):
             return _error(state, 503, e.message, type_="service_unavailable")
         return _error(state, 400, e.message, e.param, e.code)
     state.in_flight.add(prep.request_id)
+    state.live[prep.request_id] = _Live(ticket, _deadline_timer(state, prep.request_id, deadline))
     if prep.stream:
         out = _NdjsonStream(state, prep, stream)
         # on_close: a client gone before the first byte never starts the generator
         return ClosingStreamingResponse(out.lines(), on_close=out.close, media_type=NDJSON)
     return await _collect(request, state, prep, stream)
+
+
+class _Live:
+    """What a submitted request holds until it ends: its admission ticket and deadline timer."""
+
+    __slots__ = ("ticket", "timer", "expired")
+
+    def __init__(self, ticket: Ticket, timer: asyncio.TimerHandle | None) -> None:
+        self.ticket, self.timer, self.expired = ticket, timer, False
+
+
+def _deadline_timer(state: ServiceState, rid: str, deadline: float | None) -> asyncio.TimerHandle | None:
+    """Aborts ``rid`` when its deadline passes (the loop's clock is ``time.monotonic``)."""
+    if deadline is None:
+        return None
+
+    def expire() -> None:
+        live = state.live.get(rid)
+        if live is not None and not live.expired:
+            live.expired = True
+            state.metrics.deadline_drops.inc()
+            state.backend.abort(rid)
+
+    return asyncio.get_running_loop().call_at(deadline, expire)
+
+
+def _expired(state: ServiceState, rid: str) -> bool:
+    live = state.live.get(rid)
+    return live is not None and live.expired
+
+
+def _release(state: ServiceState, rid: str) -> None:
+    """The request ended: its id, admission slot and timer are free."""
+    state.in_flight.discard(rid)
+    live = state.live.pop(rid, None)
+    if live is not None:
+        if live.timer is not None:
+            live.timer.cancel()
+        live.ticket.release()
 
 
 async def _read_body(request: Request, limit: int) -> bytes | JSONResponse:
@@ -187,6 +250,8 @@ class _NdjsonStream:
                     self.finished = True
                     chunk.finish_reason = out.finish_reason or "abort"
                     chunk.error = out.error
+                    if _expired(self.state, self.prep.request_id):
+                        chunk.error = "the request's deadline passed; generation stopped"
                     chunk.prompt_tokens = out.prompt_tokens
                     chunk.completion_tokens = out.completion_tokens
                     chunk.cached_tokens = out.cached_tokens
@@ -199,7 +264,7 @@ class _NdjsonStream:
             return
         self.closed = True
         if self.finished:
-            self.state.in_flight.discard(self.prep.request_id)
+            _release(self.state, self.prep.request_id)
             return
         self.state.backend.abort(self.prep.request_id)
         task = asyncio.create_task(_drain(self.state, self.prep, self.stream, self.tracker))
@@ -216,7 +281,7 @@ async def _drain(state: ServiceState, prep: PreparedRequest, stream: RequestStre
         async for out in stream:
             tracker.see(out)
     finally:
-        state.in_flight.discard(prep.request_id)
+        _release(state, prep.request_id)
 
 
 async def _collect(request: Request, state: ServiceState, prep: PreparedRequest, stream: RequestStream):
@@ -250,8 +315,11 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-        state.in_flight.discard(prep.request_id)
+        expired = _expired(state, prep.request_id)
+        _release(state, prep.request_id)
     assert final is not None
+    if expired:
+        return _error(state, 504, "the request's deadline passed; generation stopped", type_="timeout_error")
     if final.error:
         if final.error_status < 500:
             return _error(state, final.error_status, final.error)

@@ -11,6 +11,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from shared.admission import Admission, AdmissionConfig
 from shared.settings import LLMSettings
 
 from .backends import Backend, backend_class
@@ -54,6 +55,13 @@ class ServiceState:
     prep: PrepPool | None = None
     error: str | None = None
     in_flight: set[str] = field(default_factory=set)
+    live: dict = field(default_factory=dict)  # request id -> routes._Live (ticket, deadline timer)
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        # no queue here: the engine's scheduler is the queue; past the bound the front says 429
+        self.admission = Admission(AdmissionConfig(self.settings.max_in_flight), "LLM service")
+        self.metrics.watch_admission(self.admission)
 
     @property
     def model_name(self) -> str:

@@ -37,6 +37,10 @@ class EncoderSettings(_ServiceSettings):
     max_batch_size: int = Field(default=16, ge=1)
     max_wait_ms: float = Field(default=5.0, ge=0)
     request_timeout: float = Field(default=120.0, gt=0)
+    # admission control: past max_in_flight + max_queue an encode is a 429 with Retry-After
+    max_in_flight: int = Field(default=64, ge=1, description="encode requests served at once")
+    max_queue: int = Field(default=256, ge=0, description="encode requests waiting for a slot")
+    queue_timeout: float = Field(default=30.0, gt=0, description="longest wait for a slot before a 429")
     # video
     video_backend: str = "decord"
     video_fps: float = Field(default=1.0, gt=0)
@@ -65,6 +69,7 @@ class LLMSettings(_ServiceSettings):
     max_request_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1, description="largest /v1/generate body (prompt + media embeddings)"
     )
+    max_in_flight: int = Field(default=256, ge=1, description="requests admitted at once; past it a 429")
     # swa engine
     kv_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
     kv_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -145,6 +150,10 @@ class GatewaySettings(_ServiceSettings):
         default=30.0, ge=0, description="seconds between DNS re-resolutions of replica hosts; 0 disables"
     )
     upstream_attempts: int = Field(default=3, ge=1, description="distinct replicas tried per call")
+    # admission control: past max_in_flight + max_queue a chat request is a 429 with Retry-After
+    max_in_flight: int = Field(default=256, ge=1, description="chat requests served at once")
+    max_queue: int = Field(default=512, ge=0, description="chat requests waiting for a slot")
+    queue_timeout: float = Field(default=30.0, gt=0, description="longest wait for a slot before a 429")
     connect_timeout: float = Field(default=5.0, gt=0)
 
     @field_validator("encoder_urls", "llm_urls", "api_keys", "allowed_hosts", mode="before")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -26,4 +27,5 @@ class EncodeContext:
     video_decoder: ChunkedVideoDecoder | None = None
 
     async def in_pool(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn, *args)
+        ctx = contextvars.copy_context()  # the request's deadline reaches the batcher from the pool
+        return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, ctx.run, fn, *args)

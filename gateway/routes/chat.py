@@ -19,9 +19,10 @@ from gateway.media import collect_media
 from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion, completion_id, now
 from gateway.prompt import build_generate_request, pack_generate
 from gateway.state import GatewayState, StateDep
-from gateway.upstream import LLMStream, UpstreamError
+from gateway.upstream import LLMStream, UpstreamError, upstream_deadline
 from gateway.validate import check_fits, check_text
 from shared.schemas import ChatCompletionRequest, GenerateRequest, GenerateResponse
+from shared.admission import Overloaded, Ticket
 from shared.streaming import ClosingStreamingResponse
 
 log = logging.getLogger("mmserve.gateway.chat")
@@ -85,22 +86,43 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
     cid, created, start = completion_id(), now(), time.monotonic()
     timeout = state.settings.request_timeout
+    upstream_deadline.set(start + timeout)  # carried to the encoders and the LLM (copied into tasks)
+    ticket = await admit(state)
+    opened = False  # once a stream is open, the response's close releases the ticket
     try:
         if not body.stream:
             resp = await until_disconnect(request, _generate(state, body, cid), timeout)
             return JSONResponse(chat_completion(resp, body.model, cid, created).model_dump())
-        stream = await until_disconnect(request, _open(state, body, cid), timeout)
+        stream = await until_disconnect(request, _open(state, body, cid), timeout - (time.monotonic() - start))
+        opened = True
     except ClientGone:
         log.info("%s: client disconnected before the answer", cid)
         return Response(status_code=CLIENT_CLOSED)
+    finally:
+        if not opened:
+            ticket.release()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     writer = ChunkWriter(cid, created, body.model, include_usage)
+
+    async def close() -> None:  # runs even if the client left before the first byte
+        ticket.release()
+        await stream.aclose()
+
     return ClosingStreamingResponse(
         sse_events(stream, writer, state, start),
-        on_close=stream.aclose,  # runs even if the client left before the first byte
+        on_close=close,
         media_type="text/event-stream",
         headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
     )
+
+
+async def admit(state: GatewayState) -> Ticket:
+    """A slot of the gateway's admission gate, or a 429 with ``Retry-After``."""
+    try:
+        return await state.admission.acquire()
+    except Overloaded as e:
+        state.metrics.rejected.labels("gateway").inc()
+        raise APIError(429, e.message, code="overloaded", headers={"Retry-After": str(e.retry_after)}) from None
 
 
 async def _generate(state: GatewayState, body: ChatCompletionRequest, cid: str) -> GenerateResponse:

@@ -188,3 +188,35 @@ def test_stream_cleans_up_when_the_client_is_gone_before_the_first_byte(upstream
     while not llm_app.state.aborted.is_set():
         assert time.monotonic() < deadline, "the LLM stream was never closed"
         time.sleep(0.05)
+
+
+def test_past_its_admission_bound_the_gateway_answers_429_with_retry_after(upstreams):
+    enc, llm = upstreams
+    server = ServerThread(create_app(settings(enc, llm, max_in_flight=1, max_queue=0))).start()
+    try:
+        slow = chat({"type": "text", "text": "SLOW"}, stream=True)
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            with c.stream("POST", "/v1/chat/completions", json=slow) as first:
+                assert first.status_code == 200
+                t0 = time.monotonic()
+                r = c.post("/v1/chat/completions", json=chat({"type": "text", "text": "x"}))
+                assert r.status_code == 429 and time.monotonic() - t0 < 5  # refused, not stalled
+                assert int(r.headers["retry-after"]) >= 1
+                err = r.json()["error"]
+                assert err["type"] == "rate_limit_error" and err["code"] == "overloaded"
+            # the stream ended: its slot is free again
+            assert c.post("/v1/chat/completions", json=chat({"type": "text", "text": "x"})).status_code == 200
+            metrics = c.get("/metrics").text
+            assert 'mmserve_gateway_overload_rejections_total{by="gateway"} 1.0' in metrics
+            assert "mmserve_gateway_admitted_in_flight 0.0" in metrics
+        server.server.config.app.state.gateway.admission.check_integrity()
+    finally:
+        server.stop()
+
+
+def test_the_deadline_travels_to_the_llm(gw, upstreams):
+    _, llm = upstreams
+    r = httpx.post(gw.url + "/v1/chat/completions", json=chat({"type": "text", "text": "x"}), timeout=30)
+    assert r.status_code == 200
+    left_ms = int(llm.server.config.app.state.headers[-1]["x-mmserve-deadline-ms"])
+    assert 0 < left_ms <= 300_000  # the gateway's request_timeout, less what it spent

@@ -66,7 +66,7 @@ def test_stream_is_aborted_when_the_client_is_gone_before_the_first_byte(service
                     await service(scope(body, spec), receive, send)
                 except Exception:  # noqa: BLE001 - starlette re-raises the disconnect
                     pass
-                for _ in range(200):  # the abort drains the stream, then the id is released
+                for _ in range(600):  # the abort drains the stream, then the id is released
                     if not state.in_flight:
                         break
                     await asyncio.sleep(0.05)
@@ -107,6 +107,44 @@ def test_body_over_the_limit_is_a_413_and_readyz_reports_limits(mimo_bundle):
                 r = await c.post("/v1/generate", content=request("seed", False, 4, temperature=1.0, seed=2**70),
                                  headers={"content-type": SAFETENSORS_MIME})
                 assert r.status_code == 200, r.text
+        finally:
+            await state.close()
+
+    asyncio.run(go())
+
+
+def test_deadline_stops_generation_and_admission_bound_is_a_429(mimo_bundle):
+    from llm_svc.app import create_app
+
+    app = create_app(LLMSettings(model_dir=str(mimo_bundle), backend="hf", max_model_len=512, max_in_flight=1))
+    headers = {"content-type": SAFETENSORS_MIME}
+
+    async def go() -> None:
+        state = app.state.svc
+        await state.load()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                         timeout=120) as c:
+                body = request("late", False, max_tokens=400, ignore_eos=True)
+                r = await c.post("/v1/generate", content=body, headers={**headers, "x-mmserve-deadline-ms": "0"})
+                assert r.status_code == 504  # dead on arrival: never started
+                t0 = asyncio.get_running_loop().time()
+                r = await c.post("/v1/generate", content=request("slow", False, max_tokens=400, ignore_eos=True),
+                                 headers={**headers, "x-mmserve-deadline-ms": "300"})
+                assert r.status_code == 504 and "deadline" in r.json()["error"]["message"], r.text
+                assert asyncio.get_running_loop().time() - t0 < 20
+                # one in flight (max_in_flight=1): a second request is refused at once
+                first = asyncio.create_task(c.post("/v1/generate", headers=headers,
+                                                   content=request("busy", False, max_tokens=300, ignore_eos=True)))
+                while state.admission.in_flight == 0:
+                    await asyncio.sleep(0.01)
+                r = await c.post("/v1/generate", content=request("second", False, 2), headers=headers)
+                assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+                assert (await first).status_code == 200
+                assert state.admission.in_flight == 0 and state.live == {} and state.in_flight == set()
+                state.admission.check_integrity()
+                text = (await c.get("/metrics")).text
+                assert "mmserve_llm_deadline_drops_total 2.0" in text
         finally:
             await state.close()
 

@@ -206,3 +206,26 @@ def test_a_forward_breaking_its_contract_fails_its_jobs_and_the_worker_lives_on(
     out = b.submit("vision", torch.ones(2, 3)).result(timeout=5)
     assert torch.equal(out, torch.full((2, 3), 3.0))
     b.check_integrity()
+
+
+def test_items_whose_deadline_passed_are_dropped_before_their_forward(make):
+    from encoder_svc.batching import encode_deadline
+
+    gate = threading.Event()
+    rec = Recorder(gate=gate)
+    b = make(rec, max_batch_size=1, max_wait_ms=0)
+    blocker = b.submit("vision", torch.ones(1, 3))  # holds the worker until the gate opens
+    time.sleep(0.05)
+    token = encode_deadline.set(time.monotonic() + 0.05)
+    try:
+        late = b.submit("vision", torch.ones(1, 3))
+    finally:
+        encode_deadline.reset(token)
+    time.sleep(0.1)
+    gate.set()
+    assert blocker.result(timeout=5).shape == (1, 3)
+    with pytest.raises(EncodeTimeout, match="deadline"):
+        late.result(timeout=5)
+    assert len(rec.calls) == 1  # the late item never reached a forward
+    assert b._metrics.deadline_drops._value.get() == 1
+    b.check_integrity()
