@@ -204,7 +204,12 @@ def test_past_its_admission_bound_the_gateway_answers_429_with_retry_after(upstr
                 assert int(r.headers["retry-after"]) >= 1
                 err = r.json()["error"]
                 assert err["type"] == "rate_limit_error" and err["code"] == "overloaded"
-            # the stream ended: its slot is free again
+            # the stream was closed: its slot is freed once the gateway sees the disconnect
+            gate = server.server.config.app.state.gateway.admission
+            deadline = time.monotonic() + 10
+            while gate.in_flight:
+                assert time.monotonic() < deadline, "the closed stream kept its admission slot"
+                time.sleep(0.02)
             assert c.post("/v1/chat/completions", json=chat({"type": "text", "text": "x"})).status_code == 200
             metrics = c.get("/metrics").text
             assert 'mmserve_gateway_overload_rejections_total{by="gateway"} 1.0' in metrics
