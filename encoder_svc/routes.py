@@ -41,6 +41,8 @@ def _params(request: Request) -> EncodeParams:
 
 def _wire(embeds, result: EncodeResult, key: str | None = None) -> Response:
     headers = {"x-mmserve-cache-key": key} if key else None
+    if key:
+        result = result.model_copy(update={"key": key})
     return Response(pack({"embeds": embeds}, result), media_type=SAFETENSORS_MIME, headers=headers)
 
 

@@ -25,7 +25,6 @@ import time
 from types import ModuleType
 
 import torch
-import xxhash
 
 from encoder_svc.errors import BadMedia, MediaTooLarge, UnsupportedModality
 from encoder_svc.metrics import EncoderMetrics
@@ -34,7 +33,7 @@ from encoder_svc.modalities import image as image_mod
 from encoder_svc.modalities import video as video_mod
 from encoder_svc.modalities.context import EncodeContext
 from shared.admission import Admission, AdmissionConfig
-from shared.hashing import content_hash
+from shared.hashing import HASH_NAME, content_hash, media_key
 from shared.schemas import EncodeParams, EncodeResult
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ class EncoderService:
     def cache_key(self, params: EncodeParams, digest: str) -> str:
         """``model_id:modality:preprocessing-hash:content_hash`` (see ``split_key``)."""
         sig = self._pipelines[params.modality].cache_signature(self.ctx, params)
-        return f"{self.ctx.models.model_id}:{params.modality}:{xxhash.xxh3_64_hexdigest(sig.encode())}:{digest}"
+        return media_key(self.ctx.models.model_id, params.modality, sig, digest)
 
     def validate(self, params: EncodeParams, body: bytes) -> str:
         """Checks that need no decoding; returns the content hash."""
@@ -88,7 +87,7 @@ class EncoderService:
         digest = content_hash(body)
         if params.content_hash is not None and params.content_hash.lower() != digest:
             raise BadMedia(
-                f"content_hash {params.content_hash!r} does not match the body (xxh3_128 {digest}); "
+                f"content_hash {params.content_hash!r} does not match the body ({HASH_NAME} {digest}); "
                 "send the hash of the exact bytes or omit it",
                 param="content_hash",
             )

@@ -58,6 +58,7 @@ def build_generate_request(
                     index=e.item.index,
                     content_hash=e.item.content_hash,
                     num_tokens=int(e.embeds.shape[0]),
+                    key=e.result.key,
                 )
             )
         messages.append(PromptMessage(role=msg.role, content=parts))

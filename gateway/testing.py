@@ -108,7 +108,8 @@ def fake_encoder_app(name: str, hidden: int = 8) -> FastAPI:
         n = len(body) % 5 + 1
         embeds = torch.full((n, hidden), float(len(body)))  # [num_tokens, hidden]
         result = EncodeResult(
-            modality=modality, content_hash=content_hash or "", model=name, num_tokens=n, hidden_size=hidden
+            modality=modality, content_hash=content_hash or "", model=name, num_tokens=n, hidden_size=hidden,
+            key=f"{name}-model:{modality}:sig:{content_hash}",
         )
         return Response(pack({"embeds": embeds}, result), media_type=SAFETENSORS_MIME)
 
@@ -123,7 +124,7 @@ def echo_summary(req: GenerateRequest, tensors: dict[str, torch.Tensor], replica
             if isinstance(p, PromptMedia):
                 t = tensors[f"mm.{p.index}"]
                 parts.append({
-                    "media": p.modality, "index": p.index, "hash": p.content_hash,
+                    "media": p.modality, "index": p.index, "hash": p.content_hash, "key": p.key,
                     "num_tokens": p.num_tokens, "rows": t.shape[0], "fill": float(t[0, 0]),
                 })
             else:

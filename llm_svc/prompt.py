@@ -153,7 +153,8 @@ def prepare_request(
         stream=req.stream,
         mm_items=[items[i] for i in range(n)],
         mm_spans=spans,
-        mm_hashes=[p.content_hash for p in sorted(media, key=lambda p: p.index)],
+        # the media key (content + encoder model + preprocessing) keys the prefix cache when known
+        mm_hashes=[p.key or p.content_hash for p in sorted(media, key=lambda p: p.index)],
         bidirectional=lm.bidirectional_media and bool(spans),
         return_logprobs=req.return_logprobs,
         system_len=system_prefix_len(lm, req, ids) if not spans or spans[0][0] > 0 else 0,

@@ -243,6 +243,7 @@ class EncodeResult(BaseModel):
     hidden_size: int = Field(ge=1)
     cached: bool = False
     encode_ms: float = 0.0
+    key: str | None = Field(default=None, description="shared.hashing.media_key of the item on this encoder")
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,6 +267,7 @@ class PromptMedia(BaseModel):
     index: int = Field(ge=0)
     content_hash: str
     num_tokens: int = Field(ge=1)
+    key: str | None = Field(default=None, description="media_key (content + encoder model + preprocessing)")
 
 
 PromptPart = Annotated[Union[PromptText, PromptMedia], Field(discriminator="type")]

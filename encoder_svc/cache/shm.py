@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import xxhash
 
 from encoder_svc.cache.base import CacheTier, from_bytes, to_bytes
+from shared.hashing import content_hash
 
 DEFAULT_DIR = "/dev/shm/mmserve-encoder-cache"
 _SUFFIX = ".st"
@@ -82,7 +82,7 @@ class SharedMemoryTier(CacheTier):
         return sum(size for _, size, _ in self._entries())
 
     def _path(self, key: str) -> Path:
-        return self.dir / (xxhash.xxh3_128_hexdigest(key.encode()) + _SUFFIX)
+        return self.dir / (content_hash(key.encode()) + _SUFFIX)  # SHA-256: names shared across tenants
 
     # -- tier ------------------------------------------------------------------------------
 

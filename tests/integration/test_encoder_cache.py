@@ -84,6 +84,8 @@ def test_memory_hit_runs_no_forward_and_get_endpoint(mimo_bundle):
         g = httpx.get(f"{url}/v1/embeddings/{content_hash(data)}", params={"modality": "image"})
         assert g.status_code == 200 and torch.equal(unpack(g.content, EncodeResult)[0]["embeds"], e1)
         key = resp.headers["x-mmserve-cache-key"]
+        assert unpack(resp.content, EncodeResult)[1].key == key  # the media key travels in the result too
+        assert key.endswith(content_hash(data)) and key.startswith(app.state.service.ctx.models.model_id)
         g2 = httpx.get(f"{url}/v1/embeddings/{key}")
         assert g2.status_code == 200 and unpack(g2.content, EncodeResult)[1].cached
         assert httpx.get(f"{url}/v1/embeddings/{'0' * 32}", params={"modality": "image"}).status_code == 404

@@ -78,6 +78,7 @@ def test_image_and_text_reach_the_llm_in_order(stack):
     # the fake encoder fills embeds with len(body) and makes len(body) % 5 + 1 rows
     for part, data, idx in ((parts[1], red, 0), (parts[2], blue, 1)):
         assert part["index"] == idx and part["fill"] == len(data) and part["hash"] == content_hash(data)
+        assert part["key"].endswith(f":sig:{content_hash(data)}")  # the encoder's media key, passed on
         assert part["num_tokens"] == part["rows"] == len(data) % 5 + 1
     assert echo["sampling"]["max_tokens"] == 11
     media_tokens = parts[1]["num_tokens"] + parts[2]["num_tokens"]

@@ -35,9 +35,10 @@ def test_wire_rejects_garbage_and_wrong_header_type():
 
 
 def test_content_hash_is_stable_and_content_sensitive():
-    assert HASH_NAME == "xxh3_128"
+    assert HASH_NAME == "sha256"
     a, b = content_hash(b"abc"), content_hash(b"abd")
-    assert a == content_hash(bytearray(b"abc")) and len(a) == 32 and a != b
+    assert a == content_hash(bytearray(b"abc")) and len(a) == 64 and a != b
+    assert a == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"  # FIPS 180-2 "abc"
     assert 0 <= hash_to_int(a) < 2**64
 
 
