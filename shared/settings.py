@@ -52,7 +52,10 @@ class EncoderSettings(_ServiceSettings):
     shm_cache_bytes: int = Field(default=0, ge=0)
     redis_url: str | None = None
     redis_ttl_s: int = Field(default=3600, ge=1)
-    redis_max_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)
+    redis_max_bytes: int = Field(
+        default=1024 * 1024 * 1024, ge=0,
+        description="largest entry stored in Redis; the total is Redis's maxmemory (allkeys-lru evicts)",
+    )
 
 
 class LLMSettings(_ServiceSettings):

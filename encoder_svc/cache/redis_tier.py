@@ -1,12 +1,14 @@
-"""Redis tier: entries shared by every encoder replica, with a TTL and a byte budget.
+"""Redis tier: entries shared by every encoder replica, with a TTL.
 
-Layout under ``prefix``: ``{prefix}e:{key}`` values (safetensors bytes, ``EX ttl``), a sorted
-set ``{prefix}lru`` (key -> last use), a hash ``{prefix}sizes`` and a counter ``{prefix}bytes``.
-A Lua script stores an entry and evicts least recently used ones until the counter is within
-the budget, atomically. An entry that expires by TTL keeps counting against the budget until
-it is evicted (the accounting errs on the safe side). Any Redis failure degrades to a miss / a skipped store with a warning;
-after a failure the tier is skipped for ``retry_after`` seconds instead of retrying on every
-request.
+One key per entry, ``{prefix}e:{<media key>}`` (safetensors bytes, ``SET ... EX ttl``), and
+every command touches one key: no Lua script, no sorted set or counter to keep in step, so it
+is safe on Redis Cluster (the braces are a hash tag: anything ever stored beside an entry
+under the same tag lands in its slot) and Redis's own eviction owns the budget: run Redis with
+``maxmemory`` and ``maxmemory-policy allkeys-lru`` (compose.yaml does), where bookkeeping keys
+would be evicted independently of the entries they describe. ``max_bytes`` caps one entry.
+
+Any Redis failure degrades to a miss / a skipped store with a warning; after a failure the tier
+is skipped for ``retry_after`` seconds instead of retrying on every request.
 """
 
 from __future__ import annotations
@@ -21,29 +23,6 @@ from redis.exceptions import RedisError
 from encoder_svc.cache.base import CacheTier, from_bytes, to_bytes
 
 log = logging.getLogger(__name__)
-
-_PUT = """
-local old = redis.call('HGET', KEYS[3], KEYS[1])
-if old then redis.call('DECRBY', KEYS[4], old) end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
-redis.call('HSET', KEYS[3], KEYS[1], string.len(ARGV[1]))
-local total = redis.call('INCRBY', KEYS[4], string.len(ARGV[1]))
-local budget = tonumber(ARGV[4])
-while total > budget do
-  local victim = redis.call('ZPOPMIN', KEYS[2])
-  if #victim == 0 then break end
-  local size = redis.call('HGET', KEYS[3], victim[1])
-  redis.call('HDEL', KEYS[3], victim[1])
-  redis.call('DEL', victim[1])
-  if size then total = redis.call('DECRBY', KEYS[4], size) end
-end
--- bookkeeping lives as long as the newest entry: once every entry has expired, so has it
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-redis.call('EXPIRE', KEYS[3], ARGV[2])
-redis.call('EXPIRE', KEYS[4], ARGV[2])
-return total
-"""
 
 
 class RedisTier(CacheTier):
@@ -60,12 +39,10 @@ class RedisTier(CacheTier):
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
         )
         self._down_until = 0.0
-        self._bytes = 0
-        self._put_script = self._client.register_script(_PUT)
+        self._bytes = 0  # bytes this process stored (Redis's INFO memory has the real figure)
 
-    def _keys(self, key: str) -> list[str]:
-        p = self.prefix
-        return [f"{p}e:{key}", f"{p}lru", f"{p}sizes", f"{p}bytes"]
+    def entry_key(self, key: str) -> str:
+        return f"{self.prefix}e:{{{key}}}"
 
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
@@ -81,12 +58,8 @@ class RedisTier(CacheTier):
     async def get(self, key: str) -> torch.Tensor | None:
         if not self.available():
             return None
-        k, lru, _, _ = self._keys(key)
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                pipe.get(k)
-                pipe.zadd(lru, {k: time.time()}, xx=True)
-                data, _ = await pipe.execute()
+            data = await self._client.get(self.entry_key(key))  # a read refreshes its LRU clock
         except (RedisError, OSError) as e:
             self._failed("get", e)
             return None
@@ -99,8 +72,8 @@ class RedisTier(CacheTier):
         if len(data) > self.max_bytes:
             return
         try:
-            self._bytes = int(await self._put_script(keys=self._keys(key),
-                                                      args=[data, self.ttl_s, time.time(), self.max_bytes]))
+            await self._client.set(self.entry_key(key), data, ex=self.ttl_s)
+            self._bytes += len(data)
         except (RedisError, OSError) as e:
             self._failed("put", e)
 
@@ -114,13 +87,11 @@ class RedisTier(CacheTier):
         self._bytes = 0
 
     async def remote_integrity(self) -> None:
-        """Counter == sum of recorded sizes <= budget (needs Redis; for tests)."""
-        _, lru, sizes, counter = self._keys("")
-        recorded = await self._client.hgetall(sizes)
-        total = int(await self._client.get(counter) or 0)
-        assert total == sum(int(v) for v in recorded.values()), (total, recorded)
-        assert total <= self.max_bytes, f"{total} bytes over the budget {self.max_bytes}"
-        assert await self._client.zcard(lru) == len(recorded)
+        """Every key under the prefix is an entry with a TTL (needs Redis; for tests)."""
+        async for k in self._client.scan_iter(match=f"{self.prefix}*", count=500):
+            name = k.decode()
+            assert name.startswith(f"{self.prefix}e:{{") and name.endswith("}"), name
+            assert await self._client.ttl(k) > 0, f"{name} never expires"
 
     async def close(self) -> None:
         try:

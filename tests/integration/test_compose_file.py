@@ -35,13 +35,26 @@ def test_compose_declares_the_topology(compose, mimo_bundle):
     }
     assert svcs["encoder"]["depends_on"]["redis"]["condition"] == "service_healthy"
     for name in ("encoder", "llm"):
-        dev = svcs[name]["deploy"]["resources"]["reservations"]["devices"][0]
-        assert dev["capabilities"] == ["gpu"], name
+        # no device reservation in the base file: `docker compose up` starts without NVIDIA
+        assert "resources" not in svcs[name]["deploy"], name
         assert "replicas" in svcs[name]["deploy"], name
         (vol,) = svcs[name]["volumes"]
         assert vol["read_only"] is True and vol["source"] == str(mimo_bundle), name
         assert "ports" not in svcs[name], f"{name} must not publish a port, or --scale collides"
     assert (ROOT / "Dockerfile").exists()
+
+
+def test_gpu_override_reserves_a_gpu_per_replica_and_defaults_to_cuda(mimo_bundle):
+    base = load_compose(ROOT / "compose.yaml", {"MMSERVE_MODEL_DIR": str(mimo_bundle)})
+    gpu = load_compose(ROOT / "compose.gpu.yaml", {})
+    assert base["services"]["encoder"]["environment"]["MMSERVE_ENCODER_DEVICE"] == "cpu"
+    for name, var in (("encoder", "MMSERVE_ENCODER_DEVICE"), ("llm", "MMSERVE_LLM_DEVICE")):
+        svc = gpu["services"][name]
+        dev = svc["deploy"]["resources"]["reservations"]["devices"][0]
+        assert dev["capabilities"] == ["gpu"] and dev["driver"] == "nvidia", name
+        assert svc["environment"][var] == "cuda", name
+        assert name in base["services"], f"the override names a service compose.yaml lacks: {name}"
+    assert set(gpu["services"]) == {"encoder", "llm"}
 
 
 def test_compose_services_run_as_local_processes(compose, tmp_path):

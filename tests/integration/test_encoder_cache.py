@@ -127,23 +127,25 @@ def test_redis_shared_between_two_apps_with_ttl(mimo_bundle, redis_url, prefix):
         assert forwards(b) == 0 and forwards(a) == 1
         assert metric(b, "encoder_cache_lookups_total", tier="redis", result="hit") == 1
         client = redis.Redis.from_url(redis_url)
-        for k in (f"{prefix}e:{resp.headers['x-mmserve-cache-key']}", f"{prefix}lru", f"{prefix}sizes", f"{prefix}bytes"):
-            assert 0 < client.ttl(k) <= 120, k  # entries and their bookkeeping expire
+        keys = [k.decode() for k in client.scan_iter(match=f"{prefix}*")]
+        assert keys == [f"{prefix}e:{{{resp.headers['x-mmserve-cache-key']}}}"]  # one key per entry, no bookkeeping
+        assert 0 < client.ttl(keys[0]) <= 120
         client.close()
 
 
-def test_redis_byte_budget_evicts_lru(redis_url, prefix):
+def test_redis_entries_are_single_keys_redis_evicts(redis_url, prefix):
+    """No Lua, no LRU bookkeeping: one key per entry with a TTL (Redis's allkeys-lru evicts
+    them); an entry over max_bytes is not stored."""
     async def go():
         value = torch.zeros(16, 64)
-        tier = RedisTier(redis_url, ttl_s=60, max_bytes=3 * 4400, prefix=prefix)
+        tier = RedisTier(redis_url, ttl_s=60, max_bytes=5000, prefix=prefix)
         try:
             for i in range(3):
-                await tier.put(f"k{i}", value)
-            assert await tier.get("k0") is not None  # k0 becomes most recent
-            await tier.put("k3", value)  # over budget: evicts k1
-            assert await tier.get("k1") is None
-            assert all([await tier.get(k) is not None for k in ("k0", "k2", "k3")])
-            assert 0 < tier.nbytes() <= 3 * 4400
+                await tier.put(f"m@1:image:s:{i}", value)
+            assert all([await tier.get(f"m@1:image:s:{i}") is not None for i in range(3)])
+            await tier.put("m@1:image:s:big", torch.zeros(64, 64))  # 16 KiB > max_bytes
+            assert await tier.get("m@1:image:s:big") is None
+            assert tier.entry_key("m@1:image:s:0") == f"{prefix}e:{{m@1:image:s:0}}"
             await tier.remote_integrity()
         finally:
             await tier.clear()
