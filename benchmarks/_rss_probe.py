@@ -46,7 +46,7 @@ async def main() -> None:
     state = app.state.svc
     await state.load()
     assert state.ready, state.error
-    core = state.backend.client.core_pid()
+    core = state.backend.client.core_pid
     rng = random.Random(0)
     series = []
     snap0 = None
@@ -57,7 +57,7 @@ async def main() -> None:
             if i == args.requests // 5:
                 tracemalloc.start(8)
                 snap0 = tracemalloc.take_snapshot()
-            if i % 200 == 0:
+            if i % 100 == 0:
                 stats = state.backend.stats()
                 series.append({"i": i, "front_mb": round(rss_mb(), 1), "core_mb": round(rss_mb(core), 1),
                                "kv_full_usage": round(stats.kv_full_usage, 5), "kv_swa_usage": round(stats.kv_swa_usage, 5)})

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from gateway.errors import install_error_handlers
 from gateway.limits import BodyLimitMiddleware, body_limit
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.openapi import install_openapi
 from gateway.routes import chat, dashboard, health, models
 from gateway.state import GatewayState
 from shared.settings import GatewaySettings
@@ -32,6 +33,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="mmserve gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    install_openapi(app)
     paths: set[str] = set()
     for module in (chat, models, health, dashboard):
         app.include_router(module.router)
