@@ -102,7 +102,8 @@ class L3Store:
         self.stats = {
             "l3_lookups": 0, "l3_hits": 0, "l3_hit_tokens": 0, "l3_misses": 0, "l3_corrupt": 0,
             "l3_bytes_read": 0, "l3_bytes_written": 0, "l3_pages_written": 0, "l3_windows_written": 0,
-            "l3_touches": 0, "l3_errors": 0, "l3_skipped": 0, "l3_dropped_writes": 0, "l3_up": 1,
+            "l3_touches": 0, "l3_errors": 0, "l3_skipped": 0, "l3_dropped_writes": 0, "l3_rejected_writes": 0,
+            "l3_up": 1,
         }
         self._lock = threading.Lock()
         self._stop = False
@@ -262,6 +263,9 @@ class L3Store:
                     pipe.execute()
                     self._count("l3_touches", len(job[1]))
                 self._ok()
+            except redis.ResponseError as e:  # e.g. OOM under maxmemory + noeviction: full, not down
+                self._count("l3_rejected_writes")
+                log.debug("L3 refused a write: %s", e)
             except redis.RedisError as e:
                 self._failed(e)
             except Exception:  # never let the writer die

@@ -52,7 +52,8 @@ class KVTiers:
         notes = self.kv.take_l3_notes()
         if self.l3 is None or not notes or not self.l3.up:
             return
-        lost = self.l3.stats["l3_errors"] + self.l3.stats["l3_dropped_writes"] + self.l3.stats["l3_skipped"]
+        st = self.l3.stats
+        lost = st["l3_errors"] + st["l3_dropped_writes"] + st["l3_skipped"] + st["l3_rejected_writes"]
         if lost != self._lost:  # some writes may not have landed: write pages again
             self._lost = lost
             self._written.clear()
