@@ -65,7 +65,7 @@ class GatewayState:
         timeout = httpx.Timeout(s.request_timeout, connect=s.connect_timeout)
         encoders = EncoderClient(
             http, encoder_pool, ring, attempts=s.upstream_attempts, timeout=timeout,
-            on_failover=metrics.encoder_retries.inc,
+            on_failover=metrics.encoder_retries.inc, load_factor=s.encoder_load_factor,
         )
         llms = LLMClient(http, llm_pool, make_router(s.llm_routing), attempts=s.upstream_attempts, timeout=timeout)
         fetcher = MediaFetcher(

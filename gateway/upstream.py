@@ -114,6 +114,7 @@ class EncoderClient:
         attempts: int,
         timeout: httpx.Timeout,
         on_failover: Callable[[], None] = lambda: None,
+        load_factor: float = 1.5,
     ) -> None:
         self._client = client
         self._pool = pool
@@ -121,6 +122,11 @@ class EncoderClient:
         self.attempts = attempts
         self.timeout = timeout
         self._on_failover = on_failover
+        self.load_factor = load_factor
+        self._in_flight: dict[str, int] = {}  # node -> encodes sent and not answered
+
+    def load(self, node: str) -> int:
+        return self._in_flight.get(node, 0)
 
     async def encode_all(self, items: list[MediaItem]) -> list[Encoded]:
         """All items concurrently (identical bytes encoded once); result ``i`` is ``items[i]``;
@@ -133,7 +139,7 @@ class EncoderClient:
         return [replace(by_key[(it.modality, it.content_hash)], item=it) for it in items]
 
     async def encode(self, item: MediaItem) -> Encoded:
-        nodes = self._ring.candidates(item.content_hash, self.attempts)
+        nodes = self._ring.bounded_candidates(item.content_hash, self.load, self.attempts, self.load_factor)
         if not nodes:
             raise UpstreamError("no encoder replica is configured", status=503)
         errors: list[str] = []
@@ -152,6 +158,15 @@ class EncoderClient:
         )
 
     async def _encode_on(self, node: str, item: MediaItem) -> Encoded:
+        self._in_flight[node] = self._in_flight.get(node, 0) + 1
+        try:
+            return await self._encode_once(node, item)
+        finally:
+            self._in_flight[node] -= 1
+            if not self._in_flight[node]:
+                del self._in_flight[node]
+
+    async def _encode_once(self, node: str, item: MediaItem) -> Encoded:
         try:
             r = await self._client.post(
                 f"{node}/v1/encode",

@@ -153,6 +153,9 @@ class GatewaySettings(_ServiceSettings):
         default=30.0, ge=0, description="seconds between DNS re-resolutions of replica hosts; 0 disables"
     )
     upstream_attempts: int = Field(default=3, ge=1, description="distinct replicas tried per call")
+    encoder_load_factor: float = Field(
+        default=1.5, ge=1.0, description="an encoder above this times the mean load hands items on along the ring"
+    )
     # admission control: past max_in_flight + max_queue a chat request is a 429 with Retry-After
     max_in_flight: int = Field(default=256, ge=1, description="chat requests served at once")
     max_queue: int = Field(default=512, ge=0, description="chat requests waiting for a slot")

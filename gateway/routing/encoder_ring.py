@@ -5,7 +5,8 @@ only its keys move.  On failure the caller walks ``candidates`` to the next dist
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 
 from uhashring import HashRing
 
@@ -42,3 +43,19 @@ class EncoderRing:
             if limit is not None and len(out) >= limit:
                 break
         return out
+
+    def bounded_candidates(
+        self, key: str, load: Callable[[str], int], limit: int | None = None, factor: float = 1.5
+    ) -> list[str]:
+        """``candidates`` with bounded-load spillover (consistent hashing with bounded loads,
+        as SGLang's router does): the first node in ring order whose in-flight ``load`` is below
+        ``ceil(factor * mean)`` -- the mean counting this request -- comes first, so a hot item
+        spills to the next node instead of piling onto its owner; the rest keep ring order."""
+        order = self.candidates(key)
+        if len(order) <= 1:
+            return order[:limit] if limit is not None else order
+        total = sum(load(n) for n in self._nodes) + 1
+        cap = max(1, math.ceil(factor * total / len(self._nodes)))
+        first = next((n for n in order if load(n) < cap), order[0])
+        out = [first] + [n for n in order if n != first]
+        return out[:limit] if limit is not None else out

@@ -45,3 +45,21 @@ def test_set_nodes_and_empty_ring():
     assert ring.owner("k") is None and ring.candidates("k") == []
     ring.set_nodes(NODES[:1])
     assert ring.candidates("k") == NODES[:1] and ring.nodes() == NODES[:1]
+
+
+def test_bounded_load_spills_a_hot_owner_to_the_next_node_on_the_ring():
+    nodes = [f"http://e{i}:8100" for i in range(4)]
+    ring = EncoderRing(nodes)
+    key = "hot-item"
+    order = ring.candidates(key)
+    loads = {n: 0 for n in nodes}
+    assert ring.bounded_candidates(key, loads.get) == order  # idle: the owner, in ring order
+    loads[order[0]] = 2  # cap = ceil(1.5 * 3 / 4) = 2: the owner is at it
+    assert ring.bounded_candidates(key, loads.get)[:2] == [order[1], order[0]]
+    loads[order[1]] = 2
+    got = ring.bounded_candidates(key, loads.get)
+    assert got[0] == order[2] and sorted(got) == sorted(nodes)  # every node stays a fallback
+    loads = {n: 5 for n in nodes}  # all equally busy: cap = ceil(1.5 * 21 / 4) = 8, owner keeps it
+    assert ring.bounded_candidates(key, loads.get, limit=2) == order[:2]
+    assert EncoderRing([nodes[0]]).bounded_candidates(key, lambda n: 99) == [nodes[0]]
+    assert EncoderRing().bounded_candidates(key, lambda n: 0) == []
