@@ -19,9 +19,16 @@ CACHE_DIR = Path(os.environ.get("MMSERVE_BENCH_CACHE", Path.home() / ".cache" / 
 
 BENCH_VISION = dict(image_size=64, patch_size=16, hidden_size=128, intermediate_size=512,
                     num_hidden_layers=24, num_attention_heads=4)
+# SigLIP-so400m's tower geometry (width 1152, 27 layers, 16 heads, MLP 4304, patch 14; ~400 M
+# parameters), random weights, at 112 px (64 patches) so a 2-core CPU finishes a round in
+# seconds; per-op overhead no longer dominates here, the matmuls do.
+SO400M_VISION = dict(image_size=112, patch_size=14, hidden_size=1152, intermediate_size=4304,
+                     num_hidden_layers=27, num_attention_heads=16)
+TOWERS = {"small": ("enc-bench-siglip-p16-l24", BENCH_VISION), "so400m": ("enc-bench-siglip-so400m-112", SO400M_VISION)}
 
 
-def bench_bundle(name: str = "enc-bench-siglip-p16-l24") -> Path:
+def bench_bundle(tower: str = "small") -> Path:
+    name, vision = TOWERS[tower]
     out = CACHE_DIR / name
     if (out / MANIFEST).exists():
         return out
@@ -31,10 +38,10 @@ def bench_bundle(name: str = "enc-bench-siglip-p16-l24") -> Path:
     from shared.projector import PoolProjector, ProjectorConfig
 
     torch.manual_seed(0)
-    cfg = SiglipVisionConfig(num_channels=3, **BENCH_VISION)
+    cfg = SiglipVisionConfig(num_channels=3, **vision)
     tmp = out.with_name(out.name + ".tmp")
     SiglipVisionModel(cfg).eval().save_pretrained(tmp / "vision")
-    size = BENCH_VISION["image_size"]
+    size = vision["image_size"]
     SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(tmp / "vision")
     PoolProjector(ProjectorConfig(cfg.hidden_size, 256, "grid2d", tokens=16)).save(tmp / "vision")
     manifest = {

@@ -16,9 +16,9 @@ Workload (seeded, generated up front; identical for both sides):
   both sides produce the same answers) + the next user message. ``max_tokens`` is 6-12.
 * Requests stream (``stream_options.include_usage``).
 
-Sides: two fresh stacks one after the other (cold caches both times), same model, same
-workload; only the gateway's ``llm_routing`` differs (``round_robin`` first, then
-``cache_aware``).
+Wall-clock. Sides: a fresh stack per side and repeat (cold caches every time), same model,
+same workload; only the gateway's ``llm_routing`` differs. ``--repeats`` (3) rounds, the side
+order alternating (RR, CA / CA, RR / ...); medians and [min, max] are reported.
 
 Measured per side: requests/s (requests / wall time of the workload), TTFT p50/p90 (request
 sent -> first non-empty content chunk, at the client), encoder cache hit ratio (hits / lookups
@@ -219,6 +219,19 @@ def run_side(model_dir: str, policy: str, workload, pools, concurrency: int, log
     }
 
 
+SUMMARY_KEYS = ("requests_per_s", "ttft_p50_ms", "ttft_p90_ms", "encoder_cache_hit_ratio", "prefix_cache_hit_ratio")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Median and [min, max] of each headline metric over the repeats of one side."""
+    out = {}
+    for k in SUMMARY_KEYS:
+        vals = [r[k] for r in runs]
+        out[k] = {"median": round(statistics.median(vals), 4), "min": min(vals), "max": max(vals)}
+    out["errors"] = sum(r["errors"] for r in runs)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 sessions x 5 turns")
@@ -227,6 +240,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llms", type=int, default=2, help="LLM replicas behind the gateway")
+    ap.add_argument("--repeats", type=int, default=3, help="fresh stacks per side; the order alternates")
     ap.add_argument("--model", default=None, help="bundle dir (default: the tiny mimo bundle)")
     args = ap.parse_args()
     sessions = args.sessions or (8 if args.quick else 16)
@@ -240,52 +254,59 @@ def main() -> None:
     n_media = {m: sum(1 for s in workload for t in s.turns for mm, _ in t.media if mm == m) for m in pools}
     print(
         f"workload: {sessions} sessions x {turns} turns = {sessions * turns} requests, concurrency "
-        f"{args.concurrency}, seed {args.seed}, media items {n_media}", flush=True,
+        f"{args.concurrency}, seed {args.seed}, media items {n_media}, {args.llms} LLM replicas, "
+        f"{args.repeats} repeats (side order alternates)", flush=True,
     )  # fmt: skip
     log_dir = tempfile.mkdtemp(prefix="mmserve-e2e-load-")
     print(f"service logs under {log_dir}", flush=True)
-    sides = {}
-    for policy in ("round_robin", "cache_aware"):
-        sides[policy] = r = run_side(model_dir, policy, workload, pools, args.concurrency, log_dir, args.llms)
-        print(
-            f"{policy:12s} req/s {r['requests_per_s']:6.2f}  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
-            f"p90 {r['ttft_p90_ms']:7.1f} ms  encoder hit {r['encoder_cache_hit_ratio']:.3f}  "
-            f"prefix hit {r['prefix_cache_hit_ratio']:.3f} ({r['cached_tokens']}/{r['prompt_tokens']})  "
-            f"per replica {r['llm_requests_per_replica']}  errors {r['errors']}\n"
-            f"{'':12s} prefix hit by turn {r['prefix_cache_hit_ratio_by_turn']}", flush=True,
-        )  # fmt: skip
-    ca, rr = sides["cache_aware"], sides["round_robin"]
+    runs: dict[str, list[dict]] = {"round_robin": [], "cache_aware": []}
+    for rep in range(args.repeats):
+        order = ("round_robin", "cache_aware") if rep % 2 == 0 else ("cache_aware", "round_robin")
+        for policy in order:
+            r = run_side(model_dir, policy, workload, pools, args.concurrency, f"{log_dir}/{rep}", args.llms)
+            runs[policy].append(r)
+            print(
+                f"[{rep}] {policy:12s} req/s {r['requests_per_s']:6.2f}  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+                f"p90 {r['ttft_p90_ms']:7.1f} ms  encoder hit {r['encoder_cache_hit_ratio']:.3f}  "
+                f"prefix hit {r['prefix_cache_hit_ratio']:.3f} ({r['cached_tokens']}/{r['prompt_tokens']})  "
+                f"per replica {r['llm_requests_per_replica']}  errors {r['errors']}", flush=True,
+            )  # fmt: skip
+    ca, rr = summarize(runs["cache_aware"]), summarize(runs["round_robin"])
+    med = lambda side, k: side[k]["median"]  # noqa: E731
     ratios = {
-        "prefix_cache_hit_ratio": round(ca["prefix_cache_hit_ratio"] / rr["prefix_cache_hit_ratio"], 3)
-        if rr["prefix_cache_hit_ratio"] else float("inf"),
-        "ttft_p90": round(ca["ttft_p90_ms"] / rr["ttft_p90_ms"], 3),
-        "ttft_p50": round(ca["ttft_p50_ms"] / rr["ttft_p50_ms"], 3),
-        "requests_per_s": round(ca["requests_per_s"] / rr["requests_per_s"], 3),
-        # prefill work actually computed (prompt tokens not served from the prefix cache)
-        "uncached_prompt_tokens": round(
-            (ca["prompt_tokens"] - ca["cached_tokens"]) / max(1, rr["prompt_tokens"] - rr["cached_tokens"]), 3
-        ),
+        "prefix_cache_hit_ratio": round(med(ca, "prefix_cache_hit_ratio") / med(rr, "prefix_cache_hit_ratio"), 3)
+        if med(rr, "prefix_cache_hit_ratio") else float("inf"),
+        "ttft_p90": round(med(ca, "ttft_p90_ms") / med(rr, "ttft_p90_ms"), 3),
+        "ttft_p50": round(med(ca, "ttft_p50_ms") / med(rr, "ttft_p50_ms"), 3),
+        "requests_per_s": round(med(ca, "requests_per_s") / med(rr, "requests_per_s"), 3),
     }
+    per_repeat_hit = [round(c["prefix_cache_hit_ratio"] / r["prefix_cache_hit_ratio"], 3) if r["prefix_cache_hit_ratio"]
+                      else None for c, r in zip(runs["cache_aware"], runs["round_robin"])]
     target_met = (
         ratios["prefix_cache_hit_ratio"] >= TARGET_HIT_RATIO
         and ratios["ttft_p90"] <= TARGET_TTFT_P90
         and ca["errors"] == rr["errors"] == 0
     )
+    print(f"\nmedian [min, max] over {args.repeats} repeats:")
+    for k in SUMMARY_KEYS:
+        print(f"  {k:24s} round_robin {rr[k]['median']:9.3f} [{rr[k]['min']}, {rr[k]['max']}]   "
+              f"cache_aware {ca[k]['median']:9.3f} [{ca[k]['min']}, {ca[k]['max']}]")
     print(
-        f"cache_aware / round_robin: prefix hit x{ratios['prefix_cache_hit_ratio']}, TTFT p90 "
-        f"x{ratios['ttft_p90']}, TTFT p50 x{ratios['ttft_p50']}, req/s x{ratios['requests_per_s']}, "
-        f"uncached prompt tokens x{ratios['uncached_prompt_tokens']}; "
-        f"target (hit >= x{TARGET_HIT_RATIO}, p90 <= x{TARGET_TTFT_P90}) {'met' if target_met else 'NOT met'}",
-        flush=True,
-    )
+        f"cache_aware / round_robin (medians): prefix hit x{ratios['prefix_cache_hit_ratio']} (per repeat "
+        f"{per_repeat_hit}), TTFT p90 x{ratios['ttft_p90']}, TTFT p50 x{ratios['ttft_p50']}, "
+        f"req/s x{ratios['requests_per_s']}; target (hit >= x{TARGET_HIT_RATIO}, p90 <= x{TARGET_TTFT_P90}) "
+        f"{'met' if target_met else 'NOT met'}", flush=True,
+    )  # fmt: skip
     print(json.dumps({
-        "benchmark": "e2e_load",
+        "benchmark": "e2e_load", "kind": "wall-clock",
         "quick": args.quick,
         "workload": {"sessions": sessions, "turns": turns, "concurrency": args.concurrency, "llm_replicas": args.llms,
-                     "seed": args.seed, "media_items": n_media},
+                     "seed": args.seed, "media_items": n_media, "repeats": args.repeats},
         "round_robin": rr,
         "cache_aware": ca,
         "ratio_cache_aware_over_round_robin": ratios,
+        "prefix_hit_ratio_per_repeat": per_repeat_hit,
+        "runs": runs,
         "target_met": target_met,
     }))  # fmt: skip
 

@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     n_lat = 20 if args.quick else 60
     n_items, n_req = (100, 200) if args.quick else (400, 1000)
-    bundle = bench_bundle()
+    bundle = bench_bundle("small")
     cold_imgs = random_images(n_lat, seed=10)
     zipf_imgs = random_images(n_items, seed=20)
     order = zipf_workload(n_items, n_req, args.zipf_s, seed=0)

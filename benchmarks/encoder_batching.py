@@ -1,10 +1,12 @@
 """Images/s at concurrency 16: cross-request batching vs ``max_batch_size=1``, same run, cache off.
 
-Both servers run the same larger random SigLIP bundle (see ``_enc_bundle``) in their own
+Wall-clock. Both servers run the same random SigLIP bundle (see ``_enc_bundle``: ``--tower small``,
+24 narrow layers where per-op overhead dominates, or ``--tower so400m``, SigLIP-so400m's
+geometry at 112 px, where the matmuls do) in their own
 process; rounds alternate between them so machine load affects both alike; the median round
 counts. Last line: JSON.
 
-    python -m benchmarks.encoder_batching [--quick]
+    python -m benchmarks.encoder_batching [--quick] [--tower small|so400m]
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 
 import httpx
 
-from benchmarks._enc_bundle import BENCH_VISION, bench_bundle, random_images
+from benchmarks._enc_bundle import TOWERS, bench_bundle, random_images
 from benchmarks._enc_server import forward_passes, spawn_encoder
 
 
@@ -41,11 +43,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--requests", type=int, default=0, help="per round (default 48 quick / 160 full)")
     ap.add_argument("--rounds", type=int, default=0, help="default 3 quick / 5 full")
+    ap.add_argument("--tower", default="small", choices=sorted(TOWERS))
     ap.add_argument("--max-wait-ms", type=float, default=10.0, help="batching window (both servers)")
     args = ap.parse_args()
-    n = args.requests or (48 if args.quick else 160)
-    rounds = args.rounds or (3 if args.quick else 5)
-    bundle = bench_bundle()
+    big = args.tower != "small"
+    n = args.requests or ((16 if big else 48) if args.quick else (48 if big else 160))
+    rounds = args.rounds or (2 if big and args.quick else 3 if args.quick else 5)
+    bundle = bench_bundle(args.tower)
     images = random_images(n * rounds, seed=1)
     common = dict(model_dir=bundle, cache_bytes=0, max_wait_ms=args.max_wait_ms)
     results: dict[str, list[float]] = {"batched": [], "unbatched": []}
@@ -65,13 +69,13 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in results.items()}
     speedup = med["batched"] / med["unbatched"]
     avg_batch = n * rounds / max(passes["batched"], 1)
-    print(f"\nconcurrency {args.concurrency}, {n} images x {rounds} rounds, cores {os.cpu_count()}, tower {BENCH_VISION}")
+    print(f"\nconcurrency {args.concurrency}, {n} images x {rounds} rounds, cores {os.cpu_count()}, tower {args.tower} {TOWERS[args.tower][1]}")
     print(f"{'':10s} {'images/s (median)':>18s} {'forwards':>9s} {'images/forward':>15s}")
     for k in ("batched", "unbatched"):
         print(f"{k:10s} {med[k]:18.1f} {passes[k]:9.0f} {n * rounds / max(passes[k], 1):15.2f}")
     print(f"speedup {speedup:.2f}x (target >= 2x)")
     print(json.dumps({
-        "benchmark": "encoder_batching", "quick": args.quick, "cores": os.cpu_count(),
+        "benchmark": "encoder_batching", "kind": "wall-clock", "tower": args.tower, "quick": args.quick, "cores": os.cpu_count(),
         "concurrency": args.concurrency, "requests_per_round": n, "rounds": rounds, "max_wait_ms": args.max_wait_ms,
         "batched_images_per_s": round(med["batched"], 2), "unbatched_images_per_s": round(med["unbatched"], 2),
         "speedup": round(speedup, 3), "avg_batch_size": round(avg_batch, 2), "target_speedup": 2.0,
