@@ -45,7 +45,7 @@ def aiperf_command(url: str, model: str, tokenizer: str, out: Path, requests: in
         "--extra-inputs", "ignore_eos:true",
         "--request-count", str(requests), "--concurrency", str(concurrency),
         "--request-cancellation-rate", str(cancel_pct), "--request-cancellation-delay", "0.2",
-        "--random-seed", "0", "--artifact-dir", str(out),
+        "--random-seed", "0", "--artifact-dir", str(out), "--ui-type", "none",
     ]  # fmt: skip
 
 
