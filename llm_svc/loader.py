@@ -67,7 +67,7 @@ def _max_token_bytes(tokenizer) -> int:
 
 def _arch_of(architecture: str) -> tuple[str, dict]:
     """Our model family of an HF architecture name, and the from_pretrained kwargs it needs."""
-    if architecture in ("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM"):
+    if architecture in ("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM"):
         return "mimo", {"attn_implementation": "eager"}  # sdpa has no sink API
     if architecture.startswith("Gemma3"):
         return "gemma3", {"attn_implementation": "eager"}

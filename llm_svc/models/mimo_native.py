@@ -167,9 +167,18 @@ class MiMoForCausalLM(nn.Module):
         return self.lm_head
 
 
+# MiMo-V2.5 omni (``MiMoV2OmniForCausalLM``) keeps its towers in the same files; vLLM's
+# ``mimo_v2_omni.py`` ``hf_to_vllm_mapper`` names them: ``model.visual.`` / ``visual.`` (ViT),
+# ``speech_embeddings.`` + ``audio_tokenizer.`` (audio), ``model.language_model.`` (the LM, in
+# checkpoints saved by transformers >= 4.52). The LM reads past the towers (the encoder's part).
+_TOWER_PREFIXES = ("model.visual.", "visual.", "speech_embeddings.", "audio_tokenizer.")
+
+
 def _published_name(name: str) -> str | None:
-    if name.startswith("model.mtp."):
-        return None  # MTP draft heads: mmserve does not speculate
+    if name.startswith("model.mtp.") or name.startswith(_TOWER_PREFIXES):
+        return None  # MTP draft heads (mmserve does not speculate) and media towers
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
     return name
 
 

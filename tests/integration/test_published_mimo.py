@@ -142,3 +142,27 @@ def test_hf_backend_refuses_the_published_format_clearly(flash_pair):
 
     with pytest.raises(ValueError, match="--backend swa"):
         HFBackend(LLMSettings(model_dir=str(flash_pair[0].spec.root)), flash_pair[0])
+
+
+def test_omni_checkpoint_lm_reads_past_the_towers(tmp_path):
+    """MiMo-V2.5 omni keeps ViT and audio tensors in the LM's files (vLLM's mimo_v2_omni names):
+    the LM loads the same numbers as without them; the towers are the encoder's part."""
+    from safetensors.torch import load_file, save_file
+
+    plain = mp.write_mimo_published(tmp_path / "v25", mp.V25, sliding_window=SMALL_W)
+    omni = _copy(plain, tmp_path / "omni", lambda c: c.update(
+        architectures=["MiMoV2OmniForCausalLM"], vision_config={"depth": 2, "hidden_size": 32},
+        audio_config={"hidden_size": 32}, image_token_id=5, video_token_id=6, audio_token_id=9))
+    state = load_file(str(omni / "model.safetensors"))
+    state = {("model.language_model." + k[len("model."):] if k.startswith("model.layers.0.") else k): v
+             for k, v in state.items()}  # both LM prefixes occur in published files
+    state["model.visual.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 16, 16)
+    state["speech_embeddings.0.weight"] = torch.randn(8, 32)
+    save_file(state, str(omni / "model.safetensors"))
+    a, b = load_lm(str(plain)), load_lm(str(omni))
+    ids = torch.randint(10, 600, (1, 30), generator=torch.Generator().manual_seed(2))
+    from tests.unit.test_llm_runner import SlotSim, make_runner, run_chunked
+
+    ra = run_chunked(make_runner(a), SlotSim(512, 128), "x", ids[0].tolist(), 30, 30)
+    rb = run_chunked(make_runner(b), SlotSim(512, 128), "x", ids[0].tolist(), 30, 30)
+    assert torch.equal(ra[29], rb[29])
