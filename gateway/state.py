@@ -67,7 +67,8 @@ class GatewayState:
             http, encoder_pool, ring, attempts=s.upstream_attempts, timeout=timeout,
             on_failover=metrics.encoder_retries.inc, load_factor=s.encoder_load_factor,
         )
-        llms = LLMClient(http, llm_pool, make_router(s.llm_routing), attempts=s.upstream_attempts, timeout=timeout)
+        llms = LLMClient(http, llm_pool, make_router(s.llm_routing), attempts=s.upstream_attempts, timeout=timeout,
+                         limits=llm_limits)
         fetcher = MediaFetcher(
             fetch_http, SSRFGuard(s.allowed_hosts),
             max_bytes=s.max_media_bytes, timeout=s.fetch_timeout, max_redirects=s.max_redirects,

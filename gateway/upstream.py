@@ -29,12 +29,13 @@ import torch
 from gateway.errors import APIError
 from gateway.aio import gather_or_cancel
 from gateway.media import MediaError, MediaItem
+from gateway.routing.capacity import ReplicaLimits, estimate_prompt_tokens
 from gateway.routing.encoder_ring import EncoderRing
 from gateway.routing.llm_router import LLMRouter
 from gateway.routing.prefix import prefix_blocks
 from gateway.routing.replicas import ReplicaPool
 from shared.admission import deadline_header
-from shared.schemas import EncodeResult, GenerateChunk, GenerateRequest, GenerateResponse
+from shared.schemas import EncodeResult, GenerateChunk, GenerateRequest, GenerateResponse, PromptText
 from shared.wire import SAFETENSORS_MIME, WireError, unpack
 
 log = logging.getLogger("mmserve.gateway.upstream")
@@ -245,12 +246,14 @@ class LLMClient:
         *,
         attempts: int,
         timeout: httpx.Timeout,
+        limits: ReplicaLimits | None = None,
     ) -> None:
         self._client = client
         self._pool = pool
         self.router = router
         self.attempts = attempts
         self.timeout = timeout
+        self.limits = limits or ReplicaLimits()
 
     async def generate(self, req: GenerateRequest, body: bytes) -> GenerateResponse:
         stream = await self._send(req, body)
@@ -273,6 +276,8 @@ class LLMClient:
         replicas = self._pool.routable()
         if not replicas:
             raise UpstreamError("no LLM replica is configured", status=503)
+        text = sum(len(p.text.encode("utf-8")) for m in req.messages for p in m.content if isinstance(p, PromptText))
+        replicas = self.limits.bucketed(replicas, estimate_prompt_tokens(text, sum(p.num_tokens for p in req.media())))
         blocks = prefix_blocks(req.messages)
         tried: list[str] = []
         errors: list[str] = []

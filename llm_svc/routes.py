@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from shared.admission import Overloaded, Ticket, deadline_from
 from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse, HealthStatus, ServiceLimits
+from shared.settings import length_bucket_range
 from shared.streaming import ClosingStreamingResponse
 from shared.wire import WireError, unpack
 
@@ -54,7 +55,9 @@ async def readyz(state: StateDep) -> JSONResponse:
     if state.ready:
         limits = None
         if state.lm is not None:
-            limits = ServiceLimits(max_model_len=state.settings.max_model_len, max_token_bytes=state.lm.max_token_bytes)
+            lo, hi = (0, None) if not state.settings.length_bucket else length_bucket_range(state.settings.length_bucket)
+            limits = ServiceLimits(max_model_len=state.settings.max_model_len, max_token_bytes=state.lm.max_token_bytes,
+                                   min_prompt_tokens=lo, max_prompt_tokens=hi)
         body = HealthStatus(status="ok", service="llm", model=state.model_name, limits=limits)
         return JSONResponse(body.model_dump())
     status = "error" if state.error else "loading"

@@ -355,6 +355,9 @@ class ServiceLimits(BaseModel):
 
     max_model_len: int = Field(ge=1)
     max_token_bytes: int = Field(ge=1, description="longest token in UTF-8 bytes: tokens >= bytes / this")
+    # the replica's length bucket: prompts of [min_prompt_tokens, max_prompt_tokens) are routed here
+    min_prompt_tokens: int = Field(default=0, ge=0)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
 
 
 class HealthStatus(BaseModel):

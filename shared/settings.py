@@ -17,6 +17,19 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 StrList = Annotated[list[str], NoDecode]
 
 
+LENGTH_BUCKETS = {"short": (0, 64 * 1024), "medium": (64 * 1024, 256 * 1024), "long": (256 * 1024, 1024 * 1024)}
+
+
+def length_bucket_range(label: str) -> tuple[int, int]:
+    """``short`` / ``medium`` / ``long`` (Xiaomi's default ranges) or ``LO-HI`` -> [lo, hi) tokens."""
+    if label in LENGTH_BUCKETS:
+        return LENGTH_BUCKETS[label]
+    lo, sep, hi = label.partition("-")
+    if not sep or not lo.strip().isdigit() or not hi.strip().isdigit() or int(lo) >= int(hi):
+        raise ValueError(f"length bucket {label!r}: use short, medium, long or LO-HI tokens with LO < HI")
+    return int(lo), int(hi)
+
+
 class _ServiceSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -73,6 +86,18 @@ class LLMSettings(_ServiceSettings):
         default=256 * 1024 * 1024, ge=1, description="largest /v1/generate body (prompt + media embeddings)"
     )
     max_in_flight: int = Field(default=256, ge=1, description="requests admitted at once; past it a 429")
+    length_bucket: str | None = Field(
+        default=None,
+        description="prompt-length range this replica serves (gateway routes by it): short (0-64K), "
+        "medium (64K-256K), long (256K-1M) or LO-HI in tokens; unset: any length",
+    )
+
+    @field_validator("length_bucket")
+    @classmethod
+    def _bucket(cls, v: str | None) -> str | None:
+        if v is not None:
+            length_bucket_range(v)  # raises on a bad label
+        return v
     # swa engine
     kv_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
     kv_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)

@@ -1,4 +1,6 @@
-"""What each LLM replica reported it can take (``/readyz`` ``limits``)."""
+"""What each LLM replica reported it can take (``/readyz`` ``limits``), and length buckets:
+replicas labelled with a prompt-length range get the prompts of that range (Xiaomi's
+length-bucketed serving); routing stays cache-aware inside a bucket."""
 
 from __future__ import annotations
 
@@ -30,3 +32,21 @@ class ReplicaLimits:
             max_model_len=max(v.max_model_len for v in known),
             max_token_bytes=max(v.max_token_bytes for v in known),
         )
+
+    def bucketed(self, replicas: list[str], est_tokens: int) -> list[str]:
+        """The replicas whose length bucket holds ``est_tokens`` (unlabelled ones hold every
+        length); if none does, those whose bucket is above it, then all of them."""
+        def bucket(url: str) -> tuple[int, int | None]:
+            lim = self._by_url.get(url)
+            return (0, None) if lim is None else (lim.min_prompt_tokens, lim.max_prompt_tokens)
+
+        fits = [r for r in replicas if bucket(r)[0] <= est_tokens and (bucket(r)[1] or est_tokens + 1) > est_tokens]
+        if fits:
+            return fits
+        above = [r for r in replicas if bucket(r)[0] > est_tokens]
+        return above or replicas
+
+
+def estimate_prompt_tokens(text_bytes: int, media_tokens: int) -> int:
+    """A routing estimate (not a bound): ~4 bytes per text token, plus the media rows."""
+    return text_bytes // 4 + media_tokens

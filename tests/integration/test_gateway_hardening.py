@@ -225,3 +225,28 @@ def test_the_deadline_travels_to_the_llm(gw, upstreams):
     assert r.status_code == 200
     left_ms = int(llm.server.config.app.state.headers[-1]["x-mmserve-deadline-ms"])
     assert 0 < left_ms <= 300_000  # the gateway's request_timeout, less what it spent
+
+
+def test_length_buckets_route_long_prompts_to_the_long_replica():
+    enc = ServerThread(fake_encoder_app("e0")).start()
+    short, long_ = ServerThread(fake_llm_app("short")).start(), ServerThread(fake_llm_app("long")).start()
+    short.server.config.app.state.limits = {"max_model_len": 100_000, "max_token_bytes": 16,
+                                            "min_prompt_tokens": 0, "max_prompt_tokens": 200}
+    long_.server.config.app.state.limits = {"max_model_len": 100_000, "max_token_bytes": 16,
+                                            "min_prompt_tokens": 200, "max_prompt_tokens": 100_000}
+    s = GatewaySettings(model_name=MODEL, encoder_urls=[enc.url], llm_urls=[short.url, long_.url], dns_interval=0,
+                        health_interval=0.1, connect_timeout=2)
+    gw = ServerThread(create_app(s)).start()
+    try:
+        state = gw.server.config.app.state.gateway
+        deadline = time.monotonic() + 10
+        while len(state.llm_limits._by_url) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for text, want in (("hi there", "short"), ("word " * 400, "long"), ("ok", "short")):
+            r = httpx.post(gw.url + "/v1/chat/completions", json=chat({"type": "text", "text": text}), timeout=30)
+            assert r.status_code == 200
+            assert json.loads(r.json()["choices"][0]["message"]["content"])["replica"] == want
+    finally:
+        for server in (gw, enc, short, long_):
+            server.stop()
