@@ -38,11 +38,12 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--model", default="/tmp/mmserve-rss-model")
+    ap.add_argument("--kv-bytes", type=int, default=256 * 1024 * 1024)
     args = ap.parse_args()
     write_tiny_model(args.model, arch="mimo")
     from llm_svc.app import create_app
 
-    app = create_app(LLMSettings(model_dir=args.model, max_model_len=1024))
+    app = create_app(LLMSettings(model_dir=args.model, max_model_len=1024, kv_bytes=args.kv_bytes))
     state = app.state.svc
     await state.load()
     assert state.ready, state.error
