@@ -24,7 +24,7 @@ from shared.wire import pack
 def sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
     """OpenAI knobs -> SamplingParams; unset knobs keep the LLM defaults (greedy)."""
     kw: dict = {"max_tokens": req.effective_max_tokens(default_max_tokens), "stop": req.stop or [],
-                "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens}
+                "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "priority": req.priority}
     if req.temperature is not None:
         kw["temperature"] = req.temperature
     if req.top_p is not None:

@@ -110,6 +110,8 @@ class ChatCompletionRequest(_Lenient):
     # vLLM extensions that benchmark clients (aiperf, guidellm) send to hold output lengths
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    # vLLM's priority: lower values are admitted first (ties keep the scheduler's own order)
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
 
     @field_validator("stop")
     @classmethod
@@ -294,6 +296,7 @@ class SamplingParams(BaseModel):
     # no EOS, stop token or stop string ends the request before this many output tokens
     # (vLLM's semantics: EOS and stop tokens are masked out of the logits until then)
     min_tokens: int = Field(default=0, ge=0)
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31, description="lower is admitted first")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "SamplingParams":
@@ -396,6 +399,7 @@ class CoreSampling(msgspec.Struct, frozen=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     min_tokens: int = 0
+    priority: int = 0
 
 
 class CoreAdd(msgspec.Struct, tag="add"):

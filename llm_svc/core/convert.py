@@ -33,7 +33,7 @@ def to_core_add(prep: PreparedRequest, epoch: int) -> CoreAdd:
     sampling = CoreSampling(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         seed=None if s.seed is None else s.seed % _SEED_RANGE, stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
+        ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, priority=s.priority,
     )
     return CoreAdd(
         epoch=epoch, request_id=prep.request_id, prompt_ids=list(prep.prompt_ids), sampling=sampling,
@@ -48,7 +48,7 @@ def from_core_add(msg: CoreAdd, device: torch.device, dtype: torch.dtype) -> Pre
     sampling = SamplingParams.model_construct(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
         stop=[], stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        min_tokens=s.min_tokens,
+        min_tokens=s.min_tokens, priority=s.priority,
     )
     return PreparedRequest(
         request_id=msg.request_id, prompt_ids=list(msg.prompt_ids), sampling=sampling,

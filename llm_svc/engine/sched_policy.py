@@ -24,7 +24,8 @@ class AdmissionPolicy(ABC):
 
 
 def _arrival_order(waiting: Sequence[Request]) -> list[Request]:
-    return sorted(waiting, key=lambda r: (r.num_preemptions == 0, r.arrival_time))
+    """Preempted first, then by vLLM-style ``priority`` (lower first), then by arrival."""
+    return sorted(waiting, key=lambda r: (r.num_preemptions == 0, r.sampling.priority, r.arrival_time))
 
 
 class FCFSPolicy(AdmissionPolicy):
@@ -72,7 +73,7 @@ class ComputeAwarePolicy(AdmissionPolicy):
         rest = [r for r in head if not r.num_preemptions]
         considered, tail = rest[: self.window], rest[self.window:]
         # sorted() is stable: equal keys keep arrival order
-        return pre + sorted(considered, key=lambda r: self.deadline(r, cached_len)) + tail
+        return pre + sorted(considered, key=lambda r: (r.sampling.priority, self.deadline(r, cached_len))) + tail
 
 
 POLICIES: dict[str, Callable[..., AdmissionPolicy]] = {

@@ -250,3 +250,9 @@ def test_length_buckets_route_long_prompts_to_the_long_replica():
     finally:
         for server in (gw, enc, short, long_):
             server.stop()
+
+
+def test_priority_reaches_the_llm(gw):
+    r = httpx.post(gw.url + "/v1/chat/completions", json=chat({"type": "text", "text": "x"}, priority=-3), timeout=30)
+    assert r.status_code == 200
+    assert json.loads(r.json()["choices"][0]["message"]["content"])["sampling"]["priority"] == -3

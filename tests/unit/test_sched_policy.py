@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from llm_svc.types import Request
 from llm_svc.engine.sched_policy import ComputeAwarePolicy, FCFSPolicy, make_policy, uncached_tokens
@@ -204,3 +205,30 @@ def test_llm_settings_choose_the_engine_policy(mimo_bundle, monkeypatch, env, ex
     assert engine.scheduler.config.policy == (env or "compute_aware")
     with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
         build_engine(settings.model_copy(update={"schedule_policy": "lifo"}), lm)
+
+
+@pytest.mark.parametrize("policy", [FCFSPolicy(), ComputeAwarePolicy()])
+def test_vllm_priority_orders_admission_lower_first(policy):
+    """``priority`` (vLLM's field, lower first) wins over arrival and over compute cost; equal
+    priorities keep the policy's own order; preempted requests still come first."""
+    def with_priority(rid, n, arrival, priority, **kw):
+        r = req(rid, n, arrival, **kw)
+        r.sampling = SamplingParams(max_tokens=2, ignore_eos=True, priority=priority)
+        return r
+
+    waiting = [with_priority("old-low", 8, 0.0, 5), with_priority("new-high", 64, 1.0, -1),
+               with_priority("mid", 8, 0.5, 0), with_priority("mid2", 8, 0.6, 0)]
+    order = ids(policy.order(waiting, 2.0, lambda keys: 0))
+    assert order == ["new-high", "mid", "mid2", "old-low"]
+    pre = with_priority("preempted", 8, 3.0, 9)
+    pre.num_preemptions = 1
+    assert ids(policy.order([*waiting, pre], 4.0, lambda keys: 0))[0] == "preempted"
+
+
+def test_priority_crosses_the_engine_core_protocol():
+    from llm_svc.core.convert import from_core_add, to_core_add
+    from llm_svc.types import PreparedRequest
+
+    prep = PreparedRequest(request_id="p", prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=3, priority=-7))
+    back = from_core_add(to_core_add(prep, epoch=1), "cpu", torch.float32)
+    assert back.sampling.priority == -7
