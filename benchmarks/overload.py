@@ -1,0 +1,173 @@
+"""Overload: offered load at 1x, 2x and 4x the stack's capacity, with admission control (ours)
+and without it (the same stack with unbounded gateway admission: what a plain queueing server
+does), side by side on one encoder + one LLM, sides alternated A-B-B-A per level.
+
+Per side and level: goodput (200s per second), share of 429s, 5xx count, p50/p99 latency of the
+admitted (200) requests, and RSS of gateway and LLM service before/after. Capacity is measured
+first with a closed loop of ``--clients`` requests. Mixed traffic: text chats and small-image
+chats (one in four). Open-loop Poisson arrivals; a client gives up after ``--client-timeout`` s
+(counted as failed, not as goodput). Targets (issue 11): goodput at 4x >= 90% of goodput at 1x,
+no 5xx, memory flat. The last line is a JSON object.
+
+    python -m benchmarks.overload --quick      # ~2-3 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks._stack_util import image_part, make_png, user
+from shared.launcher import LocalStack, Service, StackSpec, free_port, wait_ready
+from shared.tiny_model import write_tiny_model
+
+
+def rss_mb(pid: int) -> float:
+    """RSS of ``pid`` and its children (the LLM front's engine core) in MB."""
+    out = subprocess.run(["ps", "-o", "rss=", "--ppid", str(pid), "-p", str(pid)], capture_output=True, text=True)
+    return round(sum(int(x) for x in out.stdout.split()) / 1024, 1)
+
+
+def body(model: str, i: int, rng: random.Random) -> dict:
+    words = " ".join(rng.choice(["red", "blue", "cat", "dog", "sky", "sea", "sun"]) for _ in range(rng.randint(8, 40)))
+    parts = [image_part(make_png(seed=i % 16))] if i % 4 == 0 else []
+    return {"model": model, "max_tokens": 16, "messages": [user(f"{i} {words}", *parts)]}
+
+
+async def closed_loop(url: str, model: str, clients: int, seconds: float) -> float:
+    """Requests per second a closed loop of ``clients`` sustains: the stack's capacity."""
+    done, stop = 0, time.monotonic() + seconds
+    rng = random.Random(1)
+
+    async def client(c: httpx.AsyncClient, k: int) -> None:
+        nonlocal done
+        i = k
+        while time.monotonic() < stop:
+            r = await c.post(url, json=body(model, i, rng))
+            done += r.status_code == 200
+            i += clients
+
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=120) as c:
+        await asyncio.gather(*(client(c, k) for k in range(clients)))
+    return done / (time.monotonic() - t0)
+
+
+async def open_loop(url: str, model: str, rate: float, seconds: float, timeout: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    while t < seconds:
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    lat: list[float] = []
+    counts = {"ok": 0, "429": 0, "5xx": 0, "other": 0, "timeout": 0}
+
+    async def one(c: httpx.AsyncClient, at: float, i: int) -> None:
+        await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
+        start = time.monotonic()
+        try:
+            r = await c.post(url, json=body(model, i, rng))
+        except httpx.TimeoutException:
+            counts["timeout"] += 1
+            return
+        if r.status_code == 200:
+            counts["ok"] += 1
+            lat.append(time.monotonic() - start)
+        elif r.status_code == 429:
+            counts["429"] += 1
+        elif r.status_code >= 500:
+            counts["5xx"] += 1
+        else:
+            counts["other"] += 1
+
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=2048)) as c:
+        await asyncio.gather(*(one(c, at, i) for i, at in enumerate(arrivals)))
+    wall = time.monotonic() - t0
+    lat.sort()
+    n = len(arrivals)
+    return {
+        "offered_rps": round(rate, 2), "sent": n, "goodput_rps": round(counts["ok"] / wall, 3),
+        "share_429": round(counts["429"] / n, 3), "n_5xx": counts["5xx"], "timeouts": counts["timeout"],
+        "other": counts["other"],
+        "p50_s": round(lat[len(lat) // 2], 3) if lat else None,
+        "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+    }
+
+
+def extra_gateway(stack: LocalStack, env: dict[str, str], log_dir: Path) -> Service:
+    """A second gateway on the same encoder and LLM, with its own admission settings."""
+    port = free_port()
+    argv = [sys.executable, "-m", "shared.cli", "gateway", "--host", "127.0.0.1", "--port", str(port),
+            "--model-name", stack.model_name, "--encoder-urls", ",".join(s.url for s in stack.encoders),
+            "--llm-urls", ",".join(s.url for s in stack.llms)]
+    genv = {**stack.gateway.env, **{f"MMSERVE_GATEWAY_{k.upper()}": v for k, v in env.items()}}
+    return Service("gateway-unbounded", f"http://127.0.0.1:{port}", argv, genv, log_dir / "gateway-unbounded.log")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--seconds", type=float, default=None, help="per level and side")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--client-timeout", type=float, default=30.0)
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args()
+    seconds = args.seconds or (8.0 if args.quick else 60.0)
+    log_dir = Path(tempfile.mkdtemp(prefix="mmserve-overload-"))
+    model = args.model or str(write_tiny_model(log_dir / "tiny-mimo", arch="mimo"))
+    # ours: a small admission window in front of the stack (in flight = queue = 2x clients)
+    bound = {"max_in_flight": str(2 * args.clients), "max_queue": str(2 * args.clients), "queue_timeout": "2"}
+    spec = StackSpec(model_dir=model, gateway_port=0, gateway_env=bound)
+    result: dict = {"bench": "overload", "quick": args.quick, "seconds_per_level": seconds, "levels": {}}
+    with LocalStack(spec, log_dir=log_dir) as stack:
+        stack.wait_ready(timeout=300)
+        other = extra_gateway(stack, {"max_in_flight": "100000", "max_queue": "0"}, log_dir)
+        other.start()
+        try:
+            wait_ready([other], 120)
+            sides = {"admission": stack.url, "unbounded": other.url}
+            pids = {"admission": stack.gateway.proc.pid, "unbounded": other.proc.pid}
+            url = f"{stack.url}/v1/chat/completions"
+            cap = asyncio.run(closed_loop(url, stack.model_name, args.clients, seconds))
+            result["capacity_rps"] = round(cap, 3)
+            llm_pid = stack.llms[0].proc.pid
+            result["rss_mb_start"] = {"llm": rss_mb(llm_pid), **{k: rss_mb(p) for k, p in pids.items()}}
+            for level in (1, 2, 4):
+                runs: dict[str, list[dict]] = {"admission": [], "unbounded": []}
+                for k, side in enumerate(("admission", "unbounded", "unbounded", "admission")):
+                    r = asyncio.run(open_loop(f"{sides[side]}/v1/chat/completions", stack.model_name, cap * level,
+                                              seconds / 2, args.client_timeout, seed=level * 10 + k))
+                    runs[side].append(r)
+                    print(f"{level}x {side}: {r}", flush=True)
+                result["levels"][f"{level}x"] = runs
+            result["rss_mb_end"] = {"llm": rss_mb(llm_pid), **{k: rss_mb(p) for k, p in pids.items()}}
+        finally:
+            other.stop()
+
+    def goodput(side: str, level: str) -> float:
+        return sum(r["goodput_rps"] for r in result["levels"][level][side]) / 2
+
+    result["summary"] = {
+        side: {
+            "goodput_4x_over_1x": round(goodput(side, "4x") / max(1e-9, goodput(side, "1x")), 3),
+            "n_5xx": sum(r["n_5xx"] for lv in result["levels"].values() for r in lv[side]),
+            "p99_4x_s": max((r["p99_s"] or 0) for r in result["levels"]["4x"][side]),
+            "timeouts_4x": sum(r["timeouts"] for r in result["levels"]["4x"][side]),
+        }
+        for side in ("admission", "unbounded")
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
