@@ -5,8 +5,10 @@ Wall-clock, one side (our stack; ``benchmarks.vs_vllm`` compares with vLLM). The
 ``bash scripts/run.sh`` starts (gateway + one encoder + one LLM service, the default tiny model),
 started here on a free port. aiperf 0.13 runs from ``~/.cache/mmserve/aiperf-venv``
 (``bash scripts/load_clients.sh aiperf`` makes it); the tokenizer is the model directory's own.
-Output lengths are held with ``ignore_eos`` (a vLLM extension our gateway accepts), so aiperf's
-token counts and the server's usage agree. The same command works against any running stack:
+Output lengths are held with ``ignore_eos`` (a vLLM extension our gateway accepts): the usage
+every response reports is exactly ``--output-tokens``. aiperf is told to count with it
+(``--use-server-token-count``); its own re-tokenization of a random-weight model's text counts
+more tokens than were generated (token ids do not round-trip through text), printed beside it. The same command works against any running stack:
 
     python -m benchmarks.aiperf_chat [--quick] [--url http://127.0.0.1:8000]
 """
@@ -29,6 +31,7 @@ METRICS = {  # aiperf's export name -> our label
     "output_token_throughput": "output tokens/s",
     "request_throughput": "requests/s",
     "output_sequence_length": "output tokens/request",
+    "usage_completion_tokens": "usage completion tokens",
 }
 
 
@@ -43,6 +46,9 @@ def aiperf_command(url: str, model: str, tokenizer: str, out: Path, requests: in
         "--synthetic-input-tokens-mean", "64", "--synthetic-input-tokens-stddev", "0",
         "--output-tokens-mean", str(output_tokens), "--output-tokens-stddev", "0",
         "--extra-inputs", "ignore_eos:true",
+        # the server's usage counts: re-tokenizing a random model's text gives ~25% more tokens
+        # than were generated (ids do not round-trip), which would inflate tok/s and shrink ITL
+        "--use-server-token-count",
         "--request-count", str(requests), "--concurrency", str(concurrency),
         "--request-cancellation-rate", str(cancel_pct), "--request-cancellation-delay", "0.2",
         "--random-seed", "0", "--artifact-dir", str(out), "--ui-type", "none",
