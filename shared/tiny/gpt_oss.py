@@ -34,7 +34,7 @@ def write_gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, head_dim:
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from shared.tiny_model import build_tokenizer
+    from shared.tiny.tokenizer import build_tokenizer
 
     torch.manual_seed(seed)
     tok = build_tokenizer(HARMONY_SPECIALS, 640, HARMONY_TEMPLATE, eos="<|return|>", pad_token="<|endoftext|>")

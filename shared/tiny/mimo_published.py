@@ -135,7 +135,7 @@ def write_mimo_published(out: Path, spec: TinyMiMoSpec = FLASH, seed: int = 0, s
     from safetensors.torch import save_file
 
     from llm_svc.models.geometry import mimo_geometry
-    from shared.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE, build_tokenizer
+    from shared.tiny.tokenizer import CHATML_SPECIALS, CHATML_TEMPLATE, build_tokenizer
 
     if sliding_window is not None and sliding_window != spec.window:
         spec = TinyMiMoSpec(**{**asdict(spec), "window": sliding_window})
