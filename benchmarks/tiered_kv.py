@@ -146,7 +146,8 @@ def hit_rate(args, lm, settings) -> dict:
     sides = {
         "device": dict(),
         "device+host": dict(host_full=2 * num_full, host_swa=num_full // 2),
-        "device+host+redis": dict(host_full=2 * num_full, host_swa=num_full // 2, l3_url=args.redis),
+        "device+host+redis": dict(host_full=2 * num_full, host_swa=num_full // 2, l3_url=args.redis,
+                                  page=args.page),
     }
     out = {"distinct_tokens": distinct, "device_full_slots": num_full,
            "working_set_over_device": round(distinct / num_full, 2)}
@@ -188,7 +189,7 @@ def returning(args, lm, settings) -> dict:
     sides = {
         "recompute": dict(),
         "host": dict(host_full=(fill + 2) * (n_prefix + 64), host_swa=(fill + 2) * 1024),
-        "redis": dict(host_full=n_prefix + 512, host_swa=2048, l3_url=args.redis),
+        "redis": dict(host_full=n_prefix + 512, host_swa=2048, l3_url=args.redis, page=args.page),
     }
     engines = {k: make_engine(lm, settings, num_full, 4096, **kw) for k, kw in sides.items()}
     ttft = {k: [] for k in sides}
@@ -248,6 +249,8 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--page", type=int, default=64, help="L3 page tokens (MMSERVE_LLM_KV_L3_PAGE_TOKENS)")
+    ap.add_argument("--only", choices=["hit"], default=None, help="run only the hit-rate part")
     args = ap.parse_args()
     args.system = 1024 if args.quick else 3072
     args.sessions = args.sessions or (12 if args.quick else 20)
@@ -269,6 +272,9 @@ def main() -> None:
     print(f"1. hit rate on an agent trace ({args.sessions} sessions x {args.turns} turns), tiny MiMo", flush=True)
     lm = load_lm(str(tiny))
     res_hit = hit_rate(args, lm, LLMSettings(model_dir=str(tiny)))
+    if args.only == "hit":
+        print(json.dumps({"hit_rate": res_hit, "page": args.page, "quick": args.quick}))
+        return
     ckpt = ensure_checkpoint(CheckpointSpec(hidden=256, intermediate=768, layers=6, heads=4, kv_heads=2,
                                             head_dim=64, window=512, vocab=4096))
     print(f"2. returning sessions, {args.prefix}-token prefix, Gemma 3 ({ckpt.name})", flush=True)
