@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------------------- engines
 def make_engine(lm, settings, num_full: int, num_swa: int, host_full: int = 0, host_swa: int = 0,
-                l3_url: str | None = None, page: int = 64, chunk: int = 512):
+                l3_url: str | None = None, page: int = 32, chunk: int = 512):
     from llm_svc.core.build import build_tiers, kv_dtype_of
     from llm_svc.core.local import InProcessEngine
     from llm_svc.engine.engine import Engine
@@ -249,8 +249,8 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--page", type=int, default=64, help="L3 page tokens (MMSERVE_LLM_KV_L3_PAGE_TOKENS)")
-    ap.add_argument("--only", choices=["hit"], default=None, help="run only the hit-rate part")
+    ap.add_argument("--page", type=int, default=32, help="L3 page tokens (MMSERVE_LLM_KV_L3_PAGE_TOKENS)")
+    ap.add_argument("--only", choices=["hit", "returning"], default=None, help="run one part")
     args = ap.parse_args()
     args.system = 1024 if args.quick else 3072
     args.sessions = args.sessions or (12 if args.quick else 20)
@@ -270,6 +270,12 @@ def main() -> None:
     if not (tiny / "config.json").exists() and not any(tiny.glob("*")):
         write_tiny_model(tiny)
     print(f"1. hit rate on an agent trace ({args.sessions} sessions x {args.turns} turns), tiny MiMo", flush=True)
+    if args.only == "returning":
+        ckpt = ensure_checkpoint(CheckpointSpec(hidden=256, intermediate=768, layers=6, heads=4, kv_heads=2,
+                                                head_dim=64, window=512, vocab=4096))
+        res = returning(args, load_lm(str(ckpt)), LLMSettings(model_dir=str(ckpt), max_model_len=8192))
+        print(json.dumps({"returning": res, "page": args.page, "quick": args.quick}))
+        return
     lm = load_lm(str(tiny))
     res_hit = hit_rate(args, lm, LLMSettings(model_dir=str(tiny)))
     if args.only == "hit":

@@ -127,7 +127,7 @@ class LLMSettings(_ServiceSettings):
     kv_l3_url: str | None = Field(
         default=None, description="Redis URL of the L3 KV tier shared by every LLM replica (needs the host tier)"
     )
-    kv_l3_page_tokens: int = Field(default=64, ge=1, description="tokens per L3 page; SWA windows at page boundaries")
+    kv_l3_page_tokens: int = Field(default=32, ge=1, description="tokens per L3 page; SWA windows at page boundaries")
     kv_l3_ttl_s: int = Field(default=86400, ge=1)
     kv_l3_timeout: float = Field(default=0.5, gt=0, description="seconds per Redis command before L3 counts as down")
     kv_l3_prefetch_timeout: float = Field(
