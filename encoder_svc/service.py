@@ -110,7 +110,7 @@ class EncoderService:
         key = self.cache_key(params, digest)
         cached = await self.cache.get(key, params.modality) if self.cache is not None else None
         if cached is not None:
-            return cached, self._result(params, digest, cached, True, t0)
+            return cached, await self._result_of(params, body, digest, cached, True, t0)
         # Single flight: identical concurrent requests share one encode. It runs as its own
         # task, so a client that disconnects does not cancel the work others wait for.
         task = self._inflight.get(key)
@@ -122,7 +122,15 @@ class EncoderService:
         else:
             self.metrics.cache_lookups.labels("inflight", params.modality, "hit").inc()
         embeds = await asyncio.shield(task)
-        return embeds, self._result(params, digest, embeds, shared, t0)
+        return embeds, await self._result_of(params, body, digest, embeds, shared, t0)
+
+    async def _result_of(self, params: EncodeParams, body: bytes, digest: str, embeds: torch.Tensor, cached: bool,
+                         t0: float) -> EncodeResult:
+        """The header, with the item's timestamped runs when its pipeline has them (MiMo video)."""
+        result = self._result(params, digest, embeds, cached, t0)
+        seg_fn = getattr(self._pipelines[params.modality], "segments", None)
+        segs = await seg_fn(self.ctx, body, params, embeds) if seg_fn is not None else None
+        return result.model_copy(update={"segments": segs}) if segs is not None else result
 
     async def _compute(self, params: EncodeParams, body: bytes, key: str) -> torch.Tensor:
         embeds = await self._pipelines[params.modality].encode(self.ctx, body, params)

@@ -59,6 +59,7 @@ def build_generate_request(
                     content_hash=e.item.content_hash,
                     num_tokens=int(e.embeds.shape[0]),
                     key=e.result.key,
+                    segments=e.result.segments,  # MiMo video: timestamped runs of the rows
                 )
             )
         messages.append(PromptMessage(role=msg.role, content=parts))

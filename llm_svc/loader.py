@@ -11,6 +11,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from shared.bundle import BundleSpec, CheckpointError, load_bundle_spec
 
+from .media_layout import TimestampLayout
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -26,6 +28,7 @@ class LoadedLM:
     vocab_size: int
     eos_token_ids: list[int]
     pad_ids: dict[str, int] = field(default_factory=dict)  # modality -> placeholder pad token id
+    layouts: dict[str, TimestampLayout] = field(default_factory=dict)  # modality -> timestamped layout (MiMo video)
     bidirectional_media: bool = False  # Gemma 3: an image's tokens attend to each other
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
@@ -116,6 +119,8 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
         if tid is None or tid == tokenizer.unk_token_id:
             raise ValueError(f"placeholder pad token {ph.pad!r} is not in the tokenizer")
         pad_ids[modality] = int(tid)
+    layouts = {m: _timestamp_layout(tokenizer, ph, pad_ids[m]) for m, ph in spec.placeholders.items()
+               if ph.layout == "timestamps"}
     return LoadedLM(
         spec=spec,
         tokenizer=tokenizer,
@@ -125,11 +130,23 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
         vocab_size=int(tcfg.vocab_size),
         eos_token_ids=_eos_ids(eos_src, tokenizer),
         pad_ids=pad_ids,
+        layouts=layouts,
         bidirectional_media=(arch == "gemma3"),
         device=torch.device(device if weights else "cpu"),  # the front keeps media on the CPU
         dtype=tdtype,
         max_token_bytes=_max_token_bytes(tokenizer),
     )
+
+
+def _timestamp_layout(tokenizer, ph, pad: int) -> TimestampLayout:
+    ids = {}
+    for name in ("start", "end", "outer_start", "outer_end"):
+        tok = getattr(ph, name)
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if tid is None or tid == tokenizer.unk_token_id:
+            raise ValueError(f"placeholder token {tok!r} is not in the tokenizer")
+        ids[name] = int(tid)
+    return TimestampLayout(pad=pad, **ids)
 
 
 def _mimo_geometry(lm_dir: Path):

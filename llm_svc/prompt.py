@@ -118,26 +118,7 @@ def prepare_request(
                              param="stop_token_ids")
 
     ids = render_prompt_ids(lm, req)
-    pad_set = set(lm.pad_ids.values())
-    out: list[int] = []
-    spans: list[tuple[int, int, int]] = []
-    k = 0
-    for tid in ids:
-        if tid not in pad_set:
-            out.append(tid)
-            continue
-        if k >= len(media):
-            raise InvalidRequest("the text contains a media placeholder token; remove it", param="messages")
-        part = media[k]
-        if lm.pad_ids[part.modality] != tid:
-            raise InvalidRequest("the text contains a media placeholder token; remove it", param="messages")
-        spans.append((len(out), part.num_tokens, part.index))
-        out.extend([tid] * part.num_tokens)
-        k += 1
-    if k != len(media):
-        raise InvalidRequest(
-            f"the chat template placed {k} media placeholders for {len(media)} media parts", param="messages"
-        )
+    out, spans, mm_items, mm_hashes = _expand_media(lm, ids, media, items)
     if len(out) + s.max_tokens > max_model_len:
         raise InvalidRequest(
             f"the prompt has {len(out)} tokens and max_tokens is {s.max_tokens}: together they exceed "
@@ -145,20 +126,70 @@ def prepare_request(
             param="max_tokens",
             code="context_length_exceeded",
         )
-    n = len(media)
     return PreparedRequest(
         request_id=req.request_id,
         prompt_ids=out,
         sampling=s,
         stream=req.stream,
-        mm_items=[items[i] for i in range(n)],
+        mm_items=mm_items,
         mm_spans=spans,
-        # the media key (content + encoder model + preprocessing) keys the prefix cache when known
-        mm_hashes=[p.key or p.content_hash for p in sorted(media, key=lambda p: p.index)],
+        mm_hashes=mm_hashes,
         bidirectional=lm.bidirectional_media and bool(spans),
         return_logprobs=req.return_logprobs,
         system_len=system_prefix_len(lm, req, ids) if not spans or spans[0][0] > 0 else 0,
     )
+
+
+def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items: dict[int, torch.Tensor]):
+    """Each media pad -> ``num_tokens`` pads (or the item's timestamped layout). Returns the ids,
+    the spans ``(start, length, sub_item)``, the sub-items (one per pad run: a timestamped video
+    has one per temporal group) and their prefix-cache hashes."""
+    pad_set = set(lm.pad_ids.values())
+    out: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    mm_items: list[torch.Tensor] = []
+    mm_hashes: list[str] = []
+    k, i = 0, 0
+    while i < len(ids):
+        tid = ids[i]
+        i += 1
+        if tid not in pad_set:
+            out.append(tid)
+            continue
+        if k >= len(media) or lm.pad_ids[media[k].modality] != tid:
+            raise InvalidRequest("the text contains a media placeholder token; remove it", param="messages")
+        part = media[k]
+        k += 1
+        # the media key (content + encoder model + preprocessing) keys the prefix cache when known
+        base = part.key or part.content_hash
+        layout = lm.layouts.get(part.modality)
+        if layout is None:
+            spans.append((len(out), part.num_tokens, len(mm_items)))
+            out.extend([tid] * part.num_tokens)
+            mm_items.append(items[part.index])
+            mm_hashes.append(base)
+            continue
+        if part.segments is None:
+            raise InvalidRequest(f"media item {part.index} ({part.modality}) needs its timestamped segments for this "
+                                 "model; encode it with this model's encoder", param="messages")
+        if not (out and out[-1] == layout.start and i < len(ids) and ids[i] == layout.end):
+            raise InvalidRequest(f"the chat template does not wrap the {part.modality} placeholder in its start/end "
+                                 "tokens", param="messages")
+        out.pop()  # the template's start + pad + end become the timestamped layout
+        i += 1
+        rendered, runs = layout.render(lm.tokenizer, part.segments)
+        row = 0
+        for j, (off, n) in enumerate(runs):
+            spans.append((len(out) + off, n, len(mm_items)))
+            mm_items.append(items[part.index][row : row + n])
+            mm_hashes.append(f"{base}/t{j}")
+            row += n
+        out.extend(rendered)
+    if k != len(media):
+        raise InvalidRequest(
+            f"the chat template placed {k} media placeholders for {len(media)} media parts", param="messages"
+        )
+    return out, spans, mm_items, mm_hashes
 
 
 def input_embeds(lm: LoadedLM, prep: PreparedRequest) -> torch.Tensor:

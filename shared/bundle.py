@@ -17,6 +17,12 @@ Two layouts are read (see README, "Model bundle format"):
    its language model, the vision tower and ``multi_modal_projector`` come from the same weights,
    placeholders come from ``boi_token_index / image_token_index / eoi_token_index``.
 
+3. **A MiMo-V2.5 omni checkpoint directory** (``MiMoV2OmniForCausalLM``), read as is: LM, ViT
+   (``visual.``) and audio encoder from the same weights; placeholders from ``config.json``'s
+   ``processor_config`` token ids resolved through the tokenizer files; images take a
+   size-dependent number of tokens (``tokens_per_image = 0``), videos the timestamped layout of
+   vLLM's ``MiMoOmniProcessor`` (``Placeholder.layout == "timestamps"``).
+
 This module only reads JSON: it never imports torch, so the gateway can use it cheaply.
 """
 
@@ -45,20 +51,32 @@ class Placeholder:
 
     ``start``/``end`` may be empty strings. ``pad`` is a single special token whose id marks the
     positions whose input embeddings are replaced by the encoder's output.
+
+    With ``layout == "timestamps"`` (MiMo-V2.5 video) the template's ``start + pad + end`` is
+    replaced by ``outer_start + sum_g(timestamp_text(t_g) + start + pad * n_g + end) + outer_end``
+    over the item's segments ``g`` (``EncodeResult.segments``: one per temporal patch group).
     """
 
     pad: str
     start: str = ""
     end: str = ""
+    layout: str = "pad"  # "pad" | "timestamps"
+    outer_start: str = ""
+    outer_end: str = ""
 
     def __post_init__(self) -> None:
         if not self.pad:
             raise BundleError("a placeholder needs a pad token")
+        if self.layout not in ("pad", "timestamps"):
+            raise BundleError(f"unknown placeholder layout {self.layout!r}")
+        if self.layout == "timestamps" and not (self.start and self.end and self.outer_start and self.outer_end):
+            raise BundleError("a timestamps placeholder needs start, end, outer_start and outer_end tokens")
 
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """Vision tower + projector. ``kind``: ``siglip_projector`` (mmserve) or ``gemma3`` (HF)."""
+    """Vision tower + projector. ``kind``: ``siglip_projector`` (mmserve), ``gemma3`` (HF) or
+    ``mimo_omni`` (MiMo-V2.5 ViT; ``tokens_per_image = 0``: the count depends on the image size)."""
 
     kind: str
     path: str
@@ -66,8 +84,8 @@ class VisionSpec:
     video_temporal_pool: int = 2  # video: average this many consecutive frames' tokens
 
     def __post_init__(self) -> None:
-        if self.tokens_per_image < 1 or self.video_temporal_pool < 1:
-            raise BundleError("tokens_per_image and video_temporal_pool must be >= 1")
+        if self.tokens_per_image < 0 or self.video_temporal_pool < 1:
+            raise BundleError("tokens_per_image must be >= 0 (0: size-dependent) and video_temporal_pool >= 1")
 
 
 @dataclass(frozen=True)
@@ -138,7 +156,7 @@ def _from_manifest(root: Path, m: dict) -> BundleSpec:
     )
 
 
-def _from_hf_gemma3(root: Path, cfg: dict) -> BundleSpec:
+def _added_tokens(root: Path) -> dict[int, str]:
     added: dict[int, str] = {}
     if (root / "tokenizer.json").exists():
         for t in _read_json(root / "tokenizer.json").get("added_tokens") or []:
@@ -146,6 +164,11 @@ def _from_hf_gemma3(root: Path, cfg: dict) -> BundleSpec:
     if (root / "tokenizer_config.json").exists():
         for tid, t in (_read_json(root / "tokenizer_config.json").get("added_tokens_decoder") or {}).items():
             added[int(tid)] = t["content"]
+    return added
+
+
+def _from_hf_gemma3(root: Path, cfg: dict) -> BundleSpec:
+    added = _added_tokens(root)
     defaults = {255999: "<start_of_image>", 256000: "<end_of_image>", 262144: "<image_soft_token>"}
 
     def tok(key: str, fallback: int) -> str:
@@ -167,6 +190,47 @@ def _from_hf_gemma3(root: Path, cfg: dict) -> BundleSpec:
     )
 
 
+def _from_hf_mimo_omni(root: Path, cfg: dict) -> BundleSpec:
+    """Token ids from ``processor_config`` (where vLLM's ``MiMoOmniProcessor.from_hf_config``
+    reads them), falling back to the top-level keys; each resolved through the tokenizer files."""
+    path = root / "config.json"
+    pc = cfg.get("processor_config")
+    if not isinstance(pc, dict):
+        raise CheckpointError(f"{path}: field 'processor_config' is missing; it names the media tokens")
+    if not isinstance(cfg.get("vision_config"), dict):
+        raise CheckpointError(f"{path}: field 'vision_config' is missing or not an object")
+    added = _added_tokens(root)
+
+    def tok(key: str) -> str:
+        idx = pc.get(key, cfg.get(key))
+        if not isinstance(idx, int):
+            raise CheckpointError(f"{path}: field 'processor_config.{key}' is missing or not an int")
+        if idx not in added:
+            raise CheckpointError(f"{path}: field 'processor_config.{key}' = {idx} is not a special token of "
+                                  f"{root / 'tokenizer.json'}")
+        return added[idx]
+
+    start, end = tok("vision_start_token_id"), tok("vision_end_token_id")
+    placeholders = {
+        "image": Placeholder(pad=tok("image_token_id"), start=start, end=end),
+        "video": Placeholder(pad=tok("video_token_id"), start=start, end=end, layout="timestamps",
+                             outer_start=tok("video_start_token_id"), outer_end=tok("video_end_token_id")),
+    }
+    audio = None
+    if cfg.get("audio_config") is not None:
+        audio = AudioSpec(kind="mimo_omni", path=".")
+        placeholders["audio"] = Placeholder(pad=tok("audio_token_id"), start=tok("audio_start_token_id"),
+                                            end=tok("audio_end_token_id"))
+    return BundleSpec(
+        root=root,
+        name=root.name,
+        lm_architecture="MiMoV2OmniForCausalLM",
+        vision=VisionSpec(kind="mimo_omni", path=".", tokens_per_image=0),
+        audio=audio,
+        placeholders=placeholders,
+    )
+
+
 def load_bundle_spec(model_dir: str | Path) -> BundleSpec:
     """Read a bundle directory (either layout) without loading weights."""
     root = Path(model_dir).expanduser().resolve()
@@ -178,6 +242,8 @@ def load_bundle_spec(model_dir: str | Path) -> BundleSpec:
     archs = cfg.get("architectures") or []
     if "Gemma3ForConditionalGeneration" in archs:
         return _from_hf_gemma3(root, cfg)
+    if "MiMoV2OmniForCausalLM" in archs:
+        return _from_hf_mimo_omni(root, cfg)
     if not archs:
         raise BundleError(f"{root / 'config.json'} names no architectures")
     # a text-only HF checkpoint: an LM without media encoders

@@ -235,6 +235,14 @@ class EncodeParams(BaseModel):
     max_frames: int | None = Field(default=None, ge=1, le=4096, description="video: frame cap")
 
 
+class MediaSegment(BaseModel):
+    """One run of an item's embedding rows that the prompt writes on its own (MiMo-V2.5 video:
+    one temporal group, preceded by its ``MM:SS`` timestamp text)."""
+
+    start_s: float = Field(ge=0.0, description="time of the run's first frame in the media, seconds")
+    num_tokens: int = Field(ge=1)
+
+
 class EncodeResult(BaseModel):
     """Header of an encoder response (the tensor travels beside it, never as JSON)."""
 
@@ -246,6 +254,14 @@ class EncodeResult(BaseModel):
     cached: bool = False
     encode_ms: float = 0.0
     key: str | None = Field(default=None, description="shared.hashing.media_key of the item on this encoder")
+    segments: list[MediaSegment] | None = Field(
+        default=None, description="rows split into timestamped runs (sum == num_tokens); None: one run")
+
+    @model_validator(mode="after")
+    def _segments_cover_rows(self) -> "EncodeResult":
+        if self.segments is not None and sum(g.num_tokens for g in self.segments) != self.num_tokens:
+            raise ValueError("segments must cover num_tokens rows exactly")
+        return self
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,6 +286,14 @@ class PromptMedia(BaseModel):
     content_hash: str
     num_tokens: int = Field(ge=1)
     key: str | None = Field(default=None, description="media_key (content + encoder model + preprocessing)")
+    segments: list[MediaSegment] | None = Field(
+        default=None, description="EncodeResult.segments of the item (timestamped runs), if the encoder gave them")
+
+    @model_validator(mode="after")
+    def _segments_cover_rows(self) -> "PromptMedia":
+        if self.segments is not None and sum(g.num_tokens for g in self.segments) != self.num_tokens:
+            raise ValueError("segments must cover num_tokens rows exactly")
+        return self
 
 
 PromptPart = Annotated[Union[PromptText, PromptMedia], Field(discriminator="type")]

@@ -11,6 +11,9 @@ Architectures (``--arch``):
 * ``mimo-v2-flash`` / ``mimo-v2.5``: MiMo-V2 LMs in Xiaomi's published layout (config dialect
   with ``hybrid_layer_pattern`` / ``swa_*``, per-expert weights, MTP heads); see
   ``shared/tiny/mimo_published.py``.
+* ``mimo-v2.5-omni``: ``MiMoV2OmniForCausalLM`` (MiMo-V2.5 LM + its vision tower, and the audio
+  encoder once ``shared/tiny/mimo_omni_audio.py`` provides it) in one directory, as Xiaomi
+  publishes it; see ``shared/tiny/mimo_omni.py``.
 * ``gpt-oss``: ``GptOssForCausalLM`` in openai/gpt-oss' config layout, experts unpacked (bf16
   layout, not MXFP4); see ``shared/tiny/gpt_oss.py``.
 
@@ -226,6 +229,8 @@ ARCHS = {
     "gemma3": write_gemma3_checkpoint,
     "mimo-v2-flash": _mimo_published("FLASH"),  # Xiaomi's published layout (shared/tiny/mimo_published.py)
     "mimo-v2.5": _mimo_published("V25"),
+    "mimo-v2.5-omni": lambda out, sliding_window=128, seed=0: __import__(  # LM + ViT (+ audio), shared/tiny/mimo_omni.py
+        "shared.tiny.mimo_omni", fromlist=["write_mimo_omni"]).write_mimo_omni(out, seed, sliding_window),
     "gpt-oss": lambda out, sliding_window=128, seed=0: __import__(
         "shared.tiny.gpt_oss", fromlist=["write_gpt_oss"]).write_gpt_oss(out, sliding_window, seed),
 }

@@ -14,9 +14,10 @@ from concurrent.futures import Future
 import torch
 
 from encoder_svc.errors import BadMedia, MediaTooLarge
+from encoder_svc.modalities import mimo_vision
 from encoder_svc.modalities.context import EncodeContext
 from encoder_svc.video.sampling import sample_indices
-from shared.schemas import EncodeParams
+from shared.schemas import EncodeParams, MediaSegment
 
 
 def _fps_frames(ctx: EncodeContext, params: EncodeParams) -> tuple[float, int]:
@@ -24,6 +25,8 @@ def _fps_frames(ctx: EncodeContext, params: EncodeParams) -> tuple[float, int]:
 
 
 def cache_signature(ctx: EncodeContext, params: EncodeParams) -> str:
+    if ctx.models.takes_patches:
+        return mimo_vision.video_signature(ctx, params)
     fps, max_frames = _fps_frames(ctx, params)
     pool = ctx.models.spec.vision.video_temporal_pool
     return f"vid:{fps:g}:{max_frames}:{pool}:{ctx.image_backend.name}:{ctx.models.image_cfg.signature()}"
@@ -56,7 +59,17 @@ def _decode_and_submit(ctx: EncodeContext, data: bytes, indices: list[int], canc
     return futures
 
 
+async def segments(ctx: EncodeContext, data: bytes, params: EncodeParams,
+                   embeds: torch.Tensor) -> list[MediaSegment] | None:
+    """Timestamped runs of the rows (MiMo-V2.5 layout), or None: one run."""
+    if ctx.models.takes_patches:
+        return await mimo_vision.video_segments(ctx, data, params, embeds)
+    return None
+
+
 async def encode(ctx: EncodeContext, data: bytes, params: EncodeParams) -> torch.Tensor:
+    if ctx.models.takes_patches:  # MiMo-V2.5: temporal groups of 2 frames, size-dependent tokens
+        return await mimo_vision.encode_video(ctx, data, params)
     fps, max_frames = _fps_frames(ctx, params)
     with ctx.batcher.incoming():
         info = await ctx.in_pool(ctx.video_decoder.probe, data)

@@ -29,6 +29,11 @@ class LoadedModels:
     image_cfg: ImagePreprocessConfig | None = None
     audio: "torch.nn.Module | None" = None
 
+    @property
+    def takes_patches(self) -> bool:
+        """The vision tower takes MiMo patch rows (its own preprocessing), not fixed-size pixels."""
+        return getattr(self.vision, "input_kind", "pixels") == "mimo_patches"
+
     def modalities(self) -> list[str]:
         mods = []
         if self.vision is not None:
@@ -69,7 +74,8 @@ def load_models(spec: BundleSpec, device: str = "cpu", dtype: str = "float32") -
     if spec.vision is not None:
         vdir = spec.component_dir(spec.vision.path)
         vision = load_vision(spec.root, spec.vision, td).to(dev)
-        image_cfg = ImagePreprocessConfig.from_json(vdir / "preprocessor_config.json")
+        if getattr(vision, "input_kind", "pixels") == "pixels":
+            image_cfg = ImagePreprocessConfig.from_json(vdir / "preprocessor_config.json")
         dirs.append(vdir)
     if spec.audio is not None:
         from encoder_svc.models.audio import load_audio

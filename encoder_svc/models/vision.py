@@ -4,6 +4,8 @@ Two kinds, chosen by ``VisionSpec.kind``:
 
 * ``siglip_projector`` (mmserve bundle): ``SiglipVisionModel(...).last_hidden_state`` ->
   ``shared.projector.PoolProjector`` (grid2d pooling to ``tokens_per_image``).
+* ``mimo_omni`` (MiMo-V2.5 omni dir): the ``visual.`` ViT + merger (``models/mimo_vit.py``);
+  takes patch rows, not pixels, and gives a size-dependent token count.
 * ``gemma3`` (plain HF Gemma 3 dir): ``model.vision_tower`` -> ``model.multi_modal_projector``,
   i.e. ``Gemma3ForConditionalGeneration.get_image_features(pixel_values).pooler_output``;
   only those weights are read from the checkpoint, the language model is never loaded.
@@ -93,7 +95,14 @@ def _load_gemma3(root: Path, spec: VisionSpec, dtype: torch.dtype) -> VisionEnco
     )
 
 
-VISION_LOADERS = {"siglip_projector": _load_siglip_projector, "gemma3": _load_gemma3}
+def _load_mimo_omni(root: Path, spec: VisionSpec, dtype: torch.dtype) -> nn.Module:
+    from encoder_svc.models.mimo_vit import load_mimo_vit
+
+    d = root / spec.path
+    return load_mimo_vit(d, _checkpoint_tensors(d, ("visual.",)), dtype)
+
+
+VISION_LOADERS = {"siglip_projector": _load_siglip_projector, "gemma3": _load_gemma3, "mimo_omni": _load_mimo_omni}
 
 
 def load_vision(root: Path, spec: VisionSpec, dtype: torch.dtype) -> VisionEncoder:

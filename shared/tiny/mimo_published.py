@@ -104,27 +104,64 @@ def published_config(s: TinyMiMoSpec, vocab_size: int, eos_id: int, pad_id: int)
     return cfg
 
 
-def _random_state(geometry, seed: int) -> dict:
-    """Weights of our module tree for ``geometry``, drawn so that greedy outputs vary (a 0.02
-    normal init makes a tiny random model repeat one token)."""
+def published_shapes(s: TinyMiMoSpec, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Every LM tensor of the published layout (names as in vLLM's ``mimo_v2.py``
+    ``load_weights``), in module order, with its shape: derived from the spec alone, so the
+    writers need none of mmserve's model code (``shared`` never imports ``llm_svc``)."""
+    h = s.hidden
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
+    for i, (kind, moe) in enumerate(zip(s.pattern, s.moe)):
+        p = f"model.layers.{i}."
+        heads, kv = (s.swa_heads, s.swa_kv_heads) if kind else (s.heads, s.kv_heads)
+        out[p + "self_attn.q_proj.weight"] = (heads * s.head_dim, h)
+        out[p + "self_attn.k_proj.weight"] = (kv * s.head_dim, h)
+        out[p + "self_attn.v_proj.weight"] = (kv * s.v_head_dim, h)
+        out[p + "self_attn.o_proj.weight"] = (h, heads * s.v_head_dim)
+        if (s.swa_sinks if kind else s.full_sinks):
+            out[p + "self_attn.attention_sink_bias"] = (heads,)
+        if moe:
+            out[p + "mlp.gate.weight"] = (s.experts, h)
+            out[p + "mlp.gate.e_score_correction_bias"] = (s.experts,)
+            for e in range(s.experts):
+                q = f"{p}mlp.experts.{e}."
+                out[q + "gate_proj.weight"] = (s.moe_intermediate, h)
+                out[q + "up_proj.weight"] = (s.moe_intermediate, h)
+                out[q + "down_proj.weight"] = (h, s.moe_intermediate)
+        else:
+            out[p + "mlp.gate_proj.weight"] = (s.intermediate, h)
+            out[p + "mlp.up_proj.weight"] = (s.intermediate, h)
+            out[p + "mlp.down_proj.weight"] = (h, s.intermediate)
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+    out["model.norm.weight"] = (h,)
+    out["lm_head.weight"] = (vocab_size, h)
+    return out
+
+
+def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:
+    """Random tensors by name, drawn so that greedy outputs vary (a 0.02 normal init makes a
+    tiny random model repeat one token): norms near 1, sinks/biases O(1), projections with
+    unit-variance outputs."""
     import torch
 
-    from llm_svc.models.mimo_native import MiMoForCausalLM
-
     g = torch.Generator().manual_seed(seed)
-    m = MiMoForCausalLM(geometry, config=None)
     state = {}
-    for name, p in m.state_dict().items():
-        if name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
-        elif "attention_sink_bias" in name:
-            t = torch.randn(p.shape, generator=g)
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight") or name.endswith("ln_q.weight") or name.endswith(("norm1.weight", "norm2.weight")):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif "attention_sink_bias" in name or name.endswith(".sinks"):
+            t = torch.randn(shape, generator=g)
         elif "e_score_correction_bias" in name:
-            t = 0.1 * torch.randn(p.shape, generator=g)
+            t = 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):
+            t = 0.1 * torch.randn(shape, generator=g)
         elif "embed_tokens" in name:
-            t = torch.randn(p.shape, generator=g)
-        else:  # [out, in] projections: unit-variance outputs
-            t = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
+            t = torch.randn(shape, generator=g)
+        else:  # [out, in, ...] projections: unit-variance outputs
+            fan_in = 1
+            for d in shape[1:]:
+                fan_in *= d
+            t = torch.randn(shape, generator=g) * fan_in ** -0.5
         state[name] = t.contiguous()
     return state
 
@@ -134,7 +171,6 @@ def write_mimo_published(out: Path, spec: TinyMiMoSpec = FLASH, seed: int = 0, s
     import torch
     from safetensors.torch import save_file
 
-    from llm_svc.models.geometry import mimo_geometry
     from shared.tiny.tokenizer import CHATML_SPECIALS, CHATML_TEMPLATE, build_tokenizer
 
     if sliding_window is not None and sliding_window != spec.window:
@@ -143,8 +179,7 @@ def write_mimo_published(out: Path, spec: TinyMiMoSpec = FLASH, seed: int = 0, s
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     vocab = -(-len(tok) // 64) * 64  # the hub pads vocab_size past the tokenizer (152576)
     cfg = published_config(spec, vocab, eos, pad)
-    geometry = mimo_geometry({k: v for k, v in cfg.items() if k not in spec.extra}, out / "config.json")
-    state = _random_state(geometry, seed)
+    state = random_tensors(published_shapes(spec, vocab), seed)
     g = torch.Generator().manual_seed(seed + 1)
     for i in range(spec.mtp_layers):  # MTP heads: present in the file, read past by mmserve and vLLM
         p = f"model.mtp.layers.{i}."
