@@ -6,9 +6,17 @@ Triton's interpreter (``TRITON_INTERPRET=1``, set here before anything imports t
 oracle is vLLM's own code end to end: patch embed, 2-D rope, row/column reordering, GQA, the
 band window with sinks, full blocks (``MMEncoderAttention``), merger.
 
-    VENV_PY scripts/vllm_vit_oracle.py MODEL_DIR IN.safetensors OUT.safetensors
-    IN:  "x" [sum N_i, C*tp*ps*ps] patch rows in vLLM's processor order, "grid" [n, 3] (t, h, w)
-    OUT: "y" [sum N_i / merge^2, out_hidden]
+Pixels go through vLLM's own ``MiMoVLProcessor`` (``process_image`` / ``process_video`` +
+``_flatten_visual``, built from ``processor_config`` as ``from_hf_config`` does), and with
+``PROMPT.json`` its ``process`` builds each video's prompt ids (timestamps) with the checkpoint's
+tokenizer.
+
+    VENV_PY scripts/vllm_vit_oracle.py MODEL_DIR IN.safetensors OUT.safetensors [PROMPT.json]
+    IN:   "img.{i}" uint8 [3, H, W]; "vid.{j}" uint8 [n, 3, H, W] + "vts.{j}" float [n] (seconds)
+    OUT:  "patches.{k}" [N_k, C*tp*ps*ps], "grid.{k}" [3] (t, h, w), "y.{k}" [N_k / merge^2, out],
+          k = "img.i" / "vid.j" (one tower forward over all items at once: varlen sequences);
+          "ids.vid.j" [L] with PROMPT.json {"prefix": str, "suffix": str}: the prompt
+          prefix + video j + suffix as vLLM's processor writes it
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ def _interpreted_prefill_kernel() -> None:
     mod.context_attention_fwd = ns["context_attention_fwd"]
 
 
-def main(model_dir: str, in_path: str, out_path: str) -> int:
+def main(model_dir: str, in_path: str, out_path: str, prompt_path: str | None = None) -> int:
+    prompt = json.loads(open(prompt_path).read()) if prompt_path else None
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -86,11 +95,56 @@ def main(model_dir: str, in_path: str, out_path: str) -> int:
                 qm.process_weights_after_loading(module)
         model.eval()
         inp = load_file(in_path)
+        proc = _processor(cfg, model_dir)
+        names, patches, grids, out = [], [], [], {}
+        for name in sorted(k for k in inp if k.startswith(("img.", "vid."))):
+            if name.startswith("img."):
+                from vllm.transformers_utils.processors.mimo_v2_omni import ImageInput
+
+                p, thw = proc._flatten_visual(proc.process_image(ImageInput(image=inp[name])), "image")
+            else:
+                from vllm.transformers_utils.processors.mimo_v2_omni import VideoInput
+
+                video = (inp[name].float(), inp["vts." + name[4:]].float())
+                p, thw, _, _ = proc.process_video(VideoInput(video=video))
+                if prompt is not None:
+                    out["ids." + name] = _prompt_ids(proc, video, prompt)
+            names.append(name)
+            patches.append(p)
+            grids.append(thw)
         with torch.inference_mode():
-            y = model(inp["x"].float(), grid_thw=inp["grid"].long())
-    save_file({"y": y.contiguous()}, out_path)
+            y = model(torch.cat(patches).float(), grid_thw=torch.stack(grids).long())
+        merge = cfg["vision_config"]["spatial_merge_size"] ** 2
+        for name, ys, p, thw in zip(names, y.split([int(g.prod()) // merge for g in grids]), patches, grids):
+            out["patches." + name], out["grid." + name], out["y." + name] = p.contiguous(), thw, ys.contiguous()
+    save_file(out, out_path)
     return 0
 
 
+def _processor(cfg: dict, model_dir: str):
+    from transformers import AutoTokenizer
+
+    from vllm.transformers_utils.processors.mimo_v2_omni import MiMoVLProcessor
+
+    pc, vc = cfg["processor_config"], cfg["vision_config"]
+    keys = ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels", "video_total_max_pixels",
+            "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+            "video_start_token_id", "video_end_token_id")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return MiMoVLProcessor(tokenizer=tok, patch_size=vc["patch_size"], merge_size=vc["spatial_merge_size"],
+                           temporal_patch_size=vc["temporal_patch_size"], fps=2.0, pad_token_id=tok.pad_token_id,
+                           **{k: pc[k] for k in keys})
+
+
+def _prompt_ids(proc, video, prompt: dict):
+    import torch
+
+    from vllm.transformers_utils.processors.mimo_v2_omni import Content, VideoInput
+
+    contents = [Content(type="text", content=prompt["prefix"]), Content(type="video", content=VideoInput(video=video)),
+                Content(type="text", content=prompt["suffix"])]
+    return torch.as_tensor(proc.process(contents).input_ids).long()
+
+
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:4]))
+    sys.exit(main(*sys.argv[1:5]))
