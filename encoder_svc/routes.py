@@ -93,12 +93,13 @@ async def cached_embedding(key: str, request: Request, svc: ServiceDep) -> Respo
             raise BadMedia(f"modality {params.modality!r} is not supported by this model", param="modality")
         key = svc.cache_key(params, key.lower())
     embeds = await svc.lookup(key)
-    if embeds is None:
+    found, segments = await svc.lookup_segments(key)
+    if embeds is None or not found:
         return JSONResponse(error_body(f"no cached embedding for key {key!r}", "not_found_error"), status_code=404)
     _, modality, _, digest = split_key(key)  # type: ignore[misc]
     result = EncodeResult(
         modality=modality, content_hash=digest, model=svc.model_name,
-        num_tokens=embeds.shape[0], hidden_size=embeds.shape[1], cached=True,
+        num_tokens=embeds.shape[0], hidden_size=embeds.shape[1], cached=True, segments=segments,
     )
     return _wire(embeds, result, key)
 

@@ -34,7 +34,7 @@ from encoder_svc.modalities import video as video_mod
 from encoder_svc.modalities.context import EncodeContext
 from shared.admission import Admission, AdmissionConfig
 from shared.hashing import HASH_NAME, content_hash, media_key
-from shared.schemas import EncodeParams, EncodeResult
+from shared.schemas import EncodeParams, EncodeResult, MediaSegment
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,17 @@ def split_key(key: str) -> tuple[str, str, str, str] | None:
     if len(parts) != 4 or parts[1] not in ("image", "video", "audio"):
         return None
     return parts[0], parts[1], parts[2], parts[3]
+
+
+SEGMENTS_SUFFIX = "#segments"  # cache entry beside an item's rows: its timestamped runs
+
+
+def segments_to_tensor(segs: list[MediaSegment]) -> torch.Tensor:
+    return torch.tensor([[g.start_s, float(g.num_tokens)] for g in segs], dtype=torch.float64)  # [G, 2]
+
+
+def segments_from_tensor(t: torch.Tensor) -> list[MediaSegment]:
+    return [MediaSegment(start_s=float(a), num_tokens=int(b)) for a, b in t.tolist()]
 
 
 PIPELINES: dict[str, ModuleType] = {"image": image_mod, "video": video_mod, "audio": audio_mod}
@@ -137,6 +148,10 @@ class EncoderService:
         embeds = embeds.detach().to("cpu").contiguous()
         assert embeds.ndim == 2 and embeds.shape[0] >= 1, embeds.shape  # [num_tokens, hidden]
         if self.cache is not None:
+            seg_fn = getattr(self._pipelines[params.modality], "segments", None)
+            segs = await seg_fn(self.ctx, body, params, embeds) if seg_fn is not None else None
+            if segs is not None:  # beside the rows, for lookups by key that have no media bytes
+                await self.cache.put(key + SEGMENTS_SUFFIX, params.modality, segments_to_tensor(segs))
             await self.cache.put(key, params.modality, embeds)
         return embeds
 
@@ -154,6 +169,15 @@ class EncoderService:
         if parts is None:
             return None
         return await self.cache.get(key, parts[1])
+
+    async def lookup_segments(self, key: str) -> tuple[bool, list[MediaSegment] | None]:
+        """``(found, segments)`` stored beside a cached embedding: ``(True, None)`` when the
+        modality has no segments here, ``(False, None)`` when they were (evicted)."""
+        parts = split_key(key)
+        if parts is None or parts[1] != "video" or not self.ctx.models.takes_patches:
+            return True, None
+        t = await self.cache.get(key + SEGMENTS_SUFFIX, parts[1]) if self.cache is not None else None
+        return (t is not None), (segments_from_tensor(t) if t is not None else None)
 
     def _result(self, params: EncodeParams, digest: str, embeds: torch.Tensor, cached: bool, t0: float) -> EncodeResult:
         return EncodeResult(
