@@ -1,7 +1,8 @@
-"""audio: 16 kHz mono -> 30 s windows -> log-mel -> Whisper encoder + projector -> kept tokens.
+"""audio: bytes -> mono waveform at the tower's rate -> the tower's batch items -> kept tokens.
 
-Window ``k`` contributes its first ``ceil(ceil(seconds_k * 50) / pool_stride)`` tokens (the ones
-that cover real audio, not the zero padding); windows are concatenated in order.
+The tower (``encoder_svc.models.audio``) says how a waveform becomes items (Whisper: 30 s
+windows; MiMo: 60 s mel segments) and how many output rows of each item cover real audio;
+items are encoded through the cross-request batcher and their kept rows concatenated in order.
 """
 
 from __future__ import annotations
@@ -10,26 +11,24 @@ import torch
 
 from encoder_svc.errors import BadMedia
 from encoder_svc.modalities.context import EncodeContext
-from encoder_svc.preprocess.audio_decode import TARGET_SR, decode_audio
-from encoder_svc.preprocess.mel import features
+from encoder_svc.preprocess.audio_decode import decode_audio
 from shared.schemas import EncodeParams
 
 
 def cache_signature(ctx: EncodeContext, params: EncodeParams) -> str:
-    return f"aud:{TARGET_SR}:{ctx.models.audio.n_mels}:30s:{ctx.models.audio.stride}"
+    return ctx.models.audio.cache_signature()
 
 
-def _prepare(data: bytes, n_mels: int):
-    wave = decode_audio(data)
+def _prepare(data: bytes, tower):
+    wave = decode_audio(data, tower.sample_rate)
     if wave.numel() == 0:
         raise BadMedia("the audio has no samples")
-    return features(wave, n_mels)
+    return tower.prepare(wave)
 
 
 async def encode(ctx: EncodeContext, data: bytes, params: EncodeParams) -> torch.Tensor:
-    audio = ctx.models.audio
+    tower = ctx.models.audio
     with ctx.batcher.incoming():
-        feats, spans = await ctx.in_pool(_prepare, data, audio.n_mels)  # [K, n_mels, 3000]
-    out = await ctx.batcher.run("audio", feats)  # [K, 1500 / stride, H]
-    kept = [out[k, : w.num_tokens(audio.stride)] for k, w in enumerate(spans)]
-    return torch.cat(kept)  # [sum_k tokens_k, H]
+        items = await ctx.in_pool(_prepare, data, tower)
+    out = await ctx.batcher.run("audio", items.features)  # [K, rows, H]
+    return torch.cat([out[k, :n] for k, n in enumerate(items.tokens)])  # [sum_k tokens_k, H]

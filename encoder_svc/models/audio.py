@@ -1,22 +1,52 @@
-"""Audio encoder: log-mel windows [B, n_mels, 3000] -> LM-space tokens [B, 1500/stride, hidden].
+"""Audio towers, one per ``AudioSpec.kind`` (registry ``AUDIO_LOADERS``), behind one interface.
 
-Whisper's encoder (conv stride 2 -> 50 frames/s, 1500 frames per 30 s window) followed by
-``shared.projector.PoolProjector`` (seq1d, ``pool_stride`` frames per token). The service keeps
-only the tokens that cover real audio (see ``encoder_svc.preprocess.audio``).
+A tower (``nn.Module``) offers:
+
+* ``sample_rate``: the rate the decoder resamples to;
+* ``prepare(wave [n]) -> AudioItems``: batch items ``features [K, *item]`` (equal-shape items of
+  many requests fuse in one forward) and ``tokens[k]``, the rows of item k's output to keep;
+* ``forward(features [B, *item]) -> [B, rows, hidden]`` (rows >= every item's ``tokens``);
+* ``cache_signature()``: the preprocessing parameters that go into the embedding-cache key;
+* ``hidden_size``.
+
+Kinds:
+
+* ``whisper_projector`` (mmserve bundle): log-mel windows [n_mels, 3000] -> Whisper encoder (conv
+  stride 2 -> 50 frames/s, 1500 frames per 30 s window) -> ``shared.projector.PoolProjector``
+  (seq1d, ``pool_stride`` frames per token); a window keeps the tokens that cover real audio.
+* ``mimo_omni`` (MiMo-V2.5 omni checkpoint as published): ``encoder_svc.models.mimo_audio``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
+from encoder_svc.preprocess.mel import SAMPLE_RATE as WHISPER_SR, features as whisper_features
 from shared.bundle import AudioSpec, BundleError
 from shared.projector import PoolProjector
 
 
+@dataclass
+class AudioItems:
+    """``features`` [K, *item] for the batcher; ``tokens[k]``: rows of item k's output to keep."""
+
+    features: torch.Tensor
+    tokens: list[int]
+
+    def __post_init__(self) -> None:
+        assert len(self.tokens) == len(self.features) and min(self.tokens) >= 1, self.tokens
+
+
 class AudioEncoder(nn.Module):
+    """Whisper encoder + projector: [B, n_mels, 3000] -> [B, 1500 / stride, H]."""
+
+    sample_rate = WHISPER_SR
+
     def __init__(self, encoder: nn.Module, projector: PoolProjector, n_mels: int, hidden_size: int) -> None:
         super().__init__()
         self.encoder = encoder
@@ -24,6 +54,13 @@ class AudioEncoder(nn.Module):
         self.n_mels = n_mels
         self.hidden_size = hidden_size
         self.stride = projector.cfg.stride
+
+    def cache_signature(self) -> str:
+        return f"aud:{WHISPER_SR}:{self.n_mels}:30s:{self.stride}"
+
+    def prepare(self, wave: torch.Tensor) -> AudioItems:
+        feats, spans = whisper_features(wave, self.n_mels)  # [K, n_mels, 3000]
+        return AudioItems(feats, [w.num_tokens(self.stride) for w in spans])
 
     @torch.inference_mode()
     def forward(self, features: torch.Tensor) -> torch.Tensor:
@@ -33,11 +70,9 @@ class AudioEncoder(nn.Module):
         return self.projector(h)
 
 
-def load_audio(root: Path, spec: AudioSpec, dtype: torch.dtype) -> AudioEncoder:
+def _load_whisper(root: Path, spec: AudioSpec, dtype: torch.dtype) -> AudioEncoder:
     from transformers import WhisperModel
 
-    if spec.kind != "whisper_projector":
-        raise BundleError(f"unknown audio kind {spec.kind!r}; known: ['whisper_projector']")
     d = root / spec.path
     whisper = WhisperModel.from_pretrained(d, dtype=dtype)
     encoder = whisper.get_encoder().eval()
@@ -45,3 +80,25 @@ def load_audio(root: Path, spec: AudioSpec, dtype: torch.dtype) -> AudioEncoder:
     if projector.cfg.pool != "seq1d" or projector.cfg.stride != spec.pool_stride:
         raise BundleError(f"{d}: projector stride {projector.cfg.stride} != manifest pool_stride {spec.pool_stride}")
     return AudioEncoder(encoder, projector, whisper.config.num_mel_bins, projector.cfg.out_dim)
+
+
+def _load_mimo(root: Path, spec: AudioSpec, dtype: torch.dtype) -> nn.Module:
+    import json
+
+    from encoder_svc.models.mimo_audio_weights import load_mimo_audio
+
+    d = (root / spec.path).resolve()
+    lm_hidden = json.loads((d / "config.json").read_text()).get("hidden_size")
+    return load_mimo_audio(d, dtype, lm_hidden)
+
+
+AUDIO_LOADERS: dict[str, Callable[[Path, AudioSpec, torch.dtype], nn.Module]] = {
+    "whisper_projector": _load_whisper,
+    "mimo_omni": _load_mimo,
+}
+
+
+def load_audio(root: Path, spec: AudioSpec, dtype: torch.dtype) -> nn.Module:
+    if spec.kind not in AUDIO_LOADERS:
+        raise BundleError(f"unknown audio kind {spec.kind!r}; known: {sorted(AUDIO_LOADERS)}")
+    return AUDIO_LOADERS[spec.kind](root, spec, dtype)

@@ -1,4 +1,4 @@
-"""Audio bytes -> float32 mono waveform at 16 kHz.
+"""Audio bytes -> float32 mono waveform at 16 kHz (or the rate a tower asks for).
 
 soundfile (libsndfile) reads WAV/FLAC/OGG; anything else (MP3, M4A, ...) goes to torchcodec's
 FFmpeg-backed ``AudioDecoder``. Channels are averaged; ``torchaudio.functional.resample``
@@ -51,8 +51,8 @@ def _torchcodec(data: bytes) -> tuple[torch.Tensor, int]:
     return s.data.to(torch.float32), int(s.sample_rate)  # [C, n]
 
 
-def decode_audio(data: bytes) -> torch.Tensor:
-    """float32 [n] mono at 16 kHz; raises ``BadMedia`` (400) / ``MediaTooLarge`` (413)."""
+def decode_audio(data: bytes, target_sr: int = TARGET_SR) -> torch.Tensor:
+    """float32 [n] mono at ``target_sr``; raises ``BadMedia`` (400) / ``MediaTooLarge`` (413)."""
     got = _soundfile(data)
     wave, sr = got if got is not None else _torchcodec(data)
     if wave.ndim != 2 or wave.shape[1] == 0:
@@ -62,6 +62,6 @@ def decode_audio(data: bytes) -> torch.Tensor:
     if not torch.isfinite(wave).all():
         raise BadMedia("the audio contains NaN or infinite samples")
     mono = wave.mean(dim=0)
-    if sr != TARGET_SR:
-        mono = AF.resample(mono, sr, TARGET_SR)
+    if sr != target_sr:
+        mono = AF.resample(mono, sr, target_sr)
     return mono.contiguous()
