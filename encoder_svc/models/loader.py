@@ -82,7 +82,7 @@ def load_models(spec: BundleSpec, device: str = "cpu", dtype: str = "float32") -
 
         adir = spec.component_dir(spec.audio.path)
         audio = load_audio(spec.root, spec.audio, td).to(dev)
-        dirs.append(adir)
+        dirs += getattr(audio, "weight_dirs", None) or [adir]  # MiMo: + audio_tokenizer/
     if vision is None and audio is None:
         raise BundleError(f"bundle {spec.root} has no media encoder (no vision, no audio)")
     models = LoadedModels(spec, fingerprint(spec, dirs), dev, vision, image_cfg, audio)
