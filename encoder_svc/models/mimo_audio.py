@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from encoder_svc.errors import BadMedia
 from encoder_svc.models.audio import AudioItems
 from encoder_svc.models.mimo_audio_config import AudioEncoderConfig, AudioTokenizerConfig
 from encoder_svc.preprocess.mimo_mel import log_mel
@@ -280,6 +281,9 @@ class MiMoAudioTower(nn.Module):
     def prepare(self, wave: torch.Tensor) -> AudioItems:
         """[n] mono samples at ``sample_rate`` (n > nfft / 2) -> the segments' batch items."""
         t, seg = self.tok_cfg, self.enc_cfg.audio_segment_size
+        if wave.numel() <= t.nfft // 2:  # the centred STFT reflects n_fft / 2 samples at each end
+            raise BadMedia(f"the audio is {1000 * wave.numel() / t.sampling_rate:.0f} ms long; "
+                           f"send at least {1000 * (t.nfft // 2 + 1) / t.sampling_rate:.0f} ms")
         mel = log_mel(wave, sr=t.sampling_rate, n_fft=t.nfft, win_length=t.window_size, hop=t.hop_length,
                       n_mels=t.n_mels, fmin=t.fmin, fmax=t.fmax)  # [n_mels, frames]
         frames = mel.shape[1]
