@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from encoder_svc.models.mimo_audio_weights import load_mimo_audio
 from encoder_svc.preprocess.mimo_mel import mel_magnitude
 from shared.tiny.mimo_omni_audio import write_audio_only
+from tests.integration.test_vllm_oracle import vllm_python  # noqa: F401  (the venv fixture)
 from tests.unit.test_omni_audio import chirp
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -30,14 +31,6 @@ ATOL = 1e-4
 # seconds -> mel frames: 2.0 s 201 (odd), 0.75 s 76, 1.01 s 102 (51 conv frames: odd pool), 19.996 s = 2000 frames
 # (segments 800 + 800 + 400, all even), 20 s = 2001 frames (800 + 800 + 401: odd tail)
 CLIPS = (2.0, 0.75, 1.01, 1999 * 240 / 24000, 20.0)
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    out = subprocess.run(["bash", str(REPO / "scripts" / "vllm_venv.sh")], capture_output=True, text=True, timeout=1200)
-    if out.returncode != 0:
-        pytest.fail(f"scripts/vllm_venv.sh failed:\n{out.stderr[-3000:]}")
-    return out.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
