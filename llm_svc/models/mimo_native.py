@@ -169,9 +169,10 @@ class MiMoForCausalLM(nn.Module):
 
 # MiMo-V2.5 omni (``MiMoV2OmniForCausalLM``) keeps its towers in the same files; vLLM's
 # ``mimo_v2_omni.py`` ``hf_to_vllm_mapper`` names them: ``model.visual.`` / ``visual.`` (ViT),
-# ``speech_embeddings.`` + ``audio_tokenizer.`` (audio), ``model.language_model.`` (the LM, in
+# ``speech_embeddings.`` + ``audio_encoder.`` (audio; loaded by name, no mapper entry) +
+# ``audio_tokenizer.`` (audio), ``model.language_model.`` (the LM, in
 # checkpoints saved by transformers >= 4.52). The LM reads past the towers (the encoder's part).
-_TOWER_PREFIXES = ("model.visual.", "visual.", "speech_embeddings.", "audio_tokenizer.")
+_TOWER_PREFIXES = ("model.visual.", "visual.", "speech_embeddings.", "audio_encoder.", "audio_tokenizer.")
 
 
 def _published_name(name: str) -> str | None:

@@ -176,6 +176,9 @@ def write_mimo_omni(out: Path, seed: int = 0, sliding_window: int | None = None,
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for rel, data in (audio.files if audio is not None else {}).items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(data)
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [ids["<|im_end|>"]], "pad_token_id": ids["<|endoftext|>"], "do_sample": False,
          "transformers_version": "4.57.1"}, indent=2))

@@ -1,4 +1,4 @@
-"""The encoder service on a MiMo-V2.5 omni audio checkpoint, over real HTTP: real decoded WAV /
+"""The encoder service on the tiny MiMo-V2.5 omni checkpoint's audio side, over real HTTP: real decoded WAV /
 FLAC / MP3 (resampled to 24 kHz), placeholder counts as vLLM's MiMo processor computes them,
 embeddings equal to the tower run on an independently decoded waveform, cross-request batches
 of mixed lengths equal to one-at-a-time, the embedding cache, and clear 400s."""
@@ -21,10 +21,9 @@ from encoder_svc.app import create_app
 from encoder_svc.models.mimo_audio_weights import load_mimo_audio
 from encoder_svc.preprocess.audio_decode import decode_audio
 from encoder_svc.server import serve_in_thread
-from shared.bundle import MANIFEST, BUNDLE_FORMAT
 from shared.schemas import EncodeResult
 from shared.settings import EncoderSettings
-from shared.tiny.mimo_omni_audio import write_audio_only
+from shared.tiny.mimo_omni import write_mimo_omni
 from shared.wire import unpack
 from tests.unit.test_omni_audio import chirp, vllm_token_len
 
@@ -33,15 +32,14 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    d = write_audio_only(tmp_path_factory.mktemp("omni-audio-svc") / "ckpt", lm_hidden=64, seed=5)
-    # an audio-only bundle manifest around the published-layout files (the full omni directory,
-    # read without a manifest, is in tests/e2e)
-    (d / MANIFEST).write_text(json.dumps({
-        "format": BUNDLE_FORMAT, "name": "omni-audio", "lm": {"architecture": "MiMoV2OmniForCausalLM"},
-        "audio": {"kind": "mimo_omni", "path": "."},
-        "placeholders": {"audio": {"pad": "<|audio_pad|>", "start": "<|mimo_audio_start|>", "end": "<|mimo_audio_end|>"}},
-    }))
-    return d
+    """The tiny MiMo-V2.5 omni checkpoint as published, read as is (no manifest): LM, ViT and
+    the audio side in one directory."""
+    return write_mimo_omni(tmp_path_factory.mktemp("omni-audio-svc") / "ckpt", seed=5)
+
+
+@pytest.fixture(scope="module")
+def hidden(ckpt) -> int:
+    return json.loads((ckpt / "config.json").read_text())["hidden_size"]
 
 
 @pytest.fixture(scope="module")
@@ -94,18 +92,18 @@ def decoded(data: bytes) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["wav", "flac", "mp3"])
-def test_audio_request_matches_the_tower(url, ckpt, media, name):
+def test_audio_request_matches_the_tower(url, ckpt, hidden, media, name):
     """Two checks: the service's decode equals an independent one (to float error), and its
     embeddings equal the tower on that decode. Not the tower on the independent decode: a
     1e-8 difference in the samples can flip a near-tied RVQ code (a pure tone has many)."""
     e, res = embeds_of(post(url, media[name]))
     wave = decode_audio(media[name], 24000)
     torch.testing.assert_close(wave, decoded(media[name]), atol=1e-6, rtol=0)
-    tower = load_mimo_audio(ckpt, torch.float32, 64)
+    tower = load_mimo_audio(ckpt, torch.float32, hidden)
     items = tower.prepare(wave)
     out = tower(items.features)
     want = torch.cat([out[k, :n] for k, n in enumerate(items.tokens)])
-    assert res.modality == "audio" and res.hidden_size == 64
+    assert res.modality == "audio" and res.hidden_size == hidden
     assert e.shape[0] == res.num_tokens == vllm_token_len(1 + wave.numel() // 240) == want.shape[0]
     assert len(items.tokens) == (3 if name == "flac" else 1)  # 17.3 s: segments of 8 s
     torch.testing.assert_close(e, want, atol=1e-5, rtol=0)
@@ -147,13 +145,14 @@ def test_model_id_covers_the_tokenizer_weights(ckpt, tmp_path):
     from encoder_svc.models.loader import load_models
     from shared.bundle import load_bundle_spec
 
-    other = shutil.copytree(ckpt, tmp_path / "other")
+    same = shutil.copytree(ckpt, tmp_path / "a" / "ckpt")
+    other = shutil.copytree(ckpt, tmp_path / "b" / "ckpt")
     f = other / "audio_tokenizer" / "model.safetensors"
     t = load_file(str(f))
     t["encoder.quantizer.vq.layers.0._codebook.embed"] = t["encoder.quantizer.vq.layers.0._codebook.embed"].flip(0)
     save_file(t, str(f))
-    ids = [load_models(load_bundle_spec(d)).model_id for d in (ckpt, other)]
-    assert ids[0] != ids[1] and ids[0].split("@")[0] == ids[1].split("@")[0] == "omni-audio"
+    ids = [load_models(load_bundle_spec(d)).model_id for d in (ckpt, same, other)]
+    assert ids[0] == ids[1] != ids[2]
 
 
 def test_too_short_and_undecodable_audio_are_400(url):

@@ -11,6 +11,7 @@ That difference is asserted too, so it stays known: only that frame, only that r
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from encoder_svc.models.mimo_audio_weights import load_mimo_audio
 from encoder_svc.preprocess.mimo_mel import mel_magnitude
-from shared.tiny.mimo_omni_audio import write_audio_only
+from shared.tiny.mimo_omni import write_mimo_omni
 from tests.integration.test_vllm_oracle import vllm_python  # noqa: F401  (the venv fixture)
 from tests.unit.test_omni_audio import chirp
 
@@ -36,8 +37,8 @@ CLIPS = (2.0, 0.75, 1.01, 1999 * 240 / 24000, 20.0)
 @pytest.fixture(scope="module")
 def run(vllm_python, tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm-audio")
-    ckpt = write_audio_only(d / "ckpt", lm_hidden=64, seed=3)
-    tower = load_mimo_audio(ckpt, torch.float32, 64)
+    ckpt = write_mimo_omni(d / "ckpt", seed=3)  # the whole tiny omni checkpoint, as published
+    tower = load_mimo_audio(ckpt, torch.float32, json.loads((ckpt / "config.json").read_text())["hidden_size"])
     t = tower.tok_cfg
     waves = [chirp(s, seed=i) for i, s in enumerate(CLIPS)]
     mags = {f"mag.{i}": mel_magnitude(w, sr=t.sampling_rate, n_fft=t.nfft, win_length=t.window_size,

@@ -72,7 +72,9 @@ def test_omni_bundle_spec(omni_dir):
     v = spec.placeholders["video"]
     assert (v.layout, v.outer_start, v.outer_end, v.start) == (
         "timestamps", "<|mimo_video_start|>", "<|mimo_video_end|>", "<|vision_start|>")
-    assert spec.audio is None and "audio" not in spec.placeholders  # no audio_config written without the audio part
+    assert spec.audio is not None and (spec.audio.kind, spec.audio.path) == ("mimo_omni", ".")  # the audio part
+    a = spec.placeholders["audio"]
+    assert (a.start, a.pad, a.end) == ("<|mimo_audio_start|>", "<|audio_pad|>", "<|mimo_audio_end|>")
 
 
 def test_omni_spec_refuses_a_token_id_the_tokenizer_lacks(omni_dir, tmp_path):
