@@ -1,13 +1,14 @@
 """The tiny MiMo-V2.5 omni checkpoint served as is by the whole stack (gateway + encoder + LLM
-processes), through the official ``openai`` client: an image and a video request answer 200 with
-a completion whose prompt counts the size-dependent image tokens and the timestamped video layout."""
+processes), through the official ``openai`` client: an image, a video and an audio request answer
+200 with a completion whose prompt counts the size-dependent image tokens, the timestamped video
+layout and one audio pad per group of 4 RVQ code frames."""
 
 from __future__ import annotations
 
 import openai
 import pytest
 
-from benchmarks._stack_util import image_part, make_mp4, make_png, user, video_part
+from benchmarks._stack_util import audio_part, image_part, make_mp4, make_png, make_wav, user, video_part
 from shared.launcher import LocalStack, StackSpec
 from shared.tiny_model import write_tiny_model
 from tests.e2e.conftest import stream_chat
@@ -62,3 +63,17 @@ def test_video_answers_with_timestamped_layout(client, stack):
     # in place of the image's <|vision_start|> + 4 pads + <|vision_end|>
     assert len(starts) >= 2
     assert video_tokens - image_tokens == 2 + ts + 6 * len(starts) - 6
+
+
+def test_audio_answers_with_one_pad_per_code_group(client, stack):
+    from tests.unit.test_omni_audio import vllm_token_len
+
+    wav = make_wav(seconds=2.0, rate=16000, freq=300.0)  # resampled to 24 kHz: 48000 samples
+    messages = [user("What is shown here?", audio_part(wav))]
+    r = client.chat.completions.create(model=stack.model_name, messages=messages, max_tokens=6, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1  # random LM: may stop
+    text, finish, _ = stream_chat(client, stack.model_name, messages, 6)
+    assert (text, finish) == (r.choices[0].message.content, r.choices[0].finish_reason)  # streamed == plain
+    _, image_tokens = _ask(client, stack, image_part(make_png(64, 64, seed=1)))  # 2x2 merged tokens
+    # <|mimo_audio_start|> + 13 pads + <|mimo_audio_end|> in place of <|vision_start|> + 4 pads + <|vision_end|>
+    assert r.usage.prompt_tokens - image_tokens == vllm_token_len(1 + 48000 // 240) - 4 == 13 - 4
