@@ -45,6 +45,9 @@ def build_service(settings: EncoderSettings, metrics: EncoderMetrics, models: Lo
     backend = None
     if models.image_cfg is not None:
         backend = make_image_backend(settings.image_backend, models.image_cfg, models.device, settings.max_image_pixels)
+    elif models.takes_patches and settings.image_backend != "torchvision":
+        log.warning("image_backend=%s does not apply to the MiMo-V2.5 ViT: it decodes with torchvision (nvJPEG on "
+                    "CUDA) and resizes as its published processor does", settings.image_backend)
     pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="encoder-cpu")
     video = None
     if models.vision is not None:
