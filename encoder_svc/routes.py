@@ -40,9 +40,12 @@ def _params(request: Request) -> EncodeParams:
 
 
 def _wire(embeds, result: EncodeResult, key: str | None = None) -> Response:
+    """By reference (``result.by_ref``): the JSON header alone; else safetensors with the tensor."""
     headers = {"x-mmserve-cache-key": key} if key else None
     if key:
         result = result.model_copy(update={"key": key})
+    if result.by_ref:
+        return JSONResponse(result.model_dump(), headers=headers)
     return Response(pack({"embeds": embeds}, result), media_type=SAFETENSORS_MIME, headers=headers)
 
 

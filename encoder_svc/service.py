@@ -121,7 +121,7 @@ class EncoderService:
         key = self.cache_key(params, digest)
         cached = await self.cache.get(key, params.modality) if self.cache is not None else None
         if cached is not None:
-            return cached, await self._result_of(params, body, digest, cached, True, t0)
+            return cached, await self._result_of(params, body, digest, cached, True, t0, by_ref=params.by_ref)
         # Single flight: identical concurrent requests share one encode. It runs as its own
         # task, so a client that disconnects does not cancel the work others wait for.
         task = self._inflight.get(key)
@@ -132,28 +132,31 @@ class EncoderService:
             task.add_done_callback(lambda t, k=key: self._finished(k, t))
         else:
             self.metrics.cache_lookups.labels("inflight", params.modality, "hit").inc()
-        embeds = await asyncio.shield(task)
-        return embeds, await self._result_of(params, body, digest, embeds, shared, t0)
+        embeds, stored = await asyncio.shield(task)
+        # by reference only when the cache holds it: GET /v1/embeddings/{key} must find it
+        return embeds, await self._result_of(params, body, digest, embeds, shared, t0, by_ref=params.by_ref and stored)
 
     async def _result_of(self, params: EncodeParams, body: bytes, digest: str, embeds: torch.Tensor, cached: bool,
-                         t0: float) -> EncodeResult:
+                         t0: float, by_ref: bool = False) -> EncodeResult:
         """The header, with the item's timestamped runs when its pipeline has them (MiMo video)."""
-        result = self._result(params, digest, embeds, cached, t0)
+        result = self._result(params, digest, embeds, cached, t0, by_ref)
         seg_fn = getattr(self._pipelines[params.modality], "segments", None)
         segs = await seg_fn(self.ctx, body, params, embeds) if seg_fn is not None else None
         return result.model_copy(update={"segments": segs}) if segs is not None else result
 
-    async def _compute(self, params: EncodeParams, body: bytes, key: str) -> torch.Tensor:
+    async def _compute(self, params: EncodeParams, body: bytes, key: str) -> tuple[torch.Tensor, bool]:
+        """The embeddings and whether a cache tier stored them."""
         embeds = await self._pipelines[params.modality].encode(self.ctx, body, params)
         embeds = embeds.detach().to("cpu").contiguous()
         assert embeds.ndim == 2 and embeds.shape[0] >= 1, embeds.shape  # [num_tokens, hidden]
+        stored = False
         if self.cache is not None:
             seg_fn = getattr(self._pipelines[params.modality], "segments", None)
             segs = await seg_fn(self.ctx, body, params, embeds) if seg_fn is not None else None
             if segs is not None:  # beside the rows, for lookups by key that have no media bytes
                 await self.cache.put(key + SEGMENTS_SUFFIX, params.modality, segments_to_tensor(segs))
-            await self.cache.put(key, params.modality, embeds)
-        return embeds
+            stored = await self.cache.put(key, params.modality, embeds)
+        return embeds, stored
 
     def _finished(self, key: str, task: asyncio.Task) -> None:
         if self._inflight.get(key) is task:
@@ -179,7 +182,8 @@ class EncoderService:
         t = await self.cache.get(key + SEGMENTS_SUFFIX, parts[1]) if self.cache is not None else None
         return (t is not None), (segments_from_tensor(t) if t is not None else None)
 
-    def _result(self, params: EncodeParams, digest: str, embeds: torch.Tensor, cached: bool, t0: float) -> EncodeResult:
+    def _result(self, params: EncodeParams, digest: str, embeds: torch.Tensor, cached: bool, t0: float,
+                by_ref: bool = False) -> EncodeResult:
         return EncodeResult(
             modality=params.modality,
             content_hash=digest,
@@ -188,6 +192,7 @@ class EncoderService:
             hidden_size=embeds.shape[1],
             cached=cached,
             encode_ms=(time.perf_counter() - t0) * 1000.0,
+            by_ref=by_ref,
         )
 
     def check_integrity(self) -> None:

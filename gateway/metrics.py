@@ -34,6 +34,17 @@ class GatewayMetrics:
         self.media_items = Counter(
             "mmserve_gateway_media_items", "media items received by modality", ["modality"], registry=r
         )
+        self.llm_body_bytes = Counter(
+            "mmserve_gateway_llm_body_bytes", "bytes of /v1/generate bodies sent to LLM replicas", registry=r
+        )
+        self.media_by_ref = Counter(
+            "mmserve_gateway_media_sent", "media items sent to the LLM, by how (ref: key only, value: tensor)",
+            ["how"], registry=r,
+        )
+        self.media_resends = Counter(
+            "mmserve_gateway_media_resends", "requests re-sent by value after the LLM could not fetch by reference",
+            registry=r,
+        )
         self.encoder_retries = Counter(
             "mmserve_gateway_encoder_failovers", "encode attempts retried on another replica", registry=r
         )

@@ -1,11 +1,10 @@
 """From an OpenAI chat request plus encoded media to the LLM's ``GenerateRequest`` and its
-safetensors body (tensor ``mm.{i}`` is media item ``i``)."""
+safetensors body: an item by value is tensor ``mm.{i}``; by reference it has no tensor, its
+``PromptMedia`` names the key and the encoders that serve it (the body is the header alone)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
 
 from gateway.upstream import Encoded
 from shared.schemas import (
@@ -18,7 +17,7 @@ from shared.schemas import (
     SamplingParams,
     TextPart,
 )
-from shared.wire import pack
+from shared.rawwire import RawTensor, pack_raw
 
 
 def sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
@@ -57,9 +56,10 @@ def build_generate_request(
                     modality=e.item.modality,
                     index=e.item.index,
                     content_hash=e.item.content_hash,
-                    num_tokens=int(e.embeds.shape[0]),
+                    num_tokens=e.num_tokens,
                     key=e.result.key,
                     segments=e.result.segments,  # MiMo video: timestamped runs of the rows
+                    sources=list(e.sources) if e.by_ref else [],
                 )
             )
         messages.append(PromptMessage(role=msg.role, content=parts))
@@ -74,14 +74,7 @@ def build_generate_request(
 
 
 def pack_generate(gen: GenerateRequest, encoded: Sequence[Encoded]) -> bytes:
-    """The wire body of ``POST /v1/generate``.  Repeated media share one tensor in memory;
-    safetensors refuses shared storage, so repeats are copied."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for e in encoded:
-        t = e.embeds
-        if id(t) in seen:
-            t = t.clone()
-        seen.add(id(e.embeds))
-        tensors[f"mm.{e.item.index}"] = t
-    return pack(tensors, gen)
+    """The wire body of ``POST /v1/generate``: the items sent by value as tensors (a repeated
+    item is written once per index, as the LLM expects), the rest by reference."""
+    tensors: dict[str, RawTensor] = {f"mm.{e.item.index}": e.embeds for e in encoded if e.embeds is not None}
+    return pack_raw(tensors, gen)

@@ -1,10 +1,15 @@
 """Test helpers: uvicorn-in-a-thread on a free loopback port, and fake encoder / LLM services
 with known answers (used by the gateway's integration tests and handy for local experiments).
 
-* fake encoder: ``embeds`` is ``[len(body) % 5 + 1, hidden]`` filled with ``len(body)``; images
-  that PIL cannot open, and bodies starting with ``b"BAD"``, get a 400.
+* fake encoder: ``embeds`` is ``[len(body) % 5 + 1, hidden]`` float32 filled with ``len(body)``;
+  images that PIL cannot open, and bodies starting with ``b"BAD"``, get a 400; ``by_ref=true``
+  keeps them in ``app.state.store`` (served by ``GET /v1/embeddings/{key}``) and answers JSON.
 * fake LLM: the generated text is a JSON summary of what it received (messages with media
-  placeholders and the fill value of each ``mm.i`` tensor, sampling, replica name)."""
+  placeholders and the fill value of each ``mm.i`` tensor, sampling, replica name); items sent
+  by reference are fetched from their sources, and one that none serves is a 409
+  ``media_unavailable``, as the real LLM answers.
+
+No torch here: like the gateway, these handle tensors as raw safetensors bytes."""
 
 from __future__ import annotations
 
@@ -12,10 +17,12 @@ import asyncio
 import io
 import json
 import socket
+import struct
 import threading
 import time
+from urllib.parse import quote
 
-import torch
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,7 +34,7 @@ from shared.schemas import (
     GenerateResponse,
     PromptMedia,
 )
-from shared.wire import SAFETENSORS_MIME, pack, unpack
+from shared.rawwire import SAFETENSORS_MIME, RawTensor, pack_raw, unpack_raw
 
 
 class ServerThread:
@@ -73,14 +80,40 @@ def free_port_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+def filled(rows: int, hidden: int, value: float) -> RawTensor:
+    """A float32 ``[rows, hidden]`` tensor of ``value`` as raw bytes."""
+    return RawTensor("F32", (rows, hidden), struct.pack(f"<{rows * hidden}f", *([value] * (rows * hidden))))
+
+
+def first_value(t: RawTensor) -> float:
+    assert t.dtype == "F32", t.dtype
+    return struct.unpack_from("<f", t.data)[0]
+
+
 def fake_encoder_app(name: str, hidden: int = 8) -> FastAPI:
     """``app.state.calls`` lists ``(modality, content_hash, len(body))``; set ``app.state.ready``
-    / ``app.state.fail_5xx`` to make it unready or failing (with ``app.state.fail_status``)."""
+    / ``app.state.fail_5xx`` to make it unready or failing (with ``app.state.fail_status``);
+    ``app.state.store`` (key -> tensor) holds what was encoded by reference (clear it to evict),
+    ``app.state.keep_refs = False`` makes it answer by value even when asked by reference."""
     app = FastAPI()
     app.state.calls = []
     app.state.ready = True
     app.state.fail_5xx = False
     app.state.fail_status = 500
+    app.state.store = {}
+    app.state.keep_refs = True
+    app.state.gets = []  # keys asked for by GET /v1/embeddings
+
+    @app.get("/v1/embeddings/{key:path}")
+    async def embeddings(key: str) -> Response:
+        app.state.gets.append(key)
+        t = app.state.store.get(key)
+        if t is None:
+            return JSONResponse({"error": {"message": f"no cached embedding for key {key!r}"}}, status_code=404)
+        modality = key.split(":")[1]
+        result = EncodeResult(modality=modality, content_hash=key.rsplit(":", 1)[1], model=name,
+                              num_tokens=t.shape[0], hidden_size=t.shape[1], cached=True, key=key)
+        return Response(pack_raw({"embeds": t}, result), media_type=SAFETENSORS_MIME)
 
     @app.get("/readyz")
     async def readyz() -> Response:
@@ -91,7 +124,7 @@ def fake_encoder_app(name: str, hidden: int = 8) -> FastAPI:
         return {"status": "ok", "service": "encoder"}
 
     @app.post("/v1/encode")
-    async def encode(request: Request, modality: str, content_hash: str | None = None) -> Response:
+    async def encode(request: Request, modality: str, content_hash: str | None = None, by_ref: bool = False) -> Response:
         body = await request.body()
         app.state.calls.append((modality, content_hash, len(body)))
         if app.state.fail_5xx:
@@ -106,17 +139,42 @@ def fake_encoder_app(name: str, hidden: int = 8) -> FastAPI:
             except Exception as e:
                 return JSONResponse({"detail": f"cannot decode image: {e}"}, status_code=400)
         n = len(body) % 5 + 1
-        embeds = torch.full((n, hidden), float(len(body)))  # [num_tokens, hidden]
+        embeds = filled(n, hidden, float(len(body)))  # [num_tokens, hidden]
         result = EncodeResult(
             modality=modality, content_hash=content_hash or "", model=name, num_tokens=n, hidden_size=hidden,
             key=f"{name}-model:{modality}:sig:{content_hash}",
         )
-        return Response(pack({"embeds": embeds}, result), media_type=SAFETENSORS_MIME)
+        if by_ref and app.state.keep_refs:
+            app.state.store[result.key] = embeds
+            return JSONResponse(result.model_copy(update={"by_ref": True}).model_dump())
+        return Response(pack_raw({"embeds": embeds}, result), media_type=SAFETENSORS_MIME)
 
     return app
 
 
-def echo_summary(req: GenerateRequest, tensors: dict[str, torch.Tensor], replica: str) -> dict:
+async def fetch_refs(req: GenerateRequest, tensors: dict[str, RawTensor]) -> list[int] | None:
+    """Fills ``tensors`` with the items sent by reference, fetched from their sources as the real
+    LLM does; returns the indices fetched, or None when one of them is nowhere to be found."""
+    fetched = []
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+        for p in req.media():
+            if f"mm.{p.index}" in tensors or not p.sources:
+                continue
+            for src in p.sources:
+                try:
+                    r = await client.get(f"{src}/v1/embeddings/{quote(p.key, safe=':')}")
+                except httpx.HTTPError:
+                    continue
+                if r.status_code == 200:
+                    tensors[f"mm.{p.index}"] = unpack_raw(r.content, EncodeResult)[0]["embeds"]
+                    fetched.append(p.index)
+                    break
+            else:
+                return None
+    return fetched
+
+
+def echo_summary(req: GenerateRequest, tensors: dict[str, RawTensor], replica: str, by_ref: set[int] = frozenset()) -> dict:
     msgs = []
     for m in req.messages:
         parts = []
@@ -125,7 +183,8 @@ def echo_summary(req: GenerateRequest, tensors: dict[str, torch.Tensor], replica
                 t = tensors[f"mm.{p.index}"]
                 parts.append({
                     "media": p.modality, "index": p.index, "hash": p.content_hash, "key": p.key,
-                    "num_tokens": p.num_tokens, "rows": t.shape[0], "fill": float(t[0, 0]),
+                    "num_tokens": p.num_tokens, "rows": t.shape[0], "fill": first_value(t),
+                    "by_ref": p.index in by_ref,
                 })
             else:
                 parts.append({"text": p.text})
@@ -146,6 +205,7 @@ def fake_llm_app(name: str) -> FastAPI:
     app.state.fail_status = 503
     app.state.limits = None  # a dict of ServiceLimits fields to report on /readyz
     app.state.headers = []  # the headers of each /v1/generate call
+    app.state.body_bytes = []  # the size of each /v1/generate body
 
     @app.get("/readyz")
     async def readyz() -> Response:
@@ -155,16 +215,23 @@ def fake_llm_app(name: str) -> FastAPI:
 
     @app.post("/v1/generate")
     async def generate(request: Request) -> Response:
-        tensors, req = unpack(await request.body(), GenerateRequest)
+        body = await request.body()
+        tensors, req = unpack_raw(body, GenerateRequest)
         app.state.requests.append(req)
         app.state.headers.append(dict(request.headers))
+        app.state.body_bytes.append(len(body))
         if app.state.fail_5xx:
             headers = {"retry-after": "3"} if app.state.fail_status == 429 else None
             return JSONResponse({"detail": "engine down"}, status_code=app.state.fail_status, headers=headers)
         prompt = " ".join(p.text for m in req.messages for p in m.content if not isinstance(p, PromptMedia))
         if "TOO_LONG" in prompt:
             return JSONResponse({"error": {"message": "prompt is too long: 9999 > 4096 tokens"}}, status_code=400)
-        text = json.dumps(echo_summary(req, tensors, name))
+        fetched = await fetch_refs(req, tensors)
+        if fetched is None:
+            err = {"message": "media sent by reference is no longer available; re-send it by value",
+                   "code": "media_unavailable"}
+            return JSONResponse({"error": err}, status_code=409)
+        text = json.dumps(echo_summary(req, tensors, name, set(fetched)))
         media_tokens = sum(p.num_tokens for p in req.media())
         counts = {"prompt_tokens": media_tokens + len(prompt.split()), "completion_tokens": 7, "cached_tokens": 3}
         finish = "abort" if "ABORT" in prompt else "stop"

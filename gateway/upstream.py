@@ -3,7 +3,9 @@
 Failure policy (the protocol in ``shared.schemas``):
 
 * a 4xx from the encoder means the media is bad -> ``MediaError`` (400 naming the item);
-* a 4xx from the LLM means the request is bad (e.g. prompt too long) -> 400 with its message;
+* a 4xx from the LLM means the request is bad (e.g. prompt too long) -> 400 with its message,
+  except 409 ``media_unavailable`` (embeddings sent by reference were gone when the LLM fetched
+  them) -> ``MediaUnavailable``, which the chat route answers by re-sending by value;
 * a 429 (the replica is overloaded) -> 429 with its ``Retry-After``: more load elsewhere would
   not help a saturated stack, the client backs off;
 * only connection errors and 503 (not serving: loading, restarting) are retried, on the next
@@ -24,7 +26,6 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 import httpx
-import torch
 
 from gateway.errors import APIError
 from gateway.aio import gather_or_cancel
@@ -36,7 +37,7 @@ from gateway.routing.prefix import prefix_blocks
 from gateway.routing.replicas import ReplicaPool
 from shared.admission import deadline_header
 from shared.schemas import EncodeResult, GenerateChunk, GenerateRequest, GenerateResponse, PromptText
-from shared.wire import SAFETENSORS_MIME, WireError, unpack
+from shared.rawwire import SAFETENSORS_MIME, RawTensor, RawWireError, unpack_raw
 
 log = logging.getLogger("mmserve.gateway.upstream")
 
@@ -72,6 +73,27 @@ class _Retry(Exception):
     """One attempt failed in a way another replica may not."""
 
 
+class MediaUnavailable(APIError):
+    """The LLM could not fetch embeddings sent by reference (evicted, encoder gone)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(502, message, type="upstream_error", code="media_unavailable")
+
+
+MEDIA_UNAVAILABLE = "media_unavailable"  # the LLM's error code for it (HTTP 409)
+MAX_SOURCES = 3  # encoders named per item by reference: the one that encoded it, then others
+
+
+def error_code(response: httpx.Response) -> str | None:
+    """``error.code`` of an OpenAI-style error body, if any."""
+    try:
+        body = response.json()
+    except (ValueError, httpx.ResponseNotRead):
+        return None
+    err = body.get("error") if isinstance(body, dict) else None
+    return err.get("code") if isinstance(err, dict) else None
+
+
 def error_text(response: httpx.Response) -> str:
     """The message of an error response: OpenAI ``error.message``, FastAPI ``detail`` or text."""
     try:
@@ -95,12 +117,22 @@ def error_text(response: httpx.Response) -> str:
 
 @dataclass(frozen=True)
 class Encoded:
-    """An item's embeddings as returned by the encoder replica that served it."""
+    """An item as encoded by the replica that served it: by reference (``embeds`` None, the
+    encoders in ``sources`` serve ``result.key``) or by value (``embeds`` [num_tokens, hidden])."""
 
     item: MediaItem
-    embeds: torch.Tensor = field(repr=False)  # [num_tokens, hidden]
     result: EncodeResult
     replica: str
+    embeds: RawTensor | None = field(default=None, repr=False)
+    sources: tuple[str, ...] = ()
+
+    @property
+    def by_ref(self) -> bool:
+        return self.embeds is None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.result.num_tokens
 
 
 class EncoderClient:
@@ -129,17 +161,18 @@ class EncoderClient:
     def load(self, node: str) -> int:
         return self._in_flight.get(node, 0)
 
-    async def encode_all(self, items: list[MediaItem]) -> list[Encoded]:
+    async def encode_all(self, items: list[MediaItem], by_ref: bool = True) -> list[Encoded]:
         """All items concurrently (identical bytes encoded once); result ``i`` is ``items[i]``;
-        the first failure cancels the rest."""
+        the first failure cancels the rest. ``by_ref``: ask for the header only (an encoder
+        that cannot keep the embeddings still answers by value)."""
         unique: dict[tuple[str, str], MediaItem] = {}
         for it in items:
             unique.setdefault((it.modality, it.content_hash), it)
-        done = await gather_or_cancel(*(self.encode(it) for it in unique.values()))
+        done = await gather_or_cancel(*(self.encode(it, by_ref) for it in unique.values()))
         by_key = {(e.item.modality, e.item.content_hash): e for e in done}
         return [replace(by_key[(it.modality, it.content_hash)], item=it) for it in items]
 
-    async def encode(self, item: MediaItem) -> Encoded:
+    async def encode(self, item: MediaItem, by_ref: bool = True) -> Encoded:
         nodes = self._ring.bounded_candidates(item.content_hash, self.load, self.attempts, self.load_factor)
         if not nodes:
             raise UpstreamError("no encoder replica is configured", status=503)
@@ -148,7 +181,7 @@ class EncoderClient:
             if attempt:
                 await backoff(attempt)
             try:
-                return await self._encode_on(node, item)
+                return await self._encode_on(node, item, by_ref)
             except _Retry as e:
                 self._on_failover()
                 errors.append(f"{node}: {e}")
@@ -158,20 +191,23 @@ class EncoderClient:
             f"replica(s): {'; '.join(errors)}"
         )
 
-    async def _encode_on(self, node: str, item: MediaItem) -> Encoded:
+    async def _encode_on(self, node: str, item: MediaItem, by_ref: bool) -> Encoded:
         self._in_flight[node] = self._in_flight.get(node, 0) + 1
         try:
-            return await self._encode_once(node, item)
+            return await self._encode_once(node, item, by_ref)
         finally:
             self._in_flight[node] -= 1
             if not self._in_flight[node]:
                 del self._in_flight[node]
 
-    async def _encode_once(self, node: str, item: MediaItem) -> Encoded:
+    async def _encode_once(self, node: str, item: MediaItem, by_ref: bool) -> Encoded:
+        params = {"modality": item.modality, "content_hash": item.content_hash}
+        if by_ref:
+            params["by_ref"] = "true"
         try:
             r = await self._client.post(
                 f"{node}/v1/encode",
-                params={"modality": item.modality, "content_hash": item.content_hash},
+                params=params,
                 content=item.data,
                 headers={"content-type": "application/octet-stream", **deadline_header(upstream_deadline.get())},
                 timeout=self.timeout,
@@ -193,15 +229,29 @@ class EncoderClient:
             raise UpstreamError(f"{item.where}: encoding the {item.modality} timed out: {error_text(r)}", status=504)
         if r.status_code != 200:
             raise UpstreamError(f"{item.where}: encoding the {item.modality} failed: {error_text(r)}")
+        if r.headers.get("content-type", "").startswith("application/json"):
+            return self._by_ref(node, item, r)
         try:
-            tensors, result = unpack(r.content, EncodeResult)
-        except WireError as e:
+            tensors, result = unpack_raw(r.content, EncodeResult)
+        except RawWireError as e:
             raise _Retry(f"bad response: {e}") from e
         embeds = tensors.get("embeds")
-        if embeds is None or embeds.ndim != 2 or embeds.shape[0] != result.num_tokens or embeds.shape[0] < 1:
-            shape = None if embeds is None else tuple(embeds.shape)
+        if embeds is None or len(embeds.shape) != 2 or embeds.shape[0] != result.num_tokens or embeds.shape[0] < 1:
+            shape = None if embeds is None else embeds.shape
             raise _Retry(f"bad response: embeds {shape} vs num_tokens={result.num_tokens}")
-        return Encoded(item, embeds, result, node)
+        return Encoded(item, result, node, embeds=embeds)
+
+    def _by_ref(self, node: str, item: MediaItem, r: httpx.Response) -> Encoded:
+        """A header-only answer: the embeddings stay on ``node`` (and any encoder sharing its
+        cache tiers) under ``result.key``."""
+        try:
+            result = EncodeResult.model_validate_json(r.content)
+        except ValueError as e:
+            raise _Retry(f"bad response: {e}") from e
+        if not result.by_ref or not result.key:
+            raise _Retry("bad response: a JSON encode answer without by_ref and key")
+        others = [n for n in self._pool.routable() if n != node]
+        return Encoded(item, result, node, sources=(node, *others[: MAX_SOURCES - 1]))
 
 
 class LLMStream:
@@ -328,6 +378,8 @@ class LLMClient:
             raise overloaded(response, "LLM")
         if response.status_code == 413:
             raise APIError(413, error_text(response), code="request_too_large")
+        if response.status_code == 409 and error_code(response) == MEDIA_UNAVAILABLE:
+            raise MediaUnavailable(f"LLM {replica}: {error_text(response)}")
         if 400 <= response.status_code < 500:
             raise APIError(400, error_text(response), code="invalid_request")
         if response.status_code == 503:

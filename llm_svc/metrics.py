@@ -28,6 +28,12 @@ class LLMMetrics:
         )
         self.e2e = Histogram("mmserve_llm_request_seconds", "Request latency", registry=r,
                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        # media by reference: each item sent by key is fetched (a span past the cached prefix),
+        # skipped (the prefix cache covered it) or missed (no encoder had it: the request got a 409)
+        self.media_refs = Counter("mmserve_llm_media_refs", "Media items sent by reference, by outcome",
+                                  ["outcome"], registry=r)
+        self.media_bytes = Counter("mmserve_llm_media_fetch_bytes", "Bytes of embeddings fetched from encoders",
+                                   registry=r)
         self.deadline_drops = Counter("mmserve_llm_deadline_drops", "Requests stopped because their deadline passed",
                                       registry=r)
         self.admitted = Gauge("mmserve_llm_admitted_in_flight", "Requests holding an admission slot", registry=r)

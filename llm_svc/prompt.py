@@ -9,7 +9,7 @@ from shared.schemas import GenerateRequest, PromptMedia, PromptText
 
 from .errors import InvalidRequest
 from .loader import LoadedLM
-from .types import PreparedRequest
+from .types import EmbeddingRef, PreparedRequest
 
 SEED_RANGE = 1 << 63  # every backend's generator takes it; the engine core reduces the same way
 
@@ -110,7 +110,10 @@ def prepare_request(
     extra = sorted(set(tensors) - expected)
     if extra:
         raise InvalidRequest(f"body has tensors {extra} that no media part refers to", param="body")
-    items = {p.index: _check_tensor(lm, p, tensors) for p in media}
+    # an item without a tensor but with sources is by reference: fetched only if needed
+    refs = {p.index: EmbeddingRef(p.key, tuple(p.sources), p.num_tokens)
+            for p in media if p.sources and f"mm.{p.index}" not in tensors}
+    items = {p.index: None if p.index in refs else _check_tensor(lm, p, tensors) for p in media}
 
     bad = [t for t in s.stop_token_ids if not 0 <= t < lm.vocab_size]
     if bad:
@@ -118,7 +121,7 @@ def prepare_request(
                              param="stop_token_ids")
 
     ids = render_prompt_ids(lm, req)
-    out, spans, mm_items, mm_hashes = _expand_media(lm, ids, media, items)
+    out, spans, mm_items, mm_refs, mm_hashes = _expand_media(lm, ids, media, items, refs)
     if len(out) + s.max_tokens > max_model_len:
         raise InvalidRequest(
             f"the prompt has {len(out)} tokens and max_tokens is {s.max_tokens}: together they exceed "
@@ -132,6 +135,7 @@ def prepare_request(
         sampling=s,
         stream=req.stream,
         mm_items=mm_items,
+        mm_refs=mm_refs,
         mm_spans=spans,
         mm_hashes=mm_hashes,
         bidirectional=lm.bidirectional_media and bool(spans),
@@ -140,14 +144,17 @@ def prepare_request(
     )
 
 
-def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items: dict[int, torch.Tensor]):
+def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items: dict[int, torch.Tensor | None],
+                  refs: dict[int, EmbeddingRef]):
     """Each media pad -> ``num_tokens`` pads (or the item's timestamped layout). Returns the ids,
     the spans ``(start, length, sub_item)``, the sub-items (one per pad run: a timestamped video
-    has one per temporal group) and their prefix-cache hashes."""
+    has one per temporal group; None for an item by reference), their references (the rows of
+    the item each stands for) and their prefix-cache hashes."""
     pad_set = set(lm.pad_ids.values())
     out: list[int] = []
     spans: list[tuple[int, int, int]] = []
-    mm_items: list[torch.Tensor] = []
+    mm_items: list[torch.Tensor | None] = []
+    mm_refs: list[EmbeddingRef | None] = []
     mm_hashes: list[str] = []
     k, i = 0, 0
     while i < len(ids):
@@ -167,6 +174,7 @@ def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items:
             spans.append((len(out), part.num_tokens, len(mm_items)))
             out.extend([tid] * part.num_tokens)
             mm_items.append(items[part.index])
+            mm_refs.append(refs.get(part.index))
             mm_hashes.append(base)
             continue
         if part.segments is None:
@@ -179,9 +187,11 @@ def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items:
         i += 1
         rendered, runs = layout.render(lm.tokenizer, part.segments)
         row = 0
+        whole, ref = items[part.index], refs.get(part.index)
         for j, (off, n) in enumerate(runs):
             spans.append((len(out) + off, n, len(mm_items)))
-            mm_items.append(items[part.index][row : row + n])
+            mm_items.append(None if whole is None else whole[row : row + n])
+            mm_refs.append(None if ref is None else ref.part(row, n))
             mm_hashes.append(f"{base}/t{j}")
             row += n
         out.extend(rendered)
@@ -189,7 +199,7 @@ def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items:
         raise InvalidRequest(
             f"the chat template placed {k} media placeholders for {len(media)} media parts", param="messages"
         )
-    return out, spans, mm_items, mm_hashes
+    return out, spans, mm_items, mm_refs, mm_hashes
 
 
 def input_embeds(lm: LoadedLM, prep: PreparedRequest) -> torch.Tensor:

@@ -1,4 +1,10 @@
-"""HTTP routes: POST /v1/generate (JSON or NDJSON stream), /healthz, /readyz, /metrics."""
+"""HTTP routes: POST /v1/generate (JSON or NDJSON stream), /healthz, /readyz, /metrics.
+
+Media by reference: a backend that ``fetches_media`` gets the request as is (it fetches what its
+prefix cache misses); for any other the items are fetched here first. A stream with media by
+reference answers its headers once the first output is out, so that media no encoder has any
+more is a plain 409 ``media_unavailable`` the gateway can retry by value, never a broken stream.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from shared.wire import WireError, unpack
 
 from .backends import BackendStats, GenOutput, RequestStream
 from .errors import InvalidRequest, error_body
+from .media_fetch import MEDIA_UNAVAILABLE, MediaUnavailable
 from .prompt import prepare_request
 from .types import PreparedRequest
 from .state import ServiceState
@@ -144,6 +151,10 @@ async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadl
     if prep.request_id in state.in_flight:
         return _error(state, 400, f"request_id {prep.request_id!r} is already in flight; use a unique id",
                       param="request_id")
+    if prep.unresolved() and not state.backend.fetches_media:
+        failed = await _fetch_all(state, prep)
+        if failed is not None:
+            return failed
     try:
         stream = state.backend.submit(prep)
     except InvalidRequest as e:
@@ -154,9 +165,52 @@ async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadl
     state.live[prep.request_id] = _Live(ticket, _deadline_timer(state, prep.request_id, deadline))
     if prep.stream:
         out = _NdjsonStream(state, prep, stream)
+        if prep.unresolved():
+            try:
+                first = await _peek(request, stream)
+            except BaseException:
+                await out.close()
+                raise
+            if first is None:  # the client left
+                await out.close()
+                return Response(status_code=499)
+            if first.error_code == MEDIA_UNAVAILABLE:
+                out.finished = True
+                await out.close()
+                return _error(state, first.error_status, first.error, code=first.error_code)
+            out.first = first
+            out.finished = first.final  # nothing left to drain if it is the last one
         # on_close: a client gone before the first byte never starts the generator
         return ClosingStreamingResponse(out.lines(), on_close=out.close, media_type=NDJSON)
     return await _collect(request, state, prep, stream)
+
+
+async def _fetch_all(state: ServiceState, prep: PreparedRequest) -> JSONResponse | None:
+    """Every item sent by reference, fetched for a backend without a prefix cache of its own."""
+    try:
+        got = await state.media.fetch_many({i: prep.mm_refs[i] for i in prep.unresolved()})
+    except MediaUnavailable as e:
+        return _error(state, e.status, e.message, code=e.code)
+    for i, t in got.items():
+        prep.mm_items[i] = t.to(device=state.lm.device, dtype=state.lm.dtype)
+    return None
+
+
+async def _peek(request: Request, stream: RequestStream) -> GenOutput | None:
+    """The stream's first output (its media resolved), or None if the client left first."""
+    task = asyncio.ensure_future(stream.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 class _Live:
@@ -243,22 +297,30 @@ class _NdjsonStream:
         self.tracker = _Tracker(state)
         self.finished = False
         self.closed = False
+        self.first: GenOutput | None = None  # an output already read (``_peek``), sent first
+
+    def _line(self, out: GenOutput) -> bytes:
+        self.tracker.see(out)
+        chunk = GenerateChunk(request_id=self.prep.request_id, text=out.text, token_ids=out.token_ids)
+        if out.final:
+            self.finished = True
+            chunk.finish_reason = out.finish_reason or "abort"
+            chunk.error = out.error
+            if _expired(self.state, self.prep.request_id):
+                chunk.error = "the request's deadline passed; generation stopped"
+            chunk.prompt_tokens = out.prompt_tokens
+            chunk.completion_tokens = out.completion_tokens
+            chunk.cached_tokens = out.cached_tokens
+        return (chunk.model_dump_json(exclude_none=True) + "\n").encode()
 
     async def lines(self) -> AsyncIterator[bytes]:
         try:
+            if self.first is not None:
+                yield self._line(self.first)
+                if self.first.final:
+                    return
             async for out in self.stream:
-                self.tracker.see(out)
-                chunk = GenerateChunk(request_id=self.prep.request_id, text=out.text, token_ids=out.token_ids)
-                if out.final:
-                    self.finished = True
-                    chunk.finish_reason = out.finish_reason or "abort"
-                    chunk.error = out.error
-                    if _expired(self.state, self.prep.request_id):
-                        chunk.error = "the request's deadline passed; generation stopped"
-                    chunk.prompt_tokens = out.prompt_tokens
-                    chunk.completion_tokens = out.completion_tokens
-                    chunk.cached_tokens = out.cached_tokens
-                yield (chunk.model_dump_json(exclude_none=True) + "\n").encode()
+                yield self._line(out)
         finally:  # the client went away (the generator was cancelled/closed) -> free everything
             await self.close()
 
@@ -325,7 +387,7 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
         return _error(state, 504, "the request's deadline passed; generation stopped", type_="timeout_error")
     if final.error:
         if final.error_status < 500:
-            return _error(state, final.error_status, final.error)
+            return _error(state, final.error_status, final.error, code=final.error_code)
         type_ = "service_unavailable" if final.error_status == 503 else "server_error"
         return _error(state, final.error_status, final.error, type_=type_)
     return GenerateResponse(

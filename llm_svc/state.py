@@ -16,6 +16,7 @@ from shared.settings import LLMSettings
 
 from .backends import Backend, backend_class
 from .loader import LoadedLM, load_lm
+from .media_fetch import EmbeddingFetcher
 from .metrics import LLMMetrics
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class ServiceState:
     lm: LoadedLM | None = None
     backend: Backend | None = None
     prep: PrepPool | None = None
+    media: EmbeddingFetcher | None = None  # embeddings sent by reference, fetched from the encoders
     error: str | None = None
     in_flight: set[str] = field(default_factory=set)
     live: dict = field(default_factory=dict)  # request id -> routes._Live (ticket, deadline timer)
@@ -90,6 +92,7 @@ class ServiceState:
             lm = await asyncio.to_thread(load_lm, s.model_dir, s.device, s.dtype, cls.needs_weights)
             backend = await asyncio.to_thread(cls, s, lm)
             self.lm, self.prep = lm, PrepPool(lm)
+            self.media = backend.media = EmbeddingFetcher(lm.hidden_size, s.media_fetch_timeout, self.metrics)
             await backend.start()
             self.backend = backend
             log.info("llm service ready: %s backend=%s", self.model_name, s.backend)
@@ -103,3 +106,5 @@ class ServiceState:
             self.backend = None
         if self.prep is not None:
             self.prep.close()
+        if self.media is not None:
+            await self.media.close()

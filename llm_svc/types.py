@@ -38,19 +38,43 @@ from shared.schemas import SamplingParams
 
 
 # ---------------------------------------------------------------------------- the front's request
+@dataclass(frozen=True)
+class EmbeddingRef:
+    """Where a media item sent by reference can be fetched: ``{source}/v1/embeddings/{key}``
+    serves ``[num_tokens, hidden]``; this reference stands for its rows ``start..start+rows``
+    (a sub-item: one timestamped run of a video)."""
+
+    key: str
+    sources: tuple[str, ...]
+    num_tokens: int
+    start: int = 0
+    length: int | None = None  # None: to the end
+
+    @property
+    def rows(self) -> int:
+        return self.num_tokens - self.start if self.length is None else self.length
+
+    def part(self, start: int, length: int) -> "EmbeddingRef":
+        """The reference to rows ``start..start+length`` of what this one stands for."""
+        assert 0 <= start and start + length <= self.rows, (start, length, self.rows)
+        return EmbeddingRef(self.key, self.sources, self.num_tokens, self.start + start, length)
+
+
 @dataclass
 class PreparedRequest:
     """Everything a backend needs to run one request.
 
     ``mm_spans`` are ``(start_position, length, item_index)``; ``mm_items[i]`` is item i's
-    embeddings ``[num_tokens, hidden]`` in the model dtype.
+    embeddings ``[num_tokens, hidden]`` in the model dtype, or None while it is only known by
+    reference (``mm_refs[i]``): fetched when a span past the cached prefix needs it.
     """
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
     stream: bool = False
-    mm_items: list[torch.Tensor] = field(default_factory=list)
+    mm_items: list[torch.Tensor | None] = field(default_factory=list)
+    mm_refs: list[EmbeddingRef | None] = field(default_factory=list)
     mm_spans: list[tuple[int, int, int]] = field(default_factory=list)
     mm_hashes: list[str] = field(default_factory=list)
     bidirectional: bool = False
@@ -62,9 +86,18 @@ class PreparedRequest:
 
     def __post_init__(self) -> None:
         assert self.prompt_ids, "empty prompt"
+        if not self.mm_refs:
+            self.mm_refs = [None] * len(self.mm_items)
+        assert len(self.mm_refs) == len(self.mm_items)
         for start, length, item in self.mm_spans:
             assert 0 <= start and start + length <= len(self.prompt_ids)
-            assert self.mm_items[item].shape[0] == length
+            t, ref = self.mm_items[item], self.mm_refs[item]  # the core's copy has neither until fetched
+            assert t is None or t.shape[0] == length
+            assert ref is None or ref.rows == length
+
+    def unresolved(self) -> list[int]:
+        """Indices of the items known only by reference."""
+        return [i for i, t in enumerate(self.mm_items) if t is None]
 
 
 # ---------------------------------------------------------------------------- the scheduler's request
@@ -130,6 +163,8 @@ class Request:
     decodes_since_release: int = 0
     admitted_once: bool = False
     prefill_cached: bool = False  # the computed prompt went into the prefix tree (this admission)
+    # its admission needs embeddings it has by reference only: not admitted until they arrive
+    awaiting_media: bool = False
 
     def __post_init__(self) -> None:
         if not self.req_id:
@@ -267,6 +302,7 @@ class GenOutput:
     cached_tokens: int = 0
     error: str | None = None
     error_status: int = 500  # HTTP status of ``error``: 4xx the request's fault, 5xx ours
+    error_code: str | None = None  # machine-readable kind of ``error`` (e.g. "media_unavailable")
     logprobs: list[float] = field(default_factory=list)  # one per token_ids entry, if requested
 
     @property

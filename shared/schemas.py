@@ -233,6 +233,10 @@ class EncodeParams(BaseModel):
     )
     fps: float | None = Field(default=None, gt=0, description="video: frames sampled per second")
     max_frames: int | None = Field(default=None, ge=1, le=4096, description="video: frame cap")
+    by_ref: bool = Field(
+        default=False, description="answer the header only (JSON EncodeResult with by_ref=true) and keep the "
+        "embeddings for GET /v1/embeddings/{key}; an encoder that cannot keep them answers by value"
+    )
 
 
 class MediaSegment(BaseModel):
@@ -254,6 +258,9 @@ class EncodeResult(BaseModel):
     cached: bool = False
     encode_ms: float = 0.0
     key: str | None = Field(default=None, description="shared.hashing.media_key of the item on this encoder")
+    by_ref: bool = Field(
+        default=False, description="no tensor in this response: GET /v1/embeddings/{key} serves it"
+    )
     segments: list[MediaSegment] | None = Field(
         default=None, description="rows split into timestamped runs (sum == num_tokens); None: one run")
 
@@ -267,7 +274,10 @@ class EncodeResult(BaseModel):
 # --------------------------------------------------------------------------------------------
 # LLM protocol (gateway -> llm):  POST /v1/generate
 # Body: safetensors bytes; tensors "mm.{i}" [num_tokens_i, hidden] hold the i-th media item's
-# embeddings, the GenerateRequest travels as JSON in the metadata key "request".
+# embeddings (by value), the GenerateRequest travels as JSON in the metadata key "request".
+# By reference an item has no tensor: its PromptMedia names key + sources, and the LLM fetches
+# only what its prefix cache misses. A fetch that finds nothing (evicted) fails the request with
+# 409 ``code="media_unavailable"``; the gateway then re-sends the request by value.
 # Response: GenerateResponse JSON, or (stream=true) NDJSON lines of GenerateChunk.
 # --------------------------------------------------------------------------------------------
 
@@ -278,7 +288,9 @@ class PromptText(BaseModel):
 
 
 class PromptMedia(BaseModel):
-    """A media item in the prompt: its embeddings are tensor ``mm.{index}`` of the body."""
+    """A media item in the prompt: its embeddings are tensor ``mm.{index}`` of the body, or, by
+    reference (no such tensor, ``sources`` set), fetched by ``key`` from
+    ``{source}/v1/embeddings/{key}`` by the LLM when its prefix cache does not cover the span."""
 
     type: Literal["media"] = "media"
     modality: Modality
@@ -288,6 +300,19 @@ class PromptMedia(BaseModel):
     key: str | None = Field(default=None, description="media_key (content + encoder model + preprocessing)")
     segments: list[MediaSegment] | None = Field(
         default=None, description="EncodeResult.segments of the item (timestamped runs), if the encoder gave them")
+    sources: list[str] = Field(
+        default_factory=list, max_length=8,
+        description="encoder base URLs that serve the embeddings by key, tried in order (by reference)",
+    )
+
+    @model_validator(mode="after")
+    def _ref_has_key(self) -> "PromptMedia":
+        if self.sources and not self.key:
+            raise ValueError("a media part with sources (by reference) needs its key")
+        for url in self.sources:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"media source {url!r} must be an http(s) base URL")
+        return self
 
     @model_validator(mode="after")
     def _segments_cover_rows(self) -> "PromptMedia":
@@ -433,7 +458,7 @@ class CoreAdd(msgspec.Struct, tag="add"):
     request_id: str
     prompt_ids: list[int]
     sampling: CoreSampling
-    mm_items: list[CoreTensor] = []
+    mm_items: list[CoreTensor | None] = []  # None: by reference, sent later in a CoreMedia
     mm_spans: list[tuple[int, int, int]] = []  # (start_position, length, item_index)
     mm_hashes: list[str] = []
     bidirectional: bool = False
@@ -452,7 +477,15 @@ class CoreShutdown(msgspec.Struct, tag="shutdown"):
     epoch: int
 
 
-CoreInput = Union[CoreAdd, CoreAbort, CoreShutdown]
+class CoreMedia(msgspec.Struct, tag="media"):
+    """Embeddings a ``CoreNeed`` asked for: ``(item_index, tensor)`` pairs of one request."""
+
+    epoch: int
+    request_id: str
+    items: list[tuple[int, CoreTensor]]
+
+
+CoreInput = Union[CoreAdd, CoreAbort, CoreShutdown, CoreMedia]
 
 
 class CoreToken(msgspec.Struct, array_like=True):
@@ -478,6 +511,14 @@ class CoreStats(msgspec.Struct):
     tiers: dict[str, float] = {}  # KV tier counters (llm_svc.offload.tiers.KVTiers.metrics)
 
 
+class CoreNeed(msgspec.Struct, array_like=True):
+    """A request's admission found media spans past its cached prefix whose embeddings it was
+    sent by reference: the front fetches ``items`` (item indices) and answers a ``CoreMedia``."""
+
+    request_id: str
+    items: list[int]
+
+
 class CoreOutputs(msgspec.Struct, tag="outputs"):
     """What one loop iteration of the core produced; also its heartbeat (``outputs`` may be
     empty). ``stats`` rides along at most a few times a second."""
@@ -485,6 +526,7 @@ class CoreOutputs(msgspec.Struct, tag="outputs"):
     epoch: int
     outputs: list[CoreToken] = []
     stats: CoreStats | None = None
+    needs: list[CoreNeed] = []
 
 
 class CoreReady(msgspec.Struct, tag="ready"):

@@ -138,6 +138,10 @@ class LLMSettings(_ServiceSettings):
         "for prompts up to swa_retention_max_len; 0 turns the every-K points off"
     )
     swa_retention_max_len: int = Field(default=8192, ge=0)
+    # media by reference: embeddings fetched from the encoders for spans the prefix cache misses
+    media_fetch_timeout: float = Field(
+        default=10.0, gt=0, description="seconds to fetch one item's embeddings from its encoders by key"
+    )
 
     @model_validator(mode="after")
     def _tiers(self):
@@ -178,6 +182,10 @@ class GatewaySettings(_ServiceSettings):
         default=30.0, ge=0, description="seconds between DNS re-resolutions of replica hosts; 0 disables"
     )
     upstream_attempts: int = Field(default=3, ge=1, description="distinct replicas tried per call")
+    media_by_ref: bool = Field(
+        default=True, description="send media to the LLM by key (it fetches what its prefix cache misses); "
+        "false: every request carries the embeddings"
+    )
     encoder_load_factor: float = Field(
         default=1.5, ge=1.0, description="an encoder above this times the mean load hands items on along the ring"
     )

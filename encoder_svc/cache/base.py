@@ -13,7 +13,8 @@ class CacheTier(ABC):
     """One level of the embedding cache.
 
     Contract: ``get`` returns the tensor stored under ``key`` or None; ``put`` may drop the
-    entry (too large, budget, tier unavailable) but never raises for an unavailable backend;
+    entry (too large, budget, tier unavailable) but never raises for an unavailable backend,
+    and returns whether it stored it;
     a tier never holds more than its byte budget once ``put`` returns; ``check_integrity``
     raises ``AssertionError`` when the tier's accounting is inconsistent.
     """
@@ -24,7 +25,7 @@ class CacheTier(ABC):
     async def get(self, key: str) -> torch.Tensor | None: ...
 
     @abstractmethod
-    async def put(self, key: str, value: torch.Tensor) -> None: ...
+    async def put(self, key: str, value: torch.Tensor) -> bool: ...
 
     @abstractmethod
     def nbytes(self) -> int:

@@ -28,10 +28,10 @@ class MemoryLRU(CacheTier):
                 self._items.move_to_end(key)
             return t
 
-    async def put(self, key: str, value: torch.Tensor) -> None:
+    async def put(self, key: str, value: torch.Tensor) -> bool:
         size = tensor_nbytes(value)
         if size > self.max_bytes:
-            return
+            return False
         value = value.detach().cpu()
         with self._lock:
             old = self._items.pop(key, None)
@@ -42,6 +42,7 @@ class MemoryLRU(CacheTier):
                 self._bytes -= tensor_nbytes(evicted)
             self._items[key] = value
             self._bytes += size
+        return True
 
     def nbytes(self) -> int:
         return self._bytes

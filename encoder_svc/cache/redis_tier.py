@@ -65,17 +65,19 @@ class RedisTier(CacheTier):
             return None
         return from_bytes(key, data) if data else None
 
-    async def put(self, key: str, value: torch.Tensor) -> None:
+    async def put(self, key: str, value: torch.Tensor) -> bool:
         if not self.available():
-            return
+            return False
         data = to_bytes(key, value)
         if len(data) > self.max_bytes:
-            return
+            return False
         try:
             await self._client.set(self.entry_key(key), data, ex=self.ttl_s)
             self._bytes += len(data)
         except (RedisError, OSError) as e:
             self._failed("put", e)
+            return False
+        return True
 
     def nbytes(self) -> int:
         return self._bytes

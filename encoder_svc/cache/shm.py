@@ -100,10 +100,10 @@ class SharedMemoryTier(CacheTier):
                 pass
         return t
 
-    async def put(self, key: str, value: torch.Tensor) -> None:
+    async def put(self, key: str, value: torch.Tensor) -> bool:
         data = to_bytes(key, value)
         if len(data) > self.max_bytes:
-            return
+            return False
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -121,6 +121,7 @@ class SharedMemoryTier(CacheTier):
                 self._write_total(total)
         finally:
             Path(tmp).unlink(missing_ok=True)
+        return True
 
     def _evict(self) -> int:
         """Delete oldest entries down to the low-water mark; return the measured total."""

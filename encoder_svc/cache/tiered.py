@@ -36,10 +36,13 @@ class TieredCache:
             return value
         return None
 
-    async def put(self, key: str, modality: str, value: torch.Tensor) -> None:
+    async def put(self, key: str, modality: str, value: torch.Tensor) -> bool:
+        """Stores in every tier that takes it; True if at least one did."""
+        stored = False
         for tier in self.tiers:
-            await tier.put(key, value)
+            stored = await tier.put(key, value) or stored
             self._gauge(tier)
+        return stored
 
     def check_integrity(self) -> None:
         for tier in self.tiers:

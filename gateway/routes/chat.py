@@ -15,11 +15,11 @@ from fastapi.responses import JSONResponse, Response
 
 from gateway.auth import ApiKeyDep
 from gateway.errors import APIError
-from gateway.media import collect_media
+from gateway.media import MediaItem, collect_media
 from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion, completion_id, now
 from gateway.prompt import build_generate_request, pack_generate
 from gateway.state import GatewayState, StateDep
-from gateway.upstream import LLMStream, UpstreamError, upstream_deadline
+from gateway.upstream import LLMStream, MediaUnavailable, UpstreamError, upstream_deadline
 from gateway.validate import check_fits, check_text
 from shared.schemas import ChatCompletionRequest, GenerateRequest, GenerateResponse
 from shared.admission import Overloaded, Ticket
@@ -66,17 +66,37 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float,
                 await aclose()
 
 
-async def prepare(state: GatewayState, body: ChatCompletionRequest, cid: str) -> tuple[GenerateRequest, bytes]:
-    """Media fetched, encoded (all items concurrently) and packed with the prompt."""
+async def prepare(state: GatewayState, body: ChatCompletionRequest, cid: str) -> tuple[GenerateRequest, bytes, list[MediaItem]]:
+    """Media fetched, encoded (all items concurrently) and packed with the prompt; by reference
+    unless ``media_by_ref`` is off."""
     s = state.settings
     check_fits(body, s.default_max_tokens, state.llm_limits.best())  # before any fetch or encode
     refs = collect_media(body, s.max_media_items)
     for ref in refs:
         state.metrics.media_items.labels(ref.modality).inc()
     items = await state.fetcher.load(refs, s.max_request_media_bytes)
-    encoded = await state.encoders.encode_all(items)
-    gen = build_generate_request(body, encoded, cid, s.default_max_tokens)
-    return gen, pack_generate(gen, encoded)
+    gen, packed = await _encode_and_pack(state, body, cid, items, s.media_by_ref)
+    return gen, packed, items
+
+
+async def _encode_and_pack(state: GatewayState, body: ChatCompletionRequest, cid: str, items: list[MediaItem],
+                           by_ref: bool) -> tuple[GenerateRequest, bytes]:
+    encoded = await state.encoders.encode_all(items, by_ref=by_ref)
+    gen = build_generate_request(body, encoded, cid, state.settings.default_max_tokens)
+    packed = pack_generate(gen, encoded)
+    for e in encoded:
+        state.metrics.media_by_ref.labels("ref" if e.by_ref else "value").inc()
+    state.metrics.llm_body_bytes.inc(len(packed))
+    return gen, packed
+
+
+async def by_value(state: GatewayState, body: ChatCompletionRequest, cid: str, items: list[MediaItem],
+                   err: MediaUnavailable) -> tuple[GenerateRequest, bytes]:
+    """The LLM could not fetch what was sent by reference (evicted, encoder restarted): encode
+    again (a cache hit where it is still there) and send the tensors this time."""
+    log.info("%s: %s; re-sending the media by value", cid, err.message)
+    state.metrics.media_resends.inc()
+    return await _encode_and_pack(state, body, cid, items, by_ref=False)
 
 
 @router.post("/v1/chat/completions")
@@ -126,16 +146,24 @@ async def admit(state: GatewayState) -> Ticket:
 
 
 async def _generate(state: GatewayState, body: ChatCompletionRequest, cid: str) -> GenerateResponse:
-    gen, packed = await prepare(state, body, cid)
-    resp = await state.llms.generate(gen, packed)
+    gen, packed, items = await prepare(state, body, cid)
+    try:
+        resp = await state.llms.generate(gen, packed)
+    except MediaUnavailable as e:
+        gen, packed = await by_value(state, body, cid, items, e)
+        resp = await state.llms.generate(gen, packed)
     if resp.finish_reason == "abort":
         raise UpstreamError(ABORTED, status=503)
     return resp
 
 
 async def _open(state: GatewayState, body: ChatCompletionRequest, cid: str) -> LLMStream:
-    gen, packed = await prepare(state, body, cid)
-    return await state.llms.open_stream(gen, packed)
+    gen, packed, items = await prepare(state, body, cid)
+    try:  # the LLM answers a by-reference stream's headers once its media is resolved
+        return await state.llms.open_stream(gen, packed)
+    except MediaUnavailable as e:
+        gen, packed = await by_value(state, body, cid, items, e)
+        return await state.llms.open_stream(gen, packed)
 
 
 async def sse_events(

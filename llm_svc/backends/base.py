@@ -18,6 +18,10 @@ class Backend(ABC):
     # False: the front runs without the weights (they live in another process); ``load_lm`` is
     # then called with ``weights=False``
     needs_weights: bool = True
+    # True: ``submit`` takes requests with media by reference and fetches only what its prefix
+    # cache misses (through ``media``, set before ``start``); False: the routes fetch every item
+    fetches_media: bool = False
+    media = None  # llm_svc.media_fetch.EmbeddingFetcher
 
     @property
     def ready(self) -> bool:

@@ -18,6 +18,7 @@ from .base import Backend, BackendStats, RequestStream
 class SWABackend(Backend):
     name = "swa"
     needs_weights = False
+    fetches_media = True
 
     def __init__(self, settings: LLMSettings, lm: LoadedLM):
         self.settings = settings
@@ -33,6 +34,7 @@ class SWABackend(Backend):
         return self.client.detail
 
     async def start(self) -> None:
+        self.client.media = self.media
         await self.client.start()
 
     def submit(self, req: PreparedRequest) -> RequestStream:

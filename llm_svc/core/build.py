@@ -77,7 +77,8 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     scheduler = Scheduler(cfg, num_full, num_swa, num_host_full=host_full, num_host_swa=host_swa)
     runner = ModelRunner(model, num_full, num_swa, device=lm.device, kv_dtype=kv_dtype)
     tiers = build_tiers(settings, lm, model, runner, scheduler, kv_dtype) if host_full and host_swa else None
-    return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers)
+    # the front tries each source within media_fetch_timeout; this is the core's backstop
+    return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1)
 
 
 def model_identity(model_dir: str | Path) -> str:

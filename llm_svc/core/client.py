@@ -12,6 +12,12 @@ Supervision (a watchdog task on the front's event loop, never blocked by engine 
 
 Each core epoch gets its own pair of ZMQ sockets on fresh abstract-namespace IPC addresses
 (no files to leak): nothing sent to a dead core can reach its successor.
+
+Media by reference: a request's items known by key only are sent without tensors; when the
+core's admission finds a span past the cached prefix that needs one it sends a ``CoreNeed``,
+and the front fetches (``media``: an ``EmbeddingFetcher``, single flight per key) on its event
+loop and answers a ``CoreMedia``. A fetch that fails ends the request with 409
+``media_unavailable`` (and aborts it in the core).
 """
 
 from __future__ import annotations
@@ -31,13 +37,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shared.schemas import CoreAbort, CoreFailed, CoreOutput, CoreOutputs, CoreReady, CoreShutdown, CoreStats, CoreToken
+from shared.schemas import (
+    CoreAbort, CoreFailed, CoreMedia, CoreNeed, CoreOutput, CoreOutputs, CoreReady, CoreShutdown, CoreStats, CoreToken,
+)
 from shared.settings import LLMSettings
 
 from ..types import BackendStats, RequestStream
 from ..errors import InvalidRequest
 from ..types import PreparedRequest
-from .convert import to_core_add
+from ..media_fetch import MediaUnavailable
+from .convert import tensor_to_wire, to_core_add
 from .output import OutputProcessor
 from .process import SETTINGS_ENV
 
@@ -85,6 +94,8 @@ class EngineCoreClient:
         self.restarts = 0
         self.capacity: CoreReady | None = None
         self.core_stats = CoreStats()
+        self.media = None  # an EmbeddingFetcher (llm_svc.media_fetch), set before requests by reference
+        self._refs: dict[str, tuple[int, set[int]]] = {}  # request -> (items by reference, items needed)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -132,6 +143,9 @@ class EngineCoreClient:
                                  param="request_id")
         stream = RequestStream(prep.request_id, asyncio.get_running_loop())
         self._reqs.add(prep, stream)
+        by_ref = len(prep.unresolved())
+        if by_ref:
+            self._refs[prep.request_id] = (by_ref, set())
         self._send(to_core_add(prep, self._core.epoch))
         return stream
 
@@ -162,13 +176,49 @@ class EngineCoreClient:
             self.core_stats = msg.stats
         for t in msg.outputs:
             self._on_token(t)
+        for need in msg.needs:
+            self._task(self._fetch(msg.epoch, need))
 
     def _on_token(self, t: CoreToken) -> None:
         if self._reqs.process(t):
             self._send(CoreAbort(self._core.epoch, [t.request_id]))
+        if t.request_id not in self._reqs:
+            self._ended(t.request_id)
+
+    def _ended(self, rid: str) -> None:
+        refs = self._refs.pop(rid, None)
+        if refs is not None and self.media is not None:
+            self.media.count_skipped(refs[0] - len(refs[1]))
+
+    async def _fetch(self, epoch: int, need: CoreNeed) -> None:
+        """Fetch what the core's admission asked for and send it in (or fail the request)."""
+        rid = need.request_id
+        prep = self._reqs.prep(rid)
+        if prep is None:
+            return  # ended meanwhile
+        if rid in self._refs:
+            self._refs[rid][1].update(need.items)
+        try:
+            if self.media is None:
+                raise MediaUnavailable("this LLM replica cannot fetch media sent by reference")
+            refs = {i: prep.mm_refs[i] for i in need.items}
+            if any(r is None for r in refs.values()):
+                raise MediaUnavailable(f"the core asked for media items {need.items} not sent by reference")
+            got = await self.media.fetch_many(refs)
+        except MediaUnavailable as e:
+            if self._reqs.fail(rid, e.message, e.status, e.code):
+                self._ended(rid)
+                if self._core is not None and self._core.epoch == epoch:
+                    self._send(CoreAbort(epoch, [rid]))
+            return
+        if self._core is None or self._core.epoch != epoch or rid not in self._reqs:
+            return
+        self._send(CoreMedia(epoch, rid, [(i, tensor_to_wire(t)) for i, t in got.items()]))
 
     def _fail_all(self, message: str, status: int) -> None:
         self._reqs.fail_all(message, status)
+        for rid in list(self._refs):
+            self._ended(rid)
 
     async def _read(self, core: _Core) -> None:
         """Receive one core's messages until its sockets close."""

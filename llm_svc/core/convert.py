@@ -37,7 +37,8 @@ def to_core_add(prep: PreparedRequest, epoch: int) -> CoreAdd:
     )
     return CoreAdd(
         epoch=epoch, request_id=prep.request_id, prompt_ids=list(prep.prompt_ids), sampling=sampling,
-        mm_items=[tensor_to_wire(t) for t in prep.mm_items], mm_spans=[tuple(x) for x in prep.mm_spans],
+        mm_items=[None if t is None else tensor_to_wire(t) for t in prep.mm_items],
+        mm_spans=[tuple(x) for x in prep.mm_spans],
         mm_hashes=list(prep.mm_hashes), bidirectional=prep.bidirectional, return_logprobs=prep.return_logprobs,
         swa_checkpoints=list(prep.swa_checkpoints),
     )
@@ -52,7 +53,7 @@ def from_core_add(msg: CoreAdd, device: torch.device, dtype: torch.dtype) -> Pre
     )
     return PreparedRequest(
         request_id=msg.request_id, prompt_ids=list(msg.prompt_ids), sampling=sampling,
-        mm_items=[tensor_from_wire(t).to(device=device, dtype=dtype) for t in msg.mm_items],
+        mm_items=[None if t is None else tensor_from_wire(t).to(device=device, dtype=dtype) for t in msg.mm_items],
         mm_spans=[tuple(x) for x in msg.mm_spans], mm_hashes=list(msg.mm_hashes),
         bidirectional=msg.bidirectional, return_logprobs=msg.return_logprobs,
         swa_checkpoints=list(msg.swa_checkpoints),

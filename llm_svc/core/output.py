@@ -32,6 +32,19 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._reqs)
 
+    def prep(self, request_id: str) -> PreparedRequest | None:
+        p = self._reqs.get(request_id)
+        return p.prep if p is not None else None
+
+    def fail(self, request_id: str, message: str, status: int, code: str | None = None) -> bool:
+        """End one request with an error now (the core is told to abort it by the caller)."""
+        p = self._reqs.pop(request_id, None)
+        if p is None:
+            return False
+        p.sink.put(GenOutput(error=message, error_status=status, error_code=code,
+                             prompt_tokens=len(p.prep.prompt_ids), completion_tokens=p.num_out))
+        return True
+
     def add(self, prep: PreparedRequest, sink) -> None:
         assert prep.request_id not in self._reqs, prep.request_id
         self._reqs[prep.request_id] = _Pending(prep, sink, OutputText(self.tokenizer, prep.sampling))

@@ -3,7 +3,7 @@
 Started by the front (``llm_svc.core.front.CoreSupervisor``) as
 ``python -m llm_svc.core.process --epoch N --inputs ADDR --outputs ADDR`` with the service's
 settings in ``MMSERVE_LLM_CORE_SETTINGS`` (JSON). It connects a ZMQ PULL socket to ``inputs``
-(``CoreAdd`` / ``CoreAbort`` / ``CoreShutdown``) and a PUSH socket to ``outputs``
+(``CoreAdd`` / ``CoreAbort`` / ``CoreMedia`` / ``CoreShutdown``) and a PUSH socket to ``outputs``
 (``CoreReady`` once, then ``CoreOutputs`` every step and at least every ``HEARTBEAT_S`` when
 idle: the front's watchdog reads silence as a stalled core). It exits when its parent dies
 (``PR_SET_PDEATHSIG``, and a parent-pid check), on ``CoreShutdown``, and with status 3 on
@@ -24,7 +24,8 @@ import msgspec
 import zmq
 
 from shared.schemas import (
-    CoreAbort, CoreAdd, CoreFailed, CoreInput, CoreOutputs, CoreReady, CoreShutdown, CoreStats, CoreToken,
+    CoreAbort, CoreAdd, CoreFailed, CoreInput, CoreMedia, CoreNeed, CoreOutputs, CoreReady, CoreShutdown, CoreStats,
+    CoreToken,
 )
 from shared.settings import LLMSettings
 
@@ -33,6 +34,7 @@ from ..errors import InvalidRequest
 log = logging.getLogger("llm_svc.core")
 
 HEARTBEAT_S = 0.5
+MEDIA_POLL_S = 0.005  # while every request waits for media: block on inputs this long per loop
 STATS_EVERY_S = 0.25
 SETTINGS_ENV = "MMSERVE_LLM_CORE_SETTINGS"
 EXIT_BROKEN = 3
@@ -81,10 +83,11 @@ class CoreLoop:
     def run(self) -> None:
         while not self._stop:
             idle = not self.engine.has_work()
-            if self.inputs.poll(int(HEARTBEAT_S * 1000) if idle else 0):
+            wait = HEARTBEAT_S if idle else MEDIA_POLL_S if self.engine.stalled() else 0.0
+            if self.inputs.poll(int(wait * 1000)):
                 self._drain()
             outs = self.engine.step() if self.engine.has_work() else []
-            self._send(outs)
+            self._send(outs, self.engine.take_needs())
             if idle and os.getppid() != self.parent:
                 log.warning("the front process is gone; core exiting")
                 return
@@ -108,6 +111,8 @@ class CoreLoop:
             elif isinstance(msg, CoreAbort):
                 for rid in msg.request_ids:
                     self.engine.abort(rid)
+            elif isinstance(msg, CoreMedia):
+                self._media(msg, pending)
             elif isinstance(msg, CoreShutdown):
                 self._stop = True
         if pending:
@@ -125,7 +130,17 @@ class CoreLoop:
             log.exception("could not add request %s", msg.request_id)
             pending.append(CoreToken(msg.request_id, error=f"the request could not be started: {e}", status=400))
 
-    def _send(self, outs: list[CoreToken]) -> None:
+    def _media(self, msg: CoreMedia, pending: list[CoreToken]) -> None:
+        from .convert import tensor_from_wire
+
+        try:
+            items = {i: tensor_from_wire(t).to(device=self._device, dtype=self._media_dtype) for i, t in msg.items}
+            self.engine.provide_media(msg.request_id, items)
+        except (InvalidRequest, ValueError) as e:
+            self.engine.abort(msg.request_id)
+            pending.append(CoreToken(msg.request_id, error=str(getattr(e, "message", e)), status=400))
+
+    def _send(self, outs: list[CoreToken], needs: list[CoreNeed] = ()) -> None:
         now = time.monotonic()
         stats = None
         # stats ride along a few times a second, and with every finish: /metrics read right
@@ -134,10 +149,10 @@ class CoreLoop:
         if finished or now - self._last_stats >= STATS_EVERY_S:
             self._last_stats = now
             stats = self._stats()
-        if not outs and stats is None and now - self._last_send < HEARTBEAT_S:
+        if not outs and not needs and stats is None and now - self._last_send < HEARTBEAT_S:
             return
         self._last_send = now
-        self.outputs.send(self._enc.encode(CoreOutputs(self.epoch, outs, stats)), copy=False)
+        self.outputs.send(self._enc.encode(CoreOutputs(self.epoch, outs, stats, list(needs))), copy=False)
 
     def _stats(self) -> CoreStats:
         s = self.engine.stats()

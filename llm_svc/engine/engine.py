@@ -11,6 +11,10 @@ any of them),
 then ``check_integrity`` proves the bookkeeping is still sound; if it is not, ``EngineBroken``
 propagates and the core process exits so that its supervisor restarts it. The engine is never
 left silently dead.
+
+Media by reference: a request whose admission needs embeddings it has by key only waits (like
+an L3 prefetch, with a deadline) while the front fetches them: ``take_needs`` hands the
+front what to fetch, ``provide_media`` brings them in; past ``media_timeout`` it fails (504).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from llm_svc.engine.scheduler import Scheduler
 from llm_svc.errors import InvalidRequest
 from llm_svc.textproc import min_tokens_banned
 from llm_svc.types import PreparedRequest, Request, StepOutput, make_prompt_keys
-from shared.schemas import CoreToken
+from shared.schemas import CoreNeed, CoreToken
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +58,15 @@ class Engine:
     """``tiers`` (``llm_svc.offload.tiers.KVTiers``): host and L3 KV tiers, or None for the
     device pools alone."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_token_ids: list[int], tiers=None):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_token_ids: list[int], tiers=None,
+                 media_timeout: float = 30.0):
         self.runner = runner
         self.scheduler = scheduler
         self.tiers = tiers
+        self.media_timeout = media_timeout
         self._prefetching: dict[str, _Prefetch] = {}
+        self._media_wait: dict[str, float] = {}  # request -> deadline of the media it asked for
+        self._needs: list[CoreNeed] = []
         self.eos_token_ids = list(eos_token_ids)
         self._live: dict[str, _Live] = {}
         self._aborts: list[str] = []
@@ -103,6 +111,31 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._aborts) or bool(self._prefetching) or self.scheduler.has_unfinished()
 
+    def stalled(self) -> bool:
+        """Nothing can step until media arrives (the core may block on its inputs meanwhile)."""
+        s = self.scheduler
+        return (bool(self._media_wait) and not self._aborts and not self._prefetching and not s.running
+                and all(r.awaiting_media for r in s.waiting))
+
+    def take_needs(self) -> list[CoreNeed]:
+        """Media the front must fetch (asked since the last call)."""
+        out, self._needs = self._needs, []
+        return out
+
+    def provide_media(self, req_id: str, items: dict[int, torch.Tensor]) -> None:
+        """Embeddings a ``CoreNeed`` asked for; ignored for a request that is gone. Raises
+        ``InvalidRequest`` when an item does not fit its span (the request then fails)."""
+        req = self.scheduler.requests.get(req_id)
+        if req is None or req_id not in self._media_wait:
+            return
+        spans = {idx: n for _, n, idx in req.mm_spans}
+        for idx, t in items.items():
+            if idx not in spans or t.ndim != 2 or t.shape[0] != spans[idx]:
+                self.abort(req_id)
+                raise InvalidRequest(f"media item {idx}: embeddings of shape {list(t.shape)} do not fit its span")
+        del self._media_wait[req_id]
+        self.scheduler.provide_media(req_id, items)
+
     @property
     def num_live(self) -> int:
         return len(self._live)
@@ -114,6 +147,8 @@ class Engine:
         try:
             self._apply_aborts()
             self._affected = None
+            if self._media_wait:
+                self._expire_media()
             if self._prefetching:
                 self._admit_prefetched()
             if self.scheduler.has_unfinished():
@@ -156,12 +191,28 @@ class Engine:
             self.scheduler.add(p.req)
         self._affected = None
 
+    def _expire_media(self) -> None:
+        now = time.monotonic()
+        late = [rid for rid, deadline in self._media_wait.items() if now >= deadline]
+        if late:
+            self._affected = late
+            self._fail(late, f"the request's media did not arrive within {self.media_timeout:g} s; retry it",
+                       status=504)
+            self._affected = None
+
+    def _collect_needs(self) -> None:
+        deadline = time.monotonic() + self.media_timeout
+        for rid, items in self.scheduler.take_media_needs():
+            self._media_wait[rid] = deadline
+            self._needs.append(CoreNeed(rid, items))
+
     def _run_batch(self) -> None:
         tiers = self.tiers
         if tiers is not None:
             tiers.write_notes()  # before schedule: the noted slots still hold their KV
             tiers.run_ops()
         batch = self.scheduler.schedule()
+        self._collect_needs()
         if tiers is not None:
             tiers.run_ops()  # demotions and load-backs before the forward
             tiers.touch_hits()
@@ -216,17 +267,19 @@ class Engine:
             req = self.scheduler.requests.get(rid)
             cached = req.num_cached_tokens if req is not None else 0
             self._prefetching.pop(rid, None)
+            self._media_wait.pop(rid, None)
             self.scheduler.abort(rid)
             if self._live.pop(rid, None) is not None:
                 self._out.append(CoreToken(rid, finish_reason="abort", num_cached_tokens=cached))
 
-    def _fail(self, req_ids: list[str], message: str) -> None:
+    def _fail(self, req_ids: list[str], message: str, status: int = 500) -> None:
         try:
             for rid in req_ids:
                 self._prefetching.pop(rid, None)
+                self._media_wait.pop(rid, None)
                 self.scheduler.abort(rid)
                 if self._live.pop(rid, None) is not None:
-                    self._out.append(CoreToken(rid, error=message, status=500))
+                    self._out.append(CoreToken(rid, error=message, status=status))
             self.scheduler.check_integrity()
         except Exception as e:
             raise EngineBroken(f"engine state inconsistent after a failure: {type(e).__name__}: {e}") from e
@@ -234,7 +287,7 @@ class Engine:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, float]:
         out = {**self.scheduler.stats(), "steps": self.steps, "failures": self.failures,
-               "prefetching": len(self._prefetching)}
+               "prefetching": len(self._prefetching), "media_waiting": len(self._media_wait)}
         if self.tiers is not None:
             out.update(self.tiers.metrics())
         return out

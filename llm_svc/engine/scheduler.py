@@ -20,6 +20,12 @@ One engine step: ``schedule()`` -> runner -> ``postprocess(batch, next_tokens)``
 * When a decode cannot get a slot, the newest running request not already in this step's batch
   is preempted: its computed KV goes into the prefix tree (or is freed without caching) and it
   is requeued first, to recompute prompt + outputs so far.
+* Media by reference: a request's items may be known by key only (``mm_items[i] is None``).
+  Admission computes the cached prefix first; when a media span ends past it and its item is
+  missing, the request is not admitted: it is marked ``awaiting_media`` (skipped by admission)
+  and ``(req_id, item indices)`` goes to ``media_needs`` for the engine to fetch. Spans the
+  prefix cache covers are never fetched. ``provide_media`` makes it admissible again (the match
+  is re-checked then: it may have shrunk). Only the presence of an item is looked at here.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from llm_svc.engine.sched_policy import make_policy
 from llm_svc.kv.manager import KVManager
 from llm_svc.kv.radix import NO_SLOT
 from llm_svc.textproc import token_finish_reason
+
+AWAIT_MEDIA = object()  # ``_admit``'s answer for a request that needs embeddings it lacks
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._dropped: list[str] = []  # views ended since the last batch (the runner frees their tables)
         self._lock = threading.RLock()
+        self.media_needs: list[tuple[str, list[int]]] = []  # (req_id, item indices) to fetch
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -144,6 +153,31 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def take_media_needs(self) -> list[tuple[str, list[int]]]:
+        """What admission found missing since the last call (each request asks once per wait)."""
+        with self._lock:
+            out, self.media_needs = self.media_needs, []
+            return out
+
+    def provide_media(self, req_id: str, items: dict) -> bool:
+        """Item index -> embeddings for a request sent by reference; it is admissible again.
+        False if the request is gone (aborted, finished)."""
+        with self._lock:
+            req = self.requests.get(req_id)
+            if req is None:
+                return False
+            for idx, value in items.items():
+                req.mm_items[idx] = value
+            req.awaiting_media = False
+            return True
+
+    @staticmethod
+    def missing_media(req: Request, cached_len: int) -> list[int]:
+        """Items whose spans end past ``cached_len`` and that ``req`` has by reference only (a
+        request without ``mm_items`` at all is bookkeeping only: nothing is missing)."""
+        items = req.mm_items
+        return sorted({idx for s, n, idx in req.mm_spans if s + n > cached_len and idx < len(items) and items[idx] is None})
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ForwardBatch | None:
@@ -200,11 +234,14 @@ class Scheduler:
         if budget >= 1 and len(self.running) < cfg.max_running and self.waiting and (
             self.num_preemptions == preempted_before
         ):
-            order = self.policy.order(self.waiting, self.clock(), self.kv.tree.peek_match_len)
+            admissible = [r for r in self.waiting if not r.awaiting_media]
+            order = self.policy.order(admissible, self.clock(), self.kv.tree.peek_match_len)
             for req in order:
                 if budget < 1 or len(self.running) >= cfg.max_running:
                     break
                 sf = self._admit(req, budget, fallback=not self.running and not seqs)
+                if sf is AWAIT_MEDIA:
+                    continue
                 if sf is None:
                     break
                 seqs.append(sf)
@@ -232,7 +269,8 @@ class Scheduler:
     def _reserve_chunk(self, req: Request, start: int, end: int) -> bool:
         return self.kv.reserve(req.kv, max(end, len(req.kv.full)), start, end)
 
-    def _admit(self, req: Request, budget: int, fallback: bool) -> SeqForward | None:
+    def _admit(self, req: Request, budget: int, fallback: bool):
+        """The first chunk of ``req`` (now running), None (no room), or ``AWAIT_MEDIA``."""
         keys = req.all_keys
         total = len(keys)
         forbidden = [(s, s + n) for s, n, _ in req.mm_spans] if req.bidirectional else []
@@ -242,6 +280,12 @@ class Scheduler:
                 if attempt == 0 else self.kv.start([], prompt_end=len(req.prompt_ids))
             )
             start = seq.cached_len
+            missing = self.missing_media(req, start)
+            if missing:
+                self.kv.finish(seq, keys, seq.cached_len, cache=False)
+                req.awaiting_media = True
+                self.media_needs.append((req.req_id, missing))
+                return AWAIT_MEDIA
             end = self._chunk_end(req, start, min(budget, self.config.chunk_tokens))
             # leave one slot per running request for its next decode token
             reserve = len(self.running)
@@ -400,9 +444,11 @@ class Scheduler:
                 assert kv.cached_len <= req.num_computed <= len(kv.full) <= req.num_tokens
                 lo = max(0, req.num_computed - w)
                 assert NO_SLOT not in kv.swa[lo:req.num_computed], f"{req.req_id}: window lost"
+                assert not self.missing_media(req, req.num_computed), f"{req.req_id}: runs without its media"
             for req in self.waiting:
                 assert req.status == RequestStatus.WAITING and req.kv is None
                 assert self.requests.get(req.req_id) is req
+                assert not req.awaiting_media or None in req.mm_items, f"{req.req_id} awaits no media"
             assert len(self.requests) == len(self.running) + len(self.waiting)
             self.kv.check_integrity([r.kv for r in self.running])
 

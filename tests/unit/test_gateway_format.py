@@ -6,6 +6,7 @@ import torch
 from gateway.media import MediaItem
 from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion
 from gateway.prompt import build_generate_request, pack_generate, sampling_params
+from gateway.testing import filled
 from gateway.upstream import Encoded
 from shared.schemas import ChatCompletionRequest, EncodeResult, GenerateRequest, GenerateResponse, PromptMedia
 from shared.wire import unpack
@@ -21,7 +22,7 @@ def parse(event: bytes) -> dict:
 def encoded(index: int, modality: str, n: int, fill: float) -> Encoded:
     item = MediaItem(index, modality, f"w{index}", b"x", f"{index:032x}")
     res = EncodeResult(modality=modality, content_hash=item.content_hash, model="e", num_tokens=n, hidden_size=4)
-    return Encoded(item, torch.full((n, 4), fill), res, "r")
+    return Encoded(item, res, "r", embeds=filled(n, 4, fill))  # packed as shared.wire reads it
 
 
 def test_chunk_writer_events():
@@ -98,7 +99,27 @@ def test_repeated_media_pack_as_separate_tensors():
         {"type": "input_audio", "input_audio": {"data": "AAAA"}},
     ]}])
     one = encoded(0, "audio", 2, 5.0)
-    two = Encoded(MediaItem(1, "audio", "w1", b"x", one.item.content_hash), one.embeds, one.result, "r")
+    two = Encoded(MediaItem(1, "audio", "w1", b"x", one.item.content_hash), one.result, "r", embeds=one.embeds)
     gen = build_generate_request(req, [one, two], "id", 8)
     tensors, _ = unpack(pack_generate(gen, [one, two]), GenerateRequest)
     assert torch.equal(tensors["mm.0"], tensors["mm.1"])
+
+
+def test_by_reference_items_travel_as_key_and_sources_without_a_tensor():
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,a"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA"}},
+    ]}])
+    item = MediaItem(0, "image", "w0", b"x", "ab" * 32)
+    res = EncodeResult(modality="image", content_hash=item.content_hash, model="e", num_tokens=16, hidden_size=4,
+                       key="enc:image:sig:" + item.content_hash, by_ref=True)
+    ref = Encoded(item, res, "http://e0", sources=("http://e0", "http://e1"))
+    by_value = encoded(1, "audio", 2, 3.0)
+    gen = build_generate_request(req, [ref, by_value], "id", 8)
+    body = pack_generate(gen, [ref, by_value])
+    tensors, back = unpack(body, GenerateRequest)
+    assert set(tensors) == {"mm.1"}  # the image travels as its key alone
+    m0 = back.media()[0]
+    assert (m0.key, m0.sources, m0.num_tokens) == (res.key, ["http://e0", "http://e1"], 16)
+    assert back.media()[1].sources == []
+    assert len(body) < 1024
