@@ -47,6 +47,12 @@ class MemoryLRU(CacheTier):
     def nbytes(self) -> int:
         return self._bytes
 
+    def clear(self) -> None:
+        """Drop every entry (operators, tests)."""
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
     def __len__(self) -> int:
         return len(self._items)
 

@@ -9,9 +9,13 @@ from .output import OutputProcessor
 
 
 class InProcessEngine:
-    def __init__(self, engine: Engine, tokenizer):
+    """``media(request_id, item_indices) -> {index: tensor}`` answers the engine's needs for
+    media sent by reference (what the front's fetcher does), synchronously after each step."""
+
+    def __init__(self, engine: Engine, tokenizer, media=None):
         self.engine = engine
         self.outputs = OutputProcessor(tokenizer)
+        self.media = media
 
     @property
     def scheduler(self):
@@ -38,4 +42,7 @@ class InProcessEngine:
         for t in outs:
             if self.outputs.process(t):
                 self.engine.abort(t.request_id)
+        for need in self.engine.take_needs():
+            if self.media is not None:
+                self.engine.provide_media(need.request_id, self.media(need.request_id, need.items))
         return len(outs)

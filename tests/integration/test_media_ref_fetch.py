@@ -1,0 +1,73 @@
+"""The LLM front's ``EmbeddingFetcher`` against encoders over real HTTP (the gateway's fake
+encoder, which keeps what it encoded by reference): single flight per key, sources tried in
+order, and a clear ``MediaUnavailable`` when none has the item or what comes back is wrong."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from gateway.testing import ServerThread, fake_encoder_app, filled, free_port_url
+from llm_svc.media_fetch import EmbeddingFetcher, MediaUnavailable
+from llm_svc.types import EmbeddingRef
+
+pytestmark = pytest.mark.integration
+HIDDEN = 8
+
+
+@pytest.fixture
+def encoder():
+    app = fake_encoder_app("e0", hidden=HIDDEN)
+    with ServerThread(app) as srv:
+        srv.app = app
+        yield srv
+
+
+def test_concurrent_fetches_of_one_key_make_one_request(encoder):
+    encoder.app.state.store["k:image:s:1"] = filled(4, HIDDEN, 7.0)
+
+    async def go():
+        f = EmbeddingFetcher(HIDDEN, timeout=5)
+        ref = EmbeddingRef("k:image:s:1", (encoder.url,), 4)
+        got = await asyncio.gather(*(f.fetch(ref) for _ in range(6)))
+        f.check_integrity()
+        await f.close()
+        return got
+
+    got = asyncio.run(go())
+    assert all(t.shape == (4, HIDDEN) and float(t[0, 0]) == 7.0 for t in got)
+    assert encoder.app.state.gets == ["k:image:s:1"]
+
+
+def test_sources_are_tried_in_order_and_a_miss_everywhere_is_unavailable(encoder):
+    encoder.app.state.store["k:image:s:2"] = filled(2, HIDDEN, 1.0)
+
+    async def go():
+        f = EmbeddingFetcher(HIDDEN, timeout=5)
+        dead = free_port_url()
+        t = await f.fetch(EmbeddingRef("k:image:s:2", (dead, encoder.url), 2))
+        with pytest.raises(MediaUnavailable, match="HTTP 404"):
+            await f.fetch(EmbeddingRef("k:image:s:gone", (encoder.url,), 2))
+        with pytest.raises(MediaUnavailable, match=r"need \[3, 8\]"):  # wrong length: a bad answer is a miss
+            await f.fetch(EmbeddingRef("k:image:s:2", (encoder.url,), 3))
+        await f.close()
+        return t
+
+    assert float(asyncio.run(go())[1, 0]) == 1.0
+
+
+def test_wrong_hidden_size_is_refused(encoder):
+    encoder.app.state.store["k:image:s:3"] = filled(2, HIDDEN + 1, 1.0)
+
+    async def go():
+        f = EmbeddingFetcher(HIDDEN, timeout=5)
+        try:
+            await f.fetch(EmbeddingRef("k:image:s:3", (encoder.url,), 2))
+        finally:
+            await f.close()
+
+    with pytest.raises(MediaUnavailable, match="need"):
+        asyncio.run(go())
+    assert httpx.get(encoder.url + "/healthz").status_code == 200
