@@ -116,22 +116,24 @@ def test_turn_two_fetches_nothing_for_the_image_it_re_sends(stack):
 def test_an_evicted_embedding_is_re_sent_by_value(stack, stream):
     llm, gw = stack["llm"], stack["ref"]
     msgs = [{"role": "user", "content": [{"type": "text", "text": f"fresh conversation {stream}"}, image(2)]}]
+    cache = stack["enc_app"].state.service.cache
+    cache.tiers[0].clear()  # an earlier by-value comparison may have cached image 2
     resends, missed = metric(gw, "mmserve_gateway_media_resends_total"), refs(llm)["missed"]
 
     def evict_then_send():
         # the encode keeps it; clearing the cache before the LLM fetches it makes the fetch miss
-        orig = stack["enc_app"].state.service.cache.put
+        orig = cache.put
 
         async def put_and_forget(key, modality, value):
             await orig(key, modality, value)
-            stack["enc_app"].state.service.cache.tiers[0].clear()
+            cache.tiers[0].clear()
             return True
 
-        stack["enc_app"].state.service.cache.put = put_and_forget
+        cache.put = put_and_forget
         try:
             return chat(gw, msgs, stream=stream)
         finally:
-            stack["enc_app"].state.service.cache.put = orig
+            cache.put = orig
 
     text = evict_then_send()
     assert metric(gw, "mmserve_gateway_media_resends_total") == resends + 1
