@@ -247,6 +247,11 @@ class MediaSegment(BaseModel):
     num_tokens: int = Field(ge=1)
 
 
+def _check_segments(segments: list[MediaSegment] | None, num_tokens: int) -> None:
+    if segments is not None and sum(g.num_tokens for g in segments) != num_tokens:
+        raise ValueError("segments must cover num_tokens rows exactly")
+
+
 class EncodeResult(BaseModel):
     """Header of an encoder response (the tensor travels beside it, never as JSON)."""
 
@@ -266,8 +271,7 @@ class EncodeResult(BaseModel):
 
     @model_validator(mode="after")
     def _segments_cover_rows(self) -> "EncodeResult":
-        if self.segments is not None and sum(g.num_tokens for g in self.segments) != self.num_tokens:
-            raise ValueError("segments must cover num_tokens rows exactly")
+        _check_segments(self.segments, self.num_tokens)
         return self
 
 
@@ -316,8 +320,7 @@ class PromptMedia(BaseModel):
 
     @model_validator(mode="after")
     def _segments_cover_rows(self) -> "PromptMedia":
-        if self.segments is not None and sum(g.num_tokens for g in self.segments) != self.num_tokens:
-            raise ValueError("segments must cover num_tokens rows exactly")
+        _check_segments(self.segments, self.num_tokens)
         return self
 
 

@@ -37,26 +37,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shared.tiny.mimo_published import V25, published_config, published_shapes, random_tensors
+from shared.tiny.tokenizer import chatml_template
 
 OMNI_SPECIALS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
     "<|video_pad|>", "<|mimo_video_start|>", "<|mimo_video_end|>", "<|mimo_audio_start|>", "<|mimo_audio_end|>",
     "<|audio_pad|>",
 ]
-OMNI_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'audio' %}{{ '<|mimo_audio_start|><|audio_pad|><|mimo_audio_end|>' }}"
-    "{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+OMNI_TEMPLATE = chatml_template("<|mimo_audio_start|>", "<|mimo_audio_end|>")  # vLLM get_placeholder_str
 
 
 @dataclass(frozen=True)

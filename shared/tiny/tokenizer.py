@@ -31,20 +31,25 @@ GEMMA_SPECIALS = [
 
 # Media parts are rendered by the chat template as the placeholder's start+pad+end; the LLM
 # service expands the single pad into one pad per embedding row.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'audio' %}{{ '<|audio_start|><|audio_pad|><|audio_end|>' }}"
-    "{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+def chatml_template(audio_start: str = "<|audio_start|>", audio_end: str = "<|audio_end|>") -> str:
+    """ChatML with Qwen-VL style media placeholders; the audio markers differ per checkpoint."""
+    return (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'text' %}{{ part['text'] }}"
+        "{% elif part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+        "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+        f"{{% elif part['type'] == 'audio' %}}{{{{ '{audio_start}<|audio_pad|>{audio_end}' }}}}"
+        "{% endif %}{% endfor %}{% endif %}"
+        "{{ '<|im_end|>\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+
+
+CHATML_TEMPLATE = chatml_template()
 GEMMA_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
