@@ -2,11 +2,12 @@
 
 Wall-clock. Both servers run the same random SigLIP bundle (see ``_enc_bundle``: ``--tower small``,
 24 narrow layers where per-op overhead dominates, or ``--tower so400m``, SigLIP-so400m's
-geometry at 112 px, where the matmuls do) in their own
+geometry at 112 px, where the matmuls do; or ``--tower mimo-omni``, the MiMo-V2.5 ViT in a whole
+omni checkpoint, 96 px images = 9 tokens each) in their own
 process; rounds alternate between them so machine load affects both alike; the median round
 counts. Last line: JSON.
 
-    python -m benchmarks.encoder_batching [--quick] [--tower small|so400m]
+    python -m benchmarks.encoder_batching [--quick] [--tower small|so400m|mimo-omni]
 """
 
 from __future__ import annotations
