@@ -11,6 +11,13 @@ one rule for every modality: "embeddings at the pad positions" (vLLM does the sa
 ``embed_multimodal``). The encoder service returns [num_tokens, lm_hidden], one row per
 ``<|audio_pad|>``.
 
+Where the references disagree, this follows vLLM and the tokenizer's own code
+(github.com/XiaomiMiMo/MiMo-Audio-Tokenizer passes ``causal=encoder_causal`` to flash-attn on
+every layer): with ``encoder_causal`` the global (unwindowed) layers are causal too. SGLang's port
+(``python/sglang/srt/models/mimo_audio.py``) builds them on ``VisionAttention``, which has no
+causal flag, so there they see the whole segment. The windowed layers ((128, 0) as published:
+the past 128 frames) agree in all three.
+
 Batch items (``prepare``): one per ``audio_segment_size`` mel-frame segment (60 s), each encoded
 alone as vLLM does (its own positions, attention only within the segment). An item is
 ``[n_mels + 1, L]``: the log-mel, zero past the segment's end, and a last row that is 1.0 on the
@@ -311,6 +318,18 @@ class MiMoAudioTower(nn.Module):
             x = x + self.speech_embeddings[i](codes[..., i])
         x = self.input_local_transformer(x)  # [b * groups, g, d]
         return self.projection(x.reshape(b * groups, -1)).view(b, groups, -1)
+
+    def check_integrity(self) -> None:
+        """Structure the configs promise (raises AssertionError): one embedding table per channel
+        covering its codebook, float32 codebooks of the configured sizes, a group-aligned segment."""
+        e, t = self.enc_cfg, self.tok_cfg
+        assert len(self.speech_embeddings) == e.audio_channels <= len(self.tokenizer.codebooks) == t.num_quantizers
+        for c, book in enumerate(self.tokenizer.codebooks):
+            assert book.embed.dtype == torch.float32 and tuple(book.embed.shape) == (t.codebook_sizes[c], t.d_model)
+            if c < e.audio_channels:
+                assert self.speech_embeddings[c].num_embeddings >= t.codebook_sizes[c], c
+        assert len(self.tokenizer.layers) == t.encoder_layers and len(self.input_local_transformer.layers) == e.input_local_layers
+        assert t.code_frames(e.audio_segment_size) % e.group_size == 0
 
     @torch.inference_mode()
     def codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

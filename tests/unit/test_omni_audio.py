@@ -29,7 +29,10 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tower(tiny):
-    return load_mimo_audio(tiny, torch.float32, 64)
+    t = load_mimo_audio(tiny, torch.float32, 64)
+    t.check_integrity()
+    yield t
+    t.check_integrity()
 
 
 def chirp(seconds: float, seed: int = 0) -> torch.Tensor:
@@ -147,6 +150,7 @@ def test_attention_mask_is_flash_attn_semantics():
 
 def test_bfloat16_tower_keeps_float32_codebooks(tiny):
     t = load_mimo_audio(tiny, torch.bfloat16, 64)
+    t.check_integrity()
     assert t.tokenizer.conv1.weight.dtype == torch.bfloat16
     assert all(b.embed.dtype == torch.float32 for b in t.tokenizer.codebooks)
     out = t(t.prepare(chirp(1.0)).features)
