@@ -65,6 +65,7 @@ def url(ckpt):
     with serve_in_thread(app) as u:
         yield u
         app.state.service.check_integrity()
+        app.state.service.ctx.models.audio.check_integrity()
         assert app.state.service.ctx.batcher.pending() == 0
 
 
