@@ -306,7 +306,8 @@ def load_mimo_vit(d: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype)
                               f"the LM's hidden_size = {cfg['hidden_size']}")
     want = vit.state_dict()
     have = {k.removeprefix("visual."): v for k, v in tensors.items() if k.startswith("visual.")}
-    weights = d / "model.safetensors"
+    index = d / "model.safetensors.index.json"
+    weights = index if index.exists() else d / "model.safetensors"
     missing = sorted(set(want) - set(have))
     if missing:
         raise CheckpointError(f"{weights}: tensor 'visual.{missing[0]}' is missing ({len(missing)} ViT tensors "

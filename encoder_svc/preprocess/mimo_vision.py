@@ -35,10 +35,14 @@ from shared.bundle import CheckpointError
 PIXEL_MEAN = (123.675, 116.28, 103.53)
 PIXEL_STD = (58.395, 57.12, 57.375)
 
-# processor_config keys: read here, or meaning nothing for the pixels (token ids, audio, sampling)
+# processor_config keys read here; ``*_token_id`` (bundle.py), ``audio_*`` (the audio side) and
+# frame sampling (``fps``, ``num_frames``, ``max_frames``, ``min_frames``: the service samples
+# frames itself, as vLLM's server does with its own video loader) are not the pixels' business;
+# ``video_audio_interleave_length`` only concerns videos with their audio track (not served)
 _READ = {"patch_size", "merge_size", "temporal_patch_size", "temporal_compression_ratio", "image_min_pixels",
          "image_max_pixels", "video_min_pixels", "video_max_pixels", "video_total_max_pixels", "rope_type",
          "use_video_timestamps", "use_per_grid_t_timestamps"}
+_ELSEWHERE = {"fps", "num_frames", "max_frames", "min_frames", "video_audio_interleave_length"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,11 @@ class MiMoVisionPreprocess:
 
         def bad(key: str, why: str) -> CheckpointError:
             return CheckpointError(f"{path}: field 'processor_config.{key}' {why}")
+
+        unknown = sorted(k for k in pc if k not in _READ | _ELSEWHERE and not k.endswith("_token_id")
+                         and not k.startswith("audio_"))
+        if unknown:
+            raise bad(unknown[0], f"is not understood by mmserve's MiMo processor (all unknown: {unknown})")
 
         if pc.get("rope_type", "rope") not in ("rope", "1d"):
             raise bad("rope_type", f"= {pc['rope_type']!r}: only 1-D rope (the timestamped video layout) is served")

@@ -140,3 +140,14 @@ def test_shape_mismatch_fails_at_startup(tmp_path):
     with pytest.raises(CheckpointError, match=r"m/model.safetensors: tensor 'visual.blocks.0.mlp.gate_proj.weight' "
                                               r"has shape \[128, 64\]; config.json's vision_config needs \[96, 64\]"):
         _load(d)
+
+
+def test_unknown_processor_config_key_fails_at_startup(tmp_path):
+    import json
+
+    d = write_mimo_omni(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["processor_config"]["do_center_crop"] = True  # would change pixels: refused, never ignored
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"m/config.json: field 'processor_config.do_center_crop'"):
+        _load(d)
