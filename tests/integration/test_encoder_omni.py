@@ -75,6 +75,12 @@ def test_image_tokens_follow_its_size(served, models, size):
     torch.testing.assert_close(e, want, atol=1e-5, rtol=0)
 
 
+def test_extreme_aspect_ratio_is_a_clear_400(served):
+    url, _ = served
+    r = httpx.post(f"{url}/v1/encode", params={"modality": "image"}, content=image_bytes("PNG", size=(9000, 40)), timeout=60)
+    assert r.status_code == 400 and "aspect ratio" in r.json()["error"]["message"], r.text
+
+
 def test_concurrent_images_share_forwards(served, models):
     """Same-size images of different requests fuse into one forward (the grid is part of the
     batch key); each still gets its own rows."""
