@@ -12,6 +12,12 @@ Embedding definitions (the LLM service relies on them: rows == placeholder token
   image path (same resize/normalize) ->
   ``[F, T, H]``; consecutive groups of ``video_temporal_pool`` frames are averaged (the last
   group padded by repeating the last frame) -> ``[ceil(F / pool) * T, lm_hidden]``.
+* **MiMo-V2.5 omni** (``mimo_omni`` tower): an image is resized by the published processor's
+  ``smart_resize`` (multiples of patch x merge within ``processor_config``'s pixel bounds,
+  bilinear, ImageNet mean/std in 0..255) -> ``[(h/32)*(w/32), lm_hidden]``; a video's sampled
+  frames (as above) are paired into temporal groups (the last repeated when odd), each group
+  ``[(h/32)*(w/32), lm_hidden]``, concatenated; ``EncodeResult.segments`` gives each group's
+  first-frame time and token count (the LLM writes ``MM:SS`` before each group).
 * **audio**: decoded, mixed to mono, resampled to 16 kHz, split into 30 s windows; each window
   -> Whisper log-mel [n_mels, 3000] -> Whisper encoder (50 frames/s) -> PoolProjector seq1d
   (stride s) -> the first ``ceil(ceil(window_seconds * 50) / s)`` tokens; windows concatenated.
