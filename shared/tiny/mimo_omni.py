@@ -20,9 +20,11 @@ audio encoder), as XiaomiMiMo/MiMo-V2.5 ships them:
   ``blocks.N.attn.sinks`` (window blocks with ``use_sink``), ``blocks.N.mlp.{gate,up,down}_proj
   .{weight,bias}``, ``merger.ln_q.weight``, ``merger.mlp.{0,2}.weight``.
 * tokenizer files with the omni special tokens (``<|vision_start|> <|vision_end|> <|image_pad|>
-  <|video_pad|>`` as in vLLM's placeholders, ``<|mimo_video_start|> <|mimo_video_end|>``,
-  ``<|mimo_audio_start|> <|audio_pad|> <|mimo_audio_end|>``) and a chat template that renders
-  the placeholders vLLM's ``get_placeholder_str`` names.
+  <|video_pad|>`` and ``<|mimo_audio_start|> <|audio_pad|> <|mimo_audio_end|>`` as vLLM's
+  placeholders name them; ``<|mimo_video_start|>`` as public special-token tables list MiMo's
+  video marker, ``<|mimo_video_end|>`` by symmetry (an assumption: readers take the ids from
+  ``processor_config``, never the names) and a chat template that renders the placeholders
+  vLLM's ``get_placeholder_str`` names.
 * ``preprocessor_config.json`` as on the hub (https://huggingface.co/XiaomiMiMo/MiMo-V2.5-Base/
   blob/main/preprocessor_config.json: ``Qwen2VLImageProcessor``, patch 16, CLIP mean/std). The
   serving stacks (vLLM's and SGLang's MiMo processors) do not read it: they resize with
