@@ -12,7 +12,8 @@ image on odd turns. Greedy, 8 output tokens.
 
 Reported per side: bytes of ``/v1/generate`` bodies (gateway -> LLM) per request, media items
 sent, fetched by the LLM (a span past its cached prefix), skipped (the prefix cache covered
-it), missed, bytes the LLM fetched from the encoder, and the mean / p50 request latency.
+it), missed, bytes the LLM fetched from the encoder, all bytes into the LLM (bodies + fetches),
+and the mean / p50 request latency.
 Bytes and counts are exact; latencies are noisy on a shared CPU. The tiny model's image is
 [16, 64] float32 (4 KiB): real models send ~1-4 MiB per image, which by value is paid on every
 turn for every image in the history (the per-item figure scales; the ratio grows with it).
@@ -97,6 +98,7 @@ def run_side(gw: str, llm: str, convs: int, turns: int, salt: int) -> dict:
         "media_sent_by_ref": d["sent_ref"], "media_sent_by_value": d["sent_value"],
         "llm_fetched": d["fetched"], "llm_skipped_prefix_hit": d["skipped"], "llm_missed": d["missed"],
         "llm_fetch_bytes": d["fetch_bytes"], "resent_by_value": d["resends"],
+        "bytes_into_llm_total": d["body_bytes"] + d["fetch_bytes"],
         "latency_mean_s": statistics.fmean(latencies), "latency_p50_s": statistics.median(latencies),
     }
 
