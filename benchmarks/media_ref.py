@@ -32,9 +32,8 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks._stack_util import make_png
+from benchmarks._stack_util import make_png, scrape, total
 from encoder_svc.app import create_app as encoder_app
 from encoder_svc.server import serve_in_thread
 from gateway.app import create_app as gateway_app
@@ -47,12 +46,7 @@ MODEL = "mmserve-tiny"
 
 
 def metric(url: str, name: str, **labels) -> float:
-    total = 0.0
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+    return total(scrape(url), name, **labels)
 
 
 def counters(gw: str, llm: str) -> dict[str, float]:

@@ -15,8 +15,8 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks._stack_util import scrape, total
 from encoder_svc.app import create_app as encoder_app
 from encoder_svc.server import serve_in_thread
 from gateway.app import create_app as gateway_app
@@ -30,12 +30,7 @@ MODEL = "mmserve-tiny"
 
 
 def metric(url: str, name: str, **labels) -> float:
-    total = 0.0
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+    return total(scrape(url), name, **labels)
 
 
 def refs(llm: str) -> dict[str, float]:
