@@ -87,3 +87,23 @@ def test_other_requests_are_admitted_while_one_waits():
     run_to_end(sched, runner)
     assert not sched.has_unfinished()
     sched.check_integrity()
+
+
+def test_a_preempted_request_whose_cached_media_was_evicted_asks_again():
+    sched, runner = make()
+    turn1 = [1, 2, 3] + [99] * 8 + [4, 5, 6, 7]
+    sched.add(media_req("t1", turn1, [(3, 8, 0)], [IMG]))
+    run_to_end(sched, runner)
+    r2 = media_req("t2", turn1 + [8, 9, 10], [(3, 8, 0)], [None], max_tokens=20)
+    sched.add(r2)
+    batch = sched.schedule()  # the cached prefix covers the image: admitted without it
+    assert [sf.req_id for sf in batch.seqs] == ["t2"] and sched.take_media_needs() == []
+    sched.postprocess(batch, runner.run(batch))
+    sched._preempt(r2)  # room was needed elsewhere; then the tree lost the image's KV
+    sched.kv.tree.evict(sched.kv.full_pool.num_slots, sched.kv.swa_pool.num_slots)
+    sched.check_integrity()
+    assert sched.schedule() is None
+    assert sched.take_media_needs() == [("t2", [0])]  # recomputing the image needs its rows now
+    sched.provide_media("t2", {0: IMG})
+    outs = run_to_end(sched, runner)
+    assert [o.req_id for o in outs if o.finished] == ["t2"] and r2.num_preemptions == 1
