@@ -1,8 +1,10 @@
 """Embeddings sent by reference, fetched by the front from the encoders that serve them.
 
-``EmbeddingFetcher.fetch_many`` gets ``GET {source}/v1/embeddings/{key}`` for each item, the
-item's sources tried in order within ``timeout`` seconds (the encoder that encoded it first;
-others share its Redis or shared-memory tier). Concurrent fetches of one key share one request
+``EmbeddingFetcher.fetch_many`` reads each item from the encoders' Redis tier when one is
+configured (``redis_url``: the encoders' ``MMSERVE_ENCODER_REDIS_URL``, same key prefix), else
+or on a miss ``GET {source}/v1/embeddings/{key}``, the item's sources tried in order within
+``timeout`` seconds (the encoder that encoded it first; others share its Redis or
+shared-memory tier). Concurrent fetches of one key share one request
 (single flight), and one waiter leaving never cancels it for the others. What comes back is
 checked against the reference (rows == num_tokens, hidden size, floating point, finite) before
 the engine sees it. An item no source serves (evicted, encoder gone) raises
@@ -17,8 +19,11 @@ import logging
 from urllib.parse import quote
 
 import httpx
+import redis.asyncio as aioredis
 import torch
+from redis.exceptions import RedisError
 
+from shared.embedding_store import DEFAULT_PREFIX, entry_key, from_bytes
 from shared.schemas import EncodeResult
 from shared.wire import WireError, unpack
 
@@ -45,11 +50,16 @@ class EmbeddingFetcher:
     """``metrics``: an ``LLMMetrics`` (fetched / missed items and bytes are counted here, skipped
     ones by the caller, which knows what the prefix cache covered)."""
 
-    def __init__(self, hidden_size: int, timeout: float, metrics=None, client: httpx.AsyncClient | None = None):
+    def __init__(self, hidden_size: int, timeout: float, metrics=None, client: httpx.AsyncClient | None = None,
+                 redis_url: str | None = None, redis_prefix: str = DEFAULT_PREFIX, redis_timeout: float = 0.5):
         self.hidden_size = hidden_size
         self.timeout = timeout
         self.metrics = metrics
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout), trust_env=False)
+        self._redis = aioredis.from_url(redis_url, socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout,
+                                        retry_on_timeout=False) if redis_url else None
+        self.redis_prefix = redis_prefix
+        self.redis_hits = 0
         self._inflight: dict[str, asyncio.Task] = {}
         self.gets = 0  # HTTP fetches made (single flight: fewer than the items asked for)
 
@@ -82,6 +92,10 @@ class EmbeddingFetcher:
         why: list[str] = []
         try:
             async with asyncio.timeout(self.timeout):
+                if self._redis is not None:
+                    t = await self._from_redis(ref, why)
+                    if t is not None:
+                        return t
                 for src in ref.sources:
                     t = await self._from(src, ref, why)
                     if t is not None:
@@ -91,6 +105,27 @@ class EmbeddingFetcher:
         self._count("missed")
         raise MediaUnavailable(f"the embeddings of a media item sent by reference are not available "
                                f"({'; '.join(why) or 'no source'}); re-send the request with them")
+
+    async def _from_redis(self, ref: EmbeddingRef, why: list[str]) -> torch.Tensor | None:
+        try:
+            data = await self._redis.get(entry_key(self.redis_prefix, ref.key))
+        except (RedisError, OSError) as e:
+            why.append(f"redis: {type(e).__name__}")
+            return None
+        t = from_bytes(ref.key, data) if data else None
+        if t is None:
+            why.append("redis: no entry")
+            return None
+        try:
+            t = self._check(t, ref)
+        except ValueError as e:
+            why.append(f"redis: {e}")
+            return None
+        self.redis_hits += 1
+        self._count("fetched")
+        if self.metrics is not None:
+            self.metrics.media_bytes.inc(len(data))
+        return t
 
     async def _from(self, src: str, ref: EmbeddingRef, why: list[str]) -> torch.Tensor | None:
         url = f"{src.rstrip('/')}/v1/embeddings/{quote(ref.key, safe=':')}"
@@ -142,3 +177,8 @@ class EmbeddingFetcher:
         for t in list(self._inflight.values()):
             t.cancel()
         await self._client.aclose()
+        if self._redis is not None:
+            try:
+                await self._redis.aclose()
+            except (RedisError, OSError):
+                pass

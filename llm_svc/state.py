@@ -92,7 +92,8 @@ class ServiceState:
             lm = await asyncio.to_thread(load_lm, s.model_dir, s.device, s.dtype, cls.needs_weights)
             backend = await asyncio.to_thread(cls, s, lm)
             self.lm, self.prep = lm, PrepPool(lm)
-            self.media = backend.media = EmbeddingFetcher(lm.hidden_size, s.media_fetch_timeout, self.metrics)
+            self.media = backend.media = EmbeddingFetcher(lm.hidden_size, s.media_fetch_timeout, self.metrics,
+                                                          redis_url=s.media_redis_url, redis_prefix=s.media_redis_prefix)
             await backend.start()
             self.backend = backend
             log.info("llm service ready: %s backend=%s", self.model_name, s.backend)

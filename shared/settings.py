@@ -142,6 +142,11 @@ class LLMSettings(_ServiceSettings):
     media_fetch_timeout: float = Field(
         default=10.0, gt=0, description="seconds to fetch one item's embeddings from its encoders by key"
     )
+    media_redis_url: str | None = Field(
+        default=None, description="the encoders' Redis embedding tier (their MMSERVE_ENCODER_REDIS_URL): read "
+        "there first, then ask the encoders"
+    )
+    media_redis_prefix: str = Field(default="mmserve:enc:", description="the encoders' Redis key prefix")
 
     @model_validator(mode="after")
     def _tiers(self):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+
+from shared.embedding_store import from_bytes, to_bytes  # noqa: F401  (the byte-storing tiers' codec)
 
 
 class CacheTier(ABC):
@@ -40,21 +40,3 @@ class CacheTier(ABC):
 
 def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def to_bytes(key: str, t: torch.Tensor) -> bytes:
-    """The key travels with the value so a hash collision or a stale file is detected on read."""
-    return st_save({"embeds": t.detach().contiguous().cpu()}, metadata={"key": key})
-
-
-def from_bytes(key: str, data: bytes) -> torch.Tensor | None:
-    import json
-
-    try:
-        n = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
-        if meta.get("key") != key:
-            return None
-        return st_load(bytes(data))["embeds"]
-    except Exception:  # a torn or foreign value is a miss, not an error
-        return None

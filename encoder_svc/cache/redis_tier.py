@@ -21,6 +21,7 @@ import torch
 from redis.exceptions import RedisError
 
 from encoder_svc.cache.base import CacheTier, from_bytes, to_bytes
+from shared.embedding_store import entry_key
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class RedisTier(CacheTier):
         self._bytes = 0  # bytes this process stored (Redis's INFO memory has the real figure)
 
     def entry_key(self, key: str) -> str:
-        return f"{self.prefix}e:{{{key}}}"
+        return entry_key(self.prefix, key)
 
     def available(self) -> bool:
         return time.monotonic() >= self._down_until

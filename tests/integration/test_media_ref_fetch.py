@@ -71,3 +71,37 @@ def test_wrong_hidden_size_is_refused(encoder):
     with pytest.raises(MediaUnavailable, match="need"):
         asyncio.run(go())
     assert httpx.get(encoder.url + "/healthz").status_code == 200
+
+
+def test_the_encoders_redis_tier_is_read_first(redis_url):
+    import uuid
+
+    import redis as sync_redis
+    import torch
+
+    from encoder_svc.cache.redis_tier import RedisTier
+
+    prefix = f"mmserve:test:ref:{uuid.uuid4().hex[:8]}:"
+    emb = torch.arange(3 * HIDDEN, dtype=torch.float32).reshape(3, HIDDEN)
+
+    async def go():
+        tier = RedisTier(redis_url, ttl_s=60, max_bytes=1 << 20, prefix=prefix)  # what an encoder writes
+        assert await tier.put("m@1:image:s:9", emb)
+        await tier.close()
+        f = EmbeddingFetcher(HIDDEN, timeout=5, redis_url=redis_url, redis_prefix=prefix)
+        dead = free_port_url()  # no encoder is up: Redis alone serves it
+        t = await f.fetch(EmbeddingRef("m@1:image:s:9", (dead,), 3))
+        with pytest.raises(MediaUnavailable, match="redis: no entry"):
+            await f.fetch(EmbeddingRef("m@1:image:s:other", (dead,), 3))
+        hits = f.redis_hits
+        await f.close()
+        return t, hits
+
+    try:
+        t, hits = asyncio.run(go())
+    finally:
+        client = sync_redis.Redis.from_url(redis_url)
+        for k in client.scan_iter(match=f"{prefix}*"):
+            client.delete(k)
+        client.close()
+    assert torch.equal(t, emb) and hits == 1
