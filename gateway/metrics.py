@@ -37,7 +37,7 @@ class GatewayMetrics:
         self.llm_body_bytes = Counter(
             "mmserve_gateway_llm_body_bytes", "bytes of /v1/generate bodies sent to LLM replicas", registry=r
         )
-        self.media_by_ref = Counter(
+        self.media_sent = Counter(
             "mmserve_gateway_media_sent", "media items sent to the LLM, by how (ref: key only, value: tensor)",
             ["how"], registry=r,
         )

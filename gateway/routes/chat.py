@@ -66,7 +66,9 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float,
                 await aclose()
 
 
-async def prepare(state: GatewayState, body: ChatCompletionRequest, cid: str) -> tuple[GenerateRequest, bytes, list[MediaItem]]:
+async def prepare(
+    state: GatewayState, body: ChatCompletionRequest, cid: str
+) -> tuple[GenerateRequest, bytes, list[MediaItem]]:
     """Media fetched, encoded (all items concurrently) and packed with the prompt; by reference
     unless ``media_by_ref`` is off."""
     s = state.settings
@@ -85,7 +87,7 @@ async def _encode_and_pack(state: GatewayState, body: ChatCompletionRequest, cid
     gen = build_generate_request(body, encoded, cid, state.settings.default_max_tokens)
     packed = pack_generate(gen, encoded)
     for e in encoded:
-        state.metrics.media_by_ref.labels("ref" if e.by_ref else "value").inc()
+        state.metrics.media_sent.labels("ref" if e.by_ref else "value").inc()
     state.metrics.llm_body_bytes.inc(len(packed))
     return gen, packed
 
