@@ -225,3 +225,23 @@ def test_bad_checkpoint_fails_at_startup(tiny, tmp_path, case, expect):
         shutil.rmtree(d / "audio_tokenizer")
     with pytest.raises(CheckpointError, match=expect):
         load_mimo_audio(d, torch.float32, lm_hidden)
+
+
+def test_sharded_main_checkpoint_loads_the_same(tiny, tower, tmp_path):
+    """The published checkpoint is sharded (``model.safetensors.index.json``): the tower tensors
+    are found through the index wherever they live, and the tower is the same."""
+    d = _copy(tiny, tmp_path / "sharded")
+    t = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    names = sorted(t)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for f, part in shards.items():
+        save_file({n: t[n] for n in part}, str(d / f))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
+    s = load_mimo_audio(d, torch.float32, 64)
+    x = s.prepare(chirp(1.0)).features
+    assert torch.equal(s(x), tower(x))
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: shard named by"):
+        load_mimo_audio(d, torch.float32, 64)
