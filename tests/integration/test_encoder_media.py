@@ -126,8 +126,9 @@ def test_corrupt_video_is_400(url, media):
         assert r.status_code == 400 and "video" in r.json()["error"]["message"], r.text
 
 
-@torch.no_grad()
-def audio_oracle(o, data: bytes) -> torch.Tensor:
+def reference_decode(data: bytes, rate: int) -> torch.Tensor:
+    """An independent decode: soundfile (torchcodec for what it cannot read), channel mean,
+    torchaudio resample to ``rate``."""
     import torchaudio.functional as AF
 
     try:
@@ -138,7 +139,12 @@ def audio_oracle(o, data: bytes) -> torch.Tensor:
 
         s = AudioDecoder(data).get_all_samples()
         wave, sr = s.data, s.sample_rate
-    mono = AF.resample(wave.mean(0), sr, 16000).numpy()
+    return AF.resample(wave.mean(0), sr, rate)
+
+
+@torch.no_grad()
+def audio_oracle(o, data: bytes) -> torch.Tensor:
+    mono = reference_decode(data, 16000).numpy()
     outs = []
     for start in range(0, len(mono), 480000):
         win = mono[start : start + 480000]

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-import torchaudio.functional as AF
 
 from encoder_svc.app import create_app
 from encoder_svc.models.mimo_audio_weights import load_mimo_audio
@@ -25,6 +24,7 @@ from shared.schemas import EncodeResult
 from shared.settings import EncoderSettings
 from shared.tiny.mimo_omni import write_mimo_omni
 from shared.wire import unpack
+from tests.integration.test_encoder_media import reference_decode
 from tests.unit.test_omni_audio import chirp, vllm_token_len
 
 pytestmark = pytest.mark.integration
@@ -79,19 +79,6 @@ def embeds_of(r: httpx.Response) -> tuple[torch.Tensor, EncodeResult]:
     return t["embeds"], res
 
 
-def decoded(data: bytes) -> torch.Tensor:
-    """Independent decode: soundfile (or torchcodec for MP3), channel mean, torchaudio resample."""
-    try:
-        wave, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-        wave = torch.from_numpy(wave).T
-    except sf.LibsndfileError:
-        from torchcodec.decoders import AudioDecoder
-
-        s = AudioDecoder(data).get_all_samples()
-        wave, sr = s.data, s.sample_rate
-    return AF.resample(wave.mean(0), sr, 24000)
-
-
 @pytest.mark.parametrize("name", ["wav", "flac", "mp3"])
 def test_audio_request_matches_the_tower(url, ckpt, hidden, media, name):
     """Two checks: the service's decode equals an independent one (to float error), and its
@@ -99,7 +86,7 @@ def test_audio_request_matches_the_tower(url, ckpt, hidden, media, name):
     1e-8 difference in the samples can flip a near-tied RVQ code (a pure tone has many)."""
     e, res = embeds_of(post(url, media[name]))
     wave = decode_audio(media[name], 24000)
-    torch.testing.assert_close(wave, decoded(media[name]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(wave, reference_decode(media[name], 24000), atol=1e-6, rtol=0)
     tower = load_mimo_audio(ckpt, torch.float32, hidden)
     items = tower.prepare(wave)
     out = tower(items.features)
