@@ -328,7 +328,8 @@ class MiMoAudioTower(nn.Module):
             assert book.embed.dtype == torch.float32 and tuple(book.embed.shape) == (t.codebook_sizes[c], t.d_model)
             if c < e.audio_channels:
                 assert self.speech_embeddings[c].num_embeddings >= t.codebook_sizes[c], c
-        assert len(self.tokenizer.layers) == t.encoder_layers and len(self.input_local_transformer.layers) == e.input_local_layers
+        assert len(self.tokenizer.layers) == t.encoder_layers
+        assert len(self.input_local_transformer.layers) == e.input_local_layers
         assert t.code_frames(e.audio_segment_size) % e.group_size == 0
 
     @torch.inference_mode()

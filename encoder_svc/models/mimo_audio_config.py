@@ -198,7 +198,8 @@ class AudioEncoderConfig:
     rms_norm_eps: float = 1e-6  # transformers Qwen2Config default; audio_config has no key for it
 
     def __post_init__(self) -> None:
-        if self.input_local_dim % self.input_local_attn_heads or (self.input_local_dim // self.input_local_attn_heads) % 2:
+        dim, heads = self.input_local_dim, self.input_local_attn_heads
+        if dim % heads or (dim // heads) % 2:
             raise CheckpointError(f"input_local_dim {self.input_local_dim} must split into an even head dim "
                                   f"over {self.input_local_attn_heads} heads")
         if self.projection_layers not in (1, 2):
