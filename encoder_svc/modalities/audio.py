@@ -30,5 +30,5 @@ async def encode(ctx: EncodeContext, data: bytes, params: EncodeParams) -> torch
     tower = ctx.models.audio
     with ctx.batcher.incoming():
         items = await ctx.in_pool(_prepare, data, tower)
-    out = await ctx.batcher.run("audio", items.features)  # [K, rows, H]
-    return torch.cat([out[k, :n] for k, n in enumerate(items.tokens)])  # [sum_k tokens_k, H]
+    outs = await ctx.batcher.gather([ctx.batcher.submit("audio", g) for g in items.groups])  # [K_g, rows, H]
+    return items.kept(outs)  # [sum_k tokens_k, H]

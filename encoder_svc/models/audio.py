@@ -3,7 +3,7 @@
 A tower (``nn.Module``) offers:
 
 * ``sample_rate``: the rate the decoder resamples to;
-* ``prepare(wave [n]) -> AudioItems``: batch items ``features [K, *item]`` (equal-shape items of
+* ``prepare(wave [n]) -> AudioItems``: batch items in groups of one shape (equal-shape items of
   many requests fuse in one forward) and ``tokens[k]``, the rows of item k's output to keep;
 * ``forward(features [B, *item]) -> [B, rows, hidden]`` (rows >= every item's ``tokens``);
 * ``cache_signature()``: the preprocessing parameters that go into the embedding-cache key;
@@ -33,13 +33,20 @@ from shared.projector import PoolProjector
 
 @dataclass
 class AudioItems:
-    """``features`` [K, *item] for the batcher; ``tokens[k]``: rows of item k's output to keep."""
+    """A clip's batch items, in order: ``groups`` of equal-shape items ``[K_g, *item]`` (one
+    batcher job each) and ``tokens[k]``, the output rows of item k (counted across groups) to keep."""
 
-    features: torch.Tensor
+    groups: list[torch.Tensor]
     tokens: list[int]
 
     def __post_init__(self) -> None:
-        assert len(self.tokens) == len(self.features) and min(self.tokens) >= 1, self.tokens
+        assert sum(len(g) for g in self.groups) == len(self.tokens) and min(self.tokens) >= 1, self.tokens
+
+    def kept(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        """The groups' outputs ``[K_g, rows, H]`` -> the clip's embeddings ``[sum(tokens), H]``."""
+        rows = [o[k] for o in outs for k in range(len(o))]
+        assert len(rows) == len(self.tokens), (len(rows), len(self.tokens))
+        return torch.cat([r[:n] for r, n in zip(rows, self.tokens)])
 
 
 class AudioEncoder(nn.Module):
@@ -60,7 +67,7 @@ class AudioEncoder(nn.Module):
 
     def prepare(self, wave: torch.Tensor) -> AudioItems:
         feats, spans = whisper_features(wave, self.n_mels)  # [K, n_mels, 3000]
-        return AudioItems(feats, [w.num_tokens(self.stride) for w in spans])
+        return AudioItems([feats], [w.num_tokens(self.stride) for w in spans])
 
     @torch.inference_mode()
     def forward(self, features: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,9 @@ the past 128 frames) agree in all three.
 Batch items (``prepare``): one per ``audio_segment_size`` mel-frame segment (60 s), each encoded
 alone as vLLM does (its own positions, attention only within the segment). An item is
 ``[n_mels + 1, L]``: the log-mel, zero past the segment's end, and a last row that is 1.0 on the
-segment's frames (its length). Equal-``L`` items of many requests fuse in one forward; every
+segment's frames (its length). Full segments have ``L = audio_segment_size``; the tail (or a
+clip shorter than a segment) is its own group with ``L`` rounded up to a multiple of
+``BUCKET_FRAMES``. Equal-``L`` items of many requests fuse in one forward; every
 padded position is masked or zeroed so an item's output never depends on its batch neighbours
 (vLLM's packed batch lets an odd-length segment's last conv/pool frame see a neighbour's
 padding; alone, as here, it sees zeros).
@@ -295,12 +297,23 @@ class MiMoAudioTower(nn.Module):
                       n_mels=t.n_mels, fmin=t.fmin, fmax=t.fmax)  # [n_mels, frames]
         frames = mel.shape[1]
         lens = [seg] * (frames // seg) + ([frames % seg] if frames % seg else [])
-        width = seg if len(lens) > 1 else min(seg, math.ceil(frames / BUCKET_FRAMES) * BUCKET_FRAMES)
-        x = mel.new_zeros(len(lens), t.n_mels + 1, width)
+        full = frames // seg
+        groups = []
+        if full:
+            groups.append(self._items(mel, 0, [seg] * full, seg))
+        if frames % seg:  # the tail (or the whole clip) alone, padded to a 5 s multiple
+            n = frames % seg
+            groups.append(self._items(mel, full * seg, [n], min(seg, math.ceil(n / BUCKET_FRAMES) * BUCKET_FRAMES)))
+        return AudioItems(groups, [self.num_tokens(n) for n in lens])
+
+    def _items(self, mel: torch.Tensor, start: int, lens: list[int], width: int) -> torch.Tensor:
+        """[n_mels, frames] -> [len(lens), n_mels + 1, width]: consecutive segments from ``start``."""
+        x = mel.new_zeros(len(lens), mel.shape[0] + 1, width)
         for k, n in enumerate(lens):
-            x[k, :-1, :n] = mel[:, k * seg : k * seg + n]
+            x[k, :-1, :n] = mel[:, start : start + n]
             x[k, -1, :n] = 1.0
-        return AudioItems(x, [self.num_tokens(n) for n in lens])
+            start += n
+        return x
 
     def num_tokens(self, mel_len: int) -> int:
         return math.ceil(self.tok_cfg.code_frames(mel_len) / self.enc_cfg.group_size)

@@ -51,8 +51,13 @@ def chirp(seconds: float, seed: int = 0) -> torch.Tensor:
 
 def encode(tower, wave: torch.Tensor) -> torch.Tensor:
     items = tower.prepare(wave)
-    out = tower(items.features)
-    return torch.cat([out[k, :n] for k, n in enumerate(items.tokens)])
+    return items.kept([tower(g) for g in items.groups])
+
+
+def one(items) -> torch.Tensor:
+    """The single batch group of a clip shorter than a segment."""
+    assert len(items.groups) == 1 and len(items.groups[0]) == 1
+    return items.groups[0]
 
 
 def vllm_token_len(mel_frames: int, kernel=3, stride=2, pooler=2, group=4) -> int:
@@ -84,14 +89,17 @@ def test_token_count_is_the_processors(tower, seconds):
     assert sum(items.tokens) == vllm_token_len(frames)
     seg = tower.enc_cfg.audio_segment_size
     assert len(items.tokens) == math.ceil(frames / seg)
-    width = items.features.shape[-1]
-    assert width == (seg if frames > seg else min(seg, math.ceil(frames / BUCKET_FRAMES) * BUCKET_FRAMES))
-    # the validity row counts each segment's frames
-    assert (items.features[:, -1] > 0.5).sum().item() == frames
+    full, tail = frames // seg, frames % seg
+    shapes = [tuple(g.shape) for g in items.groups]
+    want = ([(full, 129, seg)] if full else []) + (
+        [(1, 129, min(seg, math.ceil(tail / BUCKET_FRAMES) * BUCKET_FRAMES))] if tail else [])
+    assert shapes == want  # full segments together, the tail alone in a 5 s bucket
+    # the validity rows count each segment's frames
+    assert sum((g[:, -1] > 0.5).sum().item() for g in items.groups) == frames
 
 
 def test_shapes_codes_range_and_determinism(tower):
-    x = tower.prepare(chirp(2.0)).features
+    x = one(tower.prepare(chirp(2.0)))
     codes, n = tower.codes(x)
     assert codes.shape == (1, 125, 8) and n.tolist() == [51]  # 201 mel -> 101 conv -> 51 codes
     valid = codes[0, :51]
@@ -109,10 +117,10 @@ def test_batch_neighbours_and_padding_do_not_change_an_item(tower):
     waves = [chirp(s, seed=i) for i, s in enumerate((0.51, 1.0, 3.37))]
     alone = [encode(tower, w) for w in waves]
     items = [tower.prepare(w) for w in waves]
-    width = max(it.features.shape[-1] for it in items)
-    x = torch.zeros(len(items), items[0].features.shape[1], width)
+    width = max(one(it).shape[-1] for it in items)
+    x = torch.zeros(len(items), one(items[0]).shape[1], width)
     for k, it in enumerate(items):
-        x[k, :, : it.features.shape[-1]] = it.features[0]
+        x[k, :, : one(it).shape[-1]] = one(it)[0]
     out = tower(x)
     for k, it in enumerate(items):
         assert torch.allclose(out[k, : it.tokens[0]], alone[k], atol=1e-5), k
@@ -122,12 +130,14 @@ def test_segments_are_encoded_independently(tower):
     """A 20 s clip = three 8 s segments: its codes are each segment's codes, computed alone."""
     wave = chirp(20.0)
     items = tower.prepare(wave)
-    assert [int(v) for v in (items.features[:, -1] > 0.5).sum(-1)] == [800, 800, 401]
-    codes, n = tower.codes(items.features)
+    x = torch.cat([torch.nn.functional.pad(g, (0, 800 - g.shape[-1])) for g in items.groups])  # [3, 129, 800]
+    assert [int(v) for v in (x[:, -1] > 0.5).sum(-1)] == [800, 800, 401]
+    assert [g.shape[-1] for g in items.groups] == [800, 500]  # the tail in its own 5 s bucket
+    codes, n = tower.codes(x)
     for k in range(3):
-        lone = torch.zeros(1, items.features.shape[1], 1000)
-        m = int((items.features[k, -1] > 0.5).sum())
-        lone[0, :, :m] = items.features[k, :, :m]
+        lone = torch.zeros(1, x.shape[1], 1000)
+        m = int((x[k, -1] > 0.5).sum())
+        lone[0, :, :m] = x[k, :, :m]
         c1, n1 = tower.codes(lone)
         assert int(n1) == int(n[k]) and torch.equal(c1[0, : n1[0]], codes[k, : n[k]])
     whole = encode(tower, wave)
@@ -153,7 +163,7 @@ def test_bfloat16_tower_keeps_float32_codebooks(tiny):
     t.check_integrity()
     assert t.tokenizer.conv1.weight.dtype == torch.bfloat16
     assert all(b.embed.dtype == torch.float32 for b in t.tokenizer.codebooks)
-    out = t(t.prepare(chirp(1.0)).features)
+    out = t(one(t.prepare(chirp(1.0))))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
 
 
@@ -240,7 +250,7 @@ def test_sharded_main_checkpoint_loads_the_same(tiny, tower, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
     s = load_mimo_audio(d, torch.float32, 64)
-    x = s.prepare(chirp(1.0)).features
+    x = one(s.prepare(chirp(1.0)))
     assert torch.equal(s(x), tower(x))
     (d / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: shard named by"):
