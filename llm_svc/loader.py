@@ -94,15 +94,17 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
     tokenizer = AutoTokenizer.from_pretrained(spec.lm_dir, trust_remote_code=False)
     arch, kwargs = _arch_of(spec.lm_architecture)
     geometry = _mimo_geometry(spec.lm_dir) if arch == "mimo" else None
-    if arch == "gpt_oss":
-        _refuse_mxfp4(spec.lm_dir)
+    scheme = _gpt_oss_scheme(spec.lm_dir) if arch == "gpt_oss" else None
     if geometry is not None and geometry.dialect == "published":
         model, config, eos_src = _load_native_mimo(spec.lm_dir, geometry, tdtype, device, weights)
     else:
         cls = getattr(transformers, spec.lm_architecture, None)
         if cls is None:
             raise ValueError(f"transformers has no class {spec.lm_architecture!r}")
-        if weights:
+        if weights and scheme is not None:
+            model = _load_dequantized_hf(cls, spec.lm_dir, scheme, tdtype, device, kwargs)
+            config, eos_src = model.config, model
+        elif weights:
             model = cls.from_pretrained(spec.lm_dir, dtype=tdtype, **kwargs).to(device).eval()
             model.requires_grad_(False)
             if geometry is not None:
@@ -160,16 +162,45 @@ def _mimo_geometry(lm_dir: Path):
     return mimo_geometry(raw, path)
 
 
-def _refuse_mxfp4(lm_dir: Path) -> None:
-    """openai/gpt-oss-* store their experts MXFP4-packed (``*_blocks`` / ``*_scales`` tensors,
-    ``quantization_config.quant_method = "mxfp4"``); mmserve serves the dequantized (bf16) layout."""
+def _gpt_oss_scheme(lm_dir: Path):
+    """openai/gpt-oss-* store their experts MXFP4-packed (``*_blocks`` / ``*_scales``,
+    ``quantization_config.quant_method = "mxfp4"``): the scheme that dequantizes them at load."""
+    from .models.quant import scheme_for
+
     path = Path(lm_dir) / "config.json"
-    q = json.loads(path.read_text()).get("quantization_config") or {}
-    if q:
-        raise CheckpointError(
-            f"{path}: field 'quantization_config' (quant_method={q.get('quant_method')!r}): quantized gpt-oss "
-            "experts are not supported; serve the bf16 checkpoint (e.g. dequantize with transformers' "
-            "Mxfp4Config(dequantize=True) and save_pretrained)")
+    try:
+        q = json.loads(path.read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from e
+    return scheme_for(q, path, allowed=("mxfp4",))
+
+
+_GPT_OSS_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _gpt_oss_convert(target: str, t: torch.Tensor, quantized: bool) -> list[tuple[str, torch.Tensor]]:
+    """MXFP4 experts dequantize to ``[E, out, in]``; transformers' GptOssExperts hold ``[E, in, out]``."""
+    if not quantized:
+        return [(target, t)]
+    if not target.endswith(_GPT_OSS_EXPERTS):
+        raise ValueError("is MXFP4-packed, but gpt-oss packs only mlp.experts.{gate_up_proj,down_proj}")
+    return [(target, t.transpose(-1, -2))]
+
+
+def _load_dequantized_hf(cls, lm_dir: Path, scheme, dtype: torch.dtype, device: str, kwargs: dict):
+    """A quantized checkpoint of a transformers class: the float model built from its config, its
+    weights dequantized by mmserve at load (``models/quant.py``) instead of transformers' quantizer."""
+    import transformers
+
+    from .models.weights import load_strict
+
+    config = transformers.AutoConfig.from_pretrained(lm_dir)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = cls._from_config(config, dtype=torch.float32, **kwargs)
+    load_strict(model, lm_dir, dtype, scheme=scheme, convert=_gpt_oss_convert)
+    model.generation_config = _ConfigOnly(config, lm_dir).generation_config or model.generation_config
+    return model.to(device).eval().requires_grad_(False)
 
 
 def _load_native_mimo(lm_dir: Path, geometry, dtype: torch.dtype, device: str, weights: bool):
@@ -186,7 +217,8 @@ def _load_native_mimo(lm_dir: Path, geometry, dtype: torch.dtype, device: str, w
     holder = _ConfigOnly(config, lm_dir)
     if not weights:
         return None, config, holder
-    model = load_mimo(lm_dir, geometry, config, dtype, device, bool(raw.get("tie_word_embeddings", False)))
+    model = load_mimo(lm_dir, geometry, config, dtype, device, bool(raw.get("tie_word_embeddings", False)),
+                      raw.get("quantization_config"), Path(lm_dir) / "config.json")
     model.generation_config = holder.generation_config
     return model, config, model
 

@@ -1,6 +1,6 @@
 """The ``mmserve`` console script.
 
-    mmserve tiny-model --out DIR [--arch mimo|gemma3|mimo-v2-flash|...] [--sliding-window W]
+    mmserve tiny-model --out DIR [--arch mimo|gemma3|mimo-v2-flash|...] [--sliding-window W] [--layout L] [--quant Q]
     mmserve encoder  --model DIR [--port 8100] [...]        one encoder service
     mmserve llm      --model DIR [--port 8200] [--backend hf|swa] [...]
     mmserve gateway  [--port 8000] [--encoder-urls URL,...] [--llm-urls URL,...]
@@ -41,7 +41,12 @@ def _serve(app, settings) -> None:
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from shared.tiny_model import write_tiny_model
 
-    out = write_tiny_model(args.out, arch=args.arch, sliding_window=args.sliding_window, seed=args.seed)
+    try:
+        out = write_tiny_model(args.out, arch=args.arch, sliding_window=args.sliding_window, seed=args.seed,
+                               layout=args.layout, quant=args.quant)
+    except ValueError as e:  # an option the arch has not: say so, no traceback
+        print(f"mmserve tiny-model: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.arch} bundle to {out}")
     return 0
 
@@ -131,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default="mimo", choices=sorted(ARCHS))
     p.add_argument("--sliding-window", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", default=None, choices=["split", "fused_qkv"],
+                   help="mimo-v2-flash / mimo-v2.5: attention projections as published (default split)")
+    p.add_argument("--quant", default=None, choices=["fp8", "mxfp4"],
+                   help="quantized as published: fp8 (mimo-v2-flash / mimo-v2.5, block FP8), mxfp4 (gpt-oss experts)")
     p.set_defaults(fn=cmd_tiny_model)
 
     p = sub.add_parser("encoder", help="run one encoder service")

@@ -9,13 +9,15 @@ Architectures (``--arch``):
 * ``gemma3``: a plain HF ``Gemma3ForConditionalGeneration`` directory (5 sliding : 1 full,
   SigLIP tower, ``multi_modal_projector``), exactly the layout of a real Gemma 3 checkpoint.
 * ``mimo-v2-flash`` / ``mimo-v2.5``: MiMo-V2 LMs in Xiaomi's published layout (config dialect
-  with ``hybrid_layer_pattern`` / ``swa_*``, per-expert weights, MTP heads); see
+  with ``hybrid_layer_pattern`` / ``swa_*``, per-expert weights, MTP heads); ``--layout fused_qkv``
+  and ``--quant fp8`` write the hub's fused-QKV / block-FP8 forms of the same weights; see
   ``shared/tiny/mimo_published.py``.
 * ``mimo-v2.5-omni``: ``MiMoV2OmniForCausalLM`` (MiMo-V2.5 LM + its vision tower, and the audio
   encoder once ``shared/tiny/mimo_omni_audio.py`` provides it) in one directory, as Xiaomi
   publishes it; see ``shared/tiny/mimo_omni.py``.
-* ``gpt-oss``: ``GptOssForCausalLM`` in openai/gpt-oss' config layout, experts unpacked (bf16
-  layout, not MXFP4); see ``shared/tiny/gpt_oss.py``.
+* ``gpt-oss``: ``GptOssForCausalLM`` in openai/gpt-oss' config layout, experts unpacked;
+  ``--quant mxfp4`` packs them as the hub does (``*_blocks`` / ``*_scales``); see
+  ``shared/tiny/gpt_oss.py``.
 
 Weights are random but seeded, so two runs write identical bundles.
 """
@@ -216,12 +218,19 @@ def write_gemma3_checkpoint(out: Path, sliding_window: int = 128, image_size: in
 
 
 def _mimo_published(preset: str):
-    def write(out: Path, sliding_window: int = 128, seed: int = 0) -> Path:
+    def write(out: Path, sliding_window: int = 128, seed: int = 0, layout: str = "split", quant: str | None = None) -> Path:
         from shared.tiny import mimo_published as mp
 
-        return mp.write_mimo_published(out, getattr(mp, preset), seed=seed, sliding_window=sliding_window)
+        return mp.write_mimo_published(out, getattr(mp, preset), seed=seed, sliding_window=sliding_window,
+                                       layout=layout, quant=quant)
 
     return write
+
+
+def _gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, quant: str | None = None) -> Path:
+    from shared.tiny.gpt_oss import write_gpt_oss
+
+    return write_gpt_oss(out, sliding_window, seed, quant=quant)
 
 
 ARCHS = {
@@ -231,13 +240,23 @@ ARCHS = {
     "mimo-v2.5": _mimo_published("V25"),
     "mimo-v2.5-omni": lambda out, sliding_window=128, seed=0: __import__(  # LM + ViT (+ audio), shared/tiny/mimo_omni.py
         "shared.tiny.mimo_omni", fromlist=["write_mimo_omni"]).write_mimo_omni(out, seed, sliding_window),
-    "gpt-oss": lambda out, sliding_window=128, seed=0: __import__(
-        "shared.tiny.gpt_oss", fromlist=["write_gpt_oss"]).write_gpt_oss(out, sliding_window, seed),
+    "gpt-oss": _gpt_oss,
 }
+# the published variants each arch can write (``--layout`` / ``--quant``)
+VARIANTS = {"mimo-v2-flash": {"layout": ("split", "fused_qkv"), "quant": (None, "fp8")},
+            "mimo-v2.5": {"layout": ("split", "fused_qkv"), "quant": (None, "fp8")},
+            "gpt-oss": {"quant": (None, "mxfp4")}}
 
 
-def write_tiny_model(out: str | Path, arch: str = "mimo", sliding_window: int = 128, seed: int = 0) -> Path:
-    """Write a tiny bundle of ``arch`` to ``out`` and return its path."""
+def write_tiny_model(out: str | Path, arch: str = "mimo", sliding_window: int = 128, seed: int = 0,
+                     layout: str | None = None, quant: str | None = None) -> Path:
+    """Write a tiny bundle of ``arch`` to ``out`` and return its path (``layout`` / ``quant``: a
+    published variant, see ``VARIANTS``)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
-    return ARCHS[arch](Path(out), sliding_window=sliding_window, seed=seed)
+    opts = {k: v for k, v in (("layout", layout), ("quant", quant)) if v is not None}
+    for k, v in opts.items():
+        allowed = VARIANTS.get(arch, {}).get(k, ())
+        if v not in allowed:
+            raise ValueError(f"--arch {arch} has no --{k} {v} (it has: {[x for x in allowed if x] or 'none'})")
+    return ARCHS[arch](Path(out), sliding_window=sliding_window, seed=seed, **opts)

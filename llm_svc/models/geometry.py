@@ -9,7 +9,8 @@
   sliding), ``moe_layer_freq``, ``swa_num_attention_heads``, ``swa_num_key_value_heads``,
   ``swa_head_dim``, ``swa_v_head_dim``, ``swa_rope_theta``, ``sliding_window_size``,
   ``add_{full,swa}_attention_sink_bias``, ``attention_value_scale``, ``layernorm_epsilon``,
-  ``num_nextn_predict_layers``, ``attention_projection_layout``. Key list checked against
+  ``num_nextn_predict_layers``, ``attention_projection_layout`` (``split`` or ``fused_qkv``),
+  ``quantization_config`` (block FP8, dequantized at load: ``quant.py``). Key list checked against
   transformers' ``convert_mimo_v2_flash_weights_to_hf.py`` (the keys it drops or renames) and
   Megatron-Bridge's ``mimo_v2_flash_bridge.py`` (the keys it writes back).
 
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.bundle import CheckpointError
+
+from .quant import scheme_for
 
 FULL_T, SLIDING_T = "full_attention", "sliding_attention"
 
@@ -99,6 +102,11 @@ class MiMoGeometry:
     rms_eps: float
     attention_bias: bool = False
     mtp_layers: int = 0  # MTP heads in the file (read past: mmserve does not speculate)
+    # ``fused_qkv``: one ``qkv_proj`` per layer, rows in ``qkv_chunks`` chunks [Q_c | K_c | V_c]
+    # (pre-sharded for that many TP ranks; vLLM ``mimo_v2.py`` ``_shard_fp8_qkv_proj``)
+    layout: str = "split"
+    qkv_chunks: int = 1
+    quant_method: str | None = None  # quantization_config.quant_method (dequantized at load)
 
     def __post_init__(self) -> None:
         n = len(self.layer_types)
@@ -108,6 +116,8 @@ class MiMoGeometry:
             raise ValueError("MoE needs n_experts >= top_k >= 1 and n_experts divisible by n_group")
         if self.window < 1:
             raise ValueError("the sliding window must be >= 1")
+        if self.layout not in ("split", "fused_qkv") or self.qkv_chunks < 1:
+            raise ValueError(f"bad attention projection layout {self.layout!r} / {self.qkv_chunks} chunks")
 
     def attn(self, layer: int) -> AttnGeometry:
         return self.sliding if self.layer_types[layer] == SLIDING_T else self.full
@@ -165,10 +175,6 @@ def dialect_of(cfg: dict) -> str:
 
 def _common(r: _Reader) -> dict:
     r.expect("hidden_act", ("silu",), "silu")
-    q = r.cfg.get("quantization_config")
-    if q:
-        raise r.fail("quantization_config", f"= {q!r}: quantized MiMo weights are not supported; "
-                                             "serve a bf16/fp32 checkpoint (dequantize it first)")
     n_experts = r.get("n_routed_experts", int, 0)
     return dict(
         vocab_size=r.get("vocab_size", int),
@@ -197,7 +203,9 @@ def _from_published(r: _Reader) -> MiMoGeometry:
     n = r.get("num_hidden_layers", int)
     pattern = r.per_layer("hybrid_layer_pattern", n, (0, 1))
     freq = r.per_layer("moe_layer_freq", n, (0, 1)) if "moe_layer_freq" in r.cfg else [0] * n
-    r.expect("attention_projection_layout", ("split",), "split")  # fused_qkv: TP-interleaved rows
+    r.expect("attention_projection_layout", ("split", "fused_qkv"), "split")
+    layout = r.cfg.get("attention_projection_layout") or "split"
+    scheme = scheme_for(r.cfg.get("quantization_config"), r.path, allowed=("fp8",))  # validates its fields
     r.expect("scoring_func", ("sigmoid",), "sigmoid")
     r.expect("topk_method", ("noaux_tc",), "noaux_tc")
     r.expect("n_shared_experts", (None, 0))
@@ -225,8 +233,15 @@ def _from_published(r: _Reader) -> MiMoGeometry:
         rope_theta=r.get("swa_rope_theta", float, full.rope_theta),
         rotary_dim=_rotary(r, "partial_rotary_factor", swa_dim, factor),
         sinks=r.get("add_swa_attention_sink_bias", bool, False))
+    chunks = full.kv_heads if layout == "fused_qkv" else 1  # vLLM: ckpt_tp = config.num_key_value_heads
+    for kind, a in (("full", full), ("sliding", sliding)):
+        if layout == "fused_qkv" and (a.heads % chunks or a.kv_heads % chunks):
+            raise r.fail("attention_projection_layout", f"= 'fused_qkv' is stored in num_key_value_heads = {chunks} "
+                                                        f"chunks, which do not divide the {kind} layers' {a.heads} "
+                                                        f"heads / {a.kv_heads} KV heads")
     return MiMoGeometry(
         dialect="published", layer_types=tuple(SLIDING_T if p else FULL_T for p in pattern),
+        layout=layout, qkv_chunks=chunks, quant_method=scheme.method if scheme is not None else None,
         moe_layers=tuple(bool(f) for f in freq), full=full, sliding=sliding, window=window,
         value_scale=r.get("attention_value_scale", float, 1.0), rms_eps=r.get("layernorm_epsilon", float, 1e-6),
         mtp_layers=r.get("num_nextn_predict_layers", int, 0), **_common(r))
@@ -234,6 +249,10 @@ def _from_published(r: _Reader) -> MiMoGeometry:
 
 def _from_transformers(r: _Reader) -> MiMoGeometry:
     r.unknown(_TRANSFORMERS)
+    q = r.cfg.get("quantization_config")
+    if q:  # this dialect is served by transformers' own classes, which mmserve runs unquantized
+        raise r.fail("quantization_config", f"= {q!r}: quantized weights are served in Xiaomi's published "
+                                             "dialect only (hybrid_layer_pattern ...); this file is transformers'")
     n = r.get("num_hidden_layers", int)
     types = r.per_layer("layer_types", n, (FULL_T, SLIDING_T))
     mlp = r.per_layer("mlp_layer_types", n, ("dense", "sparse"))

@@ -5,6 +5,8 @@ of Xiaomi's published checkpoints (the names transformers also writes, and vLLM'
     model.embed_tokens.weight, model.norm.weight, lm_head.weight
     model.layers.N.{input_layernorm,post_attention_layernorm}.weight
     model.layers.N.self_attn.{q,k,v,o}_proj.weight (+ .bias with attention_bias)
+    model.layers.N.self_attn.qkv_proj.weight               (``fused_qkv`` layout: split at load)
+    *.weight_scale_inv                                      (block FP8: dequantized at load)
     model.layers.N.self_attn.attention_sink_bias           (layers whose kind has sinks)
     model.layers.N.mlp.{gate,up,down}_proj.weight          (dense layers)
     model.layers.N.mlp.gate.weight, mlp.gate.e_score_correction_bias,
@@ -19,6 +21,7 @@ exactly what it says.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .geometry import FULL_T, SLIDING_T, MiMoGeometry
+from .quant import scheme_for
 from .weights import load_strict
 
 
@@ -183,13 +187,54 @@ def _published_name(name: str) -> str | None:
     return name
 
 
+_QKV = re.compile(r"model\.layers\.(\d+)\.self_attn\.qkv_proj\.(weight|bias)")
+_SPLIT = re.compile(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.(weight|bias)")
+
+
+def split_fused_qkv(t: torch.Tensor, heads: int, kv_heads: int, qk_dim: int, v_dim: int,
+                    chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused ``qkv_proj`` weight ``[chunks * (Qc + Kc + Vc), in]`` (or bias) -> q, k, v in head
+    order. Chunk c holds Q heads ``c*heads/chunks ..``, then its K heads, then its V heads
+    (Xiaomi's TP-pre-sharded layout; vLLM ``mimo_v2.py`` ``_shard_fp8_qkv_proj``)."""
+    qc, kc, vc = heads // chunks * qk_dim, kv_heads // chunks * qk_dim, kv_heads // chunks * v_dim
+    if heads % chunks or kv_heads % chunks or t.shape[0] != chunks * (qc + kc + vc):
+        raise ValueError(f"fused qkv_proj has {t.shape[0]} rows, not {chunks} chunks of {qc} Q + {kc} K + {vc} V rows")
+    c = t.reshape(chunks, qc + kc + vc, *t.shape[1:])
+    return (c[:, :qc].reshape(-1, *t.shape[1:]), c[:, qc:qc + kc].reshape(-1, *t.shape[1:]),
+            c[:, qc + kc:].reshape(-1, *t.shape[1:]))
+
+
+def _convert(g: MiMoGeometry):
+    """Module tensors of one stored tensor: a fused ``qkv_proj`` becomes ``q/k/v_proj``."""
+
+    def convert(target: str, t: torch.Tensor, quantized: bool) -> list[tuple[str, torch.Tensor]]:
+        m = _QKV.fullmatch(target)
+        if m is None:
+            if g.layout == "fused_qkv" and _SPLIT.fullmatch(target):
+                raise ValueError("is split but attention_projection_layout is 'fused_qkv'")
+            return [(target, t)]
+        if g.layout != "fused_qkv":
+            raise ValueError("is fused but attention_projection_layout is 'split'")
+        a = g.attn(int(m.group(1))) if int(m.group(1)) < g.num_layers else g.full
+        parts = split_fused_qkv(t, a.heads, a.kv_heads, a.qk_dim, a.v_dim, g.qkv_chunks)
+        stem = target[: -len("qkv_proj." + m.group(2))]
+        return [(f"{stem}{p}_proj.{m.group(2)}", x) for p, x in zip("qkv", parts, strict=True)]
+
+    return convert
+
+
 def load_mimo(model_dir: str | Path, g: MiMoGeometry, config, dtype: torch.dtype,
-              device: str | torch.device = "cpu", tie_word_embeddings: bool = False) -> MiMoForCausalLM:
-    """Build the LM of ``g`` and load its weights from ``model_dir`` strictly."""
+              device: str | torch.device = "cpu", tie_word_embeddings: bool = False,
+              quantization_config: dict | None = None, config_path: str | Path = "config.json") -> MiMoForCausalLM:
+    """Build the LM of ``g`` and load its weights from ``model_dir`` strictly (dequantized to the
+    serving dtype when ``quantization_config`` says so; fused ``qkv_proj`` split per the layout)."""
     m = MiMoForCausalLM(g, config)
     derived = frozenset()
     if tie_word_embeddings:
         m.lm_head.weight = m.model.embed_tokens.weight
         derived = frozenset({"lm_head.weight"})
-    load_strict(m, model_dir, dtype, _published_name, derived)
+    scheme = scheme_for(quantization_config, config_path, allowed=("fp8",))
+    chunks = g.qkv_chunks if g.layout == "fused_qkv" else 1
+    load_strict(m, model_dir, dtype, _published_name, derived, scheme=scheme, convert=_convert(g),
+                row_groups=lambda n: chunks if n.endswith("qkv_proj.weight") else 1)
     return m.to(device).eval().requires_grad_(False)

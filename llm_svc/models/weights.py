@@ -11,6 +11,8 @@ import torch
 
 from shared.bundle import CheckpointError
 
+from .quant import QuantScheme
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -40,42 +42,95 @@ def tensor_files(model_dir: str | Path) -> dict[str, Path]:
     return out
 
 
+class CheckpointTensors:
+    """The model tensors of a checkpoint directory: stored tensors grouped and dequantized by the
+    ``scheme`` (None: every tensor as stored). Names are the file's (companions folded in)."""
+
+    def __init__(self, model_dir: str | Path, scheme: QuantScheme | None = None):
+        self.files = tensor_files(model_dir)
+        self.scheme = scheme
+        self._open: dict[Path, object] = {}
+        present = set(self.files)
+        if scheme is not None:
+            scheme.check_companions(present, self.where(next(iter(sorted(present)), "")))
+        self.groups: dict[str, dict[str, str]] = {}
+        for name in sorted(present):
+            logical = scheme.logical(name) if scheme is not None else name
+            if logical is not None:
+                self.groups[logical] = scheme.companions(logical, present) if scheme is not None else {"value": name}
+
+    def where(self, name: str) -> Path:
+        return self.files.get(name, next(iter(self.files.values()), Path(".")))
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise CheckpointError(f"{self.where(name)}: tensor {name!r} is missing from the checkpoint")
+        f = self.files[name]
+        if f not in self._open:
+            self._open[f] = safe_open(str(f), "pt")
+        return self._open[f].get_tensor(name)
+
+    def get(self, logical: str, row_groups: int = 1) -> tuple[torch.Tensor, bool]:
+        """The float tensor of ``logical`` and whether it was stored quantized."""
+        group = self.groups[logical]
+        if self.scheme is None:
+            return self.read(group["value"]), False
+        return self.scheme.dequantize(logical, group, self.read, self.where(next(iter(group.values()))), row_groups)
+
+
+# (target module name, the file tensor as read, it was stored quantized) -> (module name, tensor) pairs
+Convert = Callable[[str, torch.Tensor, bool], list[tuple[str, torch.Tensor]]]
+
+
 def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dtype,
-                rename: Callable[[str], str | None] = lambda n: n, derived: frozenset[str] = frozenset()) -> None:
+                rename: Callable[[str], str | None] = lambda n: n, derived: frozenset[str] = frozenset(),
+                scheme: QuantScheme | None = None, convert: Convert | None = None,
+                row_groups: Callable[[str], int] = lambda n: 1) -> None:
     """Copy the checkpoint's tensors into ``module`` (its parameters and persistent buffers).
 
     ``rename`` maps a file's tensor name to the module's name, or None for a tensor to read past
-    (MTP heads); ``derived`` names module tensors the file need not hold (a tied lm_head). A missing tensor, a shape mismatch or a tensor nothing explains is a
-    ``CheckpointError`` naming the file and the tensor."""
-    from safetensors import safe_open
-
-    files = tensor_files(model_dir)
+    (MTP heads); ``derived`` names module tensors the file need not hold (a tied lm_head);
+    ``scheme`` dequantizes a quantized checkpoint (``row_groups`` of a file tensor: its
+    independently scaled row chunks); ``convert`` turns one stored tensor into module tensors
+    (a fused projection split, a layout transpose). A missing tensor, a shape mismatch or a
+    tensor nothing explains is a ``CheckpointError`` naming the file and the tensor."""
+    src = CheckpointTensors(model_dir, scheme)
     want = dict(module.state_dict())
     seen: set[str] = set()
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name, f in files.items():
+    todo: list[tuple[str, str]] = []
+    for name in src.groups:
         target = rename(name)
         if target is None:
             continue
-        if target not in want:
-            raise CheckpointError(f"{f}: tensor {name!r} is not part of the model the config describes "
-                                  "(a config field disagrees with the weights)")
-        by_file.setdefault(f, []).append((name, target))
+        if convert is None and target not in want:
+            raise CheckpointError(f"{src.where(name)}: tensor {name!r} is not part of the model the config "
+                                  "describes (a config field disagrees with the weights)")
+        todo.append((name, target))
     with torch.no_grad():
-        for f, names in by_file.items():
-            with safe_open(str(f), "pt") as h:
-                for name, target in names:
-                    t = h.get_tensor(name)
-                    dst = want[target]
-                    if tuple(t.shape) != tuple(dst.shape):
-                        raise CheckpointError(f"{f}: tensor {name!r} has shape {list(t.shape)}, the config "
-                                              f"implies {list(dst.shape)}")
-                    dst.copy_(t.to(dst.dtype))
-                    seen.add(target)
+        for name, target in todo:
+            t, quantized = src.get(name, row_groups(name))
+            f = src.where(name if name in src.files else next(iter(src.groups[name].values())))
+            try:
+                pieces = convert(target, t, quantized) if convert is not None else [(target, t)]
+            except ValueError as e:
+                raise CheckpointError(f"{f}: tensor {name!r}: {e}") from e
+            for tgt, piece in pieces:
+                if tgt not in want:
+                    raise CheckpointError(f"{f}: tensor {name!r} is not part of the model the config describes "
+                                          "(a config field disagrees with the weights)")
+                dst = want[tgt]
+                if tuple(piece.shape) != tuple(dst.shape):
+                    shown = name if tgt == target else f"{name} -> {tgt}"
+                    raise CheckpointError(f"{f}: tensor {shown!r} has shape {list(piece.shape)}, the config "
+                                          f"implies {list(dst.shape)}")
+                dst.copy_(piece.to(dst.dtype))
+                seen.add(tgt)
     missing = sorted(set(want) - seen - derived)
     if missing:
         root = Path(model_dir)
-        where = root / INDEX if (root / INDEX).exists() else sorted(set(files.values()))[0]
+        where = root / INDEX if (root / INDEX).exists() else sorted(set(src.files.values()))[0]
         raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing from the checkpoint "
                               f"({len(missing)} missing in all)")
     module.to(dtype)

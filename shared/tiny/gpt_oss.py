@@ -4,8 +4,11 @@ YaRN ``rope_scaling``, ``experts_per_token``, ``initial_context_length``, ``swig
 ``layer_types`` sliding/full alternating from a sliding layer, ``attention_bias``) with the
 dequantized (bf16-style, unpacked) expert tensors ``mlp.experts.{gate_up_proj,down_proj}[_bias]``.
 
-The hub's weights pack the experts in MXFP4 (``*_blocks`` / ``*_scales`` and a
-``quantization_config``); mmserve refuses that form at startup with a message, see the loader.
+The hub's weights pack the experts in MXFP4 (``*_blocks`` / ``*_scales`` uint8 and
+``quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [...]}``, as in
+openai/gpt-oss-20b's config.json); ``quant="mxfp4"`` writes that form of the same random weights
+(blocks ``[E, out, in/32, 16]``: the experts' ``[E, in, out]`` tensors transposed, as
+transformers' ``integrations/mxfp4.py`` reads them back).
 The tokenizer is a small byte-level BPE with the harmony special tokens (``<|start|>``,
 ``<|message|>``, ``<|end|>``, ``<|return|>``...) and a reduced harmony chat template.
 """
@@ -29,8 +32,34 @@ HARMONY_TEMPLATE = (
 )
 
 
-def write_gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, head_dim: int = 32) -> Path:
-    """Write a tiny random-weight ``GptOssForCausalLM`` checkpoint to ``out``."""
+MXFP4_QUANT_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                              "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+
+
+def pack_experts_mxfp4(model_dir: Path) -> None:
+    """Rewrite ``model_dir``'s expert tensors ``mlp.experts.{gate_up_proj,down_proj}`` (``[E, in, out]``)
+    as ``*_blocks`` / ``*_scales`` and add the hub's ``quantization_config``."""
+    from safetensors.torch import load_file, save_file
+
+    from shared.tiny.quantize import quantize_mxfp4
+
+    f = model_dir / "model.safetensors"
+    state = load_file(str(f))
+    for name in [n for n in state if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(state.pop(name).transpose(1, 2))  # [E, out, in] rows
+        state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+    save_file(state, str(f), metadata={"format": "pt"})
+    c = json.loads((model_dir / "config.json").read_text())
+    c["quantization_config"] = dict(MXFP4_QUANT_CONFIG)
+    (model_dir / "config.json").write_text(json.dumps(c, indent=2))
+
+
+def write_gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, head_dim: int = 32,
+                  quant: str | None = None) -> Path:
+    """Write a tiny random-weight ``GptOssForCausalLM`` checkpoint to ``out`` (``quant="mxfp4"``:
+    experts packed as on the hub)."""
+    if quant not in (None, "mxfp4"):
+        raise ValueError(f"gpt-oss quant must be None or 'mxfp4', got {quant!r}")
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -74,4 +103,6 @@ def write_gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, head_dim:
     c.update(experts_per_token=c["num_experts_per_tok"], initial_context_length=4096, swiglu_limit=7.0,
              router_aux_loss_coef=0.9)
     (out / "config.json").write_text(json.dumps(c, indent=2))
+    if quant == "mxfp4":
+        pack_experts_mxfp4(out)
     return out

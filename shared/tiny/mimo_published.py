@@ -10,7 +10,8 @@ transformers' ``convert_mimo_v2_flash_weights_to_hf.py``; values as in Megatron-
 ``model.mtp.layers.N`` (``eh_proj``, ``enorm``, ``hnorm``, as the bridge maps them),
 ``generation_config.json`` and a ChatML tokenizer (``tokenizer.json``, ``tokenizer_config.json``
 with the chat template). The hub's V2.5 weights use ``attention_projection_layout: fused_qkv``
-(TP-interleaved rows) and FP8; the tiny one is ``split`` and float32 (what mmserve reads).
+and block FP8; ``layout="fused_qkv"`` / ``quant="fp8"`` write those forms of the same random
+weights (``fuse_qkv`` / ``quantize_fp8``), the default is ``split`` float32.
 
 ``to_transformers_dialect`` rewrites such a directory the way transformers' converter does,
 for the transformers oracle (only for geometries transformers can express).
@@ -19,6 +20,7 @@ for the transformers oracle (only for geometries transformers can express).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -166,8 +168,52 @@ def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:
     return state
 
 
-def write_mimo_published(out: Path, spec: TinyMiMoSpec = FLASH, seed: int = 0, sliding_window: int | None = None) -> Path:
-    """Write a tiny MiMo-V2 checkpoint in Xiaomi's published layout to ``out``."""
+LAYOUTS = ("split", "fused_qkv")
+QUANTS = (None, "fp8")
+# FP8 linears of MiMo-V2.5 (the hub's model.safetensors.index.json, as a public converter lists
+# them): mlp / experts gate|up|down and self_attn.qkv_proj; o_proj, router, norms, embeddings stay bf16
+_FP8_LINEAR = re.compile(r"model\.layers\.\d+\.(mlp(\.experts\.\d+)?\.(gate|up|down)_proj|self_attn\.(qkv|q|k|v)_proj)\.weight")
+
+
+def fuse_qkv(state: dict, s: TinyMiMoSpec) -> dict:
+    """``q/k/v_proj`` -> one ``qkv_proj`` per layer, in ``num_key_value_heads`` chunks
+    [Q_c | K_c | V_c] (Xiaomi's TP-pre-sharded rows; vLLM ``mimo_v2.py`` ``_shard_fp8_qkv_proj``:
+    chunk count = the full layers' KV heads, also for sliding layers)."""
+    import torch
+
+    out, chunks = {}, s.kv_heads
+    for name, t in state.items():
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            continue
+        if ".self_attn.q_proj." not in name:
+            out[name] = t
+            continue
+        q, k, v = (state[name.replace(".q_proj.", f".{p}_proj.")] for p in "qkv")
+        parts = [torch.cat(c) for c in zip(q.chunk(chunks), k.chunk(chunks), v.chunk(chunks), strict=True)]
+        out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat(parts).contiguous()
+    return out
+
+
+def quantize_fp8(state: dict, s: TinyMiMoSpec, block: tuple[int, int] = (128, 128)) -> dict:
+    """The FP8 linears (``_FP8_LINEAR``) as e4m3 ``weight`` + float32 ``weight_scale_inv``."""
+    from shared.tiny.quantize import quantize_fp8_block
+
+    out = {}
+    for name, t in state.items():
+        if _FP8_LINEAR.fullmatch(name):
+            groups = s.kv_heads if ".qkv_proj." in name else 1
+            out[name], out[name + "_scale_inv"] = quantize_fp8_block(t, block, groups)
+        else:
+            out[name] = t
+    return out
+
+
+def write_mimo_published(out: Path, spec: TinyMiMoSpec = FLASH, seed: int = 0, sliding_window: int | None = None,
+                         layout: str = "split", quant: str | None = None) -> Path:
+    """Write a tiny MiMo-V2 checkpoint in Xiaomi's published layout to ``out`` (``layout`` /
+    ``quant``: the same random weights with fused QKV rows / block-FP8 linears)."""
+    if layout not in LAYOUTS or quant not in QUANTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} and quant one of {QUANTS}, got {layout!r} / {quant!r}")
     import torch
     from safetensors.torch import save_file
 
@@ -180,6 +226,14 @@ def write_mimo_published(out: Path, spec: TinyMiMoSpec = FLASH, seed: int = 0, s
     vocab = -(-len(tok) // 64) * 64  # the hub pads vocab_size past the tokenizer (152576)
     cfg = published_config(spec, vocab, eos, pad)
     state = random_tensors(published_shapes(spec, vocab), seed)
+    cfg["attention_projection_layout"] = layout
+    if layout == "fused_qkv":
+        state = fuse_qkv(state, spec)
+    if quant == "fp8":
+        from shared.tiny.quantize import FP8_QUANT_CONFIG
+
+        state = quantize_fp8(state, spec)
+        cfg["quantization_config"] = dict(FP8_QUANT_CONFIG)
     g = torch.Generator().manual_seed(seed + 1)
     for i in range(spec.mtp_layers):  # MTP heads: present in the file, read past by mmserve and vLLM
         p = f"model.mtp.layers.{i}."

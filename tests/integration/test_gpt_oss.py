@@ -1,5 +1,5 @@
-"""gpt-oss in our engine against transformers' GptOssForCausalLM (same checkpoint), and the
-MXFP4-packed hub layout refused at startup with a message."""
+"""gpt-oss in our engine against transformers' GptOssForCausalLM (same checkpoint), and an
+unknown quantization refused at startup with a message (MXFP4: test_quantized_checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -70,10 +70,12 @@ def test_greedy_matches_transformers(oss):
     assert len(distinct) > 8
 
 
-def test_mxfp4_checkpoint_is_refused_with_a_message(oss_dir, tmp_path):
-    d = shutil.copytree(oss_dir, tmp_path / "mxfp4")
+def test_unknown_quantization_is_refused_with_a_message(oss_dir, tmp_path):
+    """MXFP4 is served (tests/integration/test_quantized_checkpoints.py); other methods are refused."""
+    d = shutil.copytree(oss_dir, tmp_path / "awq")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"mxfp4/config.json: field 'quantization_config'.*mxfp4"):
+    with pytest.raises(CheckpointError, match=r"awq/config.json: field 'quantization_config.quant_method' = 'awq' "
+                                              r"is not supported for this model \(supported: \['mxfp4'\]\)"):
         load_lm(str(d))

@@ -106,9 +106,11 @@ def test_unknown_field_fails_at_startup_naming_file_and_field(flash_dirs, tmp_pa
         load_lm(str(d))
 
 
-def test_fused_qkv_layout_is_refused(flash_dirs, tmp_path):
+def test_fused_qkv_layout_over_split_weights_is_refused(flash_dirs, tmp_path):
+    """fused_qkv is served (test_quantized_checkpoints.py); a config that says so over split weights is not."""
     d = _copy(flash_dirs[0], tmp_path / "x", lambda c: c.update(attention_projection_layout="fused_qkv"))
-    with pytest.raises(CheckpointError, match="attention_projection_layout"):
+    with pytest.raises(CheckpointError, match=r"x/model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight': "
+                                              r"is split but attention_projection_layout is 'fused_qkv'"):
         load_lm(str(d))
 
 

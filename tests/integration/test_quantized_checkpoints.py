@@ -1,0 +1,264 @@
+"""The hub's quantized / fused forms, served as published:
+
+* MiMo ``fused_qkv``: the same model as the split form of the same weights (bitwise).
+* MiMo block FP8: the same model as the float checkpoint whose weights are the FP8 values
+  dequantized by this test's own element-wise reference (bitwise: fp32 products).
+* gpt-oss MXFP4: transformers' ``GptOssForCausalLM`` with ``Mxfp4Config(dequantize=True)`` as
+  the oracle (greedy tokens equal, logits within 2e-4), and the same model as the float
+  checkpoint whose experts transformers' ``convert_moe_packed_tensors`` dequantized.
+* wrong checkpoints fail at startup naming the file and the tensor / field.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llm_svc.loader import load_lm
+from llm_svc.types import PreparedRequest
+from shared.bundle import CheckpointError
+from shared.schemas import SamplingParams
+from shared.tiny import mimo_published as mp
+from shared.tiny.gpt_oss import write_gpt_oss
+from tests.conftest import SMALL_W
+from tests.integration.test_llm_engine import make_engine, run_to_end
+from tests.unit.test_llm_runner import SlotSim, hf_logits, make_runner, run_chunked
+
+pytestmark = pytest.mark.integration
+PRESETS = {"mimo-v2.5": mp.V25, "mimo-v2-flash": mp.FLASH}
+
+
+def _prompts(n=(5, 40, 100), seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 600, (k,), generator=g).tolist() for k in n]
+
+
+def _greedy(lm, prompts, max_tokens=12):
+    preps = [PreparedRequest(request_id=f"r{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=max_tokens,
+                                                                                       ignore_eos=True))
+             for i, p in enumerate(prompts)]
+    streams = run_to_end(make_engine(lm), preps)
+    return [streams[f"r{i}"].tokens for i in range(len(prompts))]
+
+
+def _assert_same_weights(a, b):
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys()
+    diff = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not diff, diff[:5]
+
+
+def _dequantize_reference(src: Path, dst: Path, chunks: int) -> Path:
+    """``src`` (FP8, maybe fused) as a float split checkpoint: every e4m3 weight times the scale of
+    its block (each of ``chunks`` row chunks of a fused qkv_proj with its own scale rows), the
+    fused rows split head by head."""
+    cfg = json.loads((src / "config.json").read_text())
+    block = cfg["quantization_config"]["weight_block_size"]
+    state = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, t in state.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            s = state[name + "_scale_inv"]
+            n = chunks if ".qkv_proj." in name else 1
+            rows = t.shape[0] // n
+            per = -(-rows // block[0])
+            r = torch.arange(t.shape[0])
+            srow = (r // rows) * per + (r % rows) // block[0]
+            t = t.float() * s[srow][:, torch.arange(t.shape[1]) // block[1]]
+        out[name] = t
+    for name in [n for n in out if ".qkv_proj." in n]:
+        layer = int(name.split(".")[2])
+        sw = cfg["hybrid_layer_pattern"][layer]
+        heads = cfg["swa_num_attention_heads" if sw else "num_attention_heads"]
+        kv = cfg["swa_num_key_value_heads" if sw else "num_key_value_heads"]
+        dq, dv = cfg["swa_head_dim" if sw else "head_dim"], cfg["swa_v_head_dim" if sw else "v_head_dim"]
+        t, parts, at = out.pop(name), {"q": [], "k": [], "v": []}, 0
+        for c in range(chunks):
+            for p, count, d in (("q", heads // chunks, dq), ("k", kv // chunks, dq), ("v", kv // chunks, dv)):
+                for _ in range(count):
+                    parts[p].append(t[at:at + d])
+                    at += d
+        for p, rows in parts.items():
+            out[name.replace(".qkv_proj.", f".{p}_proj.")] = torch.cat(rows)
+    shutil.copytree(src, dst)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    del cfg["quantization_config"]
+    cfg["attention_projection_layout"] = "split"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("arch", list(PRESETS))
+def test_mimo_fused_qkv_is_the_split_model(arch, tmp_path):
+    spec = PRESETS[arch]
+    split = load_lm(str(mp.write_mimo_published(tmp_path / "split", spec, sliding_window=SMALL_W)))
+    d = mp.write_mimo_published(tmp_path / "fused", spec, sliding_window=SMALL_W, layout="fused_qkv")
+    names = load_file(str(d / "model.safetensors")).keys()
+    assert any(n.endswith("self_attn.qkv_proj.weight") for n in names) and not any("q_proj" in n for n in names)
+    fused = load_lm(str(d))
+    _assert_same_weights(fused, split)
+    prompts = _prompts()
+    assert _greedy(fused, prompts) == _greedy(split, prompts)
+
+
+@pytest.mark.parametrize("arch, layout", [("mimo-v2.5", "fused_qkv"), ("mimo-v2-flash", "split")])
+def test_mimo_fp8_is_the_dequantized_float_model(arch, layout, tmp_path):
+    spec = PRESETS[arch]
+    d = mp.write_mimo_published(tmp_path / "fp8", spec, sliding_window=SMALL_W, layout=layout, quant="fp8")
+    stored = load_file(str(d / "model.safetensors"))
+    fp8 = [n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(fp8) > 20 and all(n + "_scale_inv" in stored for n in fp8)
+    ref_dir = _dequantize_reference(d, tmp_path / "ref", spec.kv_heads if layout == "fused_qkv" else 1)
+    got, ref = load_lm(str(d)), load_lm(str(ref_dir))
+    _assert_same_weights(got, ref)
+    ids = _prompts((60,), seed=3)[0]
+    a = run_chunked(make_runner(got), SlotSim(2048, 256, seed=1), "a", ids, 16, 40)
+    b = run_chunked(make_runner(ref), SlotSim(2048, 256, seed=1), "b", ids, 16, 40)
+    assert all(torch.equal(a[p], b[p]) for p in a)
+    # and it is a quantization of the float model, not another one
+    float_lm = load_lm(str(mp.write_mimo_published(tmp_path / "f32", spec, sliding_window=SMALL_W)))
+    w = "model.layers.1.mlp.experts.0.up_proj.weight"
+    err = (got.model.state_dict()[w] - float_lm.model.state_dict()[w]).abs().max()
+    assert 0 < float(err) < 0.07 * float(float_lm.model.state_dict()[w].abs().max())
+
+
+def _edit_tensor(d: Path, name: str, value) -> None:
+    state = load_file(str(d / "model.safetensors"))
+    if value is None:
+        del state[name]
+    else:
+        state[name] = value
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    return mp.write_mimo_published(tmp_path_factory.mktemp("fp8") / "v25", mp.V25, sliding_window=SMALL_W,
+                                   layout="fused_qkv", quant="fp8")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (("model.layers.1.self_attn.qkv_proj.weight_scale_inv", torch.ones(3, 1)),
+     r"'model.layers.1.self_attn.qkv_proj.weight_scale_inv': scale has shape \[3, 1\]"),
+    (("model.layers.0.mlp.up_proj.weight_scale_inv", None),
+     r"tensor 'model.layers.0.mlp.up_proj.weight' is float8_e4m3fn but 'model.layers.0.mlp.up_proj.weight_scale_inv'"
+     r" is missing"),
+    (("model.layers.0.mlp.gate_proj.weight", None),
+     r"tensor 'model.layers.0.mlp.gate_proj.weight_scale_inv' is a fp8 scale without its quantized tensor"),
+    (("model.layers.2.self_attn.qkv_proj.weight", torch.zeros(200, 128).to(torch.float8_e4m3fn)),
+     r"tensor 'model.layers.2.self_attn.qkv_proj.weight': fused qkv_proj has 200 rows, not 2 chunks of 64 Q"),
+])
+def test_bad_fp8_tensors_are_named(fp8_dir, tmp_path, edit, match):
+    d = shutil.copytree(fp8_dir, tmp_path / "bad")
+    _edit_tensor(d, *edit)
+    with pytest.raises(CheckpointError, match=r"bad/model.safetensors: .*" + match):
+        load_lm(str(d))
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "store_dtype": "mxfp4"}},
+     r"field 'quantization_config.store_dtype' is not understood"),
+    ({"quantization_config": {"quant_method": "mxfp4"}},
+     r"field 'quantization_config.quant_method' = 'mxfp4' is not supported for this model"),
+    ({"swa_num_key_value_heads": 1}, r"field 'attention_projection_layout' = 'fused_qkv' is stored in "
+                                     r"num_key_value_heads = 2 chunks, which do not divide the sliding layers' 4 heads / 1"),
+    ({"attention_projection_layout": "split"}, r"qkv_proj.weight': is fused but attention_projection_layout is 'split'"),
+])
+def test_bad_quant_configs_are_named(fp8_dir, tmp_path, change, match):
+    d = shutil.copytree(fp8_dir, tmp_path / "bad")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"bad/(config.json|model.safetensors): .*" + match):
+        load_lm(str(d))
+
+
+# --- gpt-oss MXFP4 --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def oss_mxfp4(tmp_path_factory):
+    return write_gpt_oss(tmp_path_factory.mktemp("oss") / "mxfp4", sliding_window=SMALL_W, quant="mxfp4")
+
+
+@pytest.fixture(scope="module")
+def oss_pair(oss_mxfp4):
+    """(ours, transformers' Mxfp4Config(dequantize=True) load in float32)."""
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    ours = load_lm(str(oss_mxfp4))
+    hf = GptOssForCausalLM.from_pretrained(str(oss_mxfp4), quantization_config=Mxfp4Config(dequantize=True),
+                                           attn_implementation="eager").float().eval()
+    return ours, hf
+
+
+def test_gpt_oss_mxfp4_layout_as_published(oss_mxfp4):
+    cfg = json.loads((oss_mxfp4 / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+    state = load_file(str(oss_mxfp4 / "model.safetensors"))
+    b, s = state["model.layers.0.mlp.experts.gate_up_proj_blocks"], state["model.layers.0.mlp.experts.gate_up_proj_scales"]
+    assert (b.dtype, s.dtype) == (torch.uint8, torch.uint8)
+    assert b.shape == (4, 2 * 128, 128 // 32, 16) and s.shape == (4, 2 * 128, 128 // 32)  # [E, out, in/32, 16]
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in state
+
+
+def test_gpt_oss_mxfp4_matches_transformers_dequantize(oss_pair):
+    ours, hf = oss_pair
+    sh = hf.state_dict()
+    for k, v in ours.model.state_dict().items():
+        assert torch.equal(v, sh[k].float()), k  # MXFP4 values are exact in bf16 too
+    ids = _prompts((98,), seed=3)[0]
+    ref = hf_logits(replace(ours, model=hf), ids)
+    got = run_chunked(make_runner(ours), SlotSim(2048, 256, seed=13), "a", ids, 13, 90)
+    worst = max(float((logits - ref[p]).abs().max()) for p, logits in got.items())
+    prompts = _prompts()
+    greedy = _greedy(ours, prompts)
+    equal = 0
+    for p, toks in zip(prompts, greedy, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p):]
+        equal += toks == want.tolist()
+    print(f"\n[transformers-oracle] gpt-oss mxfp4: greedy equal {equal}/{len(prompts)}, max |logit diff| "
+          f"{worst:.2e}, {len({t for g in greedy for t in g})} distinct tokens", file=sys.stderr)
+    assert worst < 2e-4, worst
+    assert equal == len(prompts)
+    assert len({t for g in greedy for t in g}) > 8
+
+
+def test_gpt_oss_mxfp4_is_the_float_model_of_its_dequantized_experts(oss_mxfp4, oss_pair, tmp_path):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    d = shutil.copytree(oss_mxfp4, tmp_path / "float")
+    state = load_file(str(d / "model.safetensors"))
+    for name in [n for n in state if n.endswith("_blocks")]:
+        stem = name[: -len("_blocks")]
+        state[stem] = convert_moe_packed_tensors(state.pop(name), state.pop(stem + "_scales"), dtype=torch.float32)
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["quantization_config"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    _assert_same_weights(oss_pair[0], load_lm(str(d)))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (("model.layers.3.mlp.experts.down_proj_scales", torch.zeros(4, 128, 3, dtype=torch.uint8)),
+     r"'model.layers.3.mlp.experts.down_proj_blocks': blocks \[4, 128, 4, 16\] and scales \[4, 128, 3\]"),
+    (("model.layers.1.mlp.experts.gate_up_proj_blocks", None),
+     r"tensor 'model.layers.1.mlp.experts.gate_up_proj_scales' is a mxfp4 scale without its quantized tensor"),
+    (("model.layers.0.self_attn.q_proj.weight_blocks", torch.zeros(128, 4, 16, dtype=torch.uint8)),
+     r"tensor 'model.layers.0.self_attn.q_proj.weight_scales' is missing"),
+])
+def test_bad_mxfp4_tensors_are_named(oss_mxfp4, tmp_path, edit, match):
+    d = shutil.copytree(oss_mxfp4, tmp_path / "bad")
+    _edit_tensor(d, *edit)
+    with pytest.raises(CheckpointError, match=r"bad/model.safetensors: .*" + match):
+        load_lm(str(d))
