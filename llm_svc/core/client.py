@@ -206,14 +206,21 @@ class EngineCoreClient:
                 raise MediaUnavailable(f"the core asked for media items {need.items} not sent by reference")
             got = await self.media.fetch_many(refs)
         except MediaUnavailable as e:
-            if self._reqs.fail(rid, e.message, e.status, e.code):
-                self._ended(rid)
-                if self._core is not None and self._core.epoch == epoch:
-                    self._send(CoreAbort(epoch, [rid]))
+            self._fail_one(epoch, rid, e.message, e.status, e.code)
+            return
+        except Exception as e:  # a bug here must not leave the request waiting for its deadline
+            log.exception("fetching the media of %s failed", rid)
+            self._fail_one(epoch, rid, f"fetching the request's media failed ({type(e).__name__}); retry it", 500)
             return
         if self._core is None or self._core.epoch != epoch or rid not in self._reqs:
             return
         self._send(CoreMedia(epoch, rid, [(i, tensor_to_wire(t)) for i, t in got.items()]))
+
+    def _fail_one(self, epoch: int, rid: str, message: str, status: int, code: str | None = None) -> None:
+        if self._reqs.fail(rid, message, status, code):
+            self._ended(rid)
+            if self._core is not None and self._core.epoch == epoch:
+                self._send(CoreAbort(epoch, [rid]))
 
     def _fail_all(self, message: str, status: int) -> None:
         self._reqs.fail_all(message, status)
