@@ -82,7 +82,7 @@ def cmd_encoder(args: argparse.Namespace) -> int:
 def cmd_llm(args: argparse.Namespace) -> int:
     from shared.settings import LLMSettings
 
-    return _run_model_service(args, "llm_svc.app", LLMSettings, ["backend", "kv_bytes", "kv_l3_url"])
+    return _run_model_service(args, "llm_svc.app", LLMSettings, ["backend", "kv_bytes", "kv_l3_url", "media_redis_url"])
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="hf | swa")
     p.add_argument("--kv-bytes", type=int, default=None)
     p.add_argument("--kv-l3-url", default=None, help="Redis URL of the L3 KV tier shared by LLM replicas")
+    p.add_argument("--media-redis-url", default=None,
+                   help="the encoders' Redis embedding tier: media sent by reference is read there first")
     p.set_defaults(fn=cmd_llm)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")

@@ -192,8 +192,8 @@ class LocalStack:
             argv = py + ["llm", "--model", spec.model_dir, "--host", h, "--port", str(port)]
             if spec.llm_backend:
                 argv += ["--backend", spec.llm_backend]
-            if spec.redis_url:  # the LLMs' L3 KV tier
-                argv += ["--kv-l3-url", spec.redis_url]
+            if spec.redis_url:  # the LLMs' L3 KV tier, and the encoders' embeddings sent by reference
+                argv += ["--kv-l3-url", spec.redis_url, "--media-redis-url", spec.redis_url]
             self.llms.append(self._svc(f"llm-{i}", h, port, argv, env))
         gport = spec.gateway_port or free_port(h)
         argv = py + [
