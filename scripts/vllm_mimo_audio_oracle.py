@@ -19,8 +19,11 @@ The main-file tensors are renamed as ``MiMoV2OmniForCausalLM.hf_to_vllm_mapper``
 (``speech_embeddings.`` -> ``audio_encoder.speech_embeddings.``; ``audio_encoder.*`` as is):
 ``mimo_v2_omni.py`` itself does not import here (it needs torchvision).
 
-Usage: python vllm_mimo_audio_oracle.py CKPT_DIR IN.safetensors OUT.safetensors
+Usage: python vllm_mimo_audio_oracle.py CKPT_DIR IN.safetensors OUT.safetensors [PROMPT.json]
 IN holds ``mag.{i}`` [n_mels, frames]; OUT gets ``tokens.{i}`` (processor placeholder count),
+``ids.{i}`` (with PROMPT.json ``{"prefix": str, "suffix": str}``: the prompt ids
+``MiMoVLProcessor.process`` writes for prefix text + the clip + suffix text, with the
+checkpoint's tokenizer and ``processor_config`` token ids),
 ``feats.{i}`` [T, d] (the tokenizer's continuous output before RVQ), ``codes.{i}`` [T, C]
 and ``embeds.{i}`` [tokens, H] (each item alone), ``batch_embeds`` and
 ``batch_lens`` (all items in one ``get_audio_feature`` call).
@@ -59,7 +62,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out
 
 
-def main(ckpt: str, inp: str, outp: str) -> None:
+def main(ckpt: str, inp: str, outp: str, prompt_path: str | None = None) -> None:
     import types
 
     from safetensors import safe_open
@@ -95,9 +98,17 @@ def main(ckpt: str, inp: str, outp: str) -> None:
     enc = enc.float().eval()
 
     sr = cfg["audio_config"].get("sampling_rate") or 24000  # MiMoOmniProcessor.from_hf_config
+    pc = cfg.get("processor_config") or {}
+    tokenizer = None
+    if prompt_path:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    ids = {k: pc.get(k) for k in ("audio_token_id", "audio_start_token_id", "audio_end_token_id")}
     one = 1
-    proc = MiMoVLProcessor(tokenizer=None, audio_sampling_rate=sr, image_min_pixels=one, image_max_pixels=one,
-                           video_min_pixels=one, video_max_pixels=one, video_total_max_pixels=one, fps=2.0)
+    proc = MiMoVLProcessor(tokenizer=tokenizer, audio_sampling_rate=sr, image_min_pixels=one, image_max_pixels=one,
+                           video_min_pixels=one, video_max_pixels=one, video_total_max_pixels=one, fps=2.0,
+                           pad_token_id=getattr(tokenizer, "pad_token_id", None), **ids)
     mags = load_file(inp)
     out, specs = {}, []
     with torch.no_grad():
@@ -114,6 +125,14 @@ def main(ckpt: str, inp: str, outp: str) -> None:
             emb, lens = enc.get_audio_feature([spec])
             assert lens == [emb.shape[0]], lens
             out[f"tokens.{i}"] = torch.tensor([tok_len])
+            if prompt_path:
+                from vllm.transformers_utils.processors.mimo_v2_omni import AudioInput, Content
+
+                prompt = json.load(open(prompt_path))
+                contents = [Content(type="text", content=prompt["prefix"]),
+                            Content(type="audio", content=AudioInput(audio=(torch.zeros(n_samples), sr))),
+                            Content(type="text", content=prompt["suffix"])]
+                out[f"ids.{i}"] = torch.as_tensor(proc.process(contents).input_ids).long()
             out[f"codes.{i}"] = codes[:, : enc.audio_channels].contiguous()
             out[f"embeds.{i}"] = emb.contiguous()
         emb, lens = enc.get_audio_feature(specs)
@@ -123,4 +142,4 @@ def main(ckpt: str, inp: str, outp: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
