@@ -60,6 +60,11 @@ class GatewayMetrics:
             "mmserve_gateway_admission_queued", "chat requests waiting for an admission slot", registry=r
         )
 
+    def watch_router(self, router) -> None:
+        """A gauge of the LLM router's prefix index (bounded by ``router_index_blocks``)."""
+        Gauge("mmserve_gateway_router_index_blocks", "prefix block keys the LLM router remembers",
+              registry=self.registry).set_function(router.index_blocks)
+
     def watch_admission(self, admission) -> None:
         """Gauges read the gate's counters at scrape time."""
         self.admission_in_flight.set_function(lambda: admission.in_flight)

@@ -67,14 +67,15 @@ class GatewayState:
             http, encoder_pool, ring, attempts=s.upstream_attempts, timeout=timeout,
             on_failover=metrics.encoder_retries.inc, load_factor=s.encoder_load_factor,
         )
-        llms = LLMClient(http, llm_pool, make_router(s.llm_routing), attempts=s.upstream_attempts, timeout=timeout,
-                         limits=llm_limits)
+        router = make_router(s.llm_routing, s.router_index_blocks)
+        llms = LLMClient(http, llm_pool, router, attempts=s.upstream_attempts, timeout=timeout, limits=llm_limits)
         fetcher = MediaFetcher(
             fetch_http, SSRFGuard(s.allowed_hosts),
             max_bytes=s.max_media_bytes, timeout=s.fetch_timeout, max_redirects=s.max_redirects,
         )
         admission = Admission(AdmissionConfig(s.max_in_flight, s.max_queue, s.queue_timeout), "gateway")
         metrics.watch_admission(admission)
+        metrics.watch_router(llms.router)
         return cls(s, metrics, http, fetch_http, encoder_pool, llm_pool, encoders, llms, fetcher, llm_limits,
                    admission)
 

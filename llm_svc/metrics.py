@@ -41,7 +41,10 @@ class LLMMetrics:
         self.waiting = Gauge("mmserve_llm_waiting_requests", "Requests waiting to start", registry=r)
         self.restarts = Gauge("mmserve_llm_engine_core_restarts", "Engine-core processes restarted by the front",
                               registry=r)
-        self.kv_usage = Gauge("mmserve_llm_kv_pool_usage", "Fraction of a KV pool in use", ["pool"], registry=r)
+        self.kv_usage = Gauge("mmserve_llm_kv_pool_usage", "Fraction of a KV pool in use (full, swa; host_full, "
+                              "host_swa: the host tier, held by the prefix tree)", ["pool"], registry=r)
+        self.tree_nodes = Gauge("mmserve_llm_kv_tree_nodes", "Nodes of the prefix tree (bounded by the pools)",
+                                registry=r)
         # KV tiers (cumulative since the engine core started)
         self.tier_tokens = Gauge("mmserve_llm_kv_tier_tokens", "KV tokens moved between tiers",
                                  ["tier", "event"], registry=r)
@@ -65,6 +68,11 @@ class LLMMetrics:
         self.kv_usage.labels(pool="full").set(stats.kv_full_usage)
         self.kv_usage.labels(pool="swa").set(stats.kv_swa_usage)
         t = stats.tiers
+        if "tree_nodes" in t:
+            self.tree_nodes.set(t["tree_nodes"])
+        for pool in ("host_full", "host_swa"):
+            if t.get(f"{pool}_total"):
+                self.kv_usage.labels(pool=pool).set(t.get(f"{pool}_cached", 0) / t[f"{pool}_total"])
         if t:
             for (tier, event), key in _TIER_TOKENS.items():
                 self.tier_tokens.labels(tier=tier, event=event).set(t.get(key, 0))

@@ -177,6 +177,10 @@ class GatewaySettings(_ServiceSettings):
     )
     # routing (appended by the gateway)
     llm_routing: Literal["cache_aware", "round_robin"] = "cache_aware"
+    router_index_blocks: int = Field(
+        default=65536, ge=1, description="prefix blocks (64 chars each) the cache-aware router remembers per LLM "
+        "replica; about 15 MB per replica when full"
+    )
     health_interval: float = Field(
         default=5.0, ge=0, description="seconds between /readyz probes of replicas; 0 disables"
     )

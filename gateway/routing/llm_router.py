@@ -29,6 +29,10 @@ class LLMRouter(ABC):
     def load(self, replica: str) -> int:
         return self._in_flight[replica]
 
+    def index_blocks(self) -> int:
+        """Prefix block keys the router remembers over all replicas (bounded; 0 if none)."""
+        return 0
+
     def begin(self, replica: str) -> None:
         """A request to ``replica`` starts; pair with ``end``."""
         self._in_flight[replica] += 1
@@ -87,6 +91,9 @@ class CacheAwareRouter(LLMRouter):
             n += 1
         return n
 
+    def index_blocks(self) -> int:
+        return sum(len(v) for v in self._index.values())
+
     def record(self, replica: str, blocks: Sequence[int]) -> None:
         index = self._index[replica]
         for b in blocks:
@@ -118,8 +125,10 @@ ROUTERS: dict[str, type[LLMRouter]] = {
 }
 
 
-def make_router(policy: str) -> LLMRouter:
-    try:
-        return ROUTERS[policy]()
-    except KeyError:
-        raise ValueError(f"unknown llm routing policy {policy!r}; known: {sorted(ROUTERS)}") from None
+def make_router(policy: str, index_blocks: int = 65536) -> LLMRouter:
+    """The ``policy`` router; ``index_blocks`` bounds a cache-aware router's index per replica."""
+    if policy not in ROUTERS:
+        raise ValueError(f"unknown llm routing policy {policy!r}; known: {sorted(ROUTERS)}")
+    if policy == "cache_aware":
+        return CacheAwareRouter(capacity_blocks=index_blocks)
+    return ROUTERS[policy]()

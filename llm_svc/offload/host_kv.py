@@ -2,7 +2,8 @@
 
 Layout is the device pools' (``LayerKV``: head-major ``[kv_heads, slots, dim]``), one tensor pair
 per layer: full layers index host full slots, sliding layers host SWA slots. On CUDA the host
-tensors are pinned. A copy op is ``(kind, src_slots, dst_slots)`` as ``RadixCache`` records it.
+tensors are pinned; on either device every page is committed at start. A copy op is
+``(kind, src_slots, dst_slots)`` as ``RadixCache`` records it.
 
 Bytes for a lower tier (``pack`` / ``unpack``): for each layer of one kind in model order, K then V
 of the given slots, ``[kv_heads, n, dim]`` contiguous, in the pools' dtype.
@@ -24,12 +25,15 @@ class HostKV:
         self.kinds = kinds
         pin = device_kv[0].k.is_cuda
         self.host: list[LayerKV] = []
+        # zeros, not empty: every page is written (committed) now, as pinning does on CUDA. The
+        # configured bound is then resident from the start (RSS flat while the tier fills, and a
+        # bound the machine cannot hold fails here, not hours later under load)
         for kv, kind in zip(device_kv, kinds):
             n = num_full if kind == FULL else num_swa
             heads, _, dk = kv.k.shape
             dv = kv.v.shape[2]
-            self.host.append(LayerKV(torch.empty(heads, n, dk, dtype=kv.k.dtype, pin_memory=pin),
-                                     torch.empty(heads, n, dv, dtype=kv.v.dtype, pin_memory=pin)))
+            self.host.append(LayerKV(torch.zeros(heads, n, dk, dtype=kv.k.dtype, pin_memory=pin),
+                                     torch.zeros(heads, n, dv, dtype=kv.v.dtype, pin_memory=pin)))
         self.bytes_d2h = 0
         self.bytes_h2d = 0
 

@@ -106,3 +106,11 @@ def test_registry():
     assert isinstance(make_router("round_robin"), RoundRobinRouter)
     with pytest.raises(ValueError, match="unknown"):
         make_router("random")
+
+
+def test_index_bound_from_the_registry_holds_per_replica():
+    r = make_router("cache_aware", index_blocks=5)
+    for i in range(40):
+        r.choose(["a", "b"], [1000 * i + k for k in range(3)])
+    assert r.index_blocks() == 10  # 5 per replica, however many prompts
+    assert make_router("round_robin", index_blocks=5).index_blocks() == 0
