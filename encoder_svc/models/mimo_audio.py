@@ -32,6 +32,7 @@ padding; alone, as here, it sees zeros).
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,7 +42,7 @@ from encoder_svc.models.audio import AudioItems
 from encoder_svc.models.mimo_audio_config import AudioEncoderConfig, AudioTokenizerConfig
 from encoder_svc.preprocess.mimo_mel import log_mel
 
-BUCKET_FRAMES = 500  # a lone segment pads to a multiple of 5 s so similar lengths share batches
+BUCKET_FRAMES = 500  # a clip's tail (or a short clip) pads to a multiple of 5 s: similar lengths share batches
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -295,16 +296,11 @@ class MiMoAudioTower(nn.Module):
                            f"send at least {1000 * (t.nfft // 2 + 1) / t.sampling_rate:.0f} ms")
         mel = log_mel(wave, sr=t.sampling_rate, n_fft=t.nfft, win_length=t.window_size, hop=t.hop_length,
                       n_mels=t.n_mels, fmin=t.fmin, fmax=t.fmax)  # [n_mels, frames]
-        frames = mel.shape[1]
-        lens = [seg] * (frames // seg) + ([frames % seg] if frames % seg else [])
-        full = frames // seg
-        groups = []
-        if full:
-            groups.append(self._items(mel, 0, [seg] * full, seg))
-        if frames % seg:  # the tail (or the whole clip) alone, padded to a 5 s multiple
-            n = frames % seg
-            groups.append(self._items(mel, full * seg, [n], min(seg, math.ceil(n / BUCKET_FRAMES) * BUCKET_FRAMES)))
-        return AudioItems(groups, [self.num_tokens(n) for n in lens])
+        full, tail = divmod(mel.shape[1], seg)
+        groups = [self._items(mel, 0, [seg] * full, seg)] if full else []
+        if tail:  # the tail (or the whole clip) alone, padded to a 5 s multiple
+            groups.append(self._items(mel, full * seg, [tail], min(seg, math.ceil(tail / BUCKET_FRAMES) * BUCKET_FRAMES)))
+        return AudioItems(groups, [self.num_tokens(n) for n in [seg] * full + ([tail] if tail else [])])
 
     def _items(self, mel: torch.Tensor, start: int, lens: list[int], width: int) -> torch.Tensor:
         """[n_mels, frames] -> [len(lens), n_mels + 1, width]: consecutive segments from ``start``."""
