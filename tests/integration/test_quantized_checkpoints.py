@@ -131,6 +131,35 @@ def test_mimo_fp8_is_the_dequantized_float_model(arch, layout, tmp_path):
     assert 0 < float(err) < 0.07 * float(float_lm.model.state_dict()[w].abs().max())
 
 
+def test_mimo_flash_fp8_matches_transformers_fp8_dequantize(tmp_path):
+    """transformers' own FP8 reader (``FineGrainedFP8Config(dequantize=True)``) on the same FP8
+    tensors, its config rewritten in transformers' dialect (vLLM's CPU build has no FP8 kernel)."""
+    from transformers import FineGrainedFP8Config, MiMoV2FlashForCausalLM
+
+    d = mp.write_mimo_published(tmp_path / "fp8", mp.FLASH, sliding_window=SMALL_W, quant="fp8")
+    hf_dir = mp.to_transformers_dialect(d, tmp_path / "fp8-hf")
+    assert json.loads((hf_dir / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    ours = load_lm(str(d))
+    hf = MiMoV2FlashForCausalLM.from_pretrained(str(hf_dir), quantization_config=FineGrainedFP8Config(dequantize=True),
+                                               dtype=torch.float32, attn_implementation="eager").eval()
+    ids = _prompts((98,), seed=3)[0]
+    ref = hf_logits(replace(ours, model=hf), ids)
+    got = run_chunked(make_runner(ours), SlotSim(2048, 256, seed=7), "a", ids, 13, 90)
+    worst = max(float((logits - ref[p]).abs().max()) for p, logits in got.items())
+    prompts = _prompts()
+    greedy = _greedy(ours, prompts)
+    equal = 0
+    for p, toks in zip(prompts, greedy, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p):]
+        equal += toks == want.tolist()
+    print(f"\n[transformers-oracle] mimo-v2-flash fp8: greedy equal {equal}/{len(prompts)}, max |logit diff| "
+          f"{worst:.2e}, {len({t for g in greedy for t in g})} distinct tokens", file=sys.stderr)
+    assert worst < 2e-4, worst
+    assert equal == len(prompts)
+    assert len({t for g in greedy for t in g}) > 8
+
+
 def _edit_tensor(d: Path, name: str, value) -> None:
     state = load_file(str(d / "model.safetensors"))
     if value is None:
@@ -262,3 +291,16 @@ def test_bad_mxfp4_tensors_are_named(oss_mxfp4, tmp_path, edit, match):
     _edit_tensor(d, *edit)
     with pytest.raises(CheckpointError, match=r"bad/model.safetensors: .*" + match):
         load_lm(str(d))
+
+
+def test_tiny_model_cli_writes_the_published_variants(tmp_path, capsys):
+    from shared.cli import main
+
+    assert main(["tiny-model", "--out", str(tmp_path / "m"), "--arch", "mimo-v2.5", "--layout", "fused_qkv",
+                 "--quant", "fp8", "--sliding-window", str(SMALL_W)]) == 0
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["attention_projection_layout"] == "fused_qkv" and cfg["quantization_config"]["quant_method"] == "fp8"
+    assert load_lm(str(tmp_path / "m")).model.geometry.quant_method == "fp8"
+    assert main(["tiny-model", "--out", str(tmp_path / "g"), "--arch", "gemma3", "--quant", "mxfp4"]) == 2
+    assert "--arch gemma3 has no --quant mxfp4" in capsys.readouterr().err
+    assert not (tmp_path / "g").exists()
