@@ -1,5 +1,6 @@
 """The published-layout LMs served by the whole stack (gateway + encoder + LLM processes),
-answered through the official ``openai`` client: MiMo-V2-Flash in Xiaomi's layout and gpt-oss."""
+answered through the official ``openai`` client: MiMo-V2-Flash in Xiaomi's layout and gpt-oss,
+and the hub's quantized forms (MiMo-V2.5 fused QKV + block FP8, gpt-oss MXFP4 experts)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from tests.e2e.conftest import stream_chat
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("arch", ["mimo-v2-flash", "gpt-oss"])
-def test_openai_client_gets_text(arch, tmp_path):
+@pytest.mark.parametrize("arch, variant", [("mimo-v2-flash", {}), ("gpt-oss", {}),
+                                           ("mimo-v2.5", {"layout": "fused_qkv", "quant": "fp8"}),
+                                           ("gpt-oss", {"quant": "mxfp4"})],
+                         ids=["mimo-v2-flash", "gpt-oss", "mimo-v2.5-fused-fp8", "gpt-oss-mxfp4"])
+def test_openai_client_gets_text(arch, variant, tmp_path):
     """A text-only LM runs without an encoder (``mmserve up`` starts none for it)."""
-    model_dir = write_tiny_model(tmp_path / arch, arch=arch)
+    model_dir = write_tiny_model(tmp_path / arch, arch=arch, **variant)
     with LocalStack(StackSpec(model_dir=str(model_dir), gateway_port=0, encoders=0), log_dir=tmp_path / "logs") as stack:
         stack.wait_ready(timeout=240)
         client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=120, max_retries=0)
