@@ -95,6 +95,9 @@ def _copy(want: dict[str, torch.Tensor], names: dict[str, Path], target, seen: s
         if t is None:
             continue
         if t not in want:
+            if name.endswith(("_scale_inv", "weight_scale")):  # vLLM's tower (plain nn.Linear) loads none either
+                raise CheckpointError(f"{f}: tensor {name!r}: quantized (FP8) audio tower weights are not "
+                                      "supported; dequantize the audio tensors to bf16 first")
             raise CheckpointError(f"{f}: tensor {name!r} is not part of the audio tower the configs describe")
         by_file.setdefault(f, []).append((name, t))
     with torch.no_grad():

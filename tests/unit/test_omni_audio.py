@@ -202,6 +202,7 @@ def _edit_tensors(path: Path, fn) -> None:
     ("shape", r"model.safetensors: tensor 'speech_embeddings.3.weight' has shape \[41, 32\], the configs imply \[40, 32\]"),
     ("unexpected", r"audio_tokenizer/model.safetensors: tensor 'encoder.layers.0.self_attn.k_proj.bias' is not part"),
     ("no_tokenizer", r"audio_tokenizer/config.json not found"),
+    ("fp8", r"model.safetensors: tensor 'audio_encoder.projection.mlp.0.weight_scale_inv': quantized \(FP8\)"),
 ])
 def test_bad_checkpoint_fails_at_startup(tiny, tmp_path, case, expect):
     d = _copy(tiny, tmp_path / "ckpt")
@@ -229,6 +230,8 @@ def test_bad_checkpoint_fails_at_startup(tiny, tmp_path, case, expect):
         _edit_tensors(main, lambda t: t.update({"speech_embeddings.3.weight": torch.zeros(41, 32)}))
     elif case == "unexpected":
         _edit_tensors(tok_st, lambda t: t.update({"encoder.layers.0.self_attn.k_proj.bias": torch.zeros(32)}))
+    elif case == "fp8":
+        _edit_tensors(main, lambda t: t.update({"audio_encoder.projection.mlp.0.weight_scale_inv": torch.ones(4, 1)}))
     elif case == "no_tokenizer":
         import shutil
 
