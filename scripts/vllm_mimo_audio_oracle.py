@@ -12,7 +12,9 @@ projection). Two stand-ins, because vLLM's CPU build lacks them:
 * torchaudio's ``MelSpectrogram`` (torchaudio does not import beside vLLM's torch): the caller
   sends the mel magnitude ``[n_mels, frames]``; it is checked against torchaudio in our venv.
 
-The tokenizer is loaded by vLLM's own ``_load_audio_tokenizer`` (which casts it to bfloat16), then
+With ``MMSERVE_ORACLE_AS_SERVED=1`` everything stays in the dtypes vLLM serves with (tokenizer
+and tower in bfloat16, RVQ in float32): a measurement, not the equality test. Otherwise:
+the tokenizer is loaded by vLLM's own ``_load_audio_tokenizer`` (which casts it to bfloat16), then
 re-read in float32 so both sides compute in float32 (the tiny weights are bfloat16-exact; the
 rope ``inv_freq`` buffer, which that cast also rounds, is recomputed).
 The main-file tensors are renamed as ``MiMoV2OmniForCausalLM.hf_to_vllm_mapper`` does
@@ -32,6 +34,7 @@ and ``embeds.{i}`` [tokens, H] (each item alone), ``batch_embeds`` and
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -78,13 +81,16 @@ def main(ckpt: str, inp: str, outp: str, prompt_path: str | None = None) -> None
     cfg = json.load(open(f"{ckpt}/config.json"))
     enc = MimoAudioEncoder(cfg["audio_config"], model_path=ckpt)
     assert enc.audio_tokenizer is not None, "vLLM found no audio_tokenizer/"
-    tok = enc.audio_tokenizer.float()
-    missing, unexpected = tok.load_state_dict(load_file(f"{ckpt}/audio_tokenizer/model.safetensors"), strict=False)
-    assert not missing and all(n.startswith("decoder.") for n in unexpected), (missing, unexpected)
-    # the bfloat16 cast also rounded the rope's inv_freq buffer (not in the file): recompute it
-    pe, c = tok.encoder.position_embedding, tok.config
-    pe.inv_freq, _ = pe.rope_init_fn(device=None, base=c.rope_theta, dim=c.d_model // c.encoder_attention_heads)
-    pe.original_inv_freq = pe.inv_freq
+    tok = enc.audio_tokenizer
+    as_served = os.environ.get("MMSERVE_ORACLE_AS_SERVED") == "1"  # vLLM's own dtypes: bf16 tower
+    if not as_served:
+        tok = tok.float()
+        missing, unexpected = tok.load_state_dict(load_file(f"{ckpt}/audio_tokenizer/model.safetensors"), strict=False)
+        assert not missing and all(n.startswith("decoder.") for n in unexpected), (missing, unexpected)
+        # the bfloat16 cast also rounded the rope's inv_freq buffer (not in the file): recompute it
+        pe, c = tok.encoder.position_embedding, tok.config
+        pe.inv_freq, _ = pe.rope_init_fn(device=None, base=c.rope_theta, dim=c.d_model // c.encoder_attention_heads)
+        pe.original_inv_freq = pe.inv_freq
     sd = {}
     with safe_open(f"{ckpt}/model.safetensors", "pt") as h:
         for name in h.keys():
@@ -95,7 +101,7 @@ def main(ckpt: str, inp: str, outp: str, prompt_path: str | None = None) -> None
     missing, unexpected = enc.load_state_dict(sd, strict=False)
     missing = [n for n in missing if not n.startswith("audio_tokenizer.")]
     assert not unexpected and set(missing) == {"input_local_transformer.embed_tokens.weight"}, (missing, unexpected)
-    enc = enc.float().eval()
+    enc = (enc.to(torch.bfloat16) if as_served else enc.float()).eval()  # encode() floats the quantizer
 
     sr = cfg["audio_config"].get("sampling_rate") or 24000  # MiMoOmniProcessor.from_hf_config
     pc = cfg.get("processor_config") or {}
