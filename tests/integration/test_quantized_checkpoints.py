@@ -97,6 +97,26 @@ def _dequantize_reference(src: Path, dst: Path, chunks: int) -> Path:
     return dst
 
 
+def _assert_matches_transformers(ours, hf, label: str) -> None:
+    """Logits within 2e-4 on a chunked prefill + greedy tokens equal on 3 prompts, ours vs ``hf``."""
+    ids = _prompts((98,), seed=3)[0]
+    ref = hf_logits(replace(ours, model=hf), ids)
+    got = run_chunked(make_runner(ours), SlotSim(2048, 256, seed=7), "a", ids, 13, 90)
+    worst = max(float((logits - ref[p]).abs().max()) for p, logits in got.items())
+    prompts = _prompts()
+    greedy = _greedy(ours, prompts)
+    equal = 0
+    for p, toks in zip(prompts, greedy, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p):]
+        equal += toks == want.tolist()
+    print(f"\n[transformers-oracle] {label}: greedy equal {equal}/{len(prompts)}, max |logit diff| "
+          f"{worst:.2e}, {len({t for g in greedy for t in g})} distinct tokens", file=sys.stderr)
+    assert worst < 2e-4, worst
+    assert equal == len(prompts)
+    assert len({t for g in greedy for t in g}) > 8
+
+
 @pytest.mark.parametrize("arch", list(PRESETS))
 def test_mimo_fused_qkv_is_the_split_model(arch, tmp_path):
     spec = PRESETS[arch]
@@ -142,31 +162,21 @@ def test_mimo_flash_fp8_matches_transformers_fp8_dequantize(tmp_path):
     ours = load_lm(str(d))
     hf = MiMoV2FlashForCausalLM.from_pretrained(str(hf_dir), quantization_config=FineGrainedFP8Config(dequantize=True),
                                                dtype=torch.float32, attn_implementation="eager").eval()
-    ids = _prompts((98,), seed=3)[0]
-    ref = hf_logits(replace(ours, model=hf), ids)
-    got = run_chunked(make_runner(ours), SlotSim(2048, 256, seed=7), "a", ids, 13, 90)
-    worst = max(float((logits - ref[p]).abs().max()) for p, logits in got.items())
-    prompts = _prompts()
-    greedy = _greedy(ours, prompts)
-    equal = 0
-    for p, toks in zip(prompts, greedy, strict=True):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p):]
-        equal += toks == want.tolist()
-    print(f"\n[transformers-oracle] mimo-v2-flash fp8: greedy equal {equal}/{len(prompts)}, max |logit diff| "
-          f"{worst:.2e}, {len({t for g in greedy for t in g})} distinct tokens", file=sys.stderr)
-    assert worst < 2e-4, worst
-    assert equal == len(prompts)
-    assert len({t for g in greedy for t in g}) > 8
+    _assert_matches_transformers(ours, hf, "mimo-v2-flash fp8")
 
 
-def _edit_tensor(d: Path, name: str, value) -> None:
+def _assert_edit_refused(src: Path, tmp_path: Path, edit: tuple, match: str) -> None:
+    """A copy of ``src`` with one tensor replaced (or deleted: None) fails to load with ``match``."""
+    d = shutil.copytree(src, tmp_path / "bad")
+    name, value = edit
     state = load_file(str(d / "model.safetensors"))
     if value is None:
         del state[name]
     else:
         state[name] = value
     save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"bad/model.safetensors: .*" + match):
+        load_lm(str(d))
 
 
 @pytest.fixture(scope="module")
@@ -187,10 +197,7 @@ def fp8_dir(tmp_path_factory):
      r"tensor 'model.layers.2.self_attn.qkv_proj.weight': fused qkv_proj has 200 rows, not 2 chunks of 64 Q"),
 ])
 def test_bad_fp8_tensors_are_named(fp8_dir, tmp_path, edit, match):
-    d = shutil.copytree(fp8_dir, tmp_path / "bad")
-    _edit_tensor(d, *edit)
-    with pytest.raises(CheckpointError, match=r"bad/model.safetensors: .*" + match):
-        load_lm(str(d))
+    _assert_edit_refused(fp8_dir, tmp_path, edit, match)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -245,22 +252,7 @@ def test_gpt_oss_mxfp4_matches_transformers_dequantize(oss_pair):
     sh = hf.state_dict()
     for k, v in ours.model.state_dict().items():
         assert torch.equal(v, sh[k].float()), k  # MXFP4 values are exact in bf16 too
-    ids = _prompts((98,), seed=3)[0]
-    ref = hf_logits(replace(ours, model=hf), ids)
-    got = run_chunked(make_runner(ours), SlotSim(2048, 256, seed=13), "a", ids, 13, 90)
-    worst = max(float((logits - ref[p]).abs().max()) for p, logits in got.items())
-    prompts = _prompts()
-    greedy = _greedy(ours, prompts)
-    equal = 0
-    for p, toks in zip(prompts, greedy, strict=True):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p):]
-        equal += toks == want.tolist()
-    print(f"\n[transformers-oracle] gpt-oss mxfp4: greedy equal {equal}/{len(prompts)}, max |logit diff| "
-          f"{worst:.2e}, {len({t for g in greedy for t in g})} distinct tokens", file=sys.stderr)
-    assert worst < 2e-4, worst
-    assert equal == len(prompts)
-    assert len({t for g in greedy for t in g}) > 8
+    _assert_matches_transformers(ours, hf, "gpt-oss mxfp4")
 
 
 def test_gpt_oss_mxfp4_is_the_float_model_of_its_dequantized_experts(oss_mxfp4, oss_pair, tmp_path):
@@ -287,10 +279,7 @@ def test_gpt_oss_mxfp4_is_the_float_model_of_its_dequantized_experts(oss_mxfp4, 
      r"tensor 'model.layers.0.self_attn.q_proj.weight_scales' is missing"),
 ])
 def test_bad_mxfp4_tensors_are_named(oss_mxfp4, tmp_path, edit, match):
-    d = shutil.copytree(oss_mxfp4, tmp_path / "bad")
-    _edit_tensor(d, *edit)
-    with pytest.raises(CheckpointError, match=r"bad/model.safetensors: .*" + match):
-        load_lm(str(d))
+    _assert_edit_refused(oss_mxfp4, tmp_path, edit, match)
 
 
 def test_tiny_model_cli_writes_the_published_variants(tmp_path, capsys):
