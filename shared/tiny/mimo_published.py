@@ -175,6 +175,9 @@ QUANTS = (None, "fp8")
 _FP8_LINEAR = re.compile(r"model\.layers\.\d+\.(mlp(\.experts\.\d+)?\.(gate|up|down)_proj|self_attn\.(qkv|q|k|v)_proj)\.weight")
 
 
+_LM_ATTN = re.compile(r"model\.layers\.\d+\.self_attn\.")
+
+
 def fuse_qkv(state: dict, s: TinyMiMoSpec) -> dict:
     """``q/k/v_proj`` -> one ``qkv_proj`` per layer, in ``num_key_value_heads`` chunks
     [Q_c | K_c | V_c] (Xiaomi's TP-pre-sharded rows; vLLM ``mimo_v2.py`` ``_shard_fp8_qkv_proj``:
@@ -183,9 +186,9 @@ def fuse_qkv(state: dict, s: TinyMiMoSpec) -> dict:
 
     out, chunks = {}, s.kv_heads
     for name, t in state.items():
-        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        if _LM_ATTN.match(name) and (".self_attn.k_proj." in name or ".self_attn.v_proj." in name):
             continue
-        if ".self_attn.q_proj." not in name:
+        if not (_LM_ATTN.match(name) and ".self_attn.q_proj." in name):  # media towers keep their own layout
             out[name] = t
             continue
         q, k, v = (state[name.replace(".q_proj.", f".{p}_proj.")] for p in "qkv")

@@ -75,7 +75,7 @@ def _dequantize_reference(src: Path, dst: Path, chunks: int) -> Path:
             srow = (r // rows) * per + (r % rows) // block[0]
             t = t.float() * s[srow][:, torch.arange(t.shape[1]) // block[1]]
         out[name] = t
-    for name in [n for n in out if ".qkv_proj." in n]:
+    for name in [n for n in out if n.startswith("model.layers.") and ".qkv_proj." in n]:
         layer = int(name.split(".")[2])
         sw = cfg["hybrid_layer_pattern"][layer]
         heads = cfg["swa_num_attention_heads" if sw else "num_attention_heads"]
@@ -149,6 +149,25 @@ def test_mimo_fp8_is_the_dequantized_float_model(arch, layout, tmp_path):
     w = "model.layers.1.mlp.experts.0.up_proj.weight"
     err = (got.model.state_dict()[w] - float_lm.model.state_dict()[w]).abs().max()
     assert 0 < float(err) < 0.07 * float(float_lm.model.state_dict()[w].abs().max())
+
+
+def test_mimo_omni_with_a_fused_fp8_lm_serves_lm_and_towers(tmp_path):
+    """MiMo-V2.5 omni as on the hub: the LM fused + FP8 in the same files as the bf16 towers."""
+    from encoder_svc.models.loader import load_models
+    from shared.bundle import load_bundle_spec
+    from shared.tiny.mimo_omni import write_mimo_omni
+    from shared.tiny.quantize import FP8_QUANT_CONFIG
+
+    d = write_mimo_omni(tmp_path / "omni", 0, SMALL_W)
+    state = load_file(str(d / "model.safetensors"))
+    save_file(mp.quantize_fp8(mp.fuse_qkv(state, mp.V25), mp.V25), str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(quantization_config=dict(FP8_QUANT_CONFIG), attention_projection_layout="fused_qkv")
+    (d / "config.json").write_text(json.dumps(cfg))
+    got = load_lm(str(d))
+    assert got.model.geometry.quant_method == "fp8"
+    _assert_same_weights(got, load_lm(str(_dequantize_reference(d, tmp_path / "ref", mp.V25.kv_heads))))
+    assert load_models(load_bundle_spec(d)) is not None  # the towers read past the LM's FP8 tensors
 
 
 def test_mimo_flash_fp8_matches_transformers_fp8_dequantize(tmp_path):
