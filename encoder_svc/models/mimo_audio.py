@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoder_svc.errors import BadMedia
-from encoder_svc.models.audio import AudioItems
+from encoder_svc.models.audio_items import AudioItems
 from encoder_svc.models.mimo_audio_config import AudioEncoderConfig, AudioTokenizerConfig
 from encoder_svc.preprocess.mimo_mel import log_mel
 
