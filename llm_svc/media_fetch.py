@@ -7,7 +7,9 @@ or on a miss ``GET {source}/v1/embeddings/{key}``, the item's sources tried in o
 shared-memory tier). Concurrent fetches of one key share one request
 (single flight), and one waiter leaving never cancels it for the others. What comes back is
 checked against the reference (rows == num_tokens, hidden size, floating point, finite) before
-the engine sees it. An item no source serves (evicted, encoder gone) raises
+the engine sees it. ``allow`` (hosts or CIDR networks) limits which encoders the front will
+fetch from: a source outside it is never contacted (a request body cannot make the LLM reach
+an arbitrary address). An item no source serves (evicted, encoder gone) raises
 ``MediaUnavailable``: the request then fails with 409 ``media_unavailable`` and the gateway
 re-sends it by value.
 """
@@ -15,8 +17,9 @@ re-sends it by value.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 import redis.asyncio as aioredis
@@ -46,13 +49,48 @@ class MediaUnavailable(Exception):
         self.message = message
 
 
+class SourceAllowList:
+    """Encoder origins the front may fetch from: each entry a host name (``encoder``,
+    ``localhost``) or an IP network (``127.0.0.1``, ``10.0.0.0/8``, ``fd00::/8``)."""
+
+    def __init__(self, entries: list[str]) -> None:
+        self.hosts: set[str] = set()
+        self.nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for e in entries:
+            e = e.strip().lower()
+            if not e:
+                continue
+            try:
+                self.nets.append(ipaddress.ip_network(e, strict=False))
+            except ValueError:
+                self.hosts.add(e)
+
+    def permits(self, source: str) -> bool:
+        try:
+            parts = urlsplit(source)
+            host = (parts.hostname or "").lower()
+        except ValueError:
+            return False
+        if parts.scheme not in ("http", "https") or not host:
+            return False
+        if host in self.hosts:
+            return True
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(ip in n for n in self.nets)
+
+
 class EmbeddingFetcher:
     """``metrics``: an ``LLMMetrics`` (fetched / missed items and bytes are counted here, skipped
     ones by the caller, which knows what the prefix cache covered)."""
 
     def __init__(self, hidden_size: int, timeout: float, metrics=None, client: httpx.AsyncClient | None = None,
-                 redis_url: str | None = None, redis_prefix: str = DEFAULT_PREFIX, redis_timeout: float = 0.5):
+                 redis_url: str | None = None, redis_prefix: str = DEFAULT_PREFIX, redis_timeout: float = 0.5,
+                 allow: list[str] | None = None):
         self.hidden_size = hidden_size
+        self.allow = SourceAllowList(allow) if allow else None
         self.timeout = timeout
         self.metrics = metrics
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout), trust_env=False)
@@ -97,6 +135,9 @@ class EmbeddingFetcher:
                     if t is not None:
                         return t
                 for src in ref.sources:
+                    if self.allow is not None and not self.allow.permits(src):
+                        why.append("a source outside MMSERVE_LLM_MEDIA_FETCH_ALLOW")
+                        continue
                     t = await self._from(src, ref, why)
                     if t is not None:
                         return t

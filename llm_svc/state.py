@@ -93,7 +93,8 @@ class ServiceState:
             backend = await asyncio.to_thread(cls, s, lm)
             self.lm, self.prep = lm, PrepPool(lm)
             self.media = backend.media = EmbeddingFetcher(lm.hidden_size, s.media_fetch_timeout, self.metrics,
-                                                          redis_url=s.media_redis_url, redis_prefix=s.media_redis_prefix)
+                                                          redis_url=s.media_redis_url, redis_prefix=s.media_redis_prefix,
+                                                          allow=s.media_fetch_allow)
             await backend.start()
             self.backend = backend
             log.info("llm service ready: %s backend=%s", self.model_name, s.backend)

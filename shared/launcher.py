@@ -187,6 +187,8 @@ class LocalStack:
                 argv += ["--redis-url", spec.redis_url]
             self.encoders.append(self._svc(f"encoder-{i}", h, port, argv, env))
         self.llms: list[Service] = []
+        # the LLMs fetch embeddings sent by reference from these encoders only
+        llm_env = {"MMSERVE_LLM_MEDIA_FETCH_ALLOW": h, **env}
         for i in range(spec.llms):
             port = free_port(h)
             argv = py + ["llm", "--model", spec.model_dir, "--host", h, "--port", str(port)]
@@ -194,7 +196,7 @@ class LocalStack:
                 argv += ["--backend", spec.llm_backend]
             if spec.redis_url:  # the LLMs' L3 KV tier, and the encoders' embeddings sent by reference
                 argv += ["--kv-l3-url", spec.redis_url, "--media-redis-url", spec.redis_url]
-            self.llms.append(self._svc(f"llm-{i}", h, port, argv, env))
+            self.llms.append(self._svc(f"llm-{i}", h, port, argv, llm_env))
         gport = spec.gateway_port or free_port(h)
         argv = py + [
             "gateway",

@@ -147,6 +147,17 @@ class LLMSettings(_ServiceSettings):
         "there first, then ask the encoders"
     )
     media_redis_prefix: str = Field(default="mmserve:enc:", description="the encoders' Redis key prefix")
+    media_fetch_allow: StrList = Field(
+        default_factory=list, description="hosts / IP networks of the encoders the LLM may fetch embeddings from "
+        "(comma-separated or JSON list); empty: any source a /v1/generate body names (keep the LLM port internal)"
+    )
+
+    @field_validator("media_fetch_allow", mode="before")
+    @classmethod
+    def _split_allow(cls, v):
+        if isinstance(v, str):
+            return json.loads(v) if v.strip().startswith("[") else [x.strip() for x in v.split(",") if x.strip()]
+        return v
 
     @model_validator(mode="after")
     def _tiers(self):

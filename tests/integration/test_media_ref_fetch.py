@@ -105,3 +105,20 @@ def test_the_encoders_redis_tier_is_read_first(redis_url):
             client.delete(k)
         client.close()
     assert torch.equal(t, emb) and hits == 1
+
+
+def test_sources_outside_the_allow_list_are_never_contacted(encoder):
+    encoder.app.state.store["k:image:s:9"] = filled(3, HIDDEN, 5.0)
+    ref = EmbeddingRef("k:image:s:9", ("http://169.254.169.254/latest", encoder.url), 3)
+
+    async def go(allow):
+        f = EmbeddingFetcher(HIDDEN, timeout=5, allow=allow)
+        try:
+            return await f.fetch(ref), f.gets
+        finally:
+            await f.close()
+
+    with pytest.raises(MediaUnavailable, match="MEDIA_FETCH_ALLOW"):
+        asyncio.run(go(["10.0.0.0/8", "encoder"]))
+    t, gets = asyncio.run(go(["127.0.0.1"]))  # the metadata address is skipped, the encoder asked
+    assert gets == 1 and t.shape == (3, HIDDEN) and float(t[0, 0]) == 5.0
