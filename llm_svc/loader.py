@@ -197,7 +197,10 @@ def _load_dequantized_hf(cls, lm_dir: Path, scheme, dtype: torch.dtype, device: 
     config = transformers.AutoConfig.from_pretrained(lm_dir)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = cls._from_config(config, dtype=torch.float32, **kwargs)
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every parameter is then read from the file (load_strict checks it)
+        model = cls._from_config(config, dtype=dtype, **kwargs)
     load_strict(model, lm_dir, dtype, scheme=scheme, convert=_gpt_oss_convert)
     model.generation_config = _ConfigOnly(config, lm_dir).generation_config or model.generation_config
     return model.to(device).eval().requires_grad_(False)
