@@ -92,8 +92,9 @@ MEDIA: dict[str, Callable[[], dict]] = {
 @pytest.mark.parametrize("modality", list(MEDIA))
 def test_chat_with_media_plain_and_streaming_agree(client, stack, modality):
     part = MEDIA[modality]()
-    enc = stack.encoders[0].url
+    enc, llm = stack.encoders[0].url, stack.llms[0].url
     before = total(scrape(enc), "encoder_requests_total", modality=modality, status="200")
+    refs0 = {o: total(scrape(llm), "mmserve_llm_media_refs_total", outcome=o) for o in ("fetched", "missed")}
     text_only = client.chat.completions.create(
         model=stack.model_name, messages=[user(f"What is in this {modality}?")], max_tokens=1, temperature=0
     )
@@ -109,6 +110,9 @@ def test_chat_with_media_plain_and_streaming_agree(client, stack, modality):
     # the item went through the encoder as this modality
     after = total(scrape(enc), "encoder_requests_total", modality=modality, status="200")
     assert after == before + 1
+    # sent by reference and fetched by the LLM from the encoder `mmserve up` allows (no 409 + re-send)
+    refs1 = {o: total(scrape(llm), "mmserve_llm_media_refs_total", outcome=o) for o in ("fetched", "missed")}
+    assert refs1 == {"fetched": refs0["fetched"] + 1, "missed": refs0["missed"]}
 
     text, finish, usage = stream_chat(client, stack.model_name, msgs, 10)
     assert text == choice.message.content
