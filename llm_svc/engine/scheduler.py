@@ -33,53 +33,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from llm_svc.types import ForwardBatch, Request, RequestStatus, SeqForward, StepOutput
+from llm_svc.engine.sched_config import SchedulerConfig
 from llm_svc.engine.sched_policy import make_policy
 from llm_svc.kv.manager import KVManager
 from llm_svc.kv.radix import NO_SLOT
 from llm_svc.textproc import token_finish_reason
 
 AWAIT_MEDIA = object()  # ``_admit``'s answer for a request that needs embeddings it lacks
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_batch_tokens: int = 512  # token budget per step (decodes + prefill chunks)
-    max_running: int = 64
-    window: int = 128
-    decode_release_interval: int = 16  # N: release out-of-window SWA every N decode tokens
-    enable_prefix_cache: bool = True
-    policy: str = "fcfs"
-    # False keeps SWA KV for every token (a conventional cache; the benchmarks' baseline)
-    release_swa: bool = True
-    max_chunk_tokens: int = 0  # largest prefill chunk of one request; 0 = max_batch_tokens
-    # > 0: note pages of this many tokens (and SWA windows at their boundaries) for a shared
-    # lower KV tier (``KVManager.note_l3``)
-    l3_page_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_running", "window", "decode_release_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be >= 1")
-        if self.l3_page_tokens < 0:
-            raise ValueError("SchedulerConfig.l3_page_tokens must be >= 0")
-        if not 0 <= self.max_chunk_tokens <= self.max_batch_tokens:
-            raise ValueError("SchedulerConfig.max_chunk_tokens must be in [0, max_batch_tokens]")
-        make_policy(self.policy)  # raises on an unknown name
-
-    @property
-    def chunk_tokens(self) -> int:
-        return self.max_chunk_tokens or self.max_batch_tokens
-
-    def min_swa_slots(self) -> int:
-        """Smallest SWA pool that always lets one request progress (four windows: its own, a
-        pinned cached one, a kept branch point and a kept checkpoint (a ``swa_checkpoints``
-        entry or the prompt's end; one more for the prompt's last page boundary with a lower
-        tier); plus a chunk or the decode release interval)."""
-        windows = 5 if self.l3_page_tokens else 4
-        return windows * self.window + max(self.chunk_tokens, self.decode_release_interval) + 1
 
 
 class Scheduler:
