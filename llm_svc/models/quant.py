@@ -57,11 +57,11 @@ class QuantScheme(ABC):
                    row_groups: int = 1) -> tuple[torch.Tensor, bool]:
         """The float tensor of ``logical`` (float32 where it was quantized), and whether it was."""
 
-    def check_companions(self, names: set[str], where: Path) -> None:
-        """Every companion in the file belongs to a tensor that is there too."""
+    def check_companions(self, names: set[str], where: Callable[[str], Path]) -> None:
+        """Every companion in the checkpoint belongs to a tensor that is there too (``where``: its file)."""
         for n in sorted(names):
             if self.logical(n) is None and not self._owner_present(n, names):
-                raise CheckpointError(f"{where}: tensor {n!r} is a {self.method} scale without its quantized tensor")
+                raise CheckpointError(f"{where(n)}: tensor {n!r} is a {self.method} scale without its quantized tensor")
 
     @abstractmethod
     def _owner_present(self, companion: str, names: set[str]) -> bool: ...

@@ -52,7 +52,7 @@ class CheckpointTensors:
         self._open: dict[Path, object] = {}
         present = set(self.files)
         if scheme is not None:
-            scheme.check_companions(present, self.where(next(iter(sorted(present)), "")))
+            scheme.check_companions(present, self.where)
         self.groups: dict[str, dict[str, str]] = {}
         for name in sorted(present):
             logical = scheme.logical(name) if scheme is not None else name

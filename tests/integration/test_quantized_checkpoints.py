@@ -219,6 +219,29 @@ def test_bad_fp8_tensors_are_named(fp8_dir, tmp_path, edit, match):
     _assert_edit_refused(fp8_dir, tmp_path, edit, match)
 
 
+def test_sharded_fp8_checkpoint_with_scales_in_another_shard(fp8_dir, tmp_path):
+    """As on the hub: model.safetensors.index.json, a weight and its scale in different shards."""
+    d = shutil.copytree(fp8_dir, tmp_path / "sharded")
+    state = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    shards = {f: {n: t for n, t in state.items() if n.endswith("_scale_inv") == (f == "model-00002-of-00002.safetensors")}
+              for f in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")}
+    for f, part in shards.items():
+        save_file(part, str(d / f), metadata={"format": "pt"})
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
+    _assert_same_weights(load_lm(str(d)), load_lm(str(fp8_dir)))
+    state = load_file(str(d / "model-00001-of-00002.safetensors"))
+    del state["model.layers.4.mlp.experts.3.down_proj.weight"]
+    save_file(state, str(d / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.4.mlp.experts.3.down_proj.weight"]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"sharded/model-00002-of-00002.safetensors: tensor "
+                                              r"'model.layers.4.mlp.experts.3.down_proj.weight_scale_inv' is a fp8 scale"):
+        load_lm(str(d))
+
+
 @pytest.mark.parametrize("change, match", [
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "store_dtype": "mxfp4"}},
      r"field 'quantization_config.store_dtype' is not understood"),
