@@ -184,6 +184,14 @@ def test_mimo_flash_fp8_matches_transformers_fp8_dequantize(tmp_path):
     _assert_matches_transformers(ours, hf, "mimo-v2-flash fp8")
 
 
+@pytest.mark.parametrize("fixture", ["fp8_dir", "oss_mxfp4"])
+def test_served_in_bfloat16_is_the_float32_load_rounded(fixture, request):
+    d = request.getfixturevalue(fixture)
+    f32, bf16 = load_lm(str(d)), load_lm(str(d), dtype="bfloat16")
+    a, b = f32.model.state_dict(), bf16.model.state_dict()
+    assert all(b[k].dtype == torch.bfloat16 and torch.equal(b[k], a[k].to(torch.bfloat16)) for k in a)
+
+
 def _assert_edit_refused(src: Path, tmp_path: Path, edit: tuple, match: str) -> None:
     """A copy of ``src`` with one tensor replaced (or deleted: None) fails to load with ``match``."""
     d = shutil.copytree(src, tmp_path / "bad")
