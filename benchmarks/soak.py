@@ -10,9 +10,10 @@ and the first sample at which every one of those structures is full. Growth befo
 structure filling up to its configured bound, not a leak; so that the steady state arrives
 early, the soak runs with small bounds (``--kv-mb``, ``--host-kv-mb``, ``--router-index-blocks``;
 ``--service-defaults`` keeps the services' own, with which the tiny model's ~2M-token pools take
-~30K requests to fill). Reported per service: the RSS series and the least-squares slope after
-warm-up in % per 30 minutes. Target (issue 11): < 1% per 30 min. There is no baseline side: a
-soak measures our own services' memory over time. The last line is JSON.
+~30K requests to fill). Reported per service (and for the LLM its front alone: the rest is its
+engine core): the RSS series and the least-squares slope after warm-up in % per 30 minutes.
+Target (issue 11): < 1% per 30 min. There is no baseline side: a soak measures our own
+services' memory over time. The last line is JSON.
 
     python -m benchmarks.soak --quick       # 3 minutes
     python -m benchmarks.soak               # 30 minutes
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import json
 import random
+import subprocess
 import tempfile
 import threading
 import time
@@ -72,6 +74,12 @@ async def clients(url: str, model: str, n: int, stop_at: float, counts: dict) ->
         await asyncio.gather(*(one(c, k) for k in range(n)))
 
 
+def own_rss_mb(pid: int) -> float:
+    """RSS of ``pid`` alone (``rss_mb`` adds its children: the LLM front's engine core)."""
+    out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True)
+    return round(sum(int(x) for x in out.stdout.split()) / 1024, 1)
+
+
 def bounded_fill(stack: LocalStack) -> dict:
     """What fills up to a bound, read from the services' /metrics: the LLM's pool usage (device
     and host), its prefix-tree node count, and the gateway's routing index size."""
@@ -108,7 +116,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--kv-mb", type=int, default=12, help="LLM device KV pools (MMSERVE_LLM_KV_BYTES)")
     ap.add_argument("--host-kv-mb", type=int, default=8, help="LLM host tier, each of full and SWA; 0: off")
-    ap.add_argument("--router-index-blocks", type=int, default=4096, help="gateway routing index per replica")
+    ap.add_argument("--router-index-blocks", type=int, default=1024, help="gateway routing index per replica")
     ap.add_argument("--service-defaults", action="store_true", help="no small bounds: the services' defaults")
     ap.add_argument("--malloc-arena-max", type=int, default=None, help="MALLOC_ARENA_MAX for every service")
     args = ap.parse_args()
@@ -136,6 +144,7 @@ def main() -> None:
     with LocalStack(spec, log_dir=log_dir) as stack:
         stack.wait_ready(timeout=300)
         pids = {s.name: s.proc.pid for s in stack.services}
+        fronts = {f"{s.name}/front": s.proc.pid for s in stack.llms}  # the rest is its engine core
         counts: dict = {}
         t0 = time.monotonic()
         stop_at = t0 + minutes * 60
@@ -144,7 +153,8 @@ def main() -> None:
         load.start()
         while time.monotonic() < stop_at:
             point = {"t": round(time.monotonic() - t0, 1), "requests": counts.get("ok", 0),
-                     **{name: rss_mb(pid) for name, pid in pids.items()}}
+                     **{name: rss_mb(pid) for name, pid in pids.items()},
+                     **{name: own_rss_mb(pid) for name, pid in fronts.items()}}
             point.update(bounded_fill(stack))
             point["full"] = is_full(point, index_cap)
             out["series"].append(point)
@@ -160,10 +170,11 @@ def main() -> None:
     if full_at is None:
         out["warning"] = "the bounded structures never all filled: growth below includes their filling"
     out["requests_after_warmup"] = warm[-1]["requests"] - warm[0]["requests"] if warm else 0
+    names = [*pids, *fronts]
     out["growth_pct_per_30min_after_warmup"] = {
-        name: slope_pct_per_30min([p["t"] for p in warm], [p[name] for p in warm]) for name in pids
+        name: slope_pct_per_30min([p["t"] for p in warm], [p[name] for p in warm]) for name in names
     }
-    out["rss_mb_after_warmup"] = {name: [warm[0][name], warm[-1][name]] if warm else None for name in pids}
+    out["rss_mb_after_warmup"] = {name: [warm[0][name], warm[-1][name]] if warm else None for name in names}
     out["fill_after_warmup"] = {k: [warm[0].get(k), warm[-1].get(k)] for k in warm[0]
                                 if k.startswith(("llm_", "gateway_"))} if warm else {}
     print(json.dumps(out))
