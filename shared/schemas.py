@@ -252,8 +252,17 @@ def _check_segments(segments: list[MediaSegment] | None, num_tokens: int) -> Non
         raise ValueError("segments must cover num_tokens rows exactly")
 
 
+# Messages parsed from JSON once per request or per streamed chunk: pydantic's JSON string cache
+# (process-wide, 16,384 entries) would fill with their values (request ids, text deltas, content
+# hashes: unique by design), ~1.6 MB per process that stops growing only once the cache is full
+# (the soak's "unexplained" gateway growth). Keys repeat and stay cached.
+WIRE_JSON = ConfigDict(cache_strings="keys")
+
+
 class EncodeResult(BaseModel):
     """Header of an encoder response (the tensor travels beside it, never as JSON)."""
+
+    model_config = WIRE_JSON
 
     modality: Modality
     content_hash: str
@@ -358,6 +367,8 @@ class SamplingParams(BaseModel):
 
 
 class GenerateRequest(BaseModel):
+    model_config = WIRE_JSON
+
     request_id: str = Field(min_length=1)
     messages: list[PromptMessage] = Field(min_length=1)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
@@ -382,6 +393,8 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 class GenerateResponse(BaseModel):
+    model_config = WIRE_JSON
+
     request_id: str
     text: str
     token_ids: list[int]
@@ -394,6 +407,8 @@ class GenerateResponse(BaseModel):
 
 class GenerateChunk(BaseModel):
     """One line of a streamed generation; the last one has ``finish_reason`` set and counts."""
+
+    model_config = WIRE_JSON
 
     request_id: str
     text: str = ""
