@@ -11,7 +11,8 @@ the engine sees it. ``allow`` (hosts or CIDR networks) limits which encoders the
 fetch from: a source outside it is never contacted (a request body cannot make the LLM reach
 an arbitrary address). An item no source serves (evicted, encoder gone) raises
 ``MediaUnavailable``: the request then fails with 409 ``media_unavailable`` and the gateway
-re-sends it by value.
+re-sends it by value. Each fetched item is counted by where it was read
+(``mmserve_llm_media_fetch_source_total{source="redis"|"http"}``).
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class EmbeddingFetcher:
             why.append(f"redis: {e}")
             return None
         self.redis_hits += 1
-        self._count("fetched")
+        self._count("fetched", source="redis")
         if self.metrics is not None:
             self.metrics.media_bytes.inc(len(data))
         return t
@@ -189,7 +190,7 @@ class EmbeddingFetcher:
             log.warning("bad embeddings for %s from %s: %s", ref.key, src, e)
             why.append(f"{src}: {e}")
             return None
-        self._count("fetched")
+        self._count("fetched", source="http")
         if self.metrics is not None:
             self.metrics.media_bytes.inc(len(r.content))
         return t
@@ -203,9 +204,12 @@ class EmbeddingFetcher:
             raise ValueError("embeddings must be finite floating point")
         return t
 
-    def _count(self, outcome: str, n: int = 1) -> None:
+    def _count(self, outcome: str, n: int = 1, source: str | None = None) -> None:
+        """``source`` (``redis`` | ``http``): where a fetched item was read."""
         if self.metrics is not None and n > 0:
             self.metrics.media_refs.labels(outcome).inc(n)
+            if source is not None:
+                self.metrics.media_sources.labels(source).inc(n)
 
     def count_skipped(self, n: int) -> None:
         """Items sent by reference whose spans the prefix cache covered: never fetched."""

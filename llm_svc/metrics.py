@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from .types import BackendStats
 
+MEDIA_SOURCES = ("redis", "http")
+
 
 class LLMMetrics:
     def __init__(self) -> None:
@@ -34,6 +36,13 @@ class LLMMetrics:
                                   ["outcome"], registry=r)
         self.media_bytes = Counter("mmserve_llm_media_fetch_bytes", "Bytes of embeddings fetched from encoders",
                                    registry=r)
+        # where each fetched item was read: the encoders' Redis tier (--media-redis-url) or
+        # GET {encoder}/v1/embeddings/{key}; beside media_refs so its outcome series stay as they were
+        self.media_sources = Counter("mmserve_llm_media_fetch_source", "Media items fetched by reference, by where "
+                                     "they were read (redis: the encoders' Redis tier; http: an encoder)",
+                                     ["source"], registry=r)
+        for source in MEDIA_SOURCES:
+            self.media_sources.labels(source)  # both series exported from the start, at 0
         self.deadline_drops = Counter("mmserve_llm_deadline_drops", "Requests stopped because their deadline passed",
                                       registry=r)
         self.admitted = Gauge("mmserve_llm_admitted_in_flight", "Requests holding an admission slot", registry=r)
