@@ -19,7 +19,7 @@ from shared.wire import SAFETENSORS_MIME, pack
 router = APIRouter()
 
 
-def get_service(request: Request) -> EncoderService:
+async def get_service(request: Request) -> EncoderService:
     svc = getattr(request.app.state, "service", None)
     if svc is None:
         raise NotReady("the encoder is still loading its model; retry shortly")

@@ -93,7 +93,7 @@ class GatewayState:
         await self.fetch_http.aclose()
 
 
-def get_state(request: Request) -> GatewayState:
+async def get_state(request: Request) -> GatewayState:
     return request.app.state.gateway
 
 

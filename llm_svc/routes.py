@@ -36,7 +36,7 @@ NDJSON = "application/x-ndjson"
 DISCONNECT_POLL_S = 0.1
 
 
-def get_state(request: Request) -> ServiceState:
+async def get_state(request: Request) -> ServiceState:
     return request.app.state.svc
 
 
