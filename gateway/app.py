@@ -14,6 +14,7 @@ from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import install_openapi
 from gateway.routes import chat, dashboard, health, models
 from gateway.state import GatewayState
+from shared.malloc_tuning import pin_mmap_threshold
 from shared.settings import GatewaySettings
 
 
@@ -23,6 +24,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pin_mmap_threshold(settings.malloc_mmap_threshold)
         state = GatewayState.build(settings, metrics)
         app.state.gateway = state
         state.start()

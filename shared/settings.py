@@ -214,6 +214,10 @@ class GatewaySettings(_ServiceSettings):
     max_queue: int = Field(default=512, ge=0, description="chat requests waiting for a slot")
     queue_timeout: float = Field(default=30.0, gt=0, description="longest wait for a slot before a 429")
     connect_timeout: float = Field(default=5.0, gt=0)
+    malloc_mmap_threshold: int = Field(
+        default=128 * 1024, ge=0, description="glibc mmap threshold fixed at start (bytes) so asyncio's 256 KiB "
+        "read buffers never fragment the heap (shared/malloc_tuning.py); 0 keeps glibc's dynamic threshold"
+    )
 
     @field_validator("encoder_urls", "llm_urls", "api_keys", "allowed_hosts", mode="before")
     @classmethod
