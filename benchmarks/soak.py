@@ -92,6 +92,8 @@ def bounded_fill(stack: LocalStack) -> dict:
         out["llm_tree_nodes"] = int(total(m, "mmserve_llm_kv_tree_nodes"))
         g = scrape(stack.gateway.url)
         out["gateway_router_index_blocks"] = int(total(g, "mmserve_gateway_router_index_blocks"))
+        for kind in ("in_use", "free"):  # glibc heap: live native + Python blocks, and held-but-free
+            out[f"gateway_malloc_{kind}_mb"] = round(total(g, "mmserve_gateway_malloc_bytes", kind=kind) / 2**20, 2)
     except (httpx.HTTPError, ValueError) as e:
         out["scrape_error"] = f"{type(e).__name__}: {e}"
     return out
