@@ -18,6 +18,7 @@ from .backends import Backend, backend_class
 from .loader import LoadedLM, load_lm
 from .media_fetch import EmbeddingFetcher
 from .metrics import LLMMetrics
+from .word_cache import bound_word_cache
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ PREP_THREADS = 2
 class PrepPool:
     """Runs ``fn(lm, *args)`` on a worker thread, each thread with its own tokenizer copy (an HF
     fast tokenizer must not be used from two threads at once), so that unpacking a big body
-    or tokenizing a long prompt never blocks ``/readyz`` or other requests."""
+    or tokenizing a long prompt never blocks ``/readyz`` or other requests. Each copy's word
+    cache is bounded (``llm_svc.word_cache``; a fresh copy would keep up to 10,000 words)."""
 
     def __init__(self, lm: LoadedLM, workers: int = PREP_THREADS):
         self._lm = lm
@@ -37,7 +39,9 @@ class PrepPool:
     def _call(self, fn, args):
         lm = getattr(self._local, "lm", None)
         if lm is None:
-            lm = self._local.lm = dataclasses.replace(self._lm, tokenizer=copy.deepcopy(self._lm.tokenizer))
+            tokenizer = copy.deepcopy(self._lm.tokenizer)
+            bound_word_cache(tokenizer)
+            lm = self._local.lm = dataclasses.replace(self._lm, tokenizer=tokenizer)
         return fn(lm, *args)
 
     async def run(self, fn, *args):
