@@ -14,8 +14,8 @@ WORD_CACHE_WORDS = 2048
 
 
 def bound_word_cache(tokenizer, words: int = WORD_CACHE_WORDS) -> bool:
-    """Cap (and empty) the word cache of ``tokenizer``'s model; False if it has none (a slow
-    tokenizer, WordPiece, WordLevel)."""
+    """Cap the word cache of ``tokenizer``'s model (a private ``tokenizers`` call, hence the
+    checks); False if it has none (a slow tokenizer, WordPiece, WordLevel)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     resize = getattr(getattr(backend, "model", None), "_resize_cache", None)
     if resize is None:
