@@ -90,6 +90,8 @@ def bounded_fill(stack: LocalStack) -> dict:
             if any(n == "mmserve_llm_kv_pool_usage" and ("pool", pool) in ls for n, ls in m):
                 out[f"llm_{pool}_usage"] = round(total(m, "mmserve_llm_kv_pool_usage", pool=pool), 4)
         out["llm_tree_nodes"] = int(total(m, "mmserve_llm_kv_tree_nodes"))
+        for kind in ("in_use", "free"):
+            out[f"llm_front_malloc_{kind}_mb"] = round(total(m, "mmserve_llm_malloc_bytes", kind=kind) / 2**20, 2)
         g = scrape(stack.gateway.url)
         out["gateway_router_index_blocks"] = int(total(g, "mmserve_gateway_router_index_blocks"))
         for kind in ("in_use", "free"):  # glibc heap: live native + Python blocks, and held-but-free

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared.malloc_tuning import malloc_heap
+from shared.malloc_tuning import heap_gauge
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -62,12 +62,7 @@ class GatewayMetrics:
             "mmserve_gateway_admission_queued", "chat requests waiting for an admission slot", registry=r
         )
 
-        malloc = Gauge(
-            "mmserve_gateway_malloc_bytes", "glibc heap of the gateway process: heap (obtained from the OS), "
-            "in_use, free (held, not reusable: fragmentation when it grows and in_use does not)", ["kind"], registry=r,
-        )
-        for i, kind in enumerate(("heap", "in_use", "free")):
-            malloc.labels(kind).set_function(lambda i=i: (malloc_heap() or (0, 0, 0))[i])
+        heap_gauge("mmserve_gateway_malloc_bytes", r)
 
     def watch_router(self, router) -> None:
         """A gauge of the LLM router's prefix index (bounded by ``router_index_blocks``)."""

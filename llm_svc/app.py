@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from shared.malloc_tuning import pin_mmap_threshold
 from shared.settings import LLMSettings
 
 from .errors import error_body
@@ -22,6 +23,7 @@ def create_app(settings: LLMSettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        pin_mmap_threshold(settings.malloc_mmap_threshold)  # this process only: the core is its own
         task = asyncio.create_task(state.load())
         try:
             yield

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from shared.malloc_tuning import heap_gauge
+
 from .types import BackendStats
 
 MEDIA_SOURCES = ("redis", "http")
@@ -13,6 +15,7 @@ class LLMMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        heap_gauge("mmserve_llm_malloc_bytes", r)  # the front process (the engine core is another)
         self.requests = Counter("mmserve_llm_requests", "Finished requests", ["finish_reason"], registry=r)
         self.rejected = Counter("mmserve_llm_rejected_requests", "Requests refused with 4xx/5xx", ["status"],
                                 registry=r)

@@ -71,3 +71,14 @@ def malloc_heap() -> tuple[int, int, int] | None:
     libc.mallinfo2.restype = _MallInfo2
     m = libc.mallinfo2()
     return int(m.arena), int(m.uordblks), int(m.fordblks)
+
+
+def heap_gauge(name: str, registry) -> None:
+    """Registers ``name{kind=heap|in_use|free}`` in a Prometheus ``registry``, read at scrape
+    time (0 off glibc)."""
+    from prometheus_client import Gauge
+
+    g = Gauge(name, "glibc heap of this process: heap (obtained from the OS), in_use, free (held, not "
+              "reusable: fragmentation when it grows and in_use does not)", ["kind"], registry=registry)
+    for i, kind in enumerate(("heap", "in_use", "free")):
+        g.labels(kind).set_function(lambda i=i: (malloc_heap() or (0, 0, 0))[i])

@@ -36,6 +36,16 @@ class _ServiceSettings(BaseSettings):
     log_level: str = "info"
 
 
+class _AsyncioHeapSettings(BaseSettings):
+    """For the torch-light asyncio processes (gateway, LLM front); not the encoders, whose
+    preprocessing tensors would each become a fresh mapping."""
+
+    malloc_mmap_threshold: int = Field(
+        default=128 * 1024, ge=0, description="glibc mmap threshold fixed at start (bytes) so asyncio's 256 KiB "
+        "read buffers never fragment the heap (shared/malloc_tuning.py); 0 keeps glibc's dynamic threshold"
+    )
+
+
 class EncoderSettings(_ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="MMSERVE_ENCODER_", extra="ignore")
 
@@ -71,7 +81,7 @@ class EncoderSettings(_ServiceSettings):
     )
 
 
-class LLMSettings(_ServiceSettings):
+class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     model_config = SettingsConfigDict(env_prefix="MMSERVE_LLM_", extra="ignore")
 
     port: int = 8200
@@ -168,7 +178,7 @@ class LLMSettings(_ServiceSettings):
         return self
 
 
-class GatewaySettings(_ServiceSettings):
+class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
     model_config = SettingsConfigDict(env_prefix="MMSERVE_GATEWAY_", extra="ignore")
 
     port: int = 8000
@@ -214,10 +224,6 @@ class GatewaySettings(_ServiceSettings):
     max_queue: int = Field(default=512, ge=0, description="chat requests waiting for a slot")
     queue_timeout: float = Field(default=30.0, gt=0, description="longest wait for a slot before a 429")
     connect_timeout: float = Field(default=5.0, gt=0)
-    malloc_mmap_threshold: int = Field(
-        default=128 * 1024, ge=0, description="glibc mmap threshold fixed at start (bytes) so asyncio's 256 KiB "
-        "read buffers never fragment the heap (shared/malloc_tuning.py); 0 keeps glibc's dynamic threshold"
-    )
 
     @field_validator("encoder_urls", "llm_urls", "api_keys", "allowed_hosts", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""The gateway pins glibc's mmap threshold at start, so a large read buffer freed once does not
+"""The gateway and the LLM front pin glibc's mmap threshold at start, so a large read buffer freed once does not
 move every later one into the heap (where, shrunk in place, they fragment it: shared/malloc_tuning.py).
 
 Each case runs in a fresh interpreter: the threshold is process-wide state. What is checked is
@@ -58,16 +58,34 @@ assert client.get("/healthz").status_code == 200
 """
 
 
+LLM_FRONT = """
+import tempfile
+from fastapi.testclient import TestClient
+from llm_svc.app import create_app
+from shared.settings import LLMSettings
+app = create_app(LLMSettings(model_dir=tempfile.mkdtemp(), malloc_mmap_threshold={threshold}))
+client = TestClient(app)
+client.__enter__()                  # the lifespan (the empty model dir fails to load, in the background)
+assert client.get("/healthz").status_code in (200, 500)  # 500: the load failed, as it should here
+"""
+
+
 @pytest.mark.parametrize(("threshold", "own_mapping"), [(128 * 1024, 1), (0, 0)])
-def test_the_gateway_pins_it_at_start_unless_told_not_to(threshold, own_mapping):
-    assert run_probe(GATEWAY.format(threshold=threshold)) == own_mapping
+@pytest.mark.parametrize("service", ["gateway", "llm front"])
+def test_the_service_pins_it_at_start_unless_told_not_to(service, threshold, own_mapping):
+    setup = GATEWAY if service == "gateway" else LLM_FRONT
+    assert run_probe(setup.format(threshold=threshold)) == own_mapping
 
 
-def test_the_gateway_reports_its_heap():
+@pytest.mark.parametrize("service", ["gateway", "llm"])
+def test_the_service_reports_its_heap(service):
     from gateway.metrics import GatewayMetrics
+    from llm_svc.metrics import LLMMetrics
 
-    text = GatewayMetrics().render().decode()
+    from prometheus_client import generate_latest
+
+    text = generate_latest((GatewayMetrics() if service == "gateway" else LLMMetrics()).registry).decode()
     values = {k: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              for k in ("heap", "in_use", "free") if line.startswith(f'mmserve_gateway_malloc_bytes{{kind="{k}"}}')}
+              for k in ("heap", "in_use", "free") if line.startswith(f'mmserve_{service}_malloc_bytes{{kind="{k}"}}')}
     assert set(values) == {"heap", "in_use", "free"}
     assert values["heap"] >= values["in_use"] > 0 and values["free"] >= 0
