@@ -4,7 +4,9 @@ does), side by side on one encoder + one LLM, sides alternated A-B-B-A per level
 
 Per side and level: goodput (200s per second), share of 429s, 5xx count, p50/p99 latency of the
 admitted (200) requests, and RSS of gateway and LLM service before/after. Capacity is measured
-first with a closed loop of ``--clients`` requests. Mixed traffic: text chats and small-image
+first: closed loops of ``--clients``, 2x, 4x, ... concurrent requests (the engine batches, so a
+few clients are not the stack's capacity), until throughput stops rising by 10%; capacity is the
+best of them, and our admission window (in flight = queue) is the concurrency that reached it. Mixed traffic: text chats and small-image
 chats (one in four). Open-loop Poisson arrivals; a client gives up after ``--client-timeout`` s
 (counted as failed, not as goodput). Targets (issue 11): goodput at 4x >= 90% of goodput at 1x,
 no 5xx, memory flat. The last line is a JSON object.
@@ -104,14 +106,30 @@ async def open_loop(url: str, model: str, rate: float, seconds: float, timeout: 
     }
 
 
-def extra_gateway(stack: LocalStack, env: dict[str, str], log_dir: Path) -> Service:
+async def saturation(url: str, model: str, clients: int, seconds: float, max_clients: int = 256) -> tuple[float, int]:
+    """(best rps, its concurrency) over closed loops of ``clients``, doubling while rps rises >10%."""
+    best, best_c, c = 0.0, clients, clients
+    while c <= max_clients:
+        rps = await closed_loop(url, model, c, seconds)
+        print(f"closed loop, {c} clients: {rps:.2f} rps", flush=True)
+        if rps > best:
+            best_prev, best, best_c = best, rps, c
+        else:
+            break
+        if best_prev and rps < 1.1 * best_prev:
+            break
+        c *= 2
+    return best, best_c
+
+
+def extra_gateway(stack: LocalStack, env: dict[str, str], log_dir: Path, name: str = "gateway-unbounded") -> Service:
     """A second gateway on the same encoder and LLM, with its own admission settings."""
     port = free_port()
     argv = [sys.executable, "-m", "shared.cli", "gateway", "--host", "127.0.0.1", "--port", str(port),
             "--model-name", stack.model_name, "--encoder-urls", ",".join(s.url for s in stack.encoders),
             "--llm-urls", ",".join(s.url for s in stack.llms)]
     genv = {**stack.gateway.env, **{f"MMSERVE_GATEWAY_{k.upper()}": v for k, v in env.items()}}
-    return Service("gateway-unbounded", f"http://127.0.0.1:{port}", argv, genv, log_dir / "gateway-unbounded.log")
+    return Service(name, f"http://127.0.0.1:{port}", argv, genv, log_dir / f"{name}.log")
 
 
 def main() -> None:
@@ -125,21 +143,26 @@ def main() -> None:
     seconds = args.seconds or (8.0 if args.quick else 60.0)
     log_dir = Path(tempfile.mkdtemp(prefix="mmserve-overload-"))
     model = args.model or str(write_tiny_model(log_dir / "tiny-mimo", arch="mimo"))
-    # ours: a small admission window in front of the stack (in flight = queue = 2x clients)
-    bound = {"max_in_flight": str(2 * args.clients), "max_queue": str(2 * args.clients), "queue_timeout": "2"}
-    spec = StackSpec(model_dir=model, gateway_port=0, gateway_env=bound)
+    spec = StackSpec(model_dir=model, gateway_port=0)
     result: dict = {"bench": "overload", "quick": args.quick, "seconds_per_level": seconds, "levels": {}}
     with LocalStack(spec, log_dir=log_dir) as stack:
         stack.wait_ready(timeout=300)
         other = extra_gateway(stack, {"max_in_flight": "100000", "max_queue": "0"}, log_dir)
         other.start()
+        ours = None
         try:
             wait_ready([other], 120)
-            sides = {"admission": stack.url, "unbounded": other.url}
-            pids = {"admission": stack.gateway.proc.pid, "unbounded": other.proc.pid}
-            url = f"{stack.url}/v1/chat/completions"
-            cap = asyncio.run(closed_loop(url, stack.model_name, args.clients, seconds))
+            cap, window = asyncio.run(saturation(f"{other.url}/v1/chat/completions", stack.model_name, args.clients,
+                                                 seconds))
+            # ours: an admission window sized at the concurrency that reached capacity
+            bound = {"max_in_flight": str(window), "max_queue": str(window), "queue_timeout": "2"}
+            ours = extra_gateway(stack, bound, log_dir, name="gateway-admission")
+            ours.start()
+            wait_ready([ours], 120)
+            sides = {"admission": ours.url, "unbounded": other.url}
+            pids = {"admission": ours.proc.pid, "unbounded": other.proc.pid}
             result["capacity_rps"] = round(cap, 3)
+            result["admission_window"] = window
             llm_pid = stack.llms[0].proc.pid
             result["rss_mb_start"] = {"llm": rss_mb(llm_pid), **{k: rss_mb(p) for k, p in pids.items()}}
             for level in (1, 2, 4):
@@ -153,6 +176,8 @@ def main() -> None:
             result["rss_mb_end"] = {"llm": rss_mb(llm_pid), **{k: rss_mb(p) for k, p in pids.items()}}
         finally:
             other.stop()
+            if ours is not None:
+                ours.stop()
 
     def goodput(side: str, level: str) -> float:
         return sum(r["goodput_rps"] for r in result["levels"][level][side]) / 2
