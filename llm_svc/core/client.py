@@ -10,6 +10,13 @@ Supervision (a watchdog task on the front's event loop, never blocked by engine 
 * the first core failing to load is fatal (``start`` raises: the service reports the error,
   as before); a restarted one failing to load is retried with the backoff.
 
+Request ids: the core knows each request by an id of its own (the client's ``request_id``
+plus ``@`` and a per-front counter). A client may reuse an id once its request has ended
+(the gateway re-sends a request by value under the same id when its media by reference was
+gone); the abort of the earlier request can still be on its way to the core, and must not
+end the new one, nor may a late output of the earlier one reach it (vLLM's engine also keys
+requests by internal ids for this reason).
+
 Each core epoch gets its own pair of ZMQ sockets on fresh abstract-namespace IPC addresses
 (no files to leak): nothing sent to a dead core can reach its successor.
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -95,7 +103,9 @@ class EngineCoreClient:
         self.capacity: CoreReady | None = None
         self.core_stats = CoreStats()
         self.media = None  # an EmbeddingFetcher (llm_svc.media_fetch), set before requests by reference
-        self._refs: dict[str, tuple[int, set[int]]] = {}  # request -> (items by reference, items needed)
+        self._refs: dict[str, tuple[int, set[int]]] = {}  # core id -> (items by reference, items needed)
+        self._core_ids: dict[str, str] = {}  # client request_id -> core id, while in flight
+        self._seq = itertools.count()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -138,21 +148,24 @@ class EngineCoreClient:
                 f"the request needs {need} KV slots (prompt + max_tokens) but the KV pool holds "
                 f"{cap.num_full_slots}; shorten the prompt or max_tokens", param="max_tokens",
                 code="context_length_exceeded")
-        if prep.request_id in self._reqs:
+        if prep.request_id in self._core_ids:
             raise InvalidRequest(f"request_id {prep.request_id!r} is already in flight; use a unique id",
                                  param="request_id")
         stream = RequestStream(prep.request_id, asyncio.get_running_loop())
-        self._reqs.add(prep, stream)
+        core_id = f"{prep.request_id}@{next(self._seq)}"
+        self._core_ids[prep.request_id] = core_id
+        self._reqs.add(prep, stream, key=core_id)
         by_ref = len(prep.unresolved())
         if by_ref:
-            self._refs[prep.request_id] = (by_ref, set())
-        self._send(to_core_add(prep, self._core.epoch))
+            self._refs[core_id] = (by_ref, set())
+        self._send(to_core_add(prep, self._core.epoch, core_id))
         return stream
 
     def abort(self, request_id: str) -> None:
         """The stream ends with ``finish_reason="abort"`` once the core confirms."""
-        if request_id in self._reqs and self._core is not None:
-            self._send(CoreAbort(self._core.epoch, [request_id]))
+        core_id = self._core_ids.get(request_id)
+        if core_id is not None and core_id in self._reqs and self._core is not None:
+            self._send(CoreAbort(self._core.epoch, [core_id]))
 
     def stats(self) -> BackendStats:
         s = self.core_stats
@@ -186,6 +199,10 @@ class EngineCoreClient:
             self._ended(t.request_id)
 
     def _ended(self, rid: str) -> None:
+        """Core request ``rid`` is over here (finished, failed, or a late output of one that was)."""
+        client_id = rid.rpartition("@")[0]
+        if self._core_ids.get(client_id) == rid:
+            del self._core_ids[client_id]
         refs = self._refs.pop(rid, None)
         if refs is not None and self.media is not None:
             self.media.count_skipped(refs[0] - len(refs[1]))
@@ -226,6 +243,7 @@ class EngineCoreClient:
         self._reqs.fail_all(message, status)
         for rid in list(self._refs):
             self._ended(rid)
+        self._core_ids.clear()
 
     async def _read(self, core: _Core) -> None:
         """Receive one core's messages until its sockets close."""

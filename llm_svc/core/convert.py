@@ -28,7 +28,8 @@ def tensor_from_wire(w: CoreTensor) -> torch.Tensor:
     return flat.reshape(w.shape)
 
 
-def to_core_add(prep: PreparedRequest, epoch: int) -> CoreAdd:
+def to_core_add(prep: PreparedRequest, epoch: int, request_id: str | None = None) -> CoreAdd:
+    """``prep`` as the core's message; ``request_id``: the id the core knows it by."""
     s = prep.sampling
     sampling = CoreSampling(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
@@ -36,7 +37,7 @@ def to_core_add(prep: PreparedRequest, epoch: int) -> CoreAdd:
         ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, priority=s.priority,
     )
     return CoreAdd(
-        epoch=epoch, request_id=prep.request_id, prompt_ids=list(prep.prompt_ids), sampling=sampling,
+        epoch=epoch, request_id=prep.request_id if request_id is None else request_id, prompt_ids=list(prep.prompt_ids), sampling=sampling,
         mm_items=[None if t is None else tensor_to_wire(t) for t in prep.mm_items],
         mm_spans=[tuple(x) for x in prep.mm_spans],
         mm_hashes=list(prep.mm_hashes), bidirectional=prep.bidirectional, return_logprobs=prep.return_logprobs,

@@ -45,9 +45,11 @@ class OutputProcessor:
                              prompt_tokens=len(p.prep.prompt_ids), completion_tokens=p.num_out))
         return True
 
-    def add(self, prep: PreparedRequest, sink) -> None:
-        assert prep.request_id not in self._reqs, prep.request_id
-        self._reqs[prep.request_id] = _Pending(prep, sink, OutputText(self.tokenizer, prep.sampling))
+    def add(self, prep: PreparedRequest, sink, key: str | None = None) -> None:
+        """Track ``prep`` under ``key`` (the id the engine knows it by; its request_id if None)."""
+        key = prep.request_id if key is None else key
+        assert key not in self._reqs, key
+        self._reqs[key] = _Pending(prep, sink, OutputText(self.tokenizer, prep.sampling))
 
     def process(self, t: CoreToken) -> bool:
         """Hand ``t`` to its request's sink; True if the core must abort the request (a stop
