@@ -52,5 +52,5 @@ def run(settings: GatewaySettings) -> None:
 
     uvicorn.run(
         create_app(settings), host=settings.host, port=settings.port,
-        log_level=settings.log_level, timeout_graceful_shutdown=5,
+        log_level=settings.log_level, timeout_graceful_shutdown=5, timeout_keep_alive=settings.keep_alive_timeout,
     )

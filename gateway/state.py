@@ -45,7 +45,8 @@ class GatewayState:
         s = settings
         http = httpx.AsyncClient(
             timeout=httpx.Timeout(s.request_timeout, connect=s.connect_timeout),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+                                keepalive_expiry=s.upstream_keepalive_expiry),
             trust_env=False,
         )
         fetch_http = httpx.AsyncClient(

@@ -11,7 +11,10 @@ Failure policy (the protocol in ``shared.schemas``):
 * only connection errors and 503 (not serving: loading, restarting) are retried, on the next
   distinct replica after a jittered backoff; any other 5xx or a timeout is answered at once
   (retrying work that failed or timed out multiplies load on an overloaded stack);
-  when every attempt fails -> ``UpstreamError`` (502, or 503 when no replica exists).
+  when every attempt fails -> ``UpstreamError`` (502, or 503 when no replica exists);
+* a pooled connection that drops before any answer (reset, or closed by the server's keep-alive
+  timer as the request went out) is retried once more on the same replica: that replica is
+  fine, and with a single replica there is no other to try.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ upstream_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar
 RETRY_BASE_S = 0.025  # first retry waits U(0, 25 ms), then U(0, 50 ms), ...
 # the connection failed, or broke before a response: another replica may well serve it
 _CONNECTION_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.NetworkError)
+# ... of those, the ones where the replica was reached: the connection dropped before an answer
+_DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+DROPPED_RETRIES = 1  # extra attempts on the same replica after a dropped connection, per call
 
 
 async def backoff(attempt: int) -> None:
@@ -70,7 +76,16 @@ class UpstreamError(APIError):
 
 
 class _Retry(Exception):
-    """One attempt failed in a way another replica may not."""
+    """One attempt failed in a way another replica may not; ``dropped``: the connection broke
+    before any answer, so the same replica may well serve a second try."""
+
+    def __init__(self, message: str, dropped: bool = False) -> None:
+        super().__init__(message)
+        self.dropped = dropped
+
+
+def _dropped(e: Exception) -> _Retry:
+    return _Retry(f"{type(e).__name__}: {e}", dropped=isinstance(e, _DROPPED))
 
 
 class MediaUnavailable(APIError):
@@ -177,15 +192,21 @@ class EncoderClient:
         if not nodes:
             raise UpstreamError("no encoder replica is configured", status=503)
         errors: list[str] = []
-        for attempt, node in enumerate(nodes):
-            if attempt:
-                await backoff(attempt)
+        i, dropped = 0, 0
+        while i < len(nodes):
+            node = nodes[i]
+            if errors:
+                await backoff(len(errors))
             try:
                 return await self._encode_on(node, item, by_ref)
             except _Retry as e:
                 self._on_failover()
                 errors.append(f"{node}: {e}")
                 log.warning("encode of %s failed on %s: %s", item.where, node, e)
+                if e.dropped and dropped < DROPPED_RETRIES:
+                    dropped += 1  # the same node again, on another connection
+                else:
+                    i += 1
         raise UpstreamError(
             f"{item.where}: encoding the {item.modality} failed on {len(nodes)} encoder "
             f"replica(s): {'; '.join(errors)}"
@@ -216,7 +237,7 @@ class EncoderClient:
             self._pool.report_failure(node)
             raise _Retry(f"connection failed: {e}") from e
         except _CONNECTION_ERRORS as e:
-            raise _Retry(f"{type(e).__name__}: {e}") from e
+            raise _dropped(e) from e
         except httpx.TimeoutException as e:
             raise UpstreamError(f"{item.where}: encoding the {item.modality} timed out on {node}", status=504) from e
         if r.status_code == 429:
@@ -331,9 +352,10 @@ class LLMClient:
         blocks = prefix_blocks(req.messages)
         tried: list[str] = []
         errors: list[str] = []
+        dropped = 0
         while len(tried) < min(self.attempts, len(replicas)):
-            if tried:
-                await backoff(len(tried))
+            if errors:
+                await backoff(len(errors))
             replica = self.router.choose([r for r in replicas if r not in tried], blocks)
             tried.append(replica)
             try:
@@ -341,7 +363,10 @@ class LLMClient:
             except _Retry as e:
                 errors.append(f"{replica}: {e}")
                 log.warning("generate %s failed on %s: %s", req.request_id, replica, e)
-        raise UpstreamError(f"generation failed on {len(tried)} LLM replica(s): {'; '.join(errors)}")
+                if e.dropped and dropped < DROPPED_RETRIES:
+                    dropped += 1
+                    tried.remove(replica)  # it may be chosen again, on another connection
+        raise UpstreamError(f"generation failed on {len(set(tried))} LLM replica(s): {'; '.join(errors)}")
 
     async def _send_to(self, replica: str, body: bytes) -> LLMStream:
         request = self._client.build_request(
@@ -358,7 +383,7 @@ class LLMClient:
             raise _Retry(f"connection failed: {e}") from e
         except _CONNECTION_ERRORS as e:
             self.router.end(replica)
-            raise _Retry(f"{type(e).__name__}: {e}") from e
+            raise _dropped(e) from e
         except httpx.TimeoutException as e:
             self.router.end(replica)
             raise UpstreamError(f"LLM {replica} timed out", status=504) from e

@@ -35,7 +35,8 @@ def _overrides(args: argparse.Namespace, names: list[str]) -> dict:
 def _serve(app, settings) -> None:
     import uvicorn
 
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_keep_alive=settings.keep_alive_timeout)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:

@@ -30,10 +30,20 @@ def length_bucket_range(label: str) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
+KEEP_ALIVE_TIMEOUT_S = 30.0  # every service's idle keep-alive timeout (uvicorn's own default: 5 s)
+UPSTREAM_KEEPALIVE_EXPIRY_S = 10.0  # the gateway's pooled connections to encoders and LLMs
+
+
 class _ServiceSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     log_level: str = "info"
+    keep_alive_timeout: float = Field(
+        default=KEEP_ALIVE_TIMEOUT_S, gt=0, description="seconds an idle keep-alive connection stays open (uvicorn's "
+        "timeout_keep_alive). Keep it above the callers' pool expiry (httpx and the openai client: 5 s; the gateway's "
+        "upstream_keepalive_expiry: 10 s): when both are equal a caller can send on a connection the server is "
+        "closing and get a reset instead of an answer"
+    )
 
 
 class _AsyncioHeapSettings(BaseSettings):
@@ -224,6 +234,10 @@ class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
     max_queue: int = Field(default=512, ge=0, description="chat requests waiting for a slot")
     queue_timeout: float = Field(default=30.0, gt=0, description="longest wait for a slot before a 429")
     connect_timeout: float = Field(default=5.0, gt=0)
+    upstream_keepalive_expiry: float = Field(
+        default=UPSTREAM_KEEPALIVE_EXPIRY_S, gt=0, description="seconds a pooled connection to an encoder or LLM may "
+        "sit idle before the gateway drops it; keep it below their keep_alive_timeout (30 s by default)"
+    )
 
     @field_validator("encoder_urls", "llm_urls", "api_keys", "allowed_hosts", mode="before")
     @classmethod
