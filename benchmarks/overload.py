@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks._lean_client import LeanClient
 from benchmarks._stack_util import image_part, make_png, user
 from shared.launcher import LocalStack, Service, StackSpec, free_port, wait_ready
 from shared.tiny_model import write_tiny_model
@@ -39,10 +41,65 @@ def rss_mb(pid: int) -> float:
     return round(sum(int(x) for x in out.stdout.split()) / 1024, 1)
 
 
+_PNGS = [make_png(seed=k) for k in range(16)]
+
+
 def body(model: str, i: int, rng: random.Random) -> dict:
     words = " ".join(rng.choice(["red", "blue", "cat", "dog", "sky", "sea", "sun"]) for _ in range(rng.randint(8, 40)))
-    parts = [image_part(make_png(seed=i % 16))] if i % 4 == 0 else []
+    parts = [image_part(_PNGS[i % 16])] if i % 4 == 0 else []
     return {"model": model, "max_tokens": 16, "messages": [user(f"{i} {words}", *parts)]}
+
+
+def encoded(model: str, i: int, rng: random.Random) -> bytes:
+    """``body`` as the JSON bytes sent (built before the clock starts: the load generator shares
+    the stack's cores, and should spend as little of them as it can)."""
+    return json.dumps(body(model, i, rng)).encode()
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent not idle since boot (``/proc/stat``)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def cpu_s(pid: int, children: bool = True) -> float:
+    """User + system CPU seconds of ``pid`` and (or, ``children="only"``) its children (the LLM
+    front's engine core)."""
+    total = 0.0
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    kids = [int(x) for x in out.stdout.split()] if children else []
+    for p in kids if children == "only" else [pid, *kids]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+class CpuMeter:
+    """CPU cores used by each named process (and this one: the load generator) over a run."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+
+    def _read(self) -> dict[str, float]:
+        out = {k: cpu_s(p) for k, p in self.pids.items()}
+        if "llm" in self.pids:  # the front alone, and its engine core
+            out["llm_core"] = cpu_s(self.pids["llm"], children="only")
+            out["llm"] -= out["llm_core"]
+        out["load_generator"] = sum(os.times()[:2])
+        out["machine"] = machine_busy_s()
+        return out
+
+    def __enter__(self) -> "CpuMeter":
+        self.t0 = time.monotonic()
+        self.start = self._read()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.monotonic() - self.t0
+        self.cores = {k: round((v - self.start[k]) / wall, 2) for k, v in self._read().items()}
 
 
 async def closed_loop(url: str, model: str, clients: int, seconds: float) -> float:
@@ -50,16 +107,16 @@ async def closed_loop(url: str, model: str, clients: int, seconds: float) -> flo
     done, stop = 0, time.monotonic() + seconds
     rng = random.Random(1)
 
-    async def client(c: httpx.AsyncClient, k: int) -> None:
+    async def client(c: LeanClient, k: int) -> None:
         nonlocal done
         i = k
         while time.monotonic() < stop:
-            r = await c.post(url, json=body(model, i, rng))
-            done += r.status_code == 200
+            status, _ = await c.post(encoded(model, i, rng))
+            done += status == 200
             i += clients
 
     t0 = time.monotonic()
-    async with httpx.AsyncClient(timeout=120) as c:
+    async with LeanClient(url, timeout=120) as c:
         await asyncio.gather(*(client(c, k) for k in range(clients)))
     return done / (time.monotonic() - t0)
 
@@ -70,29 +127,33 @@ async def open_loop(url: str, model: str, rate: float, seconds: float, timeout: 
     while t < seconds:
         t += rng.expovariate(rate)
         arrivals.append(t)
+    bodies = [encoded(model, i, rng) for i in range(len(arrivals))]
     lat: list[float] = []
-    counts = {"ok": 0, "429": 0, "5xx": 0, "other": 0, "timeout": 0}
+    counts = {"ok": 0, "429": 0, "5xx": 0, "other": 0, "timeout": 0, "conn_error": 0}
 
-    async def one(c: httpx.AsyncClient, at: float, i: int) -> None:
+    async def one(c: LeanClient, at: float, i: int) -> None:
         await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
         start = time.monotonic()
         try:
-            r = await c.post(url, json=body(model, i, rng))
-        except httpx.TimeoutException:
+            status, _ = await c.post(bodies[i])
+        except TimeoutError:
             counts["timeout"] += 1
             return
-        if r.status_code == 200:
+        except (OSError, asyncio.IncompleteReadError):
+            counts["conn_error"] += 1
+            return
+        if status == 200:
             counts["ok"] += 1
             lat.append(time.monotonic() - start)
-        elif r.status_code == 429:
+        elif status == 429:
             counts["429"] += 1
-        elif r.status_code >= 500:
+        elif status >= 500:
             counts["5xx"] += 1
         else:
             counts["other"] += 1
 
     t0 = time.monotonic()
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=2048)) as c:
+    async with LeanClient(url, timeout=timeout) as c:
         await asyncio.gather(*(one(c, at, i) for i, at in enumerate(arrivals)))
     wall = time.monotonic() - t0
     lat.sort()
@@ -100,7 +161,7 @@ async def open_loop(url: str, model: str, rate: float, seconds: float, timeout: 
     return {
         "offered_rps": round(rate, 2), "sent": n, "goodput_rps": round(counts["ok"] / wall, 3),
         "share_429": round(counts["429"] / n, 3), "n_5xx": counts["5xx"], "timeouts": counts["timeout"],
-        "other": counts["other"],
+        "other": counts["other"], "conn_errors": counts["conn_error"],
         "p50_s": round(lat[len(lat) // 2], 3) if lat else None,
         "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
     }
@@ -120,6 +181,30 @@ async def saturation(url: str, model: str, clients: int, seconds: float, max_cli
             break
         c *= 2
     return best, best_c
+
+
+def _gauges(url: str, names: tuple[str, ...]) -> float:
+    """Sum of the named unlabelled gauges on ``url``/metrics (inf when it does not answer)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return float("inf")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split(" ", 1)[0] in names)
+
+
+def settle(llm_url: str, gateway_urls: list[str], timeout: float = 90.0) -> float:
+    """Wait until nothing is in flight anywhere (work a previous run left behind, e.g. the
+    unbounded side's backlog, would otherwise be served during the next run); seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        busy = _gauges(llm_url, ("mmserve_llm_admitted_in_flight", "mmserve_llm_running_requests",
+                                 "mmserve_llm_waiting_requests"))
+        busy += sum(_gauges(u, ("mmserve_gateway_admitted_in_flight", "mmserve_gateway_admission_queued"))
+                    for u in gateway_urls)
+        if busy == 0:
+            break
+        time.sleep(0.25)
+    return round(time.monotonic() - t0, 2)
 
 
 def extra_gateway(stack: LocalStack, env: dict[str, str], log_dir: Path, name: str = "gateway-unbounded") -> Service:
@@ -168,8 +253,14 @@ def main() -> None:
             for level in (1, 2, 4):
                 runs: dict[str, list[dict]] = {"admission": [], "unbounded": []}
                 for k, side in enumerate(("admission", "unbounded", "unbounded", "admission")):
-                    r = asyncio.run(open_loop(f"{sides[side]}/v1/chat/completions", stack.model_name, cap * level,
-                                              seconds / 2, args.client_timeout, seed=level * 10 + k))
+                    waited = settle(stack.llms[0].url, list(sides.values()))
+                    meter = CpuMeter({"gateway": pids[side], "encoder": stack.encoders[0].proc.pid,
+                                      "llm": llm_pid})
+                    with meter:
+                        r = asyncio.run(open_loop(f"{sides[side]}/v1/chat/completions", stack.model_name,
+                                                  cap * level, seconds / 2, args.client_timeout, seed=level * 10 + k))
+                    r["cpu_cores"] = meter.cores
+                    r["settled_s"] = waited
                     runs[side].append(r)
                     print(f"{level}x {side}: {r}", flush=True)
                 result["levels"][f"{level}x"] = runs

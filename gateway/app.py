@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.errors import install_error_handlers
-from gateway.limits import BodyLimitMiddleware, body_limit
+from gateway.limits import BodyLimitMiddleware, ShedMiddleware, body_limit
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import install_openapi
 from gateway.routes import chat, dashboard, health, models
@@ -41,6 +41,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.include_router(module.router)
         paths.update(getattr(r, "path", "") for r in module.router.routes)
     app.add_middleware(BodyLimitMiddleware, limit=body_limit(settings.max_request_media_bytes))
+    # inside the metrics (a shed request is counted), before the body is read
+    app.add_middleware(ShedMiddleware, state_of=lambda: getattr(app.state, "gateway", None),
+                       paths=frozenset({"/v1/chat/completions"}), on_shed=metrics.rejected.labels("gateway").inc)
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=frozenset(paths))
     app.state.metrics = metrics
     return app

@@ -6,6 +6,7 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.auth import key_ok
 from gateway.errors import APIError
 
 
@@ -42,3 +43,40 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class ShedMiddleware:
+    """A chat request arriving while the admission gate is full (every slot taken, the queue
+    full) is answered 429 with ``Retry-After`` here, before its body is read, parsed or
+    validated: under overload most requests are refused, and each refusal should cost the
+    event loop as little as it can. What ``acquire`` would answer, only cheaper; requests with a
+    key that is not valid (when keys are configured) go on to the route, which answers 401."""
+
+    def __init__(self, app: ASGIApp, state_of, paths: frozenset[str], on_shed) -> None:
+        self.app = app
+        self.state_of = state_of  # () -> GatewayState (built in the lifespan)
+        self.paths = paths
+        self.on_shed = on_shed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
+            state = self.state_of()
+            if state is not None and self._key_ok(scope, state.settings.api_keys):
+                refused = state.admission.shed()
+                if refused is not None:
+                    self.on_shed()
+                    response = APIError(429, refused.message, code="overloaded",
+                                        headers={"Retry-After": str(refused.retry_after)}).response()
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _key_ok(scope: Scope, keys: list[str]) -> bool:
+        if not keys:
+            return True
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and key_ok(token.strip(), keys)
+        return False

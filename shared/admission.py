@@ -78,6 +78,14 @@ class Admission:
             retry_after=max(1, math.ceil(self.queued / self.cfg.max_in_flight)),
         )
 
+    def shed(self) -> Overloaded | None:
+        """``Overloaded`` (counted as a rejection) when ``acquire`` would refuse at once: every
+        slot taken and the queue full. Lets a service answer the 429 before it reads or parses
+        the request (under 4x overload most requests are refused; each should cost little)."""
+        if self.in_flight >= self.cfg.max_in_flight and len(self._waiters) >= self.cfg.max_queue:
+            return self._refuse(f"{self.in_flight} requests in flight, {self.queued} queued")
+        return None
+
     async def acquire(self) -> Ticket:
         """A ticket now, after a wait in the queue, or ``Overloaded``."""
         if self.in_flight < self.cfg.max_in_flight and not self._waiters:

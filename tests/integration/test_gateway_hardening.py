@@ -219,6 +219,37 @@ def test_past_its_admission_bound_the_gateway_answers_429_with_retry_after(upstr
         server.stop()
 
 
+def test_a_full_gate_answers_429_before_reading_the_body(upstreams):
+    """Under overload the 429 comes before the body is parsed: a body that is not even JSON
+    gets the 429 (its parse would have been a 400), and a request with a wrong key still 401s."""
+    enc, llm = upstreams
+    server = ServerThread(create_app(settings(enc, llm, max_in_flight=1, max_queue=0, api_keys=["k1"]))).start()
+    auth = {"authorization": "Bearer k1"}
+    try:
+        slow = chat({"type": "text", "text": "SLOW"}, stream=True)
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            with c.stream("POST", "/v1/chat/completions", json=slow, headers=auth) as first:
+                assert first.status_code == 200
+                r = c.post("/v1/chat/completions", content=b"{not json", headers=auth)
+                assert r.status_code == 429, r.text
+                assert r.json()["error"]["code"] == "overloaded" and int(r.headers["retry-after"]) >= 1
+                bad_key = c.post("/v1/chat/completions", content=b"{not json", headers={"authorization": "Bearer no"})
+                assert bad_key.status_code == 401
+            gate = server.server.config.app.state.gateway.admission
+            deadline = time.monotonic() + 10
+            while gate.in_flight:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            # with room again the same body is parsed and refused for what it is
+            assert c.post("/v1/chat/completions", content=b"{not json", headers=auth).status_code == 400
+            metrics = c.get("/metrics").text
+            assert 'mmserve_gateway_overload_rejections_total{by="gateway"} 1.0' in metrics
+            assert 'mmserve_gateway_requests_total{route="/v1/chat/completions",status="429"} 1.0' in metrics
+        gate.check_integrity()
+    finally:
+        server.stop()
+
+
 def test_the_deadline_travels_to_the_llm(gw, upstreams):
     _, llm = upstreams
     r = httpx.post(gw.url + "/v1/chat/completions", json=chat({"type": "text", "text": "x"}), timeout=30)
