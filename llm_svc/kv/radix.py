@@ -66,6 +66,7 @@ class RadixCache(EvictionMixin, HostMixin):
             "node_evictions": 0, "swa_evictions": 0, "revived_tokens": 0,
             "demoted_full": 0, "demoted_swa": 0, "loaded_full": 0, "loaded_swa": 0,
             "host_evictions": 0, "host_swa_evictions": 0, "host_inserted_full": 0, "host_inserted_swa": 0,
+            "eviction_scans": 0,  # passes over every node to find eviction candidates
         }
 
     @property
