@@ -3,15 +3,21 @@ and without it (the same stack with unbounded gateway admission: what a plain qu
 does), side by side on one encoder + one LLM, sides alternated A-B-B-A per level.
 
 Per side and level: goodput (200s per second), share of 429s, 5xx count, p50/p99 latency of the
-admitted (200) requests, and RSS of gateway and LLM service before/after. Capacity is measured
-first: closed loops of ``--clients``, 2x, 4x, ... concurrent requests (the engine batches, so a
-few clients are not the stack's capacity), until throughput stops rising by 10%; capacity is the
-best of them, and our admission window (in flight = queue) is the concurrency that reached it. Mixed traffic: text chats and small-image
-chats (one in four). Open-loop Poisson arrivals; a client gives up after ``--client-timeout`` s
-(counted as failed, not as goodput). Targets (issue 11): goodput at 4x >= 90% of goodput at 1x,
-no 5xx, memory flat. The last line is a JSON object.
+admitted (200) requests, CPU cores used by each process (gateway, encoder, LLM front, engine
+core, the load generator) and by the machine, and RSS of gateway and LLM service before/after.
+Capacity is measured first: closed loops of ``--clients``, 2x, 4x, ... concurrent requests (the
+engine batches, so a few clients are not the stack's capacity), until throughput stops rising
+by 10%; capacity is the best of them, and our admission window (in flight = queue) is the
+concurrency that reached it. Mixed traffic: text chats and small-image chats (one in four).
+Open-loop Poisson arrivals from a lean keep-alive HTTP client (``benchmarks._lean_client``:
+httpx itself took 0.85 of the 2 cores at 250 rps), bodies built before the clock starts; a
+client gives up after ``--client-timeout`` s (counted as failed, not as goodput). Before each
+run the stack is let settle (nothing in flight in the LLM or either gateway: the unbounded
+side leaves a backlog). Targets (issue 11): goodput at 4x >= 90% of goodput at 1x, no 5xx,
+memory flat. Wall-clock. The last line is a JSON object.
 
-    python -m benchmarks.overload --quick      # ~2-3 minutes
+    python -m benchmarks.overload --quick      # ~4 minutes (4 s per side and level: noisy)
+    python -m benchmarks.overload --seconds 30 # ~12 minutes
 """
 
 from __future__ import annotations
@@ -192,7 +198,7 @@ def _gauges(url: str, names: tuple[str, ...]) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split(" ", 1)[0] in names)
 
 
-def settle(llm_url: str, gateway_urls: list[str], timeout: float = 90.0) -> float:
+def settle(llm_url: str, gateway_urls: list[str], timeout: float = 300.0) -> float:
     """Wait until nothing is in flight anywhere (work a previous run left behind, e.g. the
     unbounded side's backlog, would otherwise be served during the next run); seconds waited."""
     t0 = time.monotonic()

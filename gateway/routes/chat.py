@@ -39,23 +39,29 @@ class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
 
 
-async def until_disconnect(request: Request, work: Awaitable[T], timeout: float, poll_s: float = 0.2) -> T:
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone: the body is read, so the server's next ASGI message is
+    ``http.disconnect`` (a waiter, not a poll: a gateway holding thousands of requests spends
+    nothing on the ones still waiting, as vLLM's ``listen_for_disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], timeout: float) -> T:
     """``await work``, cancelling it if the client disconnects or ``timeout`` s pass first."""
     task = asyncio.ensure_future(work)
-    deadline = asyncio.get_running_loop().time() + timeout
+    gone = asyncio.ensure_future(_disconnected(request))
     returned = False
     try:
-        while True:
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                raise UpstreamError(f"request timed out after {timeout:g}s", status=504)
-            done, _ = await asyncio.wait({task}, timeout=min(poll_s, left))
-            if done:
-                returned = True
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientGone()
+        done, _ = await asyncio.wait({task, gone}, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            returned = True
+            return task.result()
+        if gone in done:
+            raise ClientGone()
+        raise UpstreamError(f"request timed out after {timeout:g}s", status=504)
     finally:
+        gone.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -64,6 +70,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float,
             aclose = getattr(task.result(), "aclose", None)
             if aclose is not None:
                 await aclose()
+        await asyncio.gather(gone, return_exceptions=True)
 
 
 async def prepare(
