@@ -267,6 +267,7 @@ def main() -> None:
                         other.start()
                         wait_ready([other], 120)
                         waited += settle(stack.llms[0].url, list(sides.values()))
+                    pids["unbounded"] = other.proc.pid  # restarted above, maybe
                     meter = CpuMeter({"gateway": pids[side], "encoder": stack.encoders[0].proc.pid,
                                       "llm": llm_pid})
                     with meter:

@@ -12,7 +12,8 @@ Policy (documented in the README, "Tiered KV"):
 * Host pools: least recently used first, never a locked node; a host-only node goes only as a
   leaf (its parent may follow), a device-resident node just loses its host copy.
 * Slack: finding candidates is a scan of every node, so once a pool must evict it frees
-  ``EVICT_SLACK`` of its size beyond what was asked (when that much is evictable). With full
+  ``EVICT_SLACK`` of its size beyond what was asked (when that much is evictable; device SWA
+  ``SWA_EVICT_SLACK``). With full
   pools every decode step asks for a slot per sequence; without slack each ask rescanned the
   tree (tens of thousands of nodes after a few thousand requests: the engine ran 5x slower
   once its pools filled). The cache holds at most that fraction less.
@@ -26,13 +27,16 @@ import math
 from llm_svc.kv.radix_node import NO_SLOT, Node
 
 EVICT_SLACK = 1 / 64  # of a pool's slots, freed beyond the ask once a scan is needed
+# device SWA asks come with every prefill and decode (windows are small, the pool is too), and
+# its candidates are sorted: more slack (the cached windows lost are the least recently needed)
+SWA_EVICT_SLACK = 1 / 16
 
 
-def with_slack(needed: int, pool_slots: int, evictable: int) -> int:
+def with_slack(needed: int, pool_slots: int, evictable: int, slack: float | None = None) -> int:
     """What to free when ``needed`` slots are asked of a pool of ``pool_slots`` (0 stays 0)."""
     if needed <= 0:
         return 0
-    return max(needed, min(evictable, math.ceil(pool_slots * EVICT_SLACK)))
+    return max(needed, min(evictable, math.ceil(pool_slots * (EVICT_SLACK if slack is None else slack))))
 
 
 class EvictionMixin:
@@ -49,7 +53,7 @@ class EvictionMixin:
         """Free at least the asked numbers of device slots if possible; returns ``(full, swa)`` freed."""
         freed_full = freed_swa = 0
         full_needed = with_slack(full_needed, self.full_pool.num_slots, self.evictable_full())
-        swa_needed = with_slack(swa_needed, self.swa_pool.num_slots, self.evictable_swa())
+        swa_needed = with_slack(swa_needed, self.swa_pool.num_slots, self.evictable_swa(), SWA_EVICT_SLACK)
         if full_needed > 0:
             self.stats["eviction_scans"] += 1
             heap = [self._leaf_key(n) for n in self._nodes

@@ -34,6 +34,7 @@ def churn(n_requests: int = 1200) -> tuple[dict, list]:
 def test_full_pools_scan_the_tree_rarely(monkeypatch):
     with_slack, outs = churn()
     monkeypatch.setattr(radix_evict, "EVICT_SLACK", 0.0)
+    monkeypatch.setattr(radix_evict, "SWA_EVICT_SLACK", 0.0)
     without, outs_without = churn()
     assert without["node_evictions"] > 100  # the pools did fill and churn
     assert outs == outs_without  # eviction is bookkeeping: the same tokens either way
@@ -45,3 +46,4 @@ def test_slack_never_exceeds_what_is_evictable():
     assert radix_evict.with_slack(3, 6400, 6400) == 100
     assert radix_evict.with_slack(3, 6400, 40) == 40
     assert radix_evict.with_slack(300, 6400, 6400) == 300
+    assert radix_evict.with_slack(3, 6400, 6400, slack=1 / 16) == 400

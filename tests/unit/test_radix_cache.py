@@ -150,7 +150,10 @@ def test_eviction_lru_whole_nodes_dead_leaves_first(tree):
     assert (peek(b), peek(a)) == (0, 5)
 
 
-def test_swa_only_eviction_keeps_full_and_is_revivable(tree):
+def test_swa_only_eviction_keeps_full_and_is_revivable(tree, monkeypatch):
+    import llm_svc.kv.radix_evict as radix_evict
+
+    monkeypatch.setattr(radix_evict, "SWA_EVICT_SLACK", 0.0)  # the order, one window at a time
     tree.insert(seq(6, 10))
     tree.insert(seq(6, 20))
     tree.match(seq(6, 10))  # its SWA was needed more recently
