@@ -1,6 +1,7 @@
 """Overload: offered load at 1x, 2x and 4x the stack's capacity, with admission control (ours)
 and without it (the same stack with unbounded gateway admission: what a plain queueing server
-does), side by side on one encoder + one LLM, sides alternated A-B-B-A per level.
+does), side by side on one encoder + one LLM. Runs are mirrored in time (1x A B, 2x B A, 4x A B,
+then the same backwards), so a drift over the run weighs on every level and side alike.
 
 Per side and level: goodput (200s per second), share of 429s, 5xx count, p50/p99 latency of the
 admitted (200) requests, CPU cores used by each process (gateway, encoder, LLM front, engine
@@ -214,6 +215,13 @@ def settle(llm_url: str, gateway_urls: list[str], timeout: float = 300.0) -> flo
     return round(time.monotonic() - t0, 2)
 
 
+# Mirrored over time (forward, then backward), so each level's two runs of each side sit at the
+# same mean position: a drift over the run (the engine's cost grows with its prefix tree) then
+# weighs on every level alike, instead of on 4x, which used to run last.
+_FORWARD = [(1, "admission"), (1, "unbounded"), (2, "unbounded"), (2, "admission"), (4, "admission"), (4, "unbounded")]
+RUN_ORDER = _FORWARD + _FORWARD[::-1]
+
+
 def extra_gateway(stack: LocalStack, env: dict[str, str], log_dir: Path, name: str = "gateway-unbounded") -> Service:
     """A second gateway on the same encoder and LLM, with its own admission settings."""
     port = free_port()
@@ -257,28 +265,26 @@ def main() -> None:
             result["admission_window"] = window
             llm_pid = stack.llms[0].proc.pid
             result["rss_mb_start"] = {"llm": rss_mb(llm_pid), **{k: rss_mb(p) for k, p in pids.items()}}
-            for level in (1, 2, 4):
-                runs: dict[str, list[dict]] = {"admission": [], "unbounded": []}
-                for k, side in enumerate(("admission", "unbounded", "unbounded", "admission")):
-                    waited = settle(stack.llms[0].url, list(sides.values()), timeout=60)
-                    restarted = waited >= 60
-                    if restarted:  # the unbounded side's backlog (httpcore queues it, O(n^2)) would
-                        other.stop()  # still be draining into the next run: start that side afresh
-                        other.start()
-                        wait_ready([other], 120)
-                        waited += settle(stack.llms[0].url, list(sides.values()))
-                    pids["unbounded"] = other.proc.pid  # restarted above, maybe
-                    meter = CpuMeter({"gateway": pids[side], "encoder": stack.encoders[0].proc.pid,
-                                      "llm": llm_pid})
-                    with meter:
-                        r = asyncio.run(open_loop(f"{sides[side]}/v1/chat/completions", stack.model_name,
-                                                  cap * level, seconds / 2, args.client_timeout, seed=level * 10 + k))
-                    r["cpu_cores"] = meter.cores
-                    r["settled_s"] = waited
-                    r["unbounded_restarted_before"] = restarted
-                    runs[side].append(r)
-                    print(f"{level}x {side}: {r}", flush=True)
-                result["levels"][f"{level}x"] = runs
+            result["levels"] = {f"{lv}x": {"admission": [], "unbounded": []} for lv in (1, 2, 4)}
+            for i, (level, side) in enumerate(RUN_ORDER):
+                waited = settle(stack.llms[0].url, list(sides.values()), timeout=60)
+                restarted = waited >= 60
+                if restarted:  # the unbounded side's backlog (httpcore queues it, O(n^2)) would
+                    other.stop()  # still be draining into the next run: start that side afresh
+                    other.start()
+                    wait_ready([other], 120)
+                    waited += settle(stack.llms[0].url, list(sides.values()))
+                pids["unbounded"] = other.proc.pid  # restarted above, maybe
+                meter = CpuMeter({"gateway": pids[side], "encoder": stack.encoders[0].proc.pid, "llm": llm_pid})
+                with meter:
+                    r = asyncio.run(open_loop(f"{sides[side]}/v1/chat/completions", stack.model_name,
+                                              cap * level, seconds / 2, args.client_timeout, seed=level * 10 + i))
+                r["cpu_cores"] = meter.cores
+                r["settled_s"] = waited
+                r["unbounded_restarted_before"] = restarted
+                r["position"] = i
+                result["levels"][f"{level}x"][side].append(r)
+                print(f"{level}x {side}: {r}", flush=True)
             result["rss_mb_end"] = {"llm": rss_mb(llm_pid), **{k: rss_mb(p) for k, p in pids.items()}}
         finally:
             other.stop()
