@@ -73,15 +73,13 @@ class EvictionMixin:
         if swa_needed > freed_swa:
             self.stats["eviction_scans"] += 1
             # windows at branch points (>= 2 children: e.g. the end of a shared system prompt)
-            # go last; among the rest, least recently needed first
-            cands = sorted(
-                (n for n in self._nodes if n.num_swa and not n.swa_holders),
-                key=lambda n: (len(n.children) >= 2, n.swa_access),
-            )
-            for node in cands:
-                if freed_swa >= swa_needed:
-                    break
-                freed_swa += self._tombstone(node)
+            # go last; among the rest, least recently needed first (a heap: only what is freed
+            # is ordered, not every candidate)
+            heap = [(len(n.children) >= 2, n.swa_access, id(n), n)
+                    for n in self._nodes if n.num_swa and not n.swa_holders]
+            heapq.heapify(heap)
+            while heap and freed_swa < swa_needed:
+                freed_swa += self._tombstone(heapq.heappop(heap)[3])
         return freed_full, freed_swa
 
     @staticmethod
