@@ -1,22 +1,26 @@
 """Overload: offered load at 1x, 2x and 4x the stack's capacity, with admission control (ours)
 and without it (the same stack with unbounded gateway admission: what a plain queueing server
-does), side by side on one encoder + one LLM. Runs are mirrored in time (1x A B, 2x B A, 4x A B,
-then the same backwards), so a drift over the run weighs on every level and side alike.
+does), side by side in one run. Each side has a stack of its own (encoder, LLM, gateway, all
+alive for the whole run), so neither side's history (its prefix tree, its pools, a backlog still
+draining) can weigh on the other's runs. Runs are mirrored in time (1x A B, 2x B A, 4x A B, then
+the same backwards), so a drift over the run weighs on every level and side alike.
 
 Per side and level: goodput (200s per second), share of 429s, 5xx count, p50/p99 latency of the
 admitted (200) requests, CPU cores used by each process (gateway, encoder, LLM front, engine
-core, the load generator) and by the machine, and RSS of gateway and LLM service before/after.
-Capacity is measured first: closed loops of ``--clients``, 2x, 4x, ... concurrent requests (the
-engine batches, so a few clients are not the stack's capacity), until throughput stops rising
-by 10%; capacity is the best of them, and our admission window (in flight = queue) is the
-concurrency that reached it. Mixed traffic: text chats and small-image chats (one in four).
-Open-loop Poisson arrivals from a lean keep-alive HTTP client (``benchmarks._lean_client``:
-httpx itself took 0.85 of the 2 cores at 250 rps), bodies built before the clock starts; a
-client gives up after ``--client-timeout`` s (counted as failed, not as goodput). Before each
-run the stack is let settle (nothing in flight in the LLM or either gateway); the unbounded
-side's backlog can take minutes to drain (httpcore's pool matches its queued requests to
-connections in O(n^2)), so after 60 s that gateway is restarted. Targets (issue 11): goodput at 4x >= 90% of goodput at 1x, no 5xx,
-memory flat. Wall-clock. The last line is a JSON object.
+core, the load generator), by the other side's whole stack and by the machine, and RSS of
+gateway and LLM service at the start and after each run. Capacity is measured first, on the
+unbounded side: closed loops of ``--clients``, 2x, 4x, ... concurrent requests (the engine batches, so a few clients
+are not the stack's capacity), until throughput stops rising by 10%; capacity is the best of
+them, and our admission window (in flight = queue) is the concurrency that reached it. Mixed
+traffic: text chats and small-image chats (one in four). Open-loop Poisson arrivals from a lean
+keep-alive HTTP client (``benchmarks._lean_client``: httpx itself took 0.85 of the 2 cores at
+250 rps), bodies built before the clock starts; a client gives up after ``--client-timeout`` s
+(counted as failed, not as goodput). Before each run both stacks are let settle: nothing in
+flight in either LLM or gateway, and the machine quiet. The unbounded side's backlog can take
+minutes to drain (httpcore's pool matches its queued requests to connections in O(n^2)): a
+draining gateway would take the cores of the next run, whichever side it is, so after 60 s that
+gateway is restarted. Targets (issue 11): goodput at 4x >= 90% of goodput at 1x, no 5xx, memory
+flat. Wall-clock. The last line is a JSON object.
 
     python -m benchmarks.overload --quick      # ~4 minutes (4 s per side and level: noisy)
     python -m benchmarks.overload --seconds 30 # ~12 minutes
@@ -88,11 +92,13 @@ def cpu_s(pid: int, children: bool = True) -> float:
 class CpuMeter:
     """CPU cores used by each named process (and this one: the load generator) over a run."""
 
-    def __init__(self, pids: dict[str, int]) -> None:
+    def __init__(self, pids: dict[str, int], others: list[int] = ()) -> None:
         self.pids = pids
+        self.others = list(others)  # the other side's processes: should stay idle during a run
 
     def _read(self) -> dict[str, float]:
         out = {k: cpu_s(p) for k, p in self.pids.items()}
+        out["other_side"] = sum(cpu_s(p) for p in self.others)
         if "llm" in self.pids:  # the front alone, and its engine core
             out["llm_core"] = cpu_s(self.pids["llm"], children="only")
             out["llm"] -= out["llm_core"]
@@ -200,19 +206,30 @@ def _gauges(url: str, names: tuple[str, ...]) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split(" ", 1)[0] in names)
 
 
-def settle(llm_url: str, gateway_urls: list[str], timeout: float = 300.0) -> float:
-    """Wait until nothing is in flight anywhere (work a previous run left behind, e.g. the
-    unbounded side's backlog, would otherwise be served during the next run); seconds waited."""
+def machine_cores(window: float = 1.0) -> float:
+    """Cores the whole machine kept busy over the next ``window`` seconds."""
+    b0, t0 = machine_busy_s(), time.monotonic()
+    time.sleep(window)
+    return (machine_busy_s() - b0) / (time.monotonic() - t0)
+
+
+QUIET_CORES = 0.3  # the machine counts as quiet below this (idle stacks and the OS use ~0.05)
+
+
+def settle(llm_urls: list[str], gateway_urls: list[str], timeout: float = 300.0) -> float:
+    """Wait until nothing is in flight anywhere and the machine is quiet (work a previous run left
+    behind, e.g. the unbounded side's backlog, would otherwise take the next run's cores); the
+    seconds waited (``timeout`` or more: it did not settle)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        busy = _gauges(llm_url, ("mmserve_llm_admitted_in_flight", "mmserve_llm_running_requests",
-                                 "mmserve_llm_waiting_requests"))
+        busy = sum(_gauges(u, ("mmserve_llm_admitted_in_flight", "mmserve_llm_running_requests",
+                               "mmserve_llm_waiting_requests")) for u in llm_urls)
         busy += sum(_gauges(u, ("mmserve_gateway_admitted_in_flight", "mmserve_gateway_admission_queued"))
                     for u in gateway_urls)
-        if busy == 0:
-            break
+        if busy == 0 and machine_cores(0.5) < QUIET_CORES:
+            return round(time.monotonic() - t0, 2)
         time.sleep(0.25)
-    return round(time.monotonic() - t0, 2)
+    return round(max(timeout, time.monotonic() - t0), 2)
 
 
 # Mirrored over time (forward, then backward), so each level's two runs of each side sit at the
@@ -222,14 +239,21 @@ _FORWARD = [(1, "admission"), (1, "unbounded"), (2, "unbounded"), (2, "admission
 RUN_ORDER = _FORWARD + _FORWARD[::-1]
 
 
-def extra_gateway(stack: LocalStack, env: dict[str, str], log_dir: Path, name: str = "gateway-unbounded") -> Service:
-    """A second gateway on the same encoder and LLM, with its own admission settings."""
+def bounded_gateway(stack: LocalStack, env: dict[str, str], log_dir: Path, name: str) -> Service:
+    """A second gateway on ``stack``'s encoder and LLM, with its own admission settings."""
     port = free_port()
     argv = [sys.executable, "-m", "shared.cli", "gateway", "--host", "127.0.0.1", "--port", str(port),
             "--model-name", stack.model_name, "--encoder-urls", ",".join(s.url for s in stack.encoders),
             "--llm-urls", ",".join(s.url for s in stack.llms)]
     genv = {**stack.gateway.env, **{f"MMSERVE_GATEWAY_{k.upper()}": v for k, v in env.items()}}
     return Service(name, f"http://127.0.0.1:{port}", argv, genv, log_dir / f"{name}.log")
+
+
+UNBOUNDED = {"max_in_flight": "100000", "max_queue": "0"}
+
+
+def stack_pids(stack: LocalStack, gateway: Service) -> list[int]:
+    return [gateway.proc.pid, *(s.proc.pid for s in (*stack.encoders, *stack.llms))]
 
 
 def main() -> None:
@@ -243,53 +267,55 @@ def main() -> None:
     seconds = args.seconds or (8.0 if args.quick else 60.0)
     log_dir = Path(tempfile.mkdtemp(prefix="mmserve-overload-"))
     model = args.model or str(write_tiny_model(log_dir / "tiny-mimo", arch="mimo"))
-    spec = StackSpec(model_dir=model, gateway_port=0)
     result: dict = {"bench": "overload", "quick": args.quick, "seconds_per_level": seconds, "levels": {}}
-    with LocalStack(spec, log_dir=log_dir) as stack:
-        stack.wait_ready(timeout=300)
-        other = extra_gateway(stack, {"max_in_flight": "100000", "max_queue": "0"}, log_dir)
-        other.start()
-        ours = None
+    # one stack per side; the unbounded side's own gateway is the baseline, ours is added once
+    # the capacity (and so the admission window) is known
+    base = LocalStack(StackSpec(model_dir=model, gateway_port=0, gateway_env=UNBOUNDED), log_dir=log_dir / "unbounded")
+    mine = LocalStack(StackSpec(model_dir=model, gateway_port=0), log_dir=log_dir / "admission")
+    with base, mine:
+        base.wait_ready(timeout=300)
+        mine.wait_ready(timeout=300)
+        other = base.gateway
+        cap, window = asyncio.run(saturation(f"{other.url}/v1/chat/completions", base.model_name, args.clients,
+                                             seconds))
+        # ours: an admission window sized at the concurrency that reached capacity
+        bound = {"max_in_flight": str(window), "max_queue": str(window), "queue_timeout": "2"}
+        ours = bounded_gateway(mine, bound, mine.log_dir, name="gateway-admission")
+        ours.start()
         try:
-            wait_ready([other], 120)
-            cap, window = asyncio.run(saturation(f"{other.url}/v1/chat/completions", stack.model_name, args.clients,
-                                                 seconds))
-            # ours: an admission window sized at the concurrency that reached capacity
-            bound = {"max_in_flight": str(window), "max_queue": str(window), "queue_timeout": "2"}
-            ours = extra_gateway(stack, bound, log_dir, name="gateway-admission")
-            ours.start()
             wait_ready([ours], 120)
-            sides = {"admission": ours.url, "unbounded": other.url}
-            pids = {"admission": ours.proc.pid, "unbounded": other.proc.pid}
+            stacks = {"admission": (mine, ours), "unbounded": (base, other)}
+            llm_urls = [base.llms[0].url, mine.llms[0].url]
+            gateway_urls = [ours.url, other.url]
             result["capacity_rps"] = round(cap, 3)
             result["admission_window"] = window
-            llm_pid = stack.llms[0].proc.pid
-            result["rss_mb_start"] = {"llm": rss_mb(llm_pid), **{k: rss_mb(p) for k, p in pids.items()}}
+            pids = {side: (g.proc.pid, st.llms[0].proc.pid) for side, (st, g) in stacks.items()}
+            result["rss_mb_start"] = {side: {"gateway": rss_mb(g), "llm": rss_mb(llm)} for side, (g, llm) in pids.items()}
             result["levels"] = {f"{lv}x": {"admission": [], "unbounded": []} for lv in (1, 2, 4)}
             for i, (level, side) in enumerate(RUN_ORDER):
-                waited = settle(stack.llms[0].url, list(sides.values()), timeout=60)
+                waited = settle(llm_urls, gateway_urls, timeout=60)
                 restarted = waited >= 60
                 if restarted:  # the unbounded side's backlog (httpcore queues it, O(n^2)) would
-                    other.stop()  # still be draining into the next run: start that side afresh
-                    other.start()
-                    wait_ready([other], 120)
-                    waited += settle(stack.llms[0].url, list(sides.values()))
-                pids["unbounded"] = other.proc.pid  # restarted above, maybe
-                meter = CpuMeter({"gateway": pids[side], "encoder": stack.encoders[0].proc.pid, "llm": llm_pid})
+                    base.restart(other)  # still be draining into the next run: start that gateway afresh
+                    waited += settle(llm_urls, gateway_urls)
+                st, gw = stacks[side]
+                other_side = "unbounded" if side == "admission" else "admission"
+                meter = CpuMeter({"gateway": gw.proc.pid, "encoder": st.encoders[0].proc.pid, "llm": st.llms[0].proc.pid},
+                                 others=stack_pids(*stacks[other_side]))
                 with meter:
-                    r = asyncio.run(open_loop(f"{sides[side]}/v1/chat/completions", stack.model_name,
+                    r = asyncio.run(open_loop(f"{gw.url}/v1/chat/completions", st.model_name,
                                               cap * level, seconds / 2, args.client_timeout, seed=level * 10 + i))
                 r["cpu_cores"] = meter.cores
+                r["rss_mb_after"] = {"gateway": rss_mb(gw.proc.pid), "llm": rss_mb(st.llms[0].proc.pid)}
                 r["settled_s"] = waited
                 r["unbounded_restarted_before"] = restarted
                 r["position"] = i
                 result["levels"][f"{level}x"][side].append(r)
                 print(f"{level}x {side}: {r}", flush=True)
-            result["rss_mb_end"] = {"llm": rss_mb(llm_pid), **{k: rss_mb(p) for k, p in pids.items()}}
+            pids = {side: (g.proc.pid, st.llms[0].proc.pid) for side, (st, g) in stacks.items()}
+            result["rss_mb_end"] = {side: {"gateway": rss_mb(g), "llm": rss_mb(llm)} for side, (g, llm) in pids.items()}
         finally:
-            other.stop()
-            if ours is not None:
-                ours.stop()
+            ours.stop()
 
     def goodput(side: str, level: str) -> float:
         return sum(r["goodput_rps"] for r in result["levels"][level][side]) / 2
