@@ -1,28 +1,28 @@
-"""Overload: offered load at 1x, 2x and 4x the stack's capacity, with admission control (ours)
-and without it (the same stack with unbounded gateway admission: what a plain queueing server
-does), side by side in one run. Each side has a stack of its own (encoder, LLM, gateway, all
-alive for the whole run), so neither side's history (its prefix tree, its pools, a backlog still
-draining) can weigh on the other's runs. Runs are mirrored in time (1x A B, 2x B A, 4x A B, then
-the same backwards), so a drift over the run weighs on every level and side alike.
+"""Overload: offered load at 1x, 2x and 4x the stack's capacity, with admission control (ours) and
+without it (the same stack with unbounded gateway admission: what a plain queueing server does),
+side by side in one run. Each side has a stack of its own (encoder, LLM, gateway, all alive for
+the whole run), so neither side's history (its prefix tree, its pools, a backlog still draining)
+can weigh on the other's runs. Runs are mirrored in time (1x A B, 2x B A, 4x A B, then the same
+backwards), so a drift over the run weighs on every level and side alike.
 
 Per side and level: goodput (200s per second), share of 429s, 5xx count, p50/p99 latency of the
 admitted (200) requests, CPU cores used by each process (gateway, encoder, LLM front, engine
 core, the load generator), by the other side's whole stack and by the machine, and RSS of
 gateway and LLM service at the start and after each run. Capacity is measured first, on the
-unbounded side: closed loops of ``--clients``, 2x, 4x, ... concurrent requests (the engine batches, so a few clients
-are not the stack's capacity), until throughput stops rising by 10%; capacity is the best of
-them, and our admission window (in flight = queue) is the concurrency that reached it. Mixed
-traffic: text chats and small-image chats (one in four). Open-loop Poisson arrivals from a lean
-keep-alive HTTP client (``benchmarks._lean_client``: httpx itself took 0.85 of the 2 cores at
-250 rps), bodies built before the clock starts; a client gives up after ``--client-timeout`` s
-(counted as failed, not as goodput). Before each run both stacks are let settle: nothing in
-flight in either LLM or gateway, and the machine quiet. The unbounded side's backlog can take
-minutes to drain (httpcore's pool matches its queued requests to connections in O(n^2)): a
-draining gateway would take the cores of the next run, whichever side it is, so after 60 s that
-gateway is restarted. Targets (issue 11): goodput at 4x >= 90% of goodput at 1x, no 5xx, memory
-flat. Wall-clock. The last line is a JSON object.
+unbounded side: closed loops of ``--clients``, 2x, 4x, ... concurrent requests (the engine
+batches, so a few clients are not the stack's capacity), until throughput stops rising by 10%;
+capacity is the best of them, and our admission window (in flight = queue) is the concurrency
+that reached it. Mixed traffic: text chats and small-image chats (one in four). Open-loop
+Poisson arrivals from a lean keep-alive HTTP client (``benchmarks._lean_client``: httpx itself
+took 0.85 of the 2 cores at 250 rps), bodies built before the clock starts; a client gives up
+after ``--client-timeout`` s (counted as failed, not as goodput). Before each run both stacks
+are let settle: nothing in flight in either LLM or gateway, and the machine quiet. The unbounded
+side's backlog can take minutes to drain (httpcore's pool matches its queued requests to
+connections in O(n^2)): a draining gateway would take the cores of the next run, whichever side
+it is, so after 60 s that gateway is restarted. Targets (issue 11): goodput at 4x >= 90% of
+goodput at 1x, no 5xx, memory flat. Wall-clock. The last line is a JSON object.
 
-    python -m benchmarks.overload --quick      # ~4 minutes (4 s per side and level: noisy)
+    python -m benchmarks.overload --quick      # ~3 minutes (4 s per side and level: noisy)
     python -m benchmarks.overload --seconds 30 # ~12 minutes
 """
 

@@ -53,6 +53,11 @@ class RadixCache(EvictionMixin, HostMixin):
         self.root = Node([], [], [], None)
         self.root.full_lock = 1  # never evicted
         self._nodes: set[Node] = set()
+        # the nodes holding device / host SWA (num_swa / num_hswa > 0): SWA eviction picks among
+        # these, not among every node (most nodes' windows are long gone; the tree grows to tens
+        # of thousands of nodes and SWA is asked for on every step)
+        self._swa_nodes: set[Node] = set()
+        self._hswa_nodes: set[Node] = set()
         self._clock = itertools.count(1)
         self.full_tokens = 0  # device full slots owned by the tree
         self.swa_tokens = 0  # device SWA slots owned by the tree
@@ -228,6 +233,8 @@ class RadixCache(EvictionMixin, HostMixin):
             node.hswa = node.hswa[k:]
         node.num_swa -= pre.num_swa
         node.num_hswa -= pre.num_hswa
+        for n in (pre, node):
+            self._swa_index(n)
         pre.full_lock = node.full_lock
         pre.swa_holders = set(node.swa_holders)
         for h in pre.swa_holders:  # conservative: holders of the suffix also pin the prefix
@@ -305,6 +312,7 @@ class RadixCache(EvictionMixin, HostMixin):
                 new = Node(list(keys[pos:]), list(full[pos:]), list(swa[pos:]), node)
                 node.children[keys[pos]] = new
                 self._nodes.add(new)
+                self._swa_index(new)
                 self.full_tokens += len(new.key)
                 self.swa_tokens += new.num_swa
                 added = n_tok - pos
@@ -353,6 +361,12 @@ class RadixCache(EvictionMixin, HostMixin):
         self.swa_tokens += delta
         if node.swa_holders:
             self.locked_swa += delta
+        self._swa_index(node)
+
+    def _swa_index(self, node: Node) -> None:
+        """Keep ``node``'s membership of the device / host SWA indexes in step with its counts."""
+        (self._swa_nodes.add if node.num_swa else self._swa_nodes.discard)(node)
+        (self._hswa_nodes.add if node.num_hswa else self._hswa_nodes.discard)(node)
 
     # ------------------------------------------------------------------ checks
     @property
@@ -412,6 +426,8 @@ class RadixCache(EvictionMixin, HostMixin):
                 seen.add(c)
                 stack.append(c)
         assert seen == self._nodes, "node registry differs from the tree"
+        assert self._swa_nodes == {n for n in seen if n.num_swa}, "device SWA index stale"
+        assert self._hswa_nodes == {n for n in seen if n.num_hswa}, "host SWA index stale"
         assert (full_tokens, swa_tokens, locked_full, locked_swa, hfull_tokens, hswa_tokens) == (
             self.full_tokens, self.swa_tokens, self.locked_full, self.locked_swa,
             self.host_full_tokens, self.host_swa_tokens,

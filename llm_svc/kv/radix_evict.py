@@ -11,7 +11,10 @@ Policy (documented in the README, "Tiered KV"):
   branch points (>= 2 children) last; what the host lacks is copied down first.
 * Host pools: least recently used first, never a locked node; a host-only node goes only as a
   leaf (its parent may follow), a device-resident node just loses its host copy.
-* Slack: finding candidates is a scan of every node, so once a pool must evict it frees
+* Candidates for SWA eviction come from indexes of the nodes holding device / host SWA
+  (``_swa_nodes`` / ``_hswa_nodes``, kept by every change of ``num_swa`` / ``num_hswa``); the
+  device full and host full candidates from a scan of every node.
+* Slack: finding candidates is a scan, so once a pool must evict it frees
   ``EVICT_SLACK`` of its size beyond what was asked (when that much is evictable; device SWA
   ``SWA_EVICT_SLACK``). With full
   pools every decode step asks for a slot per sequence; without slack each ask rescanned the
@@ -76,7 +79,7 @@ class EvictionMixin:
             # go last; among the rest, least recently needed first (a heap: only what is freed
             # is ordered, not every candidate)
             heap = [(len(n.children) >= 2, n.swa_access, id(n), n)
-                    for n in self._nodes if n.num_swa and not n.swa_holders]
+                    for n in self._swa_nodes if not n.swa_holders]
             heapq.heapify(heap)
             while heap and freed_swa < swa_needed:
                 freed_swa += self._tombstone(heapq.heappop(heap)[3])
@@ -98,6 +101,7 @@ class EvictionMixin:
             node.full = None
             node.swa = [NO_SLOT] * len(node.key)
             node.num_swa = 0
+            self._swa_index(node)
             self.stats["demoted_full"] += n_full
             return n_full, n_swa
         return self._remove_subtree(node)
@@ -145,6 +149,7 @@ class EvictionMixin:
         assert not node.children and node.full_lock == 0 and not node.swa_holders
         del node.parent.children[node.key[0]]
         self._nodes.discard(node)
+        self._swa_nodes.discard(node)
         swa = [s for s in node.swa if s != NO_SLOT]
         n_full = 0
         if node.full is not None:
@@ -169,6 +174,7 @@ class EvictionMixin:
         self.swa_pool.free(swa)
         node.swa = [NO_SLOT] * len(node.swa)
         node.num_swa = 0
+        self._swa_index(node)
         self.swa_tokens -= len(swa)
         self.stats["swa_evictions"] += 1
         return len(swa)
@@ -181,6 +187,7 @@ class EvictionMixin:
         self.host_swa_pool.free(slots)
         self.host_swa_tokens -= len(slots)
         node.hswa, node.num_hswa = None, 0
+        self._hswa_nodes.discard(node)
         return len(slots)
 
     def _host_alloc_full(self, n: int, spare: Node | None = None) -> list[int] | None:
@@ -229,11 +236,11 @@ class EvictionMixin:
 
     def _host_evict_swa(self, needed: int, spare: Node | None) -> None:
         self.stats["eviction_scans"] += 1
-        cands = sorted((n for n in self._nodes if n.num_hswa and n is not spare and not n.full_lock),
-                       key=lambda n: (len(n.children) >= 2, n.swa_access))
+        heap = [(len(n.children) >= 2, n.swa_access, id(n), n)
+                for n in self._hswa_nodes if n is not spare and not n.full_lock]
+        heapq.heapify(heap)
         freed = 0
-        for n in cands:
-            if freed >= needed:
-                break
+        while heap and freed < needed:
+            n = heapq.heappop(heap)[3]
             freed += self._drop_hswa(n)
             self.stats["host_swa_evictions"] += 1

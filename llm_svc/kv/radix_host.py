@@ -120,6 +120,7 @@ class HostMixin:
             new = Node(list(keys[raw:]), None, [NO_SLOT] * new_full, node, list(hf), hswa)
             node.children[keys[raw]] = new
             self._nodes.add(new)
+            self._swa_index(new)
             self.host_full_tokens += new_full
             self.host_swa_tokens += new.num_hswa
             out_full = [(raw + i, s) for i, s in enumerate(hf)]
@@ -135,4 +136,5 @@ class HostMixin:
         delta = int(slot != NO_SLOT) - int(node.hswa[i] != NO_SLOT)
         node.hswa[i] = slot
         node.num_hswa += delta
+        self._swa_index(node)
         self.host_swa_tokens += delta

@@ -47,3 +47,26 @@ def test_slack_never_exceeds_what_is_evictable():
     assert radix_evict.with_slack(3, 6400, 40) == 40
     assert radix_evict.with_slack(300, 6400, 6400) == 300
     assert radix_evict.with_slack(3, 6400, 6400, slack=1 / 16) == 400
+
+
+def test_swa_eviction_looks_only_at_nodes_that_hold_swa():
+    """Device and host SWA eviction pick among indexes of the nodes holding SWA, not every node;
+    ``check_integrity`` (run all along, with a host tier) proves the indexes exact, and they are a
+    small part of a tree whose windows are mostly gone."""
+    cfg = SchedulerConfig(max_batch_tokens=256, window=16, max_running=16)
+    sched = Scheduler(cfg, 8192, 2048, num_host_full=16384, num_host_swa=4096)
+    runner = SimRunner(lambda rid: sched.requests[rid], cfg.window)
+    for i in range(600):
+        prompt = [1 + (i * 7919 + k * 31) % 5000 for k in range(48)]
+        sched.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=12, ignore_eos=True)))
+    steps = 0
+    while (batch := sched.schedule()) is not None:
+        sched.postprocess(batch, runner.run(batch))
+        steps += 1
+        if steps % 25 == 0:
+            sched.check_integrity()
+    sched.check_integrity()
+    tree = sched.kv.tree
+    assert tree.stats["swa_evictions"] > 100 and tree.stats["host_swa_evictions"] > 100, tree.stats
+    assert 0 < len(tree._swa_nodes) and len(tree._swa_nodes) * 4 < tree.num_nodes, (len(tree._swa_nodes), tree.num_nodes)
+    assert 0 < len(tree._hswa_nodes) < tree.num_nodes
