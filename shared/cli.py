@@ -35,8 +35,9 @@ def _overrides(args: argparse.Namespace, names: list[str]) -> dict:
 def _serve(app, settings) -> None:
     import uvicorn
 
+    # a bounded graceful shutdown (as the gateway's): an open stream must not hold SIGTERM forever
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_keep_alive=settings.keep_alive_timeout)
+                timeout_keep_alive=settings.keep_alive_timeout, timeout_graceful_shutdown=5)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:

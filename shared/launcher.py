@@ -8,6 +8,7 @@ one file per service. ``LocalStack`` is a context manager: leaving it stops ever
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import logging
@@ -64,6 +65,7 @@ class Service:
     env: dict[str, str]
     log_path: Path
     proc: subprocess.Popen | None = None
+    _termed: subprocess.Popen | None = field(default=None, repr=False)  # the proc already sent SIGTERM
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
@@ -90,18 +92,26 @@ class Service:
             pass
         self.proc.wait(timeout=10.0)
 
+    def terminate(self) -> None:
+        """SIGTERM the service's process group once (a graceful shutdown; a second SIGTERM would
+        make uvicorn skip it); ``stop`` waits for it."""
+        if self.alive() and self.proc is not self._termed:
+            self._termed = self.proc
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
     def stop(self, timeout: float = 10.0) -> None:
+        """Terminate, wait up to ``timeout`` s, then SIGKILL the group and reap it."""
         if not self.alive():
             return
         assert self.proc is not None
+        self.terminate()
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=timeout)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            try:
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.proc.wait(timeout=timeout)
 
     def log_tail(self, n: int = 4000) -> str:
@@ -238,9 +248,14 @@ class LocalStack:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every service at once (the slowest, not the sum, bounds the wait): all get
+        SIGTERM together, then each is waited for until one shared deadline and SIGKILLed past it."""
         for svc in reversed(self.services):
-            svc.stop()
+            svc.terminate()
+        deadline = time.monotonic() + timeout
+        for svc in reversed(self.services):
+            svc.stop(timeout=max(0.1, deadline - time.monotonic()))
 
     def wait_ready(self, timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> None:
         wait_ready(self.services, timeout, progress)

@@ -288,7 +288,11 @@ class EngineCoreClient:
         env = {**os.environ, SETTINGS_ENV: self.settings.model_dump_json()}
         proc = subprocess.Popen(
             [sys.executable, "-m", "llm_svc.core.process", "--epoch", str(self._epoch), "--inputs", in_addr,
-             "--outputs", out_addr, "--parent", str(os.getpid())], env=env)
+             "--outputs", out_addr, "--parent", str(os.getpid())], env=env,
+            # its own process group: a SIGTERM/Ctrl-C meant for the service (``kill -- -PGID``, a
+            # terminal) must not kill the core first, or the watchdog restarts it during shutdown;
+            # the front stops it with CoreShutdown, and PR_SET_PDEATHSIG if the front dies
+            start_new_session=True)
         self._core = _Core(self._epoch, proc, inputs, outputs)
         self._task(self._read(self._core))
         log.info("started engine core pid %d (epoch %d)", proc.pid, self._epoch)

@@ -154,6 +154,39 @@ def test_killed_front_takes_its_core_along(mimo_bundle, tmp_path):
             front.kill()
 
 
+def test_sigterm_to_the_service_group_stops_front_and_core_without_a_restart(mimo_bundle, tmp_path):
+    """``kill -- -PGID`` (what ``mmserve up`` and process managers send): the core is in its own
+    group, so it does not die first and get restarted mid-shutdown; the front stops it with
+    CoreShutdown and exits by the SIGTERM it was sent, with no core left behind."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "llm.log"
+    with open(log, "wb") as out:
+        front = subprocess.Popen([sys.executable, "-m", "shared.cli", "llm", "--model", str(mimo_bundle), "--port",
+                                  str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}")
+        cores = core_processes(front.pid)
+        assert len(cores) == 1
+        assert os.getpgid(cores[0]) != os.getpgid(front.pid)
+        os.killpg(front.pid, signal.SIGTERM)
+        code = front.wait(60)
+        text = log.read_text(errors="replace")
+        assert code in (0, -signal.SIGTERM), text[-3000:]
+        assert "restarting it" not in text and "started engine core" in text, text[-3000:]
+        assert text.count("started engine core") == 1, text[-3000:]
+        deadline = time.monotonic() + 10
+        while alive(cores[0]):
+            assert time.monotonic() < deadline, "the core outlived its service"
+            time.sleep(0.05)
+    finally:
+        if front.poll() is None:
+            front.kill()
+
+
 def test_first_core_that_cannot_load_is_reported_not_looped(mimo_bundle, tmp_path):
     """Weights the core cannot load (the front, which reads only the config and tokenizer,
     starts): ``/healthz`` is 500 with the reason, ``/readyz`` 503, and no core is left running."""
