@@ -22,8 +22,8 @@ connections in O(n^2)): a draining gateway would take the cores of the next run,
 it is, so after 60 s that gateway is restarted. Targets (issue 11): goodput at 4x >= 90% of
 goodput at 1x, no 5xx, memory flat. Wall-clock. The last line is a JSON object.
 
-    python -m benchmarks.overload --quick      # ~3 minutes (4 s per side and level: noisy)
-    python -m benchmarks.overload --seconds 30 # ~12 minutes
+    python -m benchmarks.overload --quick      # ~1.5 minutes: one forward pass, 4 s per run, noisy
+    python -m benchmarks.overload --seconds 30 # ~12 minutes: mirrored, two runs per side and level
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def settle(llm_urls: list[str], gateway_urls: list[str], timeout: float = 300.0)
 # same mean position: a drift over the run (the engine's cost grows with its prefix tree) then
 # weighs on every level alike, instead of on 4x, which used to run last.
 _FORWARD = [(1, "admission"), (1, "unbounded"), (2, "unbounded"), (2, "admission"), (4, "admission"), (4, "unbounded")]
-RUN_ORDER = _FORWARD + _FORWARD[::-1]
+RUN_ORDER = _FORWARD + _FORWARD[::-1]  # --quick runs only the forward half
 
 
 def bounded_gateway(stack: LocalStack, env: dict[str, str], log_dir: Path, name: str) -> Service:
@@ -261,13 +261,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seconds", type=float, default=None, help="per level and side")
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--client-timeout", type=float, default=30.0)
+    ap.add_argument("--client-timeout", type=float, default=None, help="seconds (default 30; 10 with --quick)")
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
     seconds = args.seconds or (8.0 if args.quick else 60.0)
+    # --quick: the forward half of the mirrored order (one run per side and level, of seconds / 2),
+    # short saturation steps, and clients that give up sooner (the unbounded side's backlog, which
+    # clients wait out to their timeout, is most of a run's wall time)
+    order = _FORWARD if args.quick else RUN_ORDER
+    runs_per = len(order) // len(_FORWARD)
+    client_timeout = args.client_timeout or (10.0 if args.quick else 30.0)
+    sat_seconds = min(seconds, 3.0) if args.quick else seconds
     log_dir = Path(tempfile.mkdtemp(prefix="mmserve-overload-"))
     model = args.model or str(write_tiny_model(log_dir / "tiny-mimo", arch="mimo"))
-    result: dict = {"bench": "overload", "quick": args.quick, "seconds_per_level": seconds, "levels": {}}
+    result: dict = {"bench": "overload", "quick": args.quick, "seconds_per_level": seconds, "levels": {},
+                    "runs_per_side_and_level": runs_per, "client_timeout_s": client_timeout}
     # one stack per side; the unbounded side's own gateway is the baseline, ours is added once
     # the capacity (and so the admission window) is known
     base = LocalStack(StackSpec(model_dir=model, gateway_port=0, gateway_env=UNBOUNDED), log_dir=log_dir / "unbounded")
@@ -277,7 +285,7 @@ def main() -> None:
         mine.wait_ready(timeout=300)
         other = base.gateway
         cap, window = asyncio.run(saturation(f"{other.url}/v1/chat/completions", base.model_name, args.clients,
-                                             seconds))
+                                             sat_seconds))
         # ours: an admission window sized at the concurrency that reached capacity
         bound = {"max_in_flight": str(window), "max_queue": str(window), "queue_timeout": "2"}
         ours = bounded_gateway(mine, bound, mine.log_dir, name="gateway-admission")
@@ -292,7 +300,7 @@ def main() -> None:
             pids = {side: (g.proc.pid, st.llms[0].proc.pid) for side, (st, g) in stacks.items()}
             result["rss_mb_start"] = {side: {"gateway": rss_mb(g), "llm": rss_mb(llm)} for side, (g, llm) in pids.items()}
             result["levels"] = {f"{lv}x": {"admission": [], "unbounded": []} for lv in (1, 2, 4)}
-            for i, (level, side) in enumerate(RUN_ORDER):
+            for i, (level, side) in enumerate(order):
                 waited = settle(llm_urls, gateway_urls, timeout=60)
                 restarted = waited >= 60
                 if restarted:  # the unbounded side's backlog (httpcore queues it, O(n^2)) would
@@ -304,7 +312,7 @@ def main() -> None:
                                  others=stack_pids(*stacks[other_side]))
                 with meter:
                     r = asyncio.run(open_loop(f"{gw.url}/v1/chat/completions", st.model_name,
-                                              cap * level, seconds / 2, args.client_timeout, seed=level * 10 + i))
+                                              cap * level, seconds / 2, client_timeout, seed=level * 10 + i))
                 r["cpu_cores"] = meter.cores
                 r["rss_mb_after"] = {"gateway": rss_mb(gw.proc.pid), "llm": rss_mb(st.llms[0].proc.pid)}
                 r["settled_s"] = waited
@@ -318,7 +326,8 @@ def main() -> None:
             ours.stop()
 
     def goodput(side: str, level: str) -> float:
-        return sum(r["goodput_rps"] for r in result["levels"][level][side]) / 2
+        runs = result["levels"][level][side]
+        return sum(r["goodput_rps"] for r in runs) / len(runs)
 
     result["summary"] = {
         side: {
