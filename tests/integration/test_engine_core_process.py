@@ -131,24 +131,38 @@ def test_dead_or_stalled_core_fails_in_flight_then_restarts(mimo_bundle, how):
     assert not alive(new_pid), "the core outlived its service"
 
 
-def test_killed_front_takes_its_core_along(mimo_bundle, tmp_path):
+def start_front(mimo_bundle, **popen) -> tuple[subprocess.Popen, int]:
+    """``mmserve llm`` in a subprocess, ready, with exactly one engine core: (front, core pid)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     front = subprocess.Popen([sys.executable, "-m", "shared.cli", "llm", "--model", str(mimo_bundle), "--port",
-                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              str(port)], **popen)
     try:
         wait_ready(f"http://127.0.0.1:{port}")
         cores = core_processes(front.pid)
         assert len(cores) == 1
+    except BaseException:
+        front.kill()
+        raise
+    return front, cores[0]
+
+
+def wait_gone(pid: int, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_killed_front_takes_its_core_along(mimo_bundle, tmp_path):
+    front, core = start_front(mimo_bundle, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
         front.kill()
         front.wait(10)
-        deadline = time.monotonic() + 10
-        while alive(cores[0]):
-            assert time.monotonic() < deadline, "orphaned engine core"
-            time.sleep(0.05)
+        wait_gone(core, "orphaned engine core")
     finally:
         if front.poll() is None:
             front.kill()
@@ -158,30 +172,18 @@ def test_sigterm_to_the_service_group_stops_front_and_core_without_a_restart(mim
     """``kill -- -PGID`` (what ``mmserve up`` and process managers send): the core is in its own
     group, so it does not die first and get restarted mid-shutdown; the front stops it with
     CoreShutdown and exits by the SIGTERM it was sent, with no core left behind."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path / "llm.log"
     with open(log, "wb") as out:
-        front = subprocess.Popen([sys.executable, "-m", "shared.cli", "llm", "--model", str(mimo_bundle), "--port",
-                                  str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        front, core = start_front(mimo_bundle, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(f"http://127.0.0.1:{port}")
-        cores = core_processes(front.pid)
-        assert len(cores) == 1
-        assert os.getpgid(cores[0]) != os.getpgid(front.pid)
+        assert os.getpgid(core) != os.getpgid(front.pid)
         os.killpg(front.pid, signal.SIGTERM)
         code = front.wait(60)
         text = log.read_text(errors="replace")
         assert code in (0, -signal.SIGTERM), text[-3000:]
-        assert "restarting it" not in text and "started engine core" in text, text[-3000:]
+        assert "restarting it" not in text, text[-3000:]
         assert text.count("started engine core") == 1, text[-3000:]
-        deadline = time.monotonic() + 10
-        while alive(cores[0]):
-            assert time.monotonic() < deadline, "the core outlived its service"
-            time.sleep(0.05)
+        wait_gone(core, "the core outlived its service")
     finally:
         if front.poll() is None:
             front.kill()
