@@ -58,6 +58,10 @@ class RadixCache(EvictionMixin, HostMixin):
         # of thousands of nodes and SWA is asked for on every step)
         self._swa_nodes: set[Node] = set()
         self._hswa_nodes: set[Node] = set()
+        # likewise for full KV: the device leaves (device full KV, no child on the device: the
+        # only nodes device eviction may take) and the nodes with a host copy of their full KV
+        self._leaves: set[Node] = set()
+        self._hfull_nodes: set[Node] = set()
         self._clock = itertools.count(1)
         self.full_tokens = 0  # device full slots owned by the tree
         self.swa_tokens = 0  # device SWA slots owned by the tree
@@ -71,7 +75,7 @@ class RadixCache(EvictionMixin, HostMixin):
             "node_evictions": 0, "swa_evictions": 0, "revived_tokens": 0,
             "demoted_full": 0, "demoted_swa": 0, "loaded_full": 0, "loaded_swa": 0,
             "host_evictions": 0, "host_swa_evictions": 0, "host_inserted_full": 0, "host_inserted_swa": 0,
-            "eviction_scans": 0,  # passes over every node to find eviction candidates
+            "eviction_scans": 0,  # passes over an eviction index (its candidates put in a heap)
         }
 
     @property
@@ -233,8 +237,6 @@ class RadixCache(EvictionMixin, HostMixin):
             node.hswa = node.hswa[k:]
         node.num_swa -= pre.num_swa
         node.num_hswa -= pre.num_hswa
-        for n in (pre, node):
-            self._swa_index(n)
         pre.full_lock = node.full_lock
         pre.swa_holders = set(node.swa_holders)
         for h in pre.swa_holders:  # conservative: holders of the suffix also pin the prefix
@@ -244,6 +246,9 @@ class RadixCache(EvictionMixin, HostMixin):
         pre.children[node.key[0]] = node
         node.parent = pre
         self._nodes.add(pre)
+        for n in (pre, node):
+            self._reindex(n)
+            self._leaf_index(n)
         # totals unchanged: both halves carry the same locks
         return pre
 
@@ -312,7 +317,9 @@ class RadixCache(EvictionMixin, HostMixin):
                 new = Node(list(keys[pos:]), list(full[pos:]), list(swa[pos:]), node)
                 node.children[keys[pos]] = new
                 self._nodes.add(new)
-                self._swa_index(new)
+                self._reindex(new)
+                self._leaf_index(new)
+                self._leaf_index(node)
                 self.full_tokens += len(new.key)
                 self.swa_tokens += new.num_swa
                 added = n_tok - pos
@@ -325,6 +332,8 @@ class RadixCache(EvictionMixin, HostMixin):
             if child.full is None:  # host-only: the caller's KV becomes its device copy
                 assert pos >= owned_from, "locked prefix not on the device"
                 child.full = list(full[pos:pos + k])
+                self._leaf_index(child)
+                self._leaf_index(child.parent)
                 self.full_tokens += k
                 if child.full_lock:
                     self.locked_full += k
@@ -361,12 +370,22 @@ class RadixCache(EvictionMixin, HostMixin):
         self.swa_tokens += delta
         if node.swa_holders:
             self.locked_swa += delta
-        self._swa_index(node)
+        self._reindex(node)
 
-    def _swa_index(self, node: Node) -> None:
-        """Keep ``node``'s membership of the device / host SWA indexes in step with its counts."""
+    def _reindex(self, node: Node) -> None:
+        """Keep ``node``'s membership of the device / host SWA indexes and of the host full index
+        in step with its counts and copies (call after any change to them)."""
         (self._swa_nodes.add if node.num_swa else self._swa_nodes.discard)(node)
         (self._hswa_nodes.add if node.num_hswa else self._hswa_nodes.discard)(node)
+        (self._hfull_nodes.add if node.hfull is not None else self._hfull_nodes.discard)(node)
+
+    def _leaf_index(self, node: Node) -> None:
+        """Keep ``node``'s membership of the device-leaf index in step (call for a node whose
+        device full KV changed, and for its parent; for the parent of an added or removed child)."""
+        if node is self.root:
+            return
+        leaf = node.parent is not None and node.full is not None and not node.has_device_child()
+        (self._leaves.add if leaf else self._leaves.discard)(node)
 
     # ------------------------------------------------------------------ checks
     @property
@@ -428,6 +447,9 @@ class RadixCache(EvictionMixin, HostMixin):
         assert seen == self._nodes, "node registry differs from the tree"
         assert self._swa_nodes == {n for n in seen if n.num_swa}, "device SWA index stale"
         assert self._hswa_nodes == {n for n in seen if n.num_hswa}, "host SWA index stale"
+        assert self._hfull_nodes == {n for n in seen if n.hfull is not None}, "host full index stale"
+        assert self._leaves == {n for n in seen if n.full is not None and not n.has_device_child()}, \
+            "device leaf index stale"
         assert (full_tokens, swa_tokens, locked_full, locked_swa, hfull_tokens, hswa_tokens) == (
             self.full_tokens, self.swa_tokens, self.locked_full, self.locked_swa,
             self.host_full_tokens, self.host_swa_tokens,

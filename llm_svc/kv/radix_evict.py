@@ -11,15 +11,18 @@ Policy (documented in the README, "Tiered KV"):
   branch points (>= 2 children) last; what the host lacks is copied down first.
 * Host pools: least recently used first, never a locked node; a host-only node goes only as a
   leaf (its parent may follow), a device-resident node just loses its host copy.
-* Candidates for SWA eviction come from indexes of the nodes holding device / host SWA
-  (``_swa_nodes`` / ``_hswa_nodes``, kept by every change of ``num_swa`` / ``num_hswa``); the
-  device full and host full candidates from a scan of every node.
-* Slack: finding candidates is a scan, so once a pool must evict it frees
-  ``EVICT_SLACK`` of its size beyond what was asked (when that much is evictable; device SWA
-  ``SWA_EVICT_SLACK``). With full
-  pools every decode step asks for a slot per sequence; without slack each ask rescanned the
-  tree (tens of thousands of nodes after a few thousand requests: the engine ran 5x slower
-  once its pools filled). The cache holds at most that fraction less.
+* Candidates come from indexes kept by every change to the tree (``RadixCache._reindex`` /
+  ``_leaf_index``; ``check_integrity`` proves them exact), never from a scan of every node:
+  device SWA / host SWA from the nodes holding it (``_swa_nodes`` / ``_hswa_nodes``), device
+  full from the device leaves (``_leaves``), host full from the nodes with a host copy
+  (``_hfull_nodes``). The tree grows to tens of thousands of nodes, most of them inner,
+  host-only or without a window.
+* Slack: the candidates of an index are still ordered on each pass (a heap), so once a pool
+  must evict it frees ``EVICT_SLACK`` of its size beyond what was asked (when that much is
+  evictable; device SWA ``SWA_EVICT_SLACK``). With full pools every decode step asks for a
+  slot per sequence; without slack each ask re-ordered the candidates (with the old scans of
+  every node the engine ran 5x slower once its pools filled). The cache holds at most that
+  fraction less.
 """
 
 from __future__ import annotations
@@ -59,8 +62,7 @@ class EvictionMixin:
         swa_needed = with_slack(swa_needed, self.swa_pool.num_slots, self.evictable_swa(), SWA_EVICT_SLACK)
         if full_needed > 0:
             self.stats["eviction_scans"] += 1
-            heap = [self._leaf_key(n) for n in self._nodes
-                    if n.full is not None and n.full_lock == 0 and not n.has_device_child()]
+            heap = [self._leaf_key(n) for n in self._leaves if n.full_lock == 0]
             heapq.heapify(heap)
             while heap and freed_full < full_needed:
                 *_, node = heapq.heappop(heap)
@@ -101,7 +103,9 @@ class EvictionMixin:
             node.full = None
             node.swa = [NO_SLOT] * len(node.key)
             node.num_swa = 0
-            self._swa_index(node)
+            self._reindex(node)
+            self._leaf_index(node)
+            self._leaf_index(node.parent)
             self.stats["demoted_full"] += n_full
             return n_full, n_swa
         return self._remove_subtree(node)
@@ -115,6 +119,7 @@ class EvictionMixin:
             if hs is None:
                 return False
             node.hfull = hs
+            self._reindex(node)
             self.host_full_tokens += len(hs)
             self.ops.append(("d2h_full", list(node.full), list(hs)))
         want = [i for i, s in enumerate(node.swa)
@@ -147,9 +152,13 @@ class EvictionMixin:
         """Remove a childless, unlocked node from the tree, freeing its slots in every tier;
         returns the device ``(full, swa)`` slots freed."""
         assert not node.children and node.full_lock == 0 and not node.swa_holders
-        del node.parent.children[node.key[0]]
+        parent = node.parent
+        del parent.children[node.key[0]]
         self._nodes.discard(node)
         self._swa_nodes.discard(node)
+        self._leaves.discard(node)
+        self._hfull_nodes.discard(node)
+        self._leaf_index(parent)
         swa = [s for s in node.swa if s != NO_SLOT]
         n_full = 0
         if node.full is not None:
@@ -174,7 +183,7 @@ class EvictionMixin:
         self.swa_pool.free(swa)
         node.swa = [NO_SLOT] * len(node.swa)
         node.num_swa = 0
-        self._swa_index(node)
+        self._reindex(node)
         self.swa_tokens -= len(swa)
         self.stats["swa_evictions"] += 1
         return len(swa)
@@ -214,7 +223,7 @@ class EvictionMixin:
 
     def _host_evict_full(self, needed: int, spare: Node | None) -> None:
         self.stats["eviction_scans"] += 1
-        heap = [(n.last_access, id(n), n) for n in self._nodes if self._host_evictable(n, spare)]
+        heap = [(n.last_access, id(n), n) for n in self._hfull_nodes if self._host_evictable(n, spare)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < needed:
@@ -228,6 +237,7 @@ class EvictionMixin:
                 self.host_full_tokens -= len(n.hfull)
                 n.hfull = None
                 self._drop_hswa(n)
+                self._reindex(n)
                 continue
             parent = n.parent
             self._remove_leaf(n)

@@ -40,6 +40,8 @@ class HostMixin:
         for n in m.nodes:
             if n.full is None:
                 n.full = full[at:at + len(n.key)]
+                self._leaf_index(n)
+                self._leaf_index(n.parent)
                 at += len(n.key)
                 self.ops.append(("h2d_full", list(n.hfull), list(n.full)))
                 self.full_tokens += len(n.key)
@@ -120,7 +122,7 @@ class HostMixin:
             new = Node(list(keys[raw:]), None, [NO_SLOT] * new_full, node, list(hf), hswa)
             node.children[keys[raw]] = new
             self._nodes.add(new)
-            self._swa_index(new)
+            self._reindex(new)
             self.host_full_tokens += new_full
             self.host_swa_tokens += new.num_hswa
             out_full = [(raw + i, s) for i, s in enumerate(hf)]
@@ -136,5 +138,5 @@ class HostMixin:
         delta = int(slot != NO_SLOT) - int(node.hswa[i] != NO_SLOT)
         node.hswa[i] = slot
         node.num_hswa += delta
-        self._swa_index(node)
+        self._reindex(node)
         self.host_swa_tokens += delta

@@ -49,10 +49,11 @@ def test_slack_never_exceeds_what_is_evictable():
     assert radix_evict.with_slack(3, 6400, 6400, slack=1 / 16) == 400
 
 
-def test_swa_eviction_looks_only_at_nodes_that_hold_swa():
-    """Device and host SWA eviction pick among indexes of the nodes holding SWA, not every node;
-    ``check_integrity`` (run all along, with a host tier) proves the indexes exact, and they are a
-    small part of a tree whose windows are mostly gone."""
+def test_eviction_looks_only_at_indexed_candidates():
+    """Every eviction picks among an index, not every node: device SWA and host SWA among the
+    nodes holding SWA, device full among the device leaves, host full among the nodes with a
+    host copy. ``check_integrity`` (run all along, with a host tier) proves the indexes exact;
+    each is a part of the tree (windows mostly gone, most nodes inner or host-only)."""
     cfg = SchedulerConfig(max_batch_tokens=256, window=16, max_running=16)
     sched = Scheduler(cfg, 8192, 2048, num_host_full=16384, num_host_swa=4096)
     runner = SimRunner(lambda rid: sched.requests[rid], cfg.window)
@@ -68,5 +69,8 @@ def test_swa_eviction_looks_only_at_nodes_that_hold_swa():
     sched.check_integrity()
     tree = sched.kv.tree
     assert tree.stats["swa_evictions"] > 100 and tree.stats["host_swa_evictions"] > 100, tree.stats
+    assert tree.stats["demoted_full"] > 1000 and tree.stats["host_evictions"] > 100, tree.stats
+    assert 0 < len(tree._leaves) * 4 < tree.num_nodes, (len(tree._leaves), tree.num_nodes)
+    assert 0 < len(tree._hfull_nodes) < tree.num_nodes
     assert 0 < len(tree._swa_nodes) and len(tree._swa_nodes) * 4 < tree.num_nodes, (len(tree._swa_nodes), tree.num_nodes)
     assert 0 < len(tree._hswa_nodes) < tree.num_nodes
