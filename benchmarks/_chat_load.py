@@ -1,6 +1,8 @@
-"""The client side of ``benchmarks.vs_vllm``: a seeded chat trace of random pseudo-word prompts
-with exact token counts, a streaming OpenAI client that times every content chunk, and the
-numbers (tok/s, TTFT / ITL / TPOT percentiles, greedy agreement between two servers)."""
+"""The client side of ``benchmarks.vs_vllm``: seeded traces of random pseudo-word prompts with
+exact token counts (single chats, and multi-turn agent sessions that share one system prompt
+and grow by each answer plus a tool result), a streaming OpenAI client that times every content
+chunk and reads the usage chunk (completion and cached prompt tokens), and the numbers (tok/s,
+TTFT / ITL / TPOT percentiles, prefix-cache hit rate, greedy agreement between two servers)."""
 
 from __future__ import annotations
 
@@ -48,6 +50,34 @@ def make_trace(maker: PromptMaker, seed: int, n: int, prompt_range, output_range
     return items
 
 
+@dataclass(frozen=True)
+class AgentSession:
+    """One agent session: ``task`` opens it; turn k > 0 appends the model's previous answer and
+    ``tool_results[k - 1]`` as the next user message; ``max_tokens[k]`` per turn."""
+
+    task: str
+    tool_results: tuple[str, ...]
+    max_tokens: tuple[int, ...]
+    prompt_tokens: int  # task + tool results + the shared system prompt (answers not counted)
+
+
+def make_agent_trace(maker: PromptMaker, seed: int, sessions: int, turns: int, system_tokens: int,
+                     task_range, tool_range, output_range) -> tuple[str, list[AgentSession]]:  # fmt: skip
+    """(shared system prompt, sessions); seeded, identical for both sides."""
+    rng = random.Random(seed)
+    system, sys_n = maker.text(rng, system_tokens)
+    out = []
+    for _ in range(sessions):
+        task, n = maker.text(rng, rng.randint(*task_range))
+        tools = []
+        for _ in range(turns - 1):
+            t, k = maker.text(rng, rng.randint(*tool_range))
+            tools.append(t)
+            n += k
+        out.append(AgentSession(task, tuple(tools), tuple(rng.randint(*output_range) for _ in range(turns)), n + sys_n))
+    return "You are an agent. Tools answer in pseudo-words. " + system, out
+
+
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     rng = random.Random(seed)
     t, out = 0.0, []
@@ -65,21 +95,30 @@ class Record:
     gaps: list[float] = field(default_factory=list)
     text: str = ""
     completion_tokens: int = 0
+    prompt_tokens: int = 0  # as the server counted them (chat template included)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (None: not sent)
+    max_tokens: int = 0
     error: str | None = None
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, item: Item) -> Record:
-    rec, pieces = Record(), []
+async def one_request(client: openai.AsyncOpenAI, model: str, item: Item | list[dict], max_tokens: int = 0) -> Record:
+    """One streamed chat completion: ``item`` (one user message) or a message list with ``max_tokens``."""
+    messages = [{"role": "user", "content": item.prompt}] if isinstance(item, Item) else item
+    max_tokens = item.max_tokens if isinstance(item, Item) else max_tokens
+    rec, pieces = Record(max_tokens=max_tokens), []
     t0 = last = time.perf_counter()
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": item.prompt}],
-            max_tokens=item.max_tokens, temperature=0, stream=True,
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         )  # fmt: skip
         async for chunk in stream:
             if chunk.usage is not None:
                 rec.completion_tokens = chunk.usage.completion_tokens
+                rec.prompt_tokens = chunk.usage.prompt_tokens or 0
+                details = getattr(chunk.usage, "prompt_tokens_details", None)
+                if details is not None and details.cached_tokens is not None:
+                    rec.cached_tokens = details.cached_tokens
             for c in chunk.choices:
                 if c.delta.content:
                     now = time.perf_counter()
@@ -116,6 +155,34 @@ async def run_load(url: str, model: str, trace: list[Item], concurrency: int | N
     return list(records), time.perf_counter() - t0
 
 
+async def run_agent(url: str, model: str, system: str, sessions: list[AgentSession]):
+    """Every session at once, its turns one after another (each turn's messages: the system
+    prompt, the task, then per earlier turn the model's own answer and the next tool result).
+    Records in (session, turn) order and the wall time."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=900, max_retries=0)
+    t0 = time.perf_counter()
+
+    async def session(s: AgentSession) -> list[Record]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": s.task}]
+        recs = []
+        for k, max_tokens in enumerate(s.max_tokens):
+            if k:
+                messages += [{"role": "assistant", "content": recs[-1].text},
+                             {"role": "user", "content": "Tool result:\n" + s.tool_results[k - 1] + "\nWhat next?"}]
+            rec = await one_request(client, model, list(messages), max_tokens)
+            recs.append(rec)
+            if rec.error:  # the session cannot go on; keep (session, turn) alignment for agreement
+                recs += [Record(max_tokens=m, error="skipped: an earlier turn failed") for m in s.max_tokens[k + 1:]]
+                break
+        return recs
+
+    try:
+        per = await asyncio.gather(*(session(s) for s in sessions))
+    finally:
+        await client.close()
+    return [r for recs in per for r in recs], time.perf_counter() - t0
+
+
 # ---- numbers -----------------------------------------------------------------------------------
 def pct(values: list[float], q: float) -> float:
     if not values:
@@ -125,8 +192,10 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def run_stats(records: list[Record], wall: float, trace: list[Item]) -> dict:
+def run_stats(records: list[Record], wall: float, trace: list[Item] | None = None) -> dict:
     ok = [r for r in records if r.error is None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     tokens = sum(r.completion_tokens for r in ok)
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     gaps = [g for r in ok for g in r.gaps]
@@ -135,7 +204,10 @@ def run_stats(records: list[Record], wall: float, trace: list[Item]) -> dict:
         "requests": len(ok),
         "errors": len(records) - len(ok),
         "first_error": next((r.error for r in records if r.error), None),
-        "short_outputs": sum(r.completion_tokens < it.max_tokens for r, it in zip(records, trace) if not r.error),
+        "short_outputs": sum(r.completion_tokens < r.max_tokens for r in ok),
+        "prompt_tokens": prompt,
+        "cached_tokens_usage": sum(cached) if cached else None,
+        "prefix_hit_rate_usage": round(sum(cached) / prompt, 4) if cached and prompt else None,
         "wall_s": round(wall, 2),
         "output_tokens": tokens,
         "output_tok_s": round(tokens / wall, 2),
@@ -164,8 +236,17 @@ def side_summary(runs: list[dict]) -> dict:
         "errors": sum(r["errors"] for r in runs),
         "short_outputs": sum(r["short_outputs"] for r in runs),
         "disturbed_runs": sum(bool(r.get("disturbed")) for r in runs),
+        "prefix_hit_rate_usage": _ratio(sum(r["cached_tokens_usage"] or 0 for r in runs),
+                                        sum(r["prompt_tokens"] for r in runs)) if any(
+            r["cached_tokens_usage"] is not None for r in runs) else None,
+        "prefix_hit_rate_server": _ratio(sum(r.get("server_prefix", {}).get("hits", 0) for r in runs),
+                                         sum(r.get("server_prefix", {}).get("queries", 0) for r in runs)),
         "foreign_cores_runs": [r["cpu_cores"]["foreign"] for r in runs if "cpu_cores" in r],
     }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
 
 
 def agreement(a: list[Record], b: list[Record]) -> tuple[int, float]:

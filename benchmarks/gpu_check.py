@@ -20,11 +20,19 @@ Parts (each in its own try/except; an error is recorded in the JSON and the next
 * ``bandwidth``: each decode step against the memory-bandwidth bound of reading the weights
   (all parameters but the input embedding) + the KV the step attends to (full layers: the whole
   context; sliding layers: the window), at ``--hbm-tbps`` (4.8 for an H200).
+* ``paged_attention`` (CUDA only; on the cpu it is skipped with the reason recorded): the
+  ``triton_paged`` attention backend against ``sdpa``, each set on the engine's runner
+  (``runner.attn``, what ``LLMSettings.attention_backend`` selects at start). (1) The tiny MiMo and Gemma 3
+  (float32, the ``logits`` prompts): every step's logits of the two backends, max abs diff and
+  whether the greedy tokens agree. (2) The ``throughput`` model (bfloat16): median decode step
+  time per backend at ``--paged-seqs`` sequences x ``--paged-ctx`` tokens of context (16 x 4096),
+  and one full layer's attention alone (prepare once, forward timed) at the same shape.
 
 ``--quick``: fewer output tokens; on the cpu also a small "big" model (hidden 256, 4 layers,
 vocab 4096), so ``--device cpu --quick`` checks the script itself (about a minute on 2 cores).
-On an H200 the full run should take 2-4 minutes (estimated: no GPU was lent when this was
-written); run it with a timeout that leaves room for one rerun, e.g. ``--skip logits,sampling``.
+On an H200 the full run should take 3-5 minutes (estimated: no GPU was lent when this was
+written; ``paged_attention`` adds about a minute); run it with a timeout that leaves room for one
+rerun, e.g. ``--skip logits,sampling`` (``--skip logits,sampling,throughput``: the kernel only).
 The last line of output is a JSON object with every number and every error.
 """
 
@@ -309,6 +317,128 @@ def check_throughput(args, tmp: Path, result: dict) -> None:
     engine.scheduler.check_integrity()
 
 
+# ------------------------------------------------------------------ paged attention kernel
+def _set_attention(engine, name: str, device: str) -> None:
+    from llm_svc.attention import create_attention_backend
+
+    engine.runner.attn = create_attention_backend(name, device)
+
+
+def _paged_logits(arch: str, device: str, tmp: Path, max_tokens: int) -> dict:
+    """Every step's logits of ``triton_paged`` vs ``sdpa`` on a tiny model (float32)."""
+    from shared.tiny_model import write_tiny_model
+
+    path = tmp / f"tiny-{arch}"
+    if not path.exists():
+        write_tiny_model(path, arch=arch)
+    lm = load_lm(str(path), device=device, dtype="float32")
+    prompts = _prompts(3, [40, 150, 300], lm.vocab_size, seed=1)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    logits, tokens = {}, {}
+    for name in ("sdpa", "triton_paged"):
+        engine = _make_engine(lm, device, max_running=8, kv_bytes=64 * 1024 * 1024)
+        _set_attention(engine, name, device)
+        got: dict[str, list[torch.Tensor]] = {}
+        run = engine.runner.run
+
+        def capture(batch, *a, _run=run, _got=got, **kw):
+            out = _run(batch, *a, **kw)
+            if isinstance(out, dict):  # {req_id: logits [V]}, as in check_logits
+                for rid, row in out.items():
+                    _got.setdefault(rid, []).append(row.detach().float().cpu())
+            return out
+
+        engine.runner.run = capture
+        streams = _run(engine, [(f"q{i}", p, sp) for i, p in enumerate(prompts)], device)
+        errs = {k: s.error for k, s in streams.items() if s.error}
+        if errs:
+            raise RuntimeError(f"{name}: {errs}")
+        engine.scheduler.check_integrity()
+        logits[name], tokens[name] = got, {k: s.tokens for k, s in streams.items()}
+    diff, max_logit = 0.0, 0.0
+    for rid, rows in logits["sdpa"].items():
+        other = logits["triton_paged"].get(rid, [])
+        for a, b in zip(rows, other):  # same steps while the greedy tokens agree
+            diff = max(diff, float((a - b).abs().max()))
+            max_logit = max(max_logit, float(a.abs().max()))
+    same = sum(tokens["sdpa"][r] == tokens["triton_paged"][r] for r in tokens["sdpa"])
+    return {"model": lm.spec.lm_architecture, "max_abs_diff": diff, "max_abs_logit": max_logit,
+            "requests_same_tokens": same, "requests": len(prompts)}
+
+
+def _attention_alone(device: str, seqs: int, ctx: int, iters: int = 50) -> dict:
+    """One full layer (16 q / 4 kv heads of 128, bfloat16) at ``seqs`` decodes of ``ctx``
+    context: ms per forward (K/V write + attention) of each backend, and their max abs diff."""
+    from llm_svc.attention import FULL, AttentionParams, LayerKV, create_attention_backend
+    from llm_svc.attention.slot_tables import DeviceSlotTables
+    from llm_svc.types import ForwardBatch, SeqForward
+
+    hq, hkv, d = 16, 4, 128
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(seqs * ctx, generator=gen).tolist()  # scattered slots
+    batch = ForwardBatch([SeqForward(f"s{i}", [1], ctx - 1, [perm[i * ctx + ctx - 1]], [perm[i * ctx + ctx - 1]],
+                                     0, True, reset_full=perm[i * ctx:i * ctx + ctx - 1],
+                                     reset_swa=perm[i * ctx:i * ctx + ctx - 1]) for i in range(seqs)])
+    q = torch.randn(seqs, hq, d, device=device, dtype=torch.bfloat16)
+    k = torch.randn(seqs, hkv, d, device=device, dtype=torch.bfloat16)
+    v = torch.randn(seqs, hkv, d, device=device, dtype=torch.bfloat16)
+    params = AttentionParams(scale=d ** -0.5)
+    res, outs = {}, {}
+    cache = LayerKV.empty(seqs * ctx, hkv, d, d, torch.bfloat16, device)  # both write the same K/V
+    cache.k.normal_()
+    cache.v.normal_()
+    for name in ("sdpa", "triton_paged"):
+        be = create_attention_backend(name, device)
+        meta = be.prepare(batch, DeviceSlotTables(device).apply(batch), 128, torch.device(device))
+        for _ in range(3):
+            outs[name] = be.forward(FULL, q, k, v, cache, meta, params)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            be.forward(FULL, q, k, v, cache, meta, params)
+        _sync(device)
+        res[f"{name}_ms"] = round((time.perf_counter() - t0) / iters * 1e3, 4)
+    res["max_abs_diff"] = float((outs["sdpa"].float() - outs["triton_paged"].float()).abs().max())
+    kv_bytes = seqs * ctx * hkv * 2 * d * 2
+    res["kv_gb_s_triton"] = round(kv_bytes / (res["triton_paged_ms"] * 1e-3) / 1e9, 1)
+    return res
+
+
+def check_paged_attention(args, tmp: Path, small_out: int) -> dict:
+    if not args.device.startswith("cuda"):
+        return {"skipped": "needs CUDA: the Triton kernel (the CPU unit tests run it under TRITON_INTERPRET=1)"}
+    res: dict = {"seqs": args.paged_seqs, "ctx": args.paged_ctx}
+    for arch in ("mimo", "gemma3"):
+        res[f"logits_{arch}"] = _paged_logits(arch, args.device, tmp, small_out)
+    res["attention_alone_full_layer"] = _attention_alone(args.device, args.paged_seqs, args.paged_ctx)
+    out_len = 32
+    path = tmp / "paged-big"
+    if not path.exists():
+        write_big_model(path, 1024, 16, 32768, getattr(torch, args.dtype), args.device)
+    lm = load_lm(str(path), device=args.device, dtype=args.dtype)
+    prompt_len = args.paged_ctx - out_len  # the context ends at paged_ctx (<= max_model_len 4096)
+    prompts = _prompts(args.paged_seqs, prompt_len, lm.vocab_size, seed=5)
+    sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    toks = {}
+    for name in ("sdpa", "triton_paged"):
+        engine = _make_engine(lm, args.device, max_running=args.paged_seqs, kv_bytes=int(args.kv_gib * 2**30))
+        _set_attention(engine, name, args.device)
+        _run(engine, [("warm", prompts[0][:128], SamplingParams(max_tokens=4))], args.device)
+        steps: list[tuple[float, bool]] = []
+        streams = _run(engine, [(f"p{i}", p, sp) for i, p in enumerate(prompts)], args.device, steps)
+        errs = [s.error for s in streams.values() if s.error]
+        if errs:
+            raise RuntimeError(f"{name}: {len(errs)} requests failed: {errs[0]}")
+        decode = [t for t, d in steps if d]
+        res[f"decode_step_ms_p50_{name}"] = round(statistics.median(decode) * 1e3, 3) if decode else None
+        res[f"decode_steps_{name}"] = len(decode)
+        toks[name] = {k: s.tokens for k, s in streams.items()}
+        del engine
+        torch.cuda.empty_cache()
+    res["big_model_same_tokens"] = sum(toks["sdpa"][r] == toks["triton_paged"][r] for r in toks["sdpa"])
+    return res
+
+
 # ------------------------------------------------------------------ main
 def _part(result: dict, name: str, fn, *a) -> None:
     t0 = time.perf_counter()
@@ -342,6 +472,19 @@ def _print_table(r: dict) -> None:
             b = (bw or {}).get("runs", {}).get(n, {})
             print(f"{n:>6} {x['output_tok_s']:>10} {x['decode_step_ms_p50']:>10} {b.get('bound_ms', '-'):>10} "
                   f"{b.get('fraction_of_bound', '-'):>9} {x['steps']:>6}")
+    pa = r.get("paged_attention")
+    if pa:
+        if "skipped" in pa:
+            print(f"paged attn    : skipped ({pa['skipped']})")
+        else:
+            for arch in ("mimo", "gemma3"):
+                x = pa.get(f"logits_{arch}", {})
+                print(f"paged {arch:7s}: triton_paged vs sdpa max|diff| {x.get('max_abs_diff', float('nan')):.2e}  "
+                      f"same tokens {x.get('requests_same_tokens')}/{x.get('requests')}")
+            al = pa.get("attention_alone_full_layer", {})
+            print(f"paged decode  : {pa['seqs']} x {pa['ctx']}: step ms sdpa {pa.get('decode_step_ms_p50_sdpa')} "
+                  f"triton_paged {pa.get('decode_step_ms_p50_triton_paged')}; one full layer ms sdpa "
+                  f"{al.get('sdpa_ms')} triton_paged {al.get('triton_paged_ms')}")
     for k, v in r["errors"].items():
         print(f"ERROR {k}: {v}")
 
@@ -360,7 +503,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request of the big model")
     ap.add_argument("--kv-gib", type=float, default=None, help="KV budget of the big model's engine")
     ap.add_argument("--hbm-tbps", type=float, default=4.8, help="memory bandwidth for the bound (H200: 4.8)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: logits,sampling,throughput")
+    ap.add_argument("--paged-seqs", type=int, default=16, help="paged_attention: concurrent decodes timed")
+    ap.add_argument("--paged-ctx", type=int, default=4096, help="paged_attention: their context (<= 4096)")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated parts to skip: logits,sampling,throughput,paged_attention")
     args = ap.parse_args()
     if args.kv_gib is None:
         args.kv_gib = 0.5 if args.device == "cpu" else 4.0
@@ -380,6 +526,8 @@ def main() -> None:
             _part(result, "sampling", check_sampling, args.device, tmp, small_out)
         if "throughput" not in skip:
             _part(result, "throughput", check_throughput, args, tmp, result)
+        if "paged_attention" not in skip:
+            _part(result, "paged_attention", check_paged_attention, args, tmp, small_out)
     if args.device.startswith("cuda"):
         result["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     result["total_s"] = round(time.perf_counter() - t_all, 1)

@@ -132,7 +132,11 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="dtype of the KV pools; auto: the model's dtype"
     )
-    threads: int = Field(default=0, ge=0, description="torch threads of the engine core; 0: every core but one on CPU")
+    attention_backend: str = Field(
+        default="auto", description="attention kernel: auto (cpu_flash on CPU, sdpa on CUDA), cpu_flash, sdpa, "
+        "triton_paged (CUDA: reads the paged pools in place), torch_batched, torch_sdpa_loop",
+    )
+    threads: int = Field(default=0, ge=0, description="torch threads of the engine core; 0: every core on CPU (OpenMP threads sleep at barriers)")
     # the engine core runs in its own process, supervised by the HTTP front
     core_stall_timeout: float = Field(
         default=60.0, gt=0, description="seconds without a heartbeat from a busy engine core before it is restarted"

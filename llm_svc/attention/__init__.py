@@ -1,9 +1,11 @@
 """Attention backends behind one interface (``base.AttentionBackend``), chosen by name.
 
 ``torch_batched`` packs the step's prefill chunks and decodes into padded buckets (matmul
-softmax; the fastest correct path measured on CPU); ``sdpa`` uses the same buckets with
+softmax); ``sdpa`` uses the same buckets with
 ``torch.nn.functional.scaled_dot_product_attention`` (a fused kernel on CUDA);
-``torch_sdpa_loop`` is the simple reference (one call per prefill chunk). ``torch`` names
+``torch_sdpa_loop`` is the simple reference (one call per prefill chunk); ``cpu_flash`` (the CPU
+default) attends the same buckets with torch's CPU flash kernel; ``triton_paged`` is a paged
+Triton kernel reading K/V in place from the pool (CUDA; CPU tests via ``TRITON_INTERPRET=1``). ``torch`` names
 ``torch_batched``; ``auto`` picks per device (``DEFAULT_BY_DEVICE``).
 """
 
@@ -17,7 +19,7 @@ from .base import FULL, SLIDING, AttentionBackend, AttentionParams, LayerKV
 
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}
 _ALIASES = {"torch": "torch_batched"}
-DEFAULT_BY_DEVICE = {"cuda": "sdpa", "cpu": "torch_batched"}
+DEFAULT_BY_DEVICE = {"cuda": "sdpa", "cpu": "cpu_flash"}
 
 
 def register_attention_backend(name: str):
@@ -30,7 +32,11 @@ def register_attention_backend(name: str):
 
 def create_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
     """The backend registered as ``name``; ``auto``: ``DEFAULT_BY_DEVICE`` of ``device``'s type."""
-    from . import sdpa, torch_batched, torch_sdpa  # noqa: F401  (register)
+    from . import cpu_flash, sdpa, torch_batched, torch_sdpa  # noqa: F401  (register)
+    try:
+        from . import triton_paged  # noqa: F401  (register; triton itself is imported at first use)
+    except ImportError:  # a missing optional dependency must not hide the other backends
+        pass
 
     if name == "auto":
         name = DEFAULT_BY_DEVICE.get(torch.device(device).type, "torch_batched")

@@ -48,10 +48,15 @@ class BucketPolicy:
     max_pairs: int = 1 << 22  # a bucket stops growing here (one sequence alone may exceed it)
     max_score_elems: int = 1 << 25  # B * Hq * nq * L per attention call (float32: 128 MiB)
     q_block: int = 128  # prefill chunks are attended in query blocks of this size (0: whole chunks)
+    full_q_block: int | None = None  # the same for full layers (None: q_block)
 
     def __post_init__(self) -> None:
         assert self.max_pad_ratio >= 1.0, self.max_pad_ratio
         assert self.pad_slack >= 0 and self.q_block >= 0 and self.max_pairs >= 1 and self.max_score_elems >= 1
+        assert self.full_q_block is None or self.full_q_block >= 0
+
+    def block_for(self, kind: str) -> int:
+        return self.q_block if kind == SLIDING or self.full_q_block is None else self.full_q_block
 
 
 @dataclass
@@ -206,7 +211,7 @@ class TorchBatchedAttention(AttentionBackend):
             row = 0
             for sf, trow in zip(batch.seqs, tables.rows):
                 out.extend(sf.out_full_slots if kind == FULL else sf.out_swa_slots)
-                members.extend(split_queries(sf, row, trow, kind, window, self.policy.q_block))
+                members.extend(split_queries(sf, row, trow, kind, window, self.policy.block_for(kind)))
                 row += len(sf.token_ids)
             plan = plan_buckets([(m.n, m.klen) for m in members], self.policy)
             table = tables.full if kind == FULL else tables.swa

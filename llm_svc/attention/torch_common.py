@@ -7,6 +7,7 @@ image span is bidirectional inside itself: ``(causal | same_span) & window``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from llm_svc.types import SeqForward
 
@@ -73,3 +74,39 @@ def attend(q, k, v, bias, params: AttentionParams) -> torch.Tensor:
     p = p.reshape(hkv * b, g * nq, L).to(v.dtype)
     out = torch.bmm(p, v.reshape(hkv * b, L, dv))  # [Hkv*B, G*nq, Dv]
     return out.view(hkv, b, g, nq, dv).permute(1, 3, 0, 2, 4).reshape(b, nq, hq, dv)
+
+
+
+def flash_mask(bias: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """A bucket's bias ``[B, nq, L]`` in the layout ``attend_flash`` reads: ``[B, 1, G * nq, L]``
+    (the ``G`` query heads of a KV head stacked along the query axis)."""
+    b, nq, L = bias.shape
+    return bias[:, None, None].expand(b, 1, g, nq, L).reshape(b, 1, g * nq, L).to(dtype)
+
+
+def attend_flash(q, k, v, mask, params: AttentionParams) -> torch.Tensor:
+    """``attend`` through the CPU flash-attention kernel (``_scaled_dot_product_flash_attention_for_cpu``:
+    blocked, online softmax, no ``[.., nq, L]`` probability tensor in memory). q [B, nq, Hq, D],
+    k [Hkv, B, L, D], v [Hkv, B, L, Dv], mask [B, 1, G * nq, L] (``flash_mask``) -> [B, nq, Hq, Dv].
+    GQA: the ``G`` query heads of a KV head are stacked along the query axis, so K/V are read as
+    gathered. Sinks: the kernel's log-sum-exp gives them exactly, ``out * sigmoid(lse - sink)``
+    (an extra logit ``s`` with no value scales every probability by ``sum / (sum + e^s)``).
+    Soft-capping is not expressible: callers use ``attend`` for it. The kernel wants one head
+    size: MiMo's ``Dqk != Dv`` is zero-padded (V's extra columns give output columns that are
+    dropped; zero q/k columns add nothing to a dot product)."""
+    b, nq, hq, d = q.shape
+    hkv, _, L, dv = v.shape
+    g = hq // hkv
+    qs = q.reshape(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * nq, d)  # [B, Hkv, G*nq, D]
+    ks, vs = k.transpose(0, 1), v.transpose(0, 1)  # [B, Hkv, L, D / Dv]
+    if dv < d:
+        vs = F.pad(vs, (0, d - dv))
+    elif dv > d:
+        qs, ks = F.pad(qs, (0, dv - d)), F.pad(ks, (0, dv - d))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qs.to(k.dtype), ks, vs, 0.0, False, attn_mask=mask, scale=params.scale)  # o [B, Hkv, G*nq, max(D, Dv)]
+    o = o[..., :dv]
+    if params.sinks is not None:
+        sink = params.sinks.float().view(1, hkv, g, 1).expand(b, hkv, g, nq).reshape(b, hkv, g * nq)
+        o = o * torch.sigmoid(lse - sink).unsqueeze(-1).to(o.dtype)
+    return o.view(b, hkv, g, nq, dv).permute(0, 3, 1, 2, 4).reshape(b, nq, hq, dv)

@@ -75,7 +75,8 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     host_full = settings.host_kv_full_bytes // geometry.full_token_bytes
     host_swa = settings.host_kv_swa_bytes // geometry.swa_token_bytes if host_full else 0
     scheduler = Scheduler(cfg, num_full, num_swa, num_host_full=host_full, num_host_swa=host_swa)
-    runner = ModelRunner(model, num_full, num_swa, device=lm.device, kv_dtype=kv_dtype)
+    runner = ModelRunner(model, num_full, num_swa, device=lm.device, kv_dtype=kv_dtype,
+                         attention=settings.attention_backend)
     tiers = build_tiers(settings, lm, model, runner, scheduler, kv_dtype) if host_full and host_swa else None
     # the front tries each source within media_fetch_timeout; this is the core's backstop
     return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1)

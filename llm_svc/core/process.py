@@ -42,15 +42,22 @@ EXIT_LOAD_FAILED = 2
 
 
 def core_threads(settings: LLMSettings) -> int:
-    """``threads``, or by default every core but one on the CPU: the front, the gateway and
-    other processes then never preempt an OpenMP worker, whose siblings would spin in barriers
-    (measured here: 2 threads on 2 cores gave no more tok/s than 1, and collapsed 5x as soon
-    as another process took a core; vLLM's CPU build keeps a core free the same way)."""
+    """``threads``, or by default every core on the CPU (4 at most beside a GPU). Safe beside the
+    front, the gateway and other processes because the core's OpenMP threads sleep at barriers
+    (``core_env``): with libgomp's default spinning, a 30%-busy other process made 2 threads 8x
+    slower than 1 on this 2-core machine (4 x 1,300-token prefills: 73 s vs 9 s passive), which
+    is why this once kept a core free; sleeping threads lose nothing measurable when idle."""
     if settings.threads > 0:
         return settings.threads
     if settings.device.startswith("cuda"):
         return max(1, min(4, os.cpu_count() or 1))
-    return max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2) - 1)
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def core_env(environ: dict[str, str]) -> dict[str, str]:
+    """The engine core's environment: ``environ`` with ``OMP_WAIT_POLICY=PASSIVE`` unless the
+    user chose a policy (it must be set before OpenMP loads, so in the child's environment)."""
+    return {"OMP_WAIT_POLICY": "PASSIVE", **environ}
 
 
 def _die_with_parent(parent: int) -> None:

@@ -7,12 +7,15 @@ from the one ``MiMoGeometry`` of the config and are checked against the loaded m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from llm_svc.attention import AttentionBackend, AttentionParams, LayerKV
 
 from . import register_model
 from .base import HF_KIND, HybridModel, LayerSpec, apply_rope
+from .fused_mlp import GatedMLP, RoutedExperts
 from .geometry import MiMoGeometry, mimo_geometry
 
 
@@ -39,6 +42,7 @@ class MiMoModel(HybridModel):
                 raise ValueError(f"layer {i}: loaded k/v projections disagree with the config's geometry {kind}")
             self.layers.append(spec)
             self.params.append(AttentionParams(scale=a.scaling, sinks=a.sinks))
+        self.mlps = [_mlp_of(layer.mlp) for layer in self.inner.layers]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed_tokens(ids)
@@ -57,8 +61,28 @@ class MiMoModel(HybridModel):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o = attn.forward(spec.kind, q, k, v, kv[i], meta, self.params[i])  # [T, Hq, Dv]
             h = h + a.o_proj(o.reshape(t, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self.mlps[i](layer.post_attention_layernorm(h))
         return self.inner.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(h).float()
+
+
+def _mlp_of(mlp) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One layer's MLP as a fused callable ``[T, H] -> [T, H]``: a gated MLP with gate and up in
+    one GEMM, or the router + ``RoutedExperts`` (transformers' router returns ``(logits, w,
+    idx)``, the published tree's ``(idx, w)``; both choose and weigh experts the same way)."""
+    if not hasattr(mlp, "experts"):
+        return GatedMLP.pack(mlp)
+    experts = RoutedExperts.pack(mlp.experts)
+    gate = mlp.gate
+    hf_router = hasattr(mlp.experts, "gate_up_proj")
+
+    def moe(x: torch.Tensor) -> torch.Tensor:
+        if hf_router:
+            _, w, idx = gate(x)
+        else:
+            idx, w = gate(x)
+        return experts(x, idx, w)
+
+    return moe

@@ -137,9 +137,11 @@ def test_one_long_prefill_and_many_decodes_stay_apart():
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("kind", [FULL, SLIDING])
-def test_sdpa_backend_matches_batched_on_cpu(seed, kind):
-    """``sdpa`` (the CUDA default) runs on CPU too and equals ``torch_batched``: window, GQA,
-    padding, bidirectional spans, and sinks as an extra zero key."""
+@pytest.mark.parametrize("backend", ["sdpa", "cpu_flash"])
+def test_sdpa_backends_match_batched_on_cpu(seed, kind, backend):
+    """``sdpa`` (the CUDA default) and ``cpu_flash`` (the CPU default) equal ``torch_batched``:
+    window, GQA, padding, bidirectional spans, and sinks (an extra zero key in ``sdpa``, the
+    kernel's log-sum-exp in ``cpu_flash``)."""
     rng = random.Random(100 + seed)
     g = torch.Generator().manual_seed(seed)
     window = rng.choice([4, 16, 33])
@@ -151,11 +153,11 @@ def test_sdpa_backend_matches_batched_on_cpu(seed, kind):
     cache = LayerKV(torch.randn(hkv, 2048, D, generator=g), torch.randn(hkv, 2048, DV, generator=g))
     params = AttentionParams(scale=D ** -0.5, sinks=torch.randn(HQ, generator=g) * 3 if seed % 3 else None)
     ref, ref_cache = run_backend(TorchBatchedAttention(), batch, window, kind, q, k, v, cache, params)
-    got, got_cache = run_backend(create_attention_backend("sdpa"), batch, window, kind, q, k, v, cache, params)
+    got, got_cache = run_backend(create_attention_backend(backend), batch, window, kind, q, k, v, cache, params)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(got_cache.k, ref_cache.k)
 
 
 def test_auto_backend_per_device():
-    assert create_attention_backend("auto", "cpu").name == "torch_batched"
+    assert create_attention_backend("auto", "cpu").name == "cpu_flash"
     assert create_attention_backend("auto", "cuda").name == "sdpa"  # built lazily: no GPU needed here

@@ -73,11 +73,11 @@ def hf_logits(lm, ids: list[int], embeds: torch.Tensor | None = None, token_type
         return lm.model(**kw).logits[0].float()
 
 
-def make_runner(lm, num_full=2048, num_swa=256, attention="torch"):
+def make_runner(lm, num_full=2048, num_swa=256, attention="auto"):
     runner = ModelRunner(build_model(lm.arch, lm.model), num_full, num_swa)
     if attention == "blocks8":  # tiny query blocks: every chunk is cut, image spans straddle blocks
         runner.attn = TorchBatchedAttention(BucketPolicy(q_block=8))
-    elif attention != "torch":
+    else:
         runner.attn = create_attention_backend(attention)
     return runner
 
@@ -131,7 +131,7 @@ def test_greedy_tokens_match_generate(mimo16):
     assert got == expected
 
 
-@pytest.mark.parametrize("attention", ["torch", "torch_sdpa_loop", "blocks8", "sdpa"])
+@pytest.mark.parametrize("attention", ["torch", "torch_sdpa_loop", "blocks8", "sdpa", "cpu_flash"])
 @pytest.mark.parametrize("arch", ["mimo", "gemma3"])
 def test_mixed_batch_of_prefills_and_decodes(arch, attention, mimo16, gemma16):
     lm = mimo16 if arch == "mimo" else gemma16
@@ -193,7 +193,7 @@ def test_mimo_image_rows_are_injected(mimo16):
     assert not torch.allclose(ref[69], plain[69], atol=1e-3)  # the image changed the output
 
 
-@pytest.mark.parametrize("attention", ["torch", "torch_sdpa_loop", "blocks8", "sdpa"])
+@pytest.mark.parametrize("attention", ["torch", "torch_sdpa_loop", "blocks8", "sdpa", "cpu_flash"])
 def test_gemma3_image_attends_bidirectionally(attention, gemma16):
     lm = gemma16
     g = torch.Generator().manual_seed(5)

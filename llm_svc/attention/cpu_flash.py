@@ -1,0 +1,43 @@
+"""``cpu_flash``: the batched backend's buckets attended with the CPU flash-attention kernel.
+
+Same metadata as ``torch_batched`` (buckets, slot-table gathers, 0 / -inf biases), but each
+bucket goes through ``torch_common.attend_flash`` (torch's blocked CPU flash kernel with an
+online softmax; MiMo's sinks from its log-sum-exp) instead of ``bmm`` + softmax + ``bmm`` over a
+materialised score tensor. Measured on this 2-core box (fp32, 8 q / 4 kv heads of 96, one
+thread, sinks on): a 512-query chunk over 1,300 keys 111 -> 49 ms; 128 x 640 33 -> 24 ms;
+16 decodes over 1,300 keys 16.8 -> 15.2 ms. With no score tensor to cap, full layers attend a
+chunk whole (``full_q_block=0``); sliding layers keep query blocks, which cut the keys each
+block reads to ``W - 1 + q_block``. Soft-capped layers fall back to the matmul path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import register_attention_backend
+from .base import AttentionParams
+from .torch_batched import BucketPolicy, TorchBatchedAttention
+from .torch_common import attend_flash, flash_mask
+
+
+@register_attention_backend("cpu_flash")
+class CPUFlashAttention(TorchBatchedAttention):
+    name = "cpu_flash"
+
+    def __init__(self, policy: BucketPolicy | None = None):
+        super().__init__(policy or BucketPolicy(full_q_block=0))
+        self._masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prepare(self, batch, tables, window, device):
+        self._masks = {}  # a step's buckets own their biases: the masks made from them live as long
+        return super().prepare(batch, tables, window, device)
+
+    def attend(self, q, k, v, bias, params: AttentionParams):
+        if params.softcap is not None:
+            return super().attend(q, k, v, bias, params)
+        g = q.shape[2] // k.shape[0]
+        key = (id(bias), g)
+        hit = self._masks.get(key)
+        if hit is None or hit[0] is not bias:  # built once per bucket and head grouping, used by every layer
+            hit = self._masks[key] = (bias, flash_mask(bias, g, k.dtype))
+        return attend_flash(q, k, v, hit[1], params)

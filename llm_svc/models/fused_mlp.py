@@ -1,0 +1,96 @@
+"""Gated MLPs with their gate and up projections in one weight, and routed experts as one pass.
+
+``GatedMLP``: ``down(act(x W_g^T) * (x W_u^T))`` as two GEMMs instead of three (``W_g`` and
+``W_u`` stacked into one ``[2I, H]`` weight).
+
+``RoutedExperts``: every expert's stacked weights ``gate_up [E, 2I, H]``, ``down [E, H, I]``
+(transformers' own MoE layout); a forward sorts the ``T * K`` (token, expert) pairs by expert
+once (one host sync for the counts), gathers the tokens into expert-contiguous rows and runs
+two GEMMs per expert that has tokens on those rows, then scales by the routing weights and sums
+each token's ``K`` rows back with one ``index_add_``. Per expert no mask, ``nonzero`` or ``where``
+(transformers' loop pays those per expert, which is most of a decode step's MoE time on CPU).
+
+Packing keeps one copy of the weights: the modules' own parameters are rebound as views of the
+stacked tensors, so the loaded model and its ``state_dict`` are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rebind(module: nn.Module, name: str, view: torch.Tensor) -> None:
+    setattr(module, name, nn.Parameter(view, requires_grad=False))
+
+
+@dataclass
+class GatedMLP:
+    gate_up: torch.Tensor  # [2I, H]
+    down: torch.Tensor  # [H, I]
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def pack(cls, mlp: nn.Module, act: Callable | None = None) -> "GatedMLP":
+        """From a module with ``gate_proj`` / ``up_proj`` / ``down_proj`` linears (no biases)."""
+        g, u = mlp.gate_proj.weight, mlp.up_proj.weight
+        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError("GatedMLP packs bias-free projections only")
+        gu = torch.cat([g.detach(), u.detach()], 0).contiguous()
+        i = g.shape[0]
+        _rebind(mlp.gate_proj, "weight", gu[:i])
+        _rebind(mlp.up_proj, "weight", gu[i:])
+        return cls(gu, mlp.down_proj.weight, act or getattr(mlp, "act_fn", F.silu))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)  # [T, I] each
+        return F.linear(self.act(gate) * up, self.down)
+
+
+@dataclass
+class RoutedExperts:
+    gate_up: torch.Tensor  # [E, 2I, H]
+    down: torch.Tensor  # [E, H, I]
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def pack(cls, experts: nn.Module, act: Callable | None = None) -> "RoutedExperts":
+        """From transformers' stacked experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)
+        or a ``ModuleList`` of gated MLP modules (mmserve's published-layout tree)."""
+        if hasattr(experts, "gate_up_proj"):
+            return cls(experts.gate_up_proj, experts.down_proj, act or experts.act_fn)
+        gu = torch.stack([torch.cat([e.gate_proj.weight.detach(), e.up_proj.weight.detach()], 0)
+                          for e in experts]).contiguous()  # [E, 2I, H]
+        dn = torch.stack([e.down_proj.weight.detach() for e in experts]).contiguous()  # [E, H, I]
+        i = gu.shape[1] // 2
+        for j, e in enumerate(experts):
+            _rebind(e.gate_proj, "weight", gu[j, :i])
+            _rebind(e.up_proj, "weight", gu[j, i:])
+            _rebind(e.down_proj, "weight", dn[j])
+        return cls(gu, dn, act or F.silu)
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; idx [T, K] chosen experts; w [T, K] their weights -> [T, H] in x's dtype."""
+        t, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # [T*K]: pairs grouped by expert, token order inside
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tok = order // k
+        xs = x.index_select(0, tok)  # [T*K, H]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                gate, up = F.linear(xs[start:start + c], self.gate_up[e]).chunk(2, dim=-1)
+                torch.matmul(self.act(gate) * up, self.down[e].t(), out=ys[start:start + c])
+                start += c
+        ys.mul_(w.reshape(-1).index_select(0, order).to(ys.dtype)[:, None])
+        return torch.zeros_like(x).index_add_(0, tok, ys)

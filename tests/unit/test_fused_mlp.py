@@ -1,0 +1,74 @@
+"""Fused gated MLPs and routed experts equal the modules they replace, bit for bit where the
+arithmetic is the same (fp32), and keep one copy of the weights."""
+
+import pytest
+import torch
+from torch import nn
+
+from llm_svc.models.fused_mlp import GatedMLP, RoutedExperts
+
+pytestmark = pytest.mark.unit
+
+
+class _MLP(nn.Module):
+    def __init__(self, h, i):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _loop_moe(experts, x, idx, w):
+    """The per-expert reference (mmserve's published-tree MoE.forward)."""
+    out = torch.zeros_like(x)
+    for e in idx.unique().tolist():
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        out.index_add_(0, tok, experts[e](x[tok]) * w[tok, slot, None])
+    return out
+
+
+def test_gated_mlp_equals_the_module_and_shares_its_weights():
+    torch.manual_seed(0)
+    mlp = _MLP(32, 48)
+    x = torch.randn(7, 32)
+    want = mlp(x)
+    fused = GatedMLP.pack(mlp)
+    torch.testing.assert_close(fused(x), want, atol=1e-6, rtol=1e-6)
+    assert mlp.gate_proj.weight.data_ptr() == fused.gate_up.data_ptr()  # a view, not a copy
+    torch.testing.assert_close(mlp(x), want)  # the module still computes the same after rebinding
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 200])
+def test_routed_experts_equal_the_per_expert_loop(tokens):
+    torch.manual_seed(tokens)
+    experts = nn.ModuleList(_MLP(32, 16) for _ in range(6))
+    x = torch.randn(tokens, 32)
+    idx = torch.stack([torch.randperm(6)[:2] for _ in range(tokens)])  # [T, 2] distinct experts
+    w = torch.rand(tokens, 2)
+    want = _loop_moe(experts, x, idx, w)
+    fused = RoutedExperts.pack(experts)
+    torch.testing.assert_close(fused(x, idx, w), want, atol=1e-6, rtol=1e-6)
+    assert experts[3].down_proj.weight.data_ptr() == fused.down[3].data_ptr()
+    # the routing matters: another choice of experts gives another result
+    assert not torch.allclose(fused(x, idx.flip(1).roll(1, 0), w), want) or tokens == 1
+
+
+def test_routed_experts_equal_transformers_stacked_experts():
+    from transformers.models.mimo_v2_flash.configuration_mimo_v2_flash import MiMoV2FlashConfig
+    from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import MiMoV2FlashExperts
+
+    torch.manual_seed(1)
+    cfg = MiMoV2FlashConfig(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2)
+    hf = MiMoV2FlashExperts(cfg)
+    with torch.no_grad():
+        hf.gate_up_proj.normal_()
+        hf.down_proj.normal_()
+    x = torch.randn(11, 32)
+    idx = torch.stack([torch.randperm(hf.num_experts)[:2] for _ in range(11)])
+    w = torch.rand(11, 2)
+    with torch.no_grad():  # as the engine runs it (inference mode)
+        want = hf(x, idx, w)
+        got = RoutedExperts.pack(hf)(x, idx, w)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
