@@ -137,6 +137,12 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "triton_paged (CUDA: reads the paged pools in place), torch_batched, torch_sdpa_loop",
     )
     threads: int = Field(default=0, ge=0, description="torch threads of the engine core; 0: every core on CPU (OpenMP threads sleep at barriers)")
+    small_step_tokens: int = Field(
+        default=64, ge=1, description="CPU: engine steps of fewer tokens (decodes) run on small_step_threads"
+    )
+    small_step_threads: int = Field(
+        default=1, ge=0, description="CPU: torch threads of a small engine step; 0: the same as threads"
+    )
     # the engine core runs in its own process, supervised by the HTTP front
     core_stall_timeout: float = Field(
         default=60.0, gt=0, description="seconds without a heartbeat from a busy engine core before it is restarted"

@@ -12,6 +12,19 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Triton fixes its mode when it is first imported (any earlier import, e.g. by transformers, would
+# leave the CPU tests of our Triton kernels with a compiled-mode runtime): without a GPU, every
+# Triton kernel in the tests runs under the interpreter
+if "TRITON_INTERPRET" not in os.environ and _no_cuda():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 
 

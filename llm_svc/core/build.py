@@ -14,6 +14,7 @@ from shared.settings import LLMSettings
 from ..attention import FULL, SLIDING
 from ..engine.engine import Engine
 from ..engine.model_runner import ModelRunner
+from ..engine.step_threads import StepThreads
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..kv.budget import size_pools
 from ..loader import DTYPES, LoadedLM
@@ -55,8 +56,10 @@ def kv_dtype_of(settings: LLMSettings, lm: LoadedLM) -> torch.dtype:
     return lm.dtype if settings.kv_dtype == "auto" else DTYPES[settings.kv_dtype]
 
 
-def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict | None = None) -> Engine:
-    """Model + pools sized from the byte budget + scheduler + runner, wired into an Engine."""
+def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict | None = None,
+                 threads: StepThreads | None = None) -> Engine:
+    """Model + pools sized from the byte budget + scheduler + runner, wired into an Engine
+    (``threads``: torch threads per step by its size; None leaves torch's setting alone)."""
     model = build_model(lm.arch, lm.model)
     cfg = SchedulerConfig(
         max_batch_tokens=settings.max_batch_tokens,
@@ -76,7 +79,7 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     host_swa = settings.host_kv_swa_bytes // geometry.swa_token_bytes if host_full else 0
     scheduler = Scheduler(cfg, num_full, num_swa, num_host_full=host_full, num_host_swa=host_swa)
     runner = ModelRunner(model, num_full, num_swa, device=lm.device, kv_dtype=kv_dtype,
-                         attention=settings.attention_backend)
+                         attention=settings.attention_backend, threads=threads)
     tiers = build_tiers(settings, lm, model, runner, scheduler, kv_dtype) if host_full and host_swa else None
     # the front tries each source within media_fetch_timeout; this is the core's backstop
     return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1)

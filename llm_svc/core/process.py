@@ -54,6 +54,16 @@ def core_threads(settings: LLMSettings) -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
+def step_threads(settings: LLMSettings):
+    """Threads per engine step on the CPU (``llm_svc.engine.step_threads``); None beside a GPU."""
+    from ..engine.step_threads import StepThreads
+
+    if settings.device.startswith("cuda"):
+        return None
+    large = core_threads(settings)
+    return StepThreads(large, min(large, settings.small_step_threads or large), settings.small_step_tokens)
+
+
 def core_env(environ: dict[str, str]) -> dict[str, str]:
     """The engine core's environment: ``environ`` with ``OMP_WAIT_POLICY=PASSIVE`` unless the
     user chose a policy (it must be set before OpenMP loads, so in the child's environment)."""
@@ -200,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(core_threads(settings))
         lm = load_lm(settings.model_dir, settings.device, settings.dtype)
-        engine = build_engine(settings, lm)
+        engine = build_engine(settings, lm, threads=step_threads(settings))
     except Exception as e:
         log.exception("engine core failed to load")
         outputs.send(enc.encode(CoreFailed(args.epoch, f"{type(e).__name__}: {e}")))

@@ -14,6 +14,7 @@ from llm_svc.attention import FULL, LayerKV, create_attention_backend
 from llm_svc.types import ForwardBatch
 from llm_svc.attention.slot_tables import DeviceSlotTables
 from llm_svc.models import HybridModel
+from llm_svc.engine.step_threads import StepThreads
 
 
 class ModelRunner:
@@ -22,12 +23,15 @@ class ModelRunner:
     ``kv_dtype``: the pools' dtype (bf16/fp16/fp32), independent of the model's compute dtype
     (its weights'): K/V are cast on write and back to the compute dtype when read. ``dtype`` is
     the older name of the same argument (``kv_dtype`` wins when both are given).
-    ``attention``: a registered backend name; ``auto`` picks the default for ``device``."""
+    ``attention``: a registered backend name; ``auto`` picks the default for ``device``.
+    ``threads``: torch threads per step by its size (None: leave torch's setting alone)."""
 
     def __init__(self, model: HybridModel, num_full_slots: int, num_swa_slots: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 attention: str = "auto", kv_dtype: torch.dtype | None = None):
+                 attention: str = "auto", kv_dtype: torch.dtype | None = None,
+                 threads: StepThreads | None = None):
         self.model = model
+        self.threads = threads
         self.device = torch.device(device)
         self.kv_dtype = self.dtype = kv_dtype or dtype
         self.attn = create_attention_backend(attention, self.device)
@@ -62,6 +66,8 @@ class ModelRunner:
     def run(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
         """Execute the batch; returns ``{req_id: logits [vocab] float32}`` for ``need_logits`` seqs."""
         assert batch.seqs, "empty batch"
+        if self.threads is not None:
+            self.threads.apply(batch.num_tokens)
         tables = self.tables.apply(batch)
         positions = torch.tensor([p for s in batch.seqs for p in s.positions], dtype=torch.long,
                                  device=self.device)

@@ -23,3 +23,23 @@ def test_core_env_makes_openmp_threads_sleep_at_barriers_unless_the_user_chose()
     assert core_env({"PATH": "/bin"}) == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
     assert core_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
 
+
+
+def test_small_steps_run_on_fewer_threads_than_big_ones():
+    import torch
+
+    from llm_svc.core.process import step_threads
+    from llm_svc.engine.step_threads import StepThreads
+
+    plan = step_threads(LLMSettings(model_dir="m", threads=2, small_step_threads=1, small_step_tokens=64))
+    assert plan == StepThreads(large=2, small=1, min_tokens=64)
+    assert [plan.threads_for(n) for n in (1, 63, 64, 2048)] == [1, 1, 2, 2]
+    before = torch.get_num_threads()
+    try:
+        assert plan.apply(16) == 1 and torch.get_num_threads() == 1
+        assert plan.apply(512) == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    same = step_threads(LLMSettings(model_dir="m", threads=3, small_step_threads=0))
+    assert same.threads_for(1) == same.threads_for(4096) == 3
+    assert step_threads(LLMSettings(model_dir="m", device="cuda")) is None
