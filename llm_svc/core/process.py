@@ -43,10 +43,9 @@ EXIT_LOAD_FAILED = 2
 
 def core_threads(settings: LLMSettings) -> int:
     """``threads``, or by default every core on the CPU (4 at most beside a GPU). Safe beside the
-    front, the gateway and other processes because the core's OpenMP threads sleep at barriers
-    (``core_env``): with libgomp's default spinning, a 30%-busy other process made 2 threads 8x
-    slower than 1 on this 2-core machine (4 x 1,300-token prefills: 73 s vs 9 s passive), which
-    is why this once kept a core free; sleeping threads lose nothing measurable when idle."""
+    front, the gateway and other processes because the core's OpenMP threads soon sleep at
+    barriers (``core_env``); with libgomp's default spinning they collapsed as soon as another
+    process took a core, which is why this once kept a core free."""
     if settings.threads > 0:
         return settings.threads
     if settings.device.startswith("cuda"):
@@ -65,9 +64,16 @@ def step_threads(settings: LLMSettings):
 
 
 def core_env(environ: dict[str, str]) -> dict[str, str]:
-    """The engine core's environment: ``environ`` with ``OMP_WAIT_POLICY=PASSIVE`` unless the
-    user chose a policy (it must be set before OpenMP loads, so in the child's environment)."""
-    return {"OMP_WAIT_POLICY": "PASSIVE", **environ}
+    """The engine core's environment: ``environ`` with OpenMP threads that spin only briefly at
+    a barrier before they sleep (``GOMP_SPINCOUNT=10000``, torch's libgomp), unless the user
+    chose a wait policy. It must be set before OpenMP loads, so in the child's environment.
+    libgomp's default spin (300,000) made 2 threads 8x slower than 1 beside a 30%-busy other
+    process on this 2-core machine (4 x 1,300-token prefills: 73 s; 10,000: 7 s, about what
+    sleeping at once gives), while sleeping at once (``OMP_WAIT_POLICY=PASSIVE``) cost 30-40%
+    of 2-thread GEMM speed when the machine is quiet (10,000 costs nothing measurable)."""
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return dict(environ)
+    return {**environ, "GOMP_SPINCOUNT": "10000"}
 
 
 def _die_with_parent(parent: int) -> None:

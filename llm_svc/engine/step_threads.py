@@ -2,7 +2,7 @@
 
 A big step (prefill chunks: GEMMs of hundreds of rows, milliseconds each) gains from every
 core; a small one (decodes: hundreds of sub-millisecond ops) gains little, and each of its
-parallel regions pays a wake-up of the sleeping OpenMP workers (the core waits passively, see
+parallel regions may pay a wake-up of sleeping OpenMP workers (see
 ``llm_svc.core.process.core_env``) and takes a core from the front and the gateway, which
 stream its tokens. So steps of fewer than ``min_tokens`` tokens run on ``small`` threads.
 """

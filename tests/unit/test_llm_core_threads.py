@@ -1,5 +1,5 @@
 """The engine core's torch threads (the setting when given, else every allowed CPU) and its
-OpenMP wait policy (passive unless the user chose one)."""
+OpenMP spin bound (unless the user chose a wait policy)."""
 
 import os
 
@@ -19,9 +19,10 @@ def test_default_uses_every_allowed_cpu():
     assert core_threads(LLMSettings(model_dir="m")) == len(os.sched_getaffinity(0))
 
 
-def test_core_env_makes_openmp_threads_sleep_at_barriers_unless_the_user_chose():
-    assert core_env({"PATH": "/bin"}) == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
-    assert core_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+def test_core_env_bounds_openmp_spinning_unless_the_user_chose():
+    assert core_env({"PATH": "/bin"}) == {"PATH": "/bin", "GOMP_SPINCOUNT": "10000"}
+    assert core_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert core_env({"GOMP_SPINCOUNT": "5"}) == {"GOMP_SPINCOUNT": "5"}
 
 
 
