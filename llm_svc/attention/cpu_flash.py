@@ -7,7 +7,9 @@ materialised score tensor. Measured on this 2-core box (fp32, 8 q / 4 kv heads o
 thread, sinks on): a 512-query chunk over 1,300 keys 111 -> 49 ms; 128 x 640 33 -> 24 ms;
 16 decodes over 1,300 keys 16.8 -> 15.2 ms. With no score tensor to cap, full layers attend a
 chunk whole (``full_q_block=0``); sliding layers keep query blocks, which cut the keys each
-block reads to ``W - 1 + q_block``. Soft-capped layers fall back to the matmul path.
+block reads to ``W - 1 + q_block``. Soft-capped layers, and decode buckets whose qk and v head
+dims differ (the kernel wants one head size: V would be zero-padded, a copy of the context), use
+the matmul path.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ class CPUFlashAttention(TorchBatchedAttention):
         return super().prepare(batch, tables, window, device)
 
     def attend(self, q, k, v, bias, params: AttentionParams):
-        if params.softcap is not None:
+        if params.softcap is not None or (q.shape[1] == 1 and v.shape[-1] != k.shape[-1]):
+            # decodes with qk != v: zero-padding V costs a copy of the context, more than the
+            # matmul path spends (tiny MiMo, 16 x 32K: 111 vs 50 ms)
             return super().attend(q, k, v, bias, params)
         g = q.shape[2] // k.shape[0]
         key = (id(bias), g)
