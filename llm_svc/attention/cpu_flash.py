@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from . import register_attention_backend
-from .base import AttentionParams
-from .torch_batched import BucketPolicy, TorchBatchedAttention
+from . import cpu_paged, register_attention_backend
+from .base import AttentionParams, LayerKV
+from .torch_batched import Bucket, BucketPolicy, TorchBatchedAttention
 from .torch_common import attend_flash, flash_mask
 
 
@@ -33,6 +33,13 @@ class CPUFlashAttention(TorchBatchedAttention):
     def prepare(self, batch, tables, window, device):
         self._masks = {}  # a step's buckets own their biases: the masks made from them live as long
         return super().prepare(batch, tables, window, device)
+
+    def attend_bucket(self, bk: Bucket, q, cache: LayerKV, params: AttentionParams) -> torch.Tensor:
+        if bk.nq == 1 and bk.lens is not None and cpu_paged.supports(q, cache):
+            b, _, hq, d = q.shape
+            out = cpu_paged.paged_decode(q.view(b, hq, d), cache, bk.table, bk.trows, bk.k0, bk.lens, params)
+            return out.unsqueeze(1)
+        return super().attend_bucket(bk, q, cache, params)
 
     def attend(self, q, k, v, bias, params: AttentionParams):
         if params.softcap is not None or (q.shape[1] == 1 and v.shape[-1] != k.shape[-1]):

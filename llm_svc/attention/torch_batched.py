@@ -61,14 +61,37 @@ class BucketPolicy:
 
 @dataclass
 class Bucket:
-    """Sequences attended in one padded batch."""
+    """Sequences attended in one padded batch. A member ``b`` reads positions
+    ``k0[b] .. k0[b] + lens[b] - 1`` of slot-table row ``trows[b]``; ``ctx_slots`` and ``bias`` are
+    built from them on first use (a kernel that reads the table in place never builds them)."""
 
     nq: int  # padded queries per sequence
     q_index: torch.Tensor | None  # [B * nq] long: step row of each padded query (pads repeat one); None: rows 0..T-1
-    ctx_slots: torch.Tensor  # [B, L] long: pool slot of each context position (pad: 0), from the slot table
-    bias: torch.Tensor  # [B, nq, L] float32: 0 where the query may attend, -inf elsewhere
     real: torch.Tensor | None  # [T_b] long: the real queries among the B * nq; None: all real
     rows: torch.Tensor  # [T_b] long: their step rows
+    lens: torch.Tensor  # [B] long: real keys of each member
+    trows: torch.Tensor  # [B] long: each member's slot-table row
+    k0: torch.Tensor | None  # [B] long: position of each member's first key (None: all 0)
+    table: torch.Tensor  # [R, capacity] long: the kind's slot table
+    length: int  # L: keys per member, padded
+    _ctx: torch.Tensor | None = None
+    _bias: torch.Tensor | None = None
+
+    @property
+    def ctx_slots(self) -> torch.Tensor:
+        """[B, L] long: pool slot of each context position (pad: 0), from the slot table."""
+        if self._ctx is None:
+            self._ctx = table_slots(self.table, self.trows, self.k0, self.lens, self.length)
+        return self._ctx
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """[B, nq, L] float32: 0 where the query may attend, -inf elsewhere."""
+        if self._bias is None:  # decodes (nq = 1): only the key padding is masked
+            pad = torch.arange(self.length, device=self.lens.device)[None, :] >= self.lens[:, None]
+            self._bias = torch.zeros(pad.shape, dtype=torch.float32, device=pad.device).masked_fill_(
+                pad, float("-inf"))[:, None, :]
+        return self._bias
 
 
 @dataclass
@@ -152,34 +175,35 @@ def _bucket(members: list[_Member], kind: str, window: int, table: torch.Tensor,
     ns, lens = t([m.n for m in members]), t([m.klen for m in members])
     nq, L = max(m.n for m in members), max(m.klen for m in members)
     k0 = t([m.k0 for m in members]) if any(m.k0 for m in members) else None
-    ctx = table_slots(table, t([m.trow for m in members]), k0, lens, L)  # [B, L]
-    ar_q, ar_k = torch.arange(nq, device=device), torch.arange(L, device=device)
-    key_ok = (ar_k[None, :] < lens[:, None])[:, None, :]  # [B, 1, L]
+    trows = t([m.trow for m in members])
+    ar_q = torch.arange(nq, device=device)
     q_real = ar_q[None, :] < ns[:, None]  # [B, nq]
-    if nq == 1:
-        # decodes: the context is exactly what the token sees (sliding: cut to the window by the
-        # scheduler; a span before it does not widen it), so only key padding is masked
-        ok = key_ok
-    else:
-        w = window if kind == SLIDING else None
-        qpos = t([m.qstart for m in members])[:, None] + ar_q  # [B, nq]
-        kpos = (ar_k[None, :] if k0 is None else k0[:, None] + ar_k)  # [B or 1, L]
-        kpos = kpos.expand(len(members), L)
-        ok = allowed_mask(qpos, kpos, [], w)  # [B, nq, L]
-        for j, m in enumerate(members):
-            if m.spans:
-                ok[j] = allowed_mask(qpos[j], kpos[j], m.spans, w)
-        ok &= key_ok
-        ok &= q_real[:, :, None]
-        ok[:, :, 0] |= ~q_real  # a padded query row sees key 0 only: finite softmax, output dropped
-    bias = torch.zeros(ok.shape, dtype=torch.float32, device=device).masked_fill_(~ok, float("-inf"))
-
     starts = t([m.row for m in members])
     q_index = (starts[:, None] + torch.minimum(ar_q[None, :], (ns - 1)[:, None])).reshape(-1)  # [B * nq]
     padded = any(m.n < nq for m in members)
     real = q_real.reshape(-1).nonzero().squeeze(1) if padded else None
     rows = q_index[real] if padded else q_index
-    return Bucket(nq, q_index, ctx, bias, real, rows)
+    bk = Bucket(nq, q_index, real, rows, lens, trows, k0, table, L)
+    if nq == 1:
+        # decodes: the context is exactly what the token sees (sliding: cut to the window by the
+        # scheduler; a span before it does not widen it), so only key padding is masked: the
+        # bias is built lazily from ``lens``
+        return bk
+    ar_k = torch.arange(L, device=device)
+    key_ok = (ar_k[None, :] < lens[:, None])[:, None, :]  # [B, 1, L]
+    w = window if kind == SLIDING else None
+    qpos = t([m.qstart for m in members])[:, None] + ar_q  # [B, nq]
+    kpos = (ar_k[None, :] if k0 is None else k0[:, None] + ar_k)  # [B or 1, L]
+    kpos = kpos.expand(len(members), L)
+    ok = allowed_mask(qpos, kpos, [], w)  # [B, nq, L]
+    for j, m in enumerate(members):
+        if m.spans:
+            ok[j] = allowed_mask(qpos[j], kpos[j], m.spans, w)
+    ok &= key_ok
+    ok &= q_real[:, :, None]
+    ok[:, :, 0] |= ~q_real  # a padded query row sees key 0 only: finite softmax, output dropped
+    bk._bias = torch.zeros(ok.shape, dtype=torch.float32, device=device).masked_fill_(~ok, float("-inf"))
+    return bk
 
 
 def attend_capped(q, k, v, bias, params: AttentionParams, max_elems: int) -> torch.Tensor:
@@ -202,6 +226,11 @@ class TorchBatchedAttention(AttentionBackend):
     def attend(self, q, k, v, bias, params: AttentionParams) -> torch.Tensor:
         """q [B, nq, Hq, D], k/v [Hkv, B, L, D/Dv], bias [B, nq, L] -> [B, nq, Hq, Dv]."""
         return attend_capped(q, k, v, bias, params, self.policy.max_score_elems)
+
+    def attend_bucket(self, bk: Bucket, q, cache: LayerKV, params: AttentionParams) -> torch.Tensor:
+        """q [B, nq, Hq, D] of bucket ``bk`` over its context in ``cache`` -> [B, nq, Hq, Dv]."""
+        kg, vg = cache.gather(bk.ctx_slots, q.dtype, self.ws)  # [Hkv, B, L, D], [Hkv, B, L, Dv]
+        return self.attend(q, kg, vg, bk.bias, params)
 
     def prepare(self, batch: ForwardBatch, tables: StepTables, window: int, device: torch.device) -> StepMeta:
         meta = StepMeta()
@@ -231,8 +260,7 @@ class TorchBatchedAttention(AttentionBackend):
         for bk in km.buckets:
             b = bk.ctx_slots.shape[0]
             qg = (q if bk.q_index is None else q.index_select(0, bk.q_index)).view(b, bk.nq, hq, d)
-            kg, vg = cache.gather(bk.ctx_slots, q.dtype, self.ws)  # [Hkv, B, L, D], [Hkv, B, L, Dv]
-            o = self.attend(qg, kg, vg, bk.bias, params)  # [B, nq, Hq, Dv]
+            o = self.attend_bucket(bk, qg, cache, params)  # [B, nq, Hq, Dv]
             o = o.reshape(b * bk.nq, hq, -1)
             if km.whole:
                 return o

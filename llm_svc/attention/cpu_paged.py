@@ -1,0 +1,149 @@
+"""The CPU paged decode kernel (``cpu_paged.c``): built once per machine, called through ctypes.
+
+Decodes are bound by reading the context: gathering it out of the pool first (``LayerKV.gather``)
+reads it, writes a copy and reads the copy again. The kernel reads each K/V row once, in place,
+through the bucket's slot table. It is plain C (no torch headers: it compiles in about a second),
+built with the machine's own vector width into ``$MMSERVE_CACHE/kernels`` (default
+``~/.cache/mmserve``), keyed by the source and the CPU's flags; a missing compiler or a failed
+build leaves ``available()`` False and the callers on the torch path.
+
+ctypes releases the GIL for the call, so a step with many work items is split over
+``torch.get_num_threads()`` Python threads, each running a range of ``(sequence, kv head)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .base import AttentionParams, LayerKV
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_paged.c")
+FLAGS = ["-O3", "-ffast-math", "-march=native", "-shared", "-fPIC", "-std=c11"]
+MIN_SPLIT_KEYS = 1 << 15  # below this many key rows a step runs on one thread (a thread hop costs ~50 us)
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_pool: ThreadPoolExecutor | None = None
+
+
+def _cpu_key() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def library_path() -> Path:
+    """Where this machine's build of the kernel lives (built or not)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
+    return cache / "kernels" / f"cpu_paged-{digest}.so"
+
+
+def _build(out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc / gcc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(tmp, out)  # atomic: concurrent builders (engine cores, tests) never load half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None if it cannot be built here (logged once)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            path = library_path()
+            if not path.exists():
+                _build(path)
+            lib = ctypes.CDLL(str(path))
+            fn = lib.mmserve_paged_decode_f32
+            p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+            fn.argtypes = [p] * 9 + [i64] * 7 + [f32, f32, i64, i64]
+            fn.restype = ctypes.c_int
+            _lib = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or ""
+            log.warning("CPU paged decode kernel unavailable (%s %s); decodes gather their context", e, detail[-500:])
+            _lib = None
+        _tried = True
+    return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def supports(q: torch.Tensor, cache: LayerKV) -> bool:
+    """Whether ``paged_decode`` can run these tensors (CPU, float32 pool and queries)."""
+    return (q.device.type == "cpu" and cache.k.dtype == torch.float32 and cache.v.dtype == torch.float32
+            and q.dtype == torch.float32 and cache.k.is_contiguous() and cache.v.is_contiguous() and available())
+
+
+def _executor(n: int) -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None or _pool._max_workers < n:  # noqa: SLF001 (the pool's size is all we read)
+        _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="mmserve-attn")
+    return _pool
+
+
+def paged_decode(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: torch.Tensor,
+                 k0: torch.Tensor | None, lens: torch.Tensor, params: AttentionParams,
+                 threads: int | None = None) -> torch.Tensor:
+    """One query per sequence over its context, read in place. q [B, Hq, Dqk] float32; sequence
+    ``b`` reads positions ``k0[b] .. k0[b] + lens[b] - 1`` (``k0`` None: from 0) of row
+    ``trows[b]`` of the slot table ``table [R, capacity]`` (long) -> [B, Hq, Dv]."""
+    lib = load()
+    assert lib is not None, "paged_decode called without the kernel (check supports() first)"
+    b, hq, dqk = q.shape
+    hkv, num_slots, dv = cache.v.shape
+    assert hq % hkv == 0 and cache.k.shape == (hkv, num_slots, dqk), (q.shape, cache.k.shape, cache.v.shape)
+    assert table.dtype == torch.long and table.dim() == 2 and table.is_contiguous()
+    q = q.contiguous()
+    trows, lens = trows.contiguous(), lens.contiguous()
+    k0 = None if k0 is None else k0.contiguous()
+    sinks = None if params.sinks is None else params.sinks.detach().float().contiguous()
+    out = torch.empty(b, hq, dv, dtype=torch.float32)
+    items = b * hkv
+    args = (q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), trows.data_ptr(),
+            None if k0 is None else k0.data_ptr(), lens.data_ptr(),
+            None if sinks is None else sinks.data_ptr(), out.data_ptr(),
+            b, hq, hkv, dqk, dv, num_slots, table.shape[1], float(params.scale), float(params.softcap or 0.0))
+    n = threads or torch.get_num_threads()
+    n = max(1, min(n, items, int(lens.sum()) // MIN_SPLIT_KEYS))
+    if n == 1:
+        rc = lib.mmserve_paged_decode_f32(*args, 0, items)
+        assert rc == 0, "paged decode kernel: out of memory"
+        return out
+    cuts = [items * i // n for i in range(n + 1)]
+    futs = [_executor(n).submit(lib.mmserve_paged_decode_f32, *args, cuts[i], cuts[i + 1]) for i in range(n)]
+    assert all(f.result() == 0 for f in futs), "paged decode kernel: out of memory"
+    return out

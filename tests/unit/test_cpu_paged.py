@@ -1,0 +1,107 @@
+"""The CPU paged decode kernel (``cpu_paged.c``) against the torch reference (gather + ``attend``):
+GQA, sinks, soft-cap, qk != v, contexts from 1 key to several kernel blocks, sliding contexts that
+start past 0 (``k0``), table rows out of order, scattered slots, the specialised head dims and the
+generic body, and a step split over threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_svc.attention import AttentionParams, LayerKV
+from llm_svc.attention import cpu_paged
+from llm_svc.attention.torch_common import attend, table_slots
+
+pytestmark = pytest.mark.unit
+
+
+def test_kernel_builds_here():
+    """The machine (and CI) has a C compiler: the kernel, not the fallback, is what runs."""
+    assert cpu_paged.available()
+    assert cpu_paged.library_path().exists()
+
+
+def _case(g: torch.Generator, b: int, hq: int, hkv: int, dqk: int, dv: int, lens: list[int],
+          sliding: bool, scattered: bool):
+    cap = max(lens) + 64
+    rows = b + 2  # the table holds more rows than the step reads, in another order
+    num_slots = rows * cap + 7
+    cache = LayerKV(torch.randn(hkv, num_slots, dqk, generator=g), torch.randn(hkv, num_slots, dv, generator=g))
+    perm = torch.randperm(num_slots, generator=g) if scattered else torch.arange(num_slots)
+    table = perm[: rows * cap].view(rows, cap).contiguous()
+    trows = torch.randperm(rows, generator=g)[:b]
+    lens_t = torch.tensor(lens)
+    k0 = torch.randint(0, 60, (b,), generator=g) if sliding else None
+    q = torch.randn(b, hq, dqk, generator=g)
+    return q, cache, table, trows, k0, lens_t
+
+
+def _reference(q, cache, table, trows, k0, lens, params):
+    L = int(lens.max())
+    ctx = table_slots(table, trows, k0, lens, L)  # [B, L]
+    k, v = cache.gather(ctx, torch.float32)
+    pad = torch.arange(L)[None, :] >= lens[:, None]
+    bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))[:, None, :]
+    return attend(q.unsqueeze(1), k, v, bias, params).squeeze(1)
+
+
+@pytest.mark.parametrize("dims", [(24, 16), (96, 96), (64, 64), (192, 128), (40, 40), (8, 6)])
+@pytest.mark.parametrize("variant", ["plain", "sinks", "softcap"])
+def test_kernel_matches_reference(dims, variant):
+    dqk, dv = dims
+    g = torch.Generator().manual_seed(dqk * 31 + dv + len(variant))
+    hq, hkv = 8, 2
+    lens = [1, 2, 7, 511, 512, 513, 1300]
+    q, cache, table, trows, k0, lens_t = _case(g, len(lens), hq, hkv, dqk, dv, lens,
+                                               sliding=variant != "plain", scattered=variant == "sinks")
+    params = AttentionParams(scale=dqk ** -0.5,
+                             sinks=torch.randn(hq, generator=g) if variant == "sinks" else None,
+                             softcap=20.0 if variant == "softcap" else None)
+    got = cpu_paged.paged_decode(q, cache, table, trows, k0, lens_t, params)
+    want = _reference(q, cache, table, trows, k0, lens_t, params)
+    assert got.shape == (len(lens), hq, dv)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (1, 1)])
+def test_kernel_head_groupings(hq, hkv):
+    g = torch.Generator().manual_seed(hq * 10 + hkv)
+    lens = [5, 300, 77]
+    q, cache, table, trows, k0, lens_t = _case(g, 3, hq, hkv, 32, 32, lens, sliding=False, scattered=True)
+    params = AttentionParams(scale=0.2)
+    torch.testing.assert_close(cpu_paged.paged_decode(q, cache, table, trows, k0, lens_t, params),
+                               _reference(q, cache, table, trows, k0, lens_t, params), rtol=1e-4, atol=1e-5)
+
+
+def test_split_over_threads_equals_one_thread(monkeypatch):
+    """A step with enough keys runs on several Python threads (ranges of work items): same result."""
+    monkeypatch.setattr(cpu_paged, "MIN_SPLIT_KEYS", 64)
+    g = torch.Generator().manual_seed(5)
+    lens = [700, 33, 1025, 260, 9]
+    q, cache, table, trows, k0, lens_t = _case(g, 5, 4, 2, 16, 16, lens, sliding=True, scattered=True)
+    params = AttentionParams(scale=0.25, sinks=torch.randn(4, generator=g))
+    one = cpu_paged.paged_decode(q, cache, table, trows, k0, lens_t, params, threads=1)
+    three = cpu_paged.paged_decode(q, cache, table, trows, k0, lens_t, params, threads=3)
+    torch.testing.assert_close(three, one, rtol=0, atol=0)
+    torch.testing.assert_close(one, _reference(q, cache, table, trows, k0, lens_t, params), rtol=1e-4, atol=1e-5)
+
+
+def test_supports_only_cpu_float32_contiguous():
+    cache = LayerKV.empty(16, 2, 8, 8, torch.float32)
+    q = torch.randn(1, 2, 8)
+    assert cpu_paged.supports(q, cache)
+    assert not cpu_paged.supports(q.double(), cache)
+    assert not cpu_paged.supports(q, LayerKV.empty(16, 2, 8, 8, torch.bfloat16))
+    assert not cpu_paged.supports(q, LayerKV(cache.k.transpose(0, 1).contiguous().transpose(0, 1), cache.v))
+
+
+def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
+    """No compiler and no cached build: ``available()`` is False with a warning, nothing raises."""
+    monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(cpu_paged, "_lib", None)
+    monkeypatch.setattr(cpu_paged, "_tried", False)
+    with caplog.at_level("WARNING"):
+        assert cpu_paged.load() is None
+    assert "unavailable" in caplog.text
+    assert not cpu_paged.supports(torch.randn(1, 2, 8), LayerKV.empty(16, 2, 8, 8, torch.float32))
