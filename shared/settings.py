@@ -139,6 +139,11 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         default="auto", description="attention kernel: auto (cpu_flash on CPU, sdpa on CUDA), cpu_flash, sdpa, "
         "triton_paged (CUDA: reads the paged pools in place), torch_batched, torch_sdpa_loop",
     )
+    linear_backend: Literal["auto", "onednn", "torch"] = Field(
+        default="auto", description="GEMMs of the model's linears and MLPs: auto (onednn on CPU for float32 / bfloat16, "
+        "torch elsewhere), onednn (oneDNN on weights reordered once; falls back to torch where it cannot run), torch "
+        "(F.linear: MKL on CPU, cuBLAS on CUDA)",
+    )
     threads: int = Field(default=0, ge=0, description="torch threads of the engine core; 0: every core on CPU (OpenMP threads sleep soon at barriers)")
     small_step_tokens: int = Field(
         default=64, ge=1, description="CPU: engine steps of fewer tokens (decodes) run on small_step_threads"

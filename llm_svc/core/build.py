@@ -60,7 +60,7 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
                  threads: StepThreads | None = None) -> Engine:
     """Model + pools sized from the byte budget + scheduler + runner, wired into an Engine
     (``threads``: torch threads per step by its size; None leaves torch's setting alone)."""
-    model = build_model(lm.arch, lm.model)
+    model = build_model(lm.arch, lm.model, linear=settings.linear_backend)
     cfg = SchedulerConfig(
         max_batch_tokens=settings.max_batch_tokens,
         max_running=settings.max_running,

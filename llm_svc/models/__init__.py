@@ -17,12 +17,13 @@ def register_model(arch: str):
     return deco
 
 
-def build_model(arch: str, hf_model) -> HybridModel:
+def build_model(arch: str, hf_model, linear: str = "auto") -> HybridModel:
+    """Our forward over a loaded HF model; ``linear``: the backend of its GEMMs (``linear.BACKENDS``)."""
     from . import gemma3, gpt_oss, mimo  # noqa: F401  (register)
 
     if arch not in _REGISTRY:
         raise ValueError(f"the swa engine has no model for arch {arch!r} (supported: {sorted(_REGISTRY)})")
-    return _REGISTRY[arch](hf_model)
+    return _REGISTRY[arch](hf_model, linear=linear)
 
 
 __all__ = ["HybridModel", "LayerSpec", "build_model", "register_model"]

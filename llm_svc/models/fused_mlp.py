@@ -10,8 +10,10 @@ two GEMMs per expert that has tokens on those rows, then scales by the routing w
 each token's ``K`` rows back with one ``index_add_``. Per expert no mask, ``nonzero`` or ``where``
 (transformers' loop pays those per expert, which is most of a decode step's MoE time on CPU).
 
-Packing keeps one copy of the weights: the modules' own parameters are rebound as views of the
-stacked tensors, so the loaded model and its ``state_dict`` are unchanged.
+Packing keeps one copy of the stacked weights: the modules' own parameters are rebound as views
+of the stacked tensors, so the loaded model and its ``state_dict`` are unchanged. The GEMMs run
+on the ``linear`` backend (``linear.make_linear``: oneDNN on CPU by default, which holds its own
+reordered copy).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import Linear, make_linear
+
 
 def _rebind(module: nn.Module, name: str, view: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(view, requires_grad=False))
@@ -33,9 +37,14 @@ class GatedMLP:
     gate_up: torch.Tensor  # [2I, H]
     down: torch.Tensor  # [H, I]
     act: Callable[[torch.Tensor], torch.Tensor]
+    backend: str = "auto"  # linear backend (``linear.BACKENDS``)
+
+    def __post_init__(self) -> None:
+        self._gate_up: Linear = make_linear(self.gate_up, backend=self.backend)
+        self._down: Linear = make_linear(self.down, backend=self.backend)
 
     @classmethod
-    def pack(cls, mlp: nn.Module, act: Callable | None = None) -> "GatedMLP":
+    def pack(cls, mlp: nn.Module, act: Callable | None = None, backend: str = "auto") -> "GatedMLP":
         """From a module with ``gate_proj`` / ``up_proj`` / ``down_proj`` linears (no biases)."""
         g, u = mlp.gate_proj.weight, mlp.up_proj.weight
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
@@ -44,11 +53,11 @@ class GatedMLP:
         i = g.shape[0]
         _rebind(mlp.gate_proj, "weight", gu[:i])
         _rebind(mlp.up_proj, "weight", gu[i:])
-        return cls(gu, mlp.down_proj.weight, act or getattr(mlp, "act_fn", F.silu))
+        return cls(gu, mlp.down_proj.weight, act or getattr(mlp, "act_fn", F.silu), backend)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)  # [T, I] each
-        return F.linear(self.act(gate) * up, self.down)
+        gate, up = self._gate_up(x).chunk(2, dim=-1)  # [T, I] each
+        return self._down(self.act(gate) * up)
 
 
 @dataclass
@@ -56,13 +65,18 @@ class RoutedExperts:
     gate_up: torch.Tensor  # [E, 2I, H]
     down: torch.Tensor  # [E, H, I]
     act: Callable[[torch.Tensor], torch.Tensor]
+    backend: str = "auto"  # linear backend (``linear.BACKENDS``)
+
+    def __post_init__(self) -> None:
+        self._gate_up: list[Linear] = [make_linear(w, backend=self.backend) for w in self.gate_up]
+        self._down: list[Linear] = [make_linear(w, backend=self.backend) for w in self.down]
 
     @classmethod
-    def pack(cls, experts: nn.Module, act: Callable | None = None) -> "RoutedExperts":
+    def pack(cls, experts: nn.Module, act: Callable | None = None, backend: str = "auto") -> "RoutedExperts":
         """From transformers' stacked experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)
         or a ``ModuleList`` of gated MLP modules (mmserve's published-layout tree)."""
         if hasattr(experts, "gate_up_proj"):
-            return cls(experts.gate_up_proj, experts.down_proj, act or experts.act_fn)
+            return cls(experts.gate_up_proj, experts.down_proj, act or experts.act_fn, backend)
         gu = torch.stack([torch.cat([e.gate_proj.weight.detach(), e.up_proj.weight.detach()], 0)
                           for e in experts]).contiguous()  # [E, 2I, H]
         dn = torch.stack([e.down_proj.weight.detach() for e in experts]).contiguous()  # [E, H, I]
@@ -71,7 +85,7 @@ class RoutedExperts:
             _rebind(e.gate_proj, "weight", gu[j, :i])
             _rebind(e.up_proj, "weight", gu[j, i:])
             _rebind(e.down_proj, "weight", dn[j])
-        return cls(gu, dn, act or F.silu)
+        return cls(gu, dn, act or F.silu, backend)
 
     @property
     def num_experts(self) -> int:
@@ -89,8 +103,8 @@ class RoutedExperts:
         start = 0
         for e, c in enumerate(counts):
             if c:
-                gate, up = F.linear(xs[start:start + c], self.gate_up[e]).chunk(2, dim=-1)
-                torch.matmul(self.act(gate) * up, self.down[e].t(), out=ys[start:start + c])
+                gate, up = self._gate_up[e](xs[start:start + c]).chunk(2, dim=-1)
+                ys[start:start + c] = self._down[e](self.act(gate) * up)
                 start += c
         ys.mul_(w.reshape(-1).index_select(0, order).to(ys.dtype)[:, None])
         return torch.zeros_like(x).index_add_(0, tok, ys)

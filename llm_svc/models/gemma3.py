@@ -9,11 +9,12 @@ from llm_svc.attention import AttentionBackend, AttentionParams, LayerKV
 
 from . import register_model
 from .base import HF_KIND, HybridModel, LayerSpec, apply_rope
+from .linear import linears_in, pack_linears
 
 
 @register_model("gemma3")
 class Gemma3Model(HybridModel):
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, linear: str = "auto"):
         self.hf = hf_model
         # Gemma3ForConditionalGeneration.model.language_model or Gemma3ForCausalLM.model
         self.inner = getattr(hf_model.model, "language_model", hf_model.model)
@@ -33,6 +34,7 @@ class Gemma3Model(HybridModel):
             # transformers' Gemma3Attention never passes attn_logit_softcapping to its attention
             # (Gemma 3 checkpoints leave it None): neither do we, so both give the same logits
             self.params.append(AttentionParams(scale=a.scaling))
+        pack_linears(linears_in(self.inner.layers) + [hf_model.lm_head], linear)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed_tokens(ids)  # scaled by sqrt(hidden) inside

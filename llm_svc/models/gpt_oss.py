@@ -10,6 +10,7 @@ from llm_svc.attention import AttentionBackend, AttentionParams, LayerKV
 
 from . import register_model
 from .base import HF_KIND, HybridModel, LayerSpec, apply_rope
+from .linear import linears_in, pack_linears
 
 
 class _Rope:
@@ -26,7 +27,7 @@ class _Rope:
 
 @register_model("gpt_oss")
 class GptOssModel(HybridModel):
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, linear: str = "auto"):
         self.hf = hf_model
         self.inner = hf_model.model
         cfg = self.inner.config
@@ -39,6 +40,7 @@ class GptOssModel(HybridModel):
             a = layer.self_attn
             self.layers.append(LayerSpec(HF_KIND[t], a.k_proj.out_features // a.head_dim, a.head_dim, a.head_dim))
             self.params.append(AttentionParams(scale=a.scaling, sinks=a.sinks))
+        pack_linears(linears_in(self.inner.layers) + [hf_model.lm_head], linear)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed_tokens(ids)

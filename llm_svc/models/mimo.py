@@ -16,6 +16,7 @@ from llm_svc.attention import AttentionBackend, AttentionParams, LayerKV
 from . import register_model
 from .base import HF_KIND, HybridModel, LayerSpec, apply_rope
 from .fused_mlp import GatedMLP, RoutedExperts
+from .linear import pack_linears
 from .geometry import MiMoGeometry, mimo_geometry
 
 
@@ -27,7 +28,7 @@ def geometry_of(hf_model) -> MiMoGeometry:
 
 @register_model("mimo")
 class MiMoModel(HybridModel):
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, linear: str = "auto"):
         self.hf = hf_model
         self.inner = hf_model.model
         self.geometry = g = geometry_of(hf_model)
@@ -42,7 +43,10 @@ class MiMoModel(HybridModel):
                 raise ValueError(f"layer {i}: loaded k/v projections disagree with the config's geometry {kind}")
             self.layers.append(spec)
             self.params.append(AttentionParams(scale=a.scaling, sinks=a.sinks))
-        self.mlps = [_mlp_of(layer.mlp) for layer in self.inner.layers]
+        self.mlps = [_mlp_of(layer.mlp, linear) for layer in self.inner.layers]
+        # only what the forward calls: the MLPs' own linears are replaced by the fused callables
+        pack_linears([getattr(layer.self_attn, p) for layer in self.inner.layers
+                      for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + [hf_model.lm_head], linear)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed_tokens(ids)
@@ -68,13 +72,13 @@ class MiMoModel(HybridModel):
         return self.hf.lm_head(h).float()
 
 
-def _mlp_of(mlp) -> Callable[[torch.Tensor], torch.Tensor]:
+def _mlp_of(mlp, linear: str = "auto") -> Callable[[torch.Tensor], torch.Tensor]:
     """One layer's MLP as a fused callable ``[T, H] -> [T, H]``: a gated MLP with gate and up in
     one GEMM, or the router + ``RoutedExperts`` (transformers' router returns ``(logits, w,
     idx)``, the published tree's ``(idx, w)``; both choose and weigh experts the same way)."""
     if not hasattr(mlp, "experts"):
-        return GatedMLP.pack(mlp)
-    experts = RoutedExperts.pack(mlp.experts)
+        return GatedMLP.pack(mlp, backend=linear)
+    experts = RoutedExperts.pack(mlp.experts, backend=linear)
     gate = mlp.gate
     hf_router = hasattr(mlp.experts, "gate_up_proj")
 

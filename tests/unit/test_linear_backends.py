@@ -1,0 +1,89 @@
+"""Linear backends: oneDNN on packed weights equals ``F.linear`` (float32 rounding), for plain
+linears, the fused gated MLP and the routed experts; ``auto`` picks oneDNN on CPU here, torch
+where oneDNN cannot run; ``torch`` leaves modules alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llm_svc.models import linear as L
+from llm_svc.models.fused_mlp import GatedMLP, RoutedExperts
+
+pytestmark = pytest.mark.unit
+
+
+def test_onednn_available_on_this_cpu():
+    """CI's torch (the CUDA build, run on the CPU) has oneDNN: the fast path is what is tested."""
+    assert L.onednn_available()
+    assert L.resolve("auto", torch.zeros(2, 2)) == "onednn"
+
+
+def test_resolve():
+    assert L.resolve("torch", torch.zeros(2, 2)) == "torch"
+    assert L.resolve("auto", torch.zeros(2, 2, dtype=torch.float64)) == "torch"
+    assert L.resolve("onednn", torch.zeros(2, 2, device="meta")) == "torch"  # not a CPU tensor
+    with pytest.raises(ValueError, match="linear backend"):
+        L.resolve("mkl", torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 17, 300])
+def test_onednn_linear_equals_f_linear(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 40, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(rows, 40, generator=g).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    torch.testing.assert_close(L.make_linear(w, b)(x), F.linear(x, w, b), **tol)
+    torch.testing.assert_close(L.make_linear(w)(x[None]), F.linear(x[None], w), **tol)  # [1, T, in]
+    xs = torch.randn(rows, 80, generator=g).to(dtype)[:, ::2]  # a strided view
+    torch.testing.assert_close(L.make_linear(w)(xs), F.linear(xs, w), **tol)
+
+
+def test_onednn_refuses_a_dtype_mismatch():
+    with pytest.raises(TypeError, match="float32 weights got torch.float64"):
+        L.make_linear(torch.randn(4, 4))(torch.randn(2, 4, dtype=torch.float64))
+
+
+def test_pack_linears_replaces_forward_keeps_parameters():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False))
+    x = torch.randn(5, 16)
+    want = net(x)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    assert L.pack_linears(L.linears_in(net)) == 2
+    assert all(isinstance(m.forward, L.OneDNNLinear) for m in L.linears_in(net))
+    torch.testing.assert_close(net(x), want, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    other = nn.Linear(4, 4)
+    assert L.pack_linears([other], "torch") == 0 and "forward" not in other.__dict__
+    with pytest.raises(TypeError, match="nn.Linear"):
+        L.pack_linears([nn.ReLU()])
+
+
+class _MLP(nn.Module):
+    def __init__(self, h: int, i: int):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+
+def test_fused_mlps_equal_across_backends():
+    torch.manual_seed(1)
+    x = torch.randn(9, 24)
+    mlp = _MLP(24, 40)
+    ref = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    for backend in ("torch", "onednn"):
+        torch.testing.assert_close(GatedMLP.pack(mlp, backend=backend)(x), ref, rtol=1e-5, atol=1e-5)
+    experts = nn.ModuleList(_MLP(24, 16) for _ in range(4))
+    idx = torch.randint(0, 4, (9, 2))
+    w = torch.rand(9, 2)
+    ref = torch.zeros_like(x)
+    for t in range(9):
+        for j in range(2):
+            e = experts[int(idx[t, j])]
+            ref[t] += w[t, j] * e.down_proj(F.silu(e.gate_proj(x[t])) * e.up_proj(x[t]))
+    for backend in ("torch", "onednn"):
+        torch.testing.assert_close(RoutedExperts.pack(experts, backend=backend)(x, idx, w), ref, rtol=1e-5, atol=1e-5)
