@@ -4,7 +4,8 @@
 softmax); ``sdpa`` uses the same buckets with
 ``torch.nn.functional.scaled_dot_product_attention`` (a fused kernel on CUDA);
 ``torch_sdpa_loop`` is the simple reference (one call per prefill chunk); ``cpu_flash`` (the CPU
-default) attends the same buckets with torch's CPU flash kernel; ``triton_paged`` is a paged
+default) attends the same buckets with torch's CPU flash kernel, and its decodes with our C
+kernel reading K/V in place through the slot table (``cpu_paged``); ``triton_paged`` is a paged
 Triton kernel reading K/V in place from the pool (CUDA; CPU tests via ``TRITON_INTERPRET=1``). ``torch`` names
 ``torch_batched``; ``auto`` picks per device (``DEFAULT_BY_DEVICE``).
 """

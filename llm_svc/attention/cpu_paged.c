@@ -8,11 +8,13 @@
  * once (GQA). Keys go in blocks of BLK with an online softmax, so the scores stay in L1.
  * Sinks (MiMo): an extra logit per query head with no value, added to the denominator.
  * Soft-cap (Gemma 2 style): s = cap * tanh(s / cap) before the softmax.
+ * AVX-512 (16 keys a block, a 16-way transposing reduce) where the CPU has it, AVX2 (8 keys)
+ * for what is left or where it has not, scalar for the rest.
  * Built by cpu_paged.py with -O3 -ffast-math -march=native; no OpenMP (torch brings its own
  * runtime): the caller splits [item_begin, item_end) across threads.
  */
 #include <math.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>
@@ -21,6 +23,74 @@
 
 #ifndef BLK
 #define BLK 512 /* keys per softmax block: long blocks keep the K and V streams long (measured 64 -> 512: 28 -> 18 ms at 16 x 32K) */
+#endif
+
+#if defined(__AVX512F__)
+/* 16 accumulators -> one vector of their 16 lane sums, in order: halves, then 128-bit blocks,
+ * then within blocks (unpack ps, unpack pd), then one permute (lane 4j + m holds key j + 4m). */
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *a)
+{
+    __m512 b[8], c[4], d[2];
+    for (int u = 0; u < 8; ++u)
+        b[u] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * u], a[2 * u + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * u], a[2 * u + 1], 0xEE));
+    for (int u = 0; u < 4; ++u)
+        c[u] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * u], b[2 * u + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * u], b[2 * u + 1], 0xDD));
+    for (int u = 0; u < 2; ++u)
+        d[u] = _mm512_add_ps(_mm512_unpacklo_ps(c[2 * u], c[2 * u + 1]), _mm512_unpackhi_ps(c[2 * u], c[2 * u + 1]));
+    const __m512 e = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1]))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1]))));
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, e);
+}
+#endif
+
+#if defined(__AVX512F__)
+/* V accumulation for GG query heads at once, keys outer: each V row is loaded once for all of
+ * them (heads outer re-read the block from L2 per head: half the kernel's time at G = 4,
+ * Dv = 96), and GG * NV accumulators in registers hide the FMA latency. GG, NV are constants
+ * after inlining (GG * NV <= 24: with the GG broadcasts and the row vector, 32 zmm). */
+static inline __attribute__((always_inline)) void vacc_heads(
+    const float *sc, float *acc, const float *vh, const int64_t *sl, int64_t n, int64_t Dv,
+    const int GG, const int NV)
+{
+    __m512 a[24], p[8];
+    for (int i = 0; i < GG; ++i)
+        for (int c = 0; c < NV; ++c) a[i * NV + c] = _mm512_loadu_ps(acc + i * Dv + 16 * c);
+    for (int64_t t = 0; t < n; ++t) {
+        const float *vr = vh + sl[t] * Dv;
+        for (int i = 0; i < GG; ++i) p[i] = _mm512_set1_ps(sc[i * BLK + t]);
+        for (int c = 0; c < NV; ++c) {
+            const __m512 vv = _mm512_loadu_ps(vr + 16 * c);
+            for (int i = 0; i < GG; ++i) a[i * NV + c] = _mm512_fmadd_ps(p[i], vv, a[i * NV + c]);
+        }
+    }
+    for (int i = 0; i < GG; ++i)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + i * Dv + 16 * c, a[i * NV + c]);
+}
+
+/* All G heads' V accumulation in groups that fit the registers; 0 if this shape cannot. */
+static inline __attribute__((always_inline)) int vacc_all(
+    const float *sc, float *acc, const float *vh, const int64_t *sl, int64_t n, int64_t G, int64_t Dv)
+{
+    if (Dv % 16 || Dv > 16 * 24) return 0;
+    const int nv = (int)(Dv / 16);
+    int gg = 8;
+    while (gg > 1 && (gg * nv > 24 || G % gg)) gg /= 2;
+    for (int64_t i0 = 0; i0 < G; i0 += gg) {
+        const float *s0 = sc + i0 * BLK;
+        float *a0 = acc + i0 * Dv;
+        switch (gg) {
+        case 8: vacc_heads(s0, a0, vh, sl, n, Dv, 8, nv); break;
+        case 4: vacc_heads(s0, a0, vh, sl, n, Dv, 4, nv); break;
+        case 2: vacc_heads(s0, a0, vh, sl, n, Dv, 2, nv); break;
+        default: vacc_heads(s0, a0, vh, sl, n, Dv, 1, nv); break;
+        }
+    }
+    return 1;
+}
 #endif
 
 static inline __attribute__((always_inline)) int decode_body(
@@ -64,6 +134,24 @@ static inline __attribute__((always_inline)) int decode_body(
                 for (int64_t o = 0; o < Dv * 4; o += 64) __builtin_prefetch(vn + o);
             }
             int64_t t = 0;
+#if defined(__AVX512F__)
+            if (Dqk % 16 == 0) {
+                for (; t + 16 <= n; t += 16) {
+                    const float *kr[16];
+                    for (int u = 0; u < 16; ++u) kr[u] = kh + sl[j0 + t + u] * Dqk;
+                    for (int64_t i = 0; i < G; ++i) {
+                        const float *qi = qh + i * Dqk;
+                        __m512 a[16];
+                        for (int u = 0; u < 16; ++u) a[u] = _mm512_setzero_ps();
+                        for (int64_t d = 0; d < Dqk; d += 16) {
+                            const __m512 qv = _mm512_loadu_ps(qi + d);
+                            for (int u = 0; u < 16; ++u) a[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[u] + d), a[u]);
+                        }
+                        _mm512_storeu_ps(sc + i * BLK + t, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
+                    }
+                }
+            }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
             if (Dqk % 8 == 0) {
                 for (; t + 8 <= n; t += 8) {
@@ -87,9 +175,6 @@ static inline __attribute__((always_inline)) int decode_body(
                         _mm256_storeu_ps(sc + i * BLK + t, r);
                     }
                 }
-                if (softcap > 0.f)
-                    for (int64_t i = 0; i < G; ++i)
-                        for (int64_t u = 0; u < t; ++u) sc[i * BLK + u] = softcap * tanhf(sc[i * BLK + u] / softcap);
             }
 #endif
             for (; t < n; ++t) {
@@ -98,11 +183,12 @@ static inline __attribute__((always_inline)) int decode_body(
                     const float *qi = qh + i * Dqk;
                     float s = 0.f;
                     for (int64_t d = 0; d < Dqk; ++d) s += qi[d] * kr[d];
-                    s *= scale;
-                    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-                    sc[i * BLK + t] = s;
+                    sc[i * BLK + t] = s * scale;
                 }
             }
+            if (softcap > 0.f)
+                for (int64_t i = 0; i < G; ++i)
+                    for (int64_t u = 0; u < n; ++u) sc[i * BLK + u] = softcap * tanhf(sc[i * BLK + u] / softcap);
             for (int64_t i = 0; i < G; ++i) {
                 float *si = sc + i * BLK;
                 float m = mx[i];
@@ -117,12 +203,29 @@ static inline __attribute__((always_inline)) int decode_body(
                     for (int64_t d = 0; d < Dv; ++d) ai[d] *= corr;
                 }
             }
+#if defined(__AVX512F__)
+            if (vacc_all(sc, acc, vh, sl + j0, n, G, Dv)) continue;
+#endif
             /* heads outer, keys inner: the accumulator stays in registers (keys outer kept it in
              * memory: a store -> load chain per key, half the kernel's time at Dv = 16) */
             for (int64_t i = 0; i < G; ++i) {
                 const float *si = sc + i * BLK;
                 float *ai = acc + i * Dv;
                 int64_t d0 = 0;
+#if defined(__AVX512F__)
+                for (; d0 + 16 <= Dv; d0 += 256) { /* up to 16 vectors of the output row in registers */
+                    const int nv = (int)((Dv - d0) / 16 < 16 ? (Dv - d0) / 16 : 16);
+                    __m512 a[16];
+                    for (int c = 0; c < nv; ++c) a[c] = _mm512_loadu_ps(ai + d0 + 16 * c);
+                    for (int64_t t = 0; t < n; ++t) {
+                        const float *vr = vh + sl[j0 + t] * Dv + d0;
+                        const __m512 pv = _mm512_set1_ps(si[t]);
+                        for (int c = 0; c < nv; ++c) a[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 16 * c), a[c]);
+                    }
+                    for (int c = 0; c < nv; ++c) _mm512_storeu_ps(ai + d0 + 16 * c, a[c]);
+                    if (nv < 16) { d0 += 16 * nv; break; }
+                }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
                 for (; d0 + 8 <= Dv; d0 += 64) { /* up to 8 vectors of the output row in registers */
                     const int nv = (int)((Dv - d0) / 8 < 8 ? (Dv - d0) / 8 : 8);

@@ -137,8 +137,9 @@ def paged_decode(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: to
             None if k0 is None else k0.data_ptr(), lens.data_ptr(),
             None if sinks is None else sinks.data_ptr(), out.data_ptr(),
             b, hq, hkv, dqk, dv, num_slots, table.shape[1], float(params.scale), float(params.softcap or 0.0))
-    n = threads or torch.get_num_threads()
-    n = max(1, min(n, items, int(lens.sum()) // MIN_SPLIT_KEYS))
+    n = min(threads or torch.get_num_threads(), items)
+    if n > 1:  # (a small tensor's sum costs ~50 us here: only asked when a split is possible)
+        n = max(1, min(n, int(lens.sum()) // MIN_SPLIT_KEYS))
     if n == 1:
         rc = lib.mmserve_paged_decode_f32(*args, 0, items)
         assert rc == 0, "paged decode kernel: out of memory"
