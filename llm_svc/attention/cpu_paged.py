@@ -30,7 +30,8 @@ from .base import AttentionParams, LayerKV
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_paged.c")
-FLAGS = ["-O3", "-ffast-math", "-march=native", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-ffast-math", "-march=native", "-fPIC", "-std=c11"]
+LINK_FLAGS = ["-shared"]
 MIN_SPLIT_KEYS = 1 << 15  # below this many key rows a step runs on one thread (a thread hop costs ~50 us)
 
 _lock = threading.Lock()
@@ -51,7 +52,8 @@ def _cpu_key() -> str:
 
 def library_path() -> Path:
     """Where this machine's build of the kernel lives (built or not)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    flags = " ".join(FLAGS + ["|"] + LINK_FLAGS)
+    digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + _cpu_key().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
     return cache / "kernels" / f"cpu_paged-{digest}.so"
 
@@ -64,8 +66,18 @@ def _build(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
-                       timeout=120)
+        # compiled with -ffast-math, linked without it: gcc links crtfastmath.o into any object it
+        # links under -ffast-math, and that sets flush-to-zero / denormals-are-zero for the whole
+        # process the moment the library loads (every float op of the service, not just ours)
+        obj = tmp + ".o"
+        try:
+            subprocess.run([cc, *FLAGS, "-c", str(SOURCE), "-o", obj], check=True, capture_output=True, text=True,
+                           timeout=120)
+            subprocess.run([cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+                           timeout=120)
+        finally:
+            if os.path.exists(obj):
+                os.unlink(obj)
         os.replace(tmp, out)  # atomic: concurrent builders (engine cores, tests) never load half a file
     finally:
         if os.path.exists(tmp):

@@ -5,6 +5,9 @@ generic body, and a step split over threads."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -19,6 +22,16 @@ def test_kernel_builds_here():
     """The machine (and CI) has a C compiler: the kernel, not the fallback, is what runs."""
     assert cpu_paged.available()
     assert cpu_paged.library_path().exists()
+
+
+def test_loading_keeps_the_process_float_state():
+    """The kernel is compiled with -ffast-math but must not set flush-to-zero / denormals-are-zero
+    for the process (gcc's crtfastmath.o does, if linked in): subnormals survive after loading."""
+    code = ("from llm_svc.attention import cpu_paged; assert cpu_paged.available(); "
+            "import torch; x = 5e-324; assert x * 1.5 > 0.0, 'FTZ/DAZ set'; "
+            "t = torch.tensor([1e-40]); assert float((t * 1.0)[0]) > 0.0, 'float32 subnormal flushed'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def _case(g: torch.Generator, b: int, hq: int, hkv: int, dqk: int, dv: int, lens: list[int],
