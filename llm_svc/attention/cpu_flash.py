@@ -43,7 +43,7 @@ class CPUFlashAttention(TorchBatchedAttention):
         return super().prepare(batch, tables, window, device)
 
     def attend_bucket(self, bk: Bucket, q, cache: LayerKV, params: AttentionParams) -> torch.Tensor:
-        if bk.nq == 1 and bk.lens is not None and cpu_paged.supports(q, cache):
+        if bk.nq == 1 and cpu_paged.supports(q, cache):
             b, _, hq, d = q.shape
             out = cpu_paged.paged_decode(q.view(b, hq, d), cache, bk.table, bk.trows, bk.k0, bk.lens, params)
             return out.unsqueeze(1)

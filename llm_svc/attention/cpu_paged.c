@@ -206,26 +206,13 @@ static inline __attribute__((always_inline)) int decode_body(
 #if defined(__AVX512F__)
             if (vacc_all(sc, acc, vh, sl + j0, n, G, Dv)) continue;
 #endif
-            /* heads outer, keys inner: the accumulator stays in registers (keys outer kept it in
+            /* shapes vacc_all cannot take (Dv not a multiple of 16, or above 384) and AVX2: heads
+             * outer, keys inner, so the accumulator stays in registers (keys outer kept it in
              * memory: a store -> load chain per key, half the kernel's time at Dv = 16) */
             for (int64_t i = 0; i < G; ++i) {
                 const float *si = sc + i * BLK;
                 float *ai = acc + i * Dv;
                 int64_t d0 = 0;
-#if defined(__AVX512F__)
-                for (; d0 + 16 <= Dv; d0 += 256) { /* up to 16 vectors of the output row in registers */
-                    const int nv = (int)((Dv - d0) / 16 < 16 ? (Dv - d0) / 16 : 16);
-                    __m512 a[16];
-                    for (int c = 0; c < nv; ++c) a[c] = _mm512_loadu_ps(ai + d0 + 16 * c);
-                    for (int64_t t = 0; t < n; ++t) {
-                        const float *vr = vh + sl[j0 + t] * Dv + d0;
-                        const __m512 pv = _mm512_set1_ps(si[t]);
-                        for (int c = 0; c < nv; ++c) a[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 16 * c), a[c]);
-                    }
-                    for (int c = 0; c < nv; ++c) _mm512_storeu_ps(ai + d0 + 16 * c, a[c]);
-                    if (nv < 16) { d0 += 16 * nv; break; }
-                }
-#endif
 #if defined(__AVX2__) && defined(__FMA__)
                 for (; d0 + 8 <= Dv; d0 += 64) { /* up to 8 vectors of the output row in registers */
                     const int nv = (int)((Dv - d0) / 8 < 8 ? (Dv - d0) / 8 : 8);

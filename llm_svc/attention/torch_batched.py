@@ -88,10 +88,14 @@ class Bucket:
     def bias(self) -> torch.Tensor:
         """[B, nq, L] float32: 0 where the query may attend, -inf elsewhere."""
         if self._bias is None:  # decodes (nq = 1): only the key padding is masked
-            pad = torch.arange(self.length, device=self.lens.device)[None, :] >= self.lens[:, None]
-            self._bias = torch.zeros(pad.shape, dtype=torch.float32, device=pad.device).masked_fill_(
-                pad, float("-inf"))[:, None, :]
+            ok = key_ok(self.lens, self.length)
+            self._bias = torch.zeros(ok.shape, dtype=torch.float32, device=ok.device).masked_fill_(~ok, float("-inf"))
         return self._bias
+
+
+def key_ok(lens: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, 1, length] bool: key ``j`` of member ``b`` is real (``j < lens[b]``), not padding."""
+    return (torch.arange(length, device=lens.device)[None, :] < lens[:, None])[:, None, :]
 
 
 @dataclass
@@ -190,7 +194,6 @@ def _bucket(members: list[_Member], kind: str, window: int, table: torch.Tensor,
         # bias is built lazily from ``lens``
         return bk
     ar_k = torch.arange(L, device=device)
-    key_ok = (ar_k[None, :] < lens[:, None])[:, None, :]  # [B, 1, L]
     w = window if kind == SLIDING else None
     qpos = t([m.qstart for m in members])[:, None] + ar_q  # [B, nq]
     kpos = (ar_k[None, :] if k0 is None else k0[:, None] + ar_k)  # [B or 1, L]
@@ -199,7 +202,7 @@ def _bucket(members: list[_Member], kind: str, window: int, table: torch.Tensor,
     for j, m in enumerate(members):
         if m.spans:
             ok[j] = allowed_mask(qpos[j], kpos[j], m.spans, w)
-    ok &= key_ok
+    ok &= key_ok(lens, L)
     ok &= q_real[:, :, None]
     ok[:, :, 0] |= ~q_real  # a padded query row sees key 0 only: finite softmax, output dropped
     bk._bias = torch.zeros(ok.shape, dtype=torch.float32, device=device).masked_fill_(~ok, float("-inf"))
@@ -258,7 +261,7 @@ class TorchBatchedAttention(AttentionBackend):
         t, hq, d = q.shape
         out = None if km.whole else q.new_empty(t, hq, v.shape[-1])
         for bk in km.buckets:
-            b = bk.ctx_slots.shape[0]
+            b = bk.lens.shape[0]  # not ctx_slots: a kernel reading the table in place never builds them
             qg = (q if bk.q_index is None else q.index_select(0, bk.q_index)).view(b, bk.nq, hq, d)
             o = self.attend_bucket(bk, qg, cache, params)  # [B, nq, Hq, Dv]
             o = o.reshape(b * bk.nq, hq, -1)
