@@ -26,7 +26,7 @@ import torch
 from . import cpu_paged, register_attention_backend
 from .base import AttentionParams, LayerKV
 from .torch_batched import Bucket, BucketPolicy, TorchBatchedAttention
-from .torch_common import attend_flash, flash_mask
+from .torch_common import attend_flash, attend_tail, flash_mask
 
 
 @register_attention_backend("cpu_flash")
@@ -47,7 +47,18 @@ class CPUFlashAttention(TorchBatchedAttention):
             b, _, hq, d = q.shape
             out = cpu_paged.paged_decode(q.view(b, hq, d), cache, bk.table, bk.trows, bk.k0, bk.lens, params)
             return out.unsqueeze(1)
+        if bk.nq > 1 and bk.tail and bk.window is None and params.softcap is None:
+            return self._attend_tails(bk, q, cache, params)
         return super().attend_bucket(bk, q, cache, params)
+
+    def _attend_tails(self, bk: Bucket, q, cache: LayerKV, params: AttentionParams) -> torch.Tensor:
+        """Full-layer chunks, one member at a time, without a mask (``attend_tail``)."""
+        kg, vg = cache.gather(bk.ctx_slots, q.dtype, self.ws)  # [Hkv, B, L, D], [Hkv, B, L, Dv]
+        b, nq, hq, _ = q.shape
+        out = q.new_zeros(b, nq, hq, vg.shape[-1])  # padded query rows stay 0 (dropped by the caller)
+        for j, (n, L) in enumerate(zip(bk.ns, bk.lens.tolist())):
+            out[j, :n] = attend_tail(q[j, :n], kg[:, j, :L], vg[:, j, :L], n, params)
+        return out
 
     def attend(self, q, k, v, bias, params: AttentionParams):
         if params.softcap is not None or (q.shape[1] == 1 and v.shape[-1] != k.shape[-1]):

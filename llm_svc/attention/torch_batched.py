@@ -26,6 +26,7 @@ copy is the price of a paged pool without a paged kernel).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -74,8 +75,14 @@ class Bucket:
     k0: torch.Tensor | None  # [B] long: position of each member's first key (None: all 0)
     table: torch.Tensor  # [R, capacity] long: the kind's slot table
     length: int  # L: keys per member, padded
+    ns: tuple[int, ...] = ()  # real queries of each member (its first ``ns[b]`` of the ``nq``)
+    # every member's keys end at its last query, with no bidirectional span: the last ``ns[b]``
+    # of its keys are its own queries, causal among themselves (a kernel can skip the rest)
+    tail: bool = False
+    window: int | None = None  # sliding buckets: keys in (p - W, p] (full: None)
     _ctx: torch.Tensor | None = None
     _bias: torch.Tensor | None = None
+    _bias_fn: Callable[[], torch.Tensor] | None = None
 
     @property
     def ctx_slots(self) -> torch.Tensor:
@@ -87,6 +94,8 @@ class Bucket:
     @property
     def bias(self) -> torch.Tensor:
         """[B, nq, L] float32: 0 where the query may attend, -inf elsewhere."""
+        if self._bias is None and self._bias_fn is not None:
+            self._bias = self._bias_fn()
         if self._bias is None:  # decodes (nq = 1): only the key padding is masked
             ok = key_ok(self.lens, self.length)
             self._bias = torch.zeros(ok.shape, dtype=torch.float32, device=ok.device).masked_fill_(~ok, float("-inf"))
@@ -171,8 +180,9 @@ def plan_buckets(sizes: list[tuple[int, int]], policy: BucketPolicy) -> list[lis
 
 
 def _bucket(members: list[_Member], kind: str, window: int, table: torch.Tensor, device) -> Bucket:
-    """One bucket's index and bias tensors, built with tensor ops on ``device`` from a few ints
-    per member (no per-position Python: O(B * nq * L) tensor work)."""
+    """One bucket's index tensors, built with tensor ops on ``device`` from a few ints per member
+    (no per-position Python); its bias (O(B * nq * L) tensor work) is built on first use, so a
+    kernel that needs none never pays for it."""
     def t(xs):
         return torch.tensor(xs, dtype=torch.long, device=device)
 
@@ -187,15 +197,22 @@ def _bucket(members: list[_Member], kind: str, window: int, table: torch.Tensor,
     padded = any(m.n < nq for m in members)
     real = q_real.reshape(-1).nonzero().squeeze(1) if padded else None
     rows = q_index[real] if padded else q_index
-    bk = Bucket(nq, q_index, real, rows, lens, trows, k0, table, L)
+    tail = all(m.k0 + m.klen == m.qstart + m.n and not m.spans for m in members)
+    w = window if kind == SLIDING else None
+    bk = Bucket(nq, q_index, real, rows, lens, trows, k0, table, L, tuple(m.n for m in members), tail, w)
     if nq == 1:
         # decodes: the context is exactly what the token sees (sliding: cut to the window by the
         # scheduler; a span before it does not widen it), so only key padding is masked: the
         # bias is built lazily from ``lens``
         return bk
-    ar_k = torch.arange(L, device=device)
-    w = window if kind == SLIDING else None
-    qpos = t([m.qstart for m in members])[:, None] + ar_q  # [B, nq]
+    bk._bias_fn = lambda: _prefill_bias(members, q_real, lens, k0, nq, L, w, device)
+    return bk
+
+
+def _prefill_bias(members: list[_Member], q_real, lens, k0, nq: int, L: int, w: int | None, device) -> torch.Tensor:
+    """[B, nq, L] 0 / -inf: causal + window + spans + key padding; a padded query row sees key 0."""
+    ar_q, ar_k = torch.arange(nq, device=device), torch.arange(L, device=device)
+    qpos = torch.tensor([m.qstart for m in members], dtype=torch.long, device=device)[:, None] + ar_q  # [B, nq]
     kpos = (ar_k[None, :] if k0 is None else k0[:, None] + ar_k)  # [B or 1, L]
     kpos = kpos.expand(len(members), L)
     ok = allowed_mask(qpos, kpos, [], w)  # [B, nq, L]
@@ -205,8 +222,7 @@ def _bucket(members: list[_Member], kind: str, window: int, table: torch.Tensor,
     ok &= key_ok(lens, L)
     ok &= q_real[:, :, None]
     ok[:, :, 0] |= ~q_real  # a padded query row sees key 0 only: finite softmax, output dropped
-    bk._bias = torch.zeros(ok.shape, dtype=torch.float32, device=device).masked_fill_(~ok, float("-inf"))
-    return bk
+    return torch.zeros(ok.shape, dtype=torch.float32, device=device).masked_fill_(~ok, float("-inf"))
 
 
 def attend_capped(q, k, v, bias, params: AttentionParams, max_elems: int) -> torch.Tensor:

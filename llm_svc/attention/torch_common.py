@@ -110,3 +110,48 @@ def attend_flash(q, k, v, mask, params: AttentionParams) -> torch.Tensor:
         sink = params.sinks.float().view(1, hkv, g, 1).expand(b, hkv, g, nq).reshape(b, hkv, g * nq)
         o = o * torch.sigmoid(lse - sink).unsqueeze(-1).to(o.dtype)
     return o.view(b, hkv, g, nq, dv).permute(0, 3, 1, 2, 4).reshape(b, nq, hq, dv)
+
+
+def _flash(q, k, v, causal: bool, scale: float):
+    """The CPU flash kernel, one head size (``Dqk != Dv`` zero-padded as in ``attend_flash``):
+    q [B, H, n, D], k/v [B, H, L, D / Dv] -> (o [B, H, n, Dv], lse [B, H, n] float32)."""
+    d, dv = k.shape[-1], v.shape[-1]
+    if dv < d:
+        v = F.pad(v, (0, d - dv))
+    elif dv > d:
+        q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return o[..., :dv], lse
+
+
+def attend_tail(q, k, v, n: int, params: AttentionParams) -> torch.Tensor:
+    """Full attention of a chunk's ``n`` queries whose keys end with the chunk itself: q [n, Hq, D],
+    k [Hkv, L, D], v [Hkv, L, Dv] (the last ``n`` keys are the queries' own positions) -> [n, Hq, Dv].
+
+    No mask at all: the ``L - n`` context keys are visible to every query (the ``G`` query heads
+    of a KV head stacked along the query axis, K/V read as given), the chunk's own keys are causal
+    (one call per query head, ``is_causal``: the kernel skips the blocks above the diagonal);
+    the two halves are merged by their log-sum-exp. Measured (2-core AVX2 box, 2 threads, 8 / 2
+    heads of 96, 1,904 queries over 6,000 keys): 456-502 ms with the explicit mask the bucket
+    path builds, 308-323 ms this way. Sinks as in ``attend_flash``; no soft-cap."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv, L, dv = v.shape
+    g = hq // hkv
+    p = L - n
+    qh = q.transpose(0, 1).to(k.dtype).contiguous().unsqueeze(0)  # [1, Hq, n, D]
+    kc = k[:, p:].repeat_interleave(g, 0).unsqueeze(0)  # [1, Hq, n, D]: query head h reads kv head h // g
+    vc = v[:, p:].repeat_interleave(g, 0).unsqueeze(0)
+    o, lse = _flash(qh, kc, vc, True, params.scale)  # [1, Hq, n, Dv], [1, Hq, n]
+    o, lse = o[0], lse[0]
+    if p > 0:
+        qs = qh.view(1, hkv, g * n, d)  # [1, Hkv, G*n, D]
+        o1, l1 = _flash(qs, k[None, :, :p], v[None, :, :p], False, params.scale)
+        o1, l1 = o1.reshape(hq, n, dv), l1.reshape(hq, n)
+        m = torch.maximum(lse, l1)
+        a, a1 = (lse - m).exp_(), (l1 - m).exp_()
+        s = a + a1
+        o = (o * (a / s).unsqueeze(-1).to(o.dtype)).add_(o1 * (a1 / s).unsqueeze(-1).to(o.dtype))
+        lse = m + s.log_()
+    if params.sinks is not None:
+        o = o * torch.sigmoid(lse - params.sinks.float()[:, None]).unsqueeze(-1).to(o.dtype)
+    return o.transpose(0, 1)  # [n, Hq, Dv]

@@ -161,3 +161,36 @@ def test_sdpa_backends_match_batched_on_cpu(seed, kind, backend):
 def test_auto_backend_per_device():
     assert create_attention_backend("auto", "cpu").name == "cpu_flash"
     assert create_attention_backend("auto", "cuda").name == "sdpa"  # built lazily: no GPU needed here
+
+
+@pytest.mark.parametrize("dims", [(16, 16), (16, 12), (12, 16)])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_cpu_flash_full_chunks_attend_causally_without_a_mask(dims, sinks):
+    """Long full-layer chunks after a context (the kernel's 256-query / 512-key blocks, a partial
+    last block) and one from position 0, padded together in one bucket: ``cpu_flash`` takes its
+    mask-free causal path (no bias is ever built) and equals ``torch_batched``."""
+    d, dv = dims
+    hkv, window = 2, 64
+    g = torch.Generator().manual_seed(7)
+    slots = torch.randperm(4096, generator=g).tolist()
+    seqs = []
+    for i, (start, n) in enumerate([(700, 900), (0, 333)]):
+        full, slots = slots[:start + n], slots[start + n:]
+        s0 = max(0, start - window + 1)
+        swa, slots = slots[:start + n - s0], slots[start + n - s0:]
+        seqs.append(SeqForward(f"r{i}", [7] * n, start, full[start:], swa[-n:], s0, True,
+                               reset_full=full[:start], reset_swa=swa[:-n]))
+    batch = ForwardBatch(seqs)
+    t = batch.num_tokens
+    q, k = torch.randn(t, HQ, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    v = torch.randn(t, hkv, dv, generator=g)
+    cache = LayerKV(torch.randn(hkv, 4096, d, generator=g), torch.randn(hkv, 4096, dv, generator=g))
+    params = AttentionParams(scale=d ** -0.5, sinks=torch.randn(HQ, generator=g) * 3 if sinks else None)
+    ref, _ = run_backend(TorchBatchedAttention(), batch, window, FULL, q, k, v, cache, params)
+    backend = create_attention_backend("cpu_flash")
+    meta = prepare(backend, batch, window)
+    got = backend.forward(FULL, q, k, v, LayerKV(cache.k.clone(), cache.v.clone()), meta, params)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    buckets = meta.kinds[FULL].buckets
+    assert buckets and all(bk.tail and bk.window is None and bk._bias is None for bk in buckets)
+    assert sum(len(bk.ns) for bk in buckets) == 2
