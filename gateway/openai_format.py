@@ -11,6 +11,10 @@ from typing import Any
 from shared.schemas import (
     AssistantMessage,
     ChatCompletion,
+    ChatTokenLogprob,
+    ChoiceLogprobs,
+    SampledLogprob,
+    TopLogprob,
     ChatCompletionChunk,
     Choice,
     ChunkChoice,
@@ -41,12 +45,26 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     )
 
 
+def choice_logprobs(entries: list[SampledLogprob] | None) -> ChoiceLogprobs | None:
+    """Our per-token logprobs in OpenAI's ``choices[].logprobs`` form (None: not asked)."""
+    if entries is None:
+        return None
+
+    def top(t) -> TopLogprob:
+        return TopLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token.encode("utf-8")))
+
+    return ChoiceLogprobs(content=[ChatTokenLogprob(**top(e).model_dump(), top_logprobs=[top(a) for a in e.top])
+                                   for e in entries])
+
+
 def chat_completion(resp: GenerateResponse, model: str, cid: str, created: int) -> ChatCompletion:
+    choice = Choice(message=AssistantMessage(content=resp.text), finish_reason=resp.finish_reason,
+                    logprobs=choice_logprobs(resp.token_logprobs))
     return ChatCompletion(
         id=cid,
         created=created,
         model=model,
-        choices=[Choice(message=AssistantMessage(content=resp.text), finish_reason=resp.finish_reason)],
+        choices=[choice],
         usage=usage(resp.prompt_tokens, resp.completion_tokens, resp.cached_tokens),
     )
 
@@ -75,8 +93,8 @@ class ChunkWriter:
     def role(self) -> bytes:
         return self._chunk([ChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
 
-    def content(self, text: str) -> bytes:
-        return self._chunk([ChunkChoice(delta=DeltaMessage(content=text))])
+    def content(self, text: str, logprobs: list[SampledLogprob] | None = None) -> bytes:
+        return self._chunk([ChunkChoice(delta=DeltaMessage(content=text), logprobs=choice_logprobs(logprobs))])
 
     def finish(self, reason: FinishReason) -> bytes:
         return self._chunk([ChunkChoice(delta=DeltaMessage(), finish_reason=reason)])

@@ -32,6 +32,11 @@ def sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> Samp
         kw["top_k"] = req.top_k
     if req.seed is not None:
         kw["seed"] = req.seed
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids"):
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
+    if req.logit_bias:
+        kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     return SamplingParams(**kw)
 
 
@@ -70,6 +75,8 @@ def build_generate_request(
         messages=messages,
         sampling=sampling_params(req, default_max_tokens),
         stream=req.stream,
+        return_logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs or 0,
     )
 
 

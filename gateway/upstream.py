@@ -339,6 +339,27 @@ class LLMClient:
         finally:
             await stream.aclose()
 
+    async def post_json(self, path: str, payload: dict) -> tuple[int, dict]:
+        """``POST path`` with a JSON body to a routable replica (the next on a connection error):
+        (status, JSON body). For the small model-info calls (``/tokenize``), not generations."""
+        replicas = self._pool.routable()
+        if not replicas:
+            raise UpstreamError("no LLM replica is configured", status=503)
+        errors = []
+        for replica in replicas[: max(1, self.attempts)]:
+            try:
+                r = await self._client.post(f"{replica}{path}", json=payload, timeout=self.timeout)
+            except httpx.HTTPError as e:
+                if isinstance(e, httpx.ConnectError):
+                    self._pool.report_failure(replica)
+                errors.append(f"{replica}: {type(e).__name__}")
+                continue
+            try:
+                return r.status_code, r.json()
+            except ValueError:
+                errors.append(f"{replica}: HTTP {r.status_code} without a JSON body")
+        raise UpstreamError(f"{path} failed on {len(errors)} LLM replica(s): {'; '.join(errors)}")
+
     async def open_stream(self, req: GenerateRequest, body: bytes) -> LLMStream:
         """Response headers received (status 200); the body is not read yet."""
         return await self._send(req, body)

@@ -14,6 +14,7 @@ from shared.settings import LLMSettings
 
 from .errors import error_body
 from .routes import router
+from .tokenize_routes import router as tokenize_router
 from .state import ServiceState
 
 
@@ -34,6 +35,7 @@ def create_app(settings: LLMSettings) -> FastAPI:
     app = FastAPI(title="mmserve llm", lifespan=lifespan)
     app.state.svc = state
     app.include_router(router)
+    app.include_router(tokenize_router)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.schemas import GenerateRequest, PromptMedia, PromptText
+from shared.schemas import GenerateRequest, PromptMedia, PromptMessage, PromptText
 
 from .errors import InvalidRequest
 from .loader import LoadedLM
@@ -17,6 +17,12 @@ SEED_RANGE = 1 << 63  # every backend's generator takes it; the engine core redu
 def render_prompt_ids(lm: LoadedLM, req: GenerateRequest) -> list[int]:
     """Chat template (one pad token per media item) -> token ids, no extra special tokens."""
     return _render(lm, _template_messages(req), add_generation_prompt=True)
+
+
+def render_text_ids(lm: LoadedLM, messages: list[PromptMessage], add_generation_prompt: bool) -> list[int]:
+    """Text-only chat ``messages`` through the chat template -> token ids (``/tokenize``)."""
+    return _render(lm, _template_messages(GenerateRequest(request_id="render", messages=messages)),
+                   add_generation_prompt=add_generation_prompt)
 
 
 def _render(lm: LoadedLM, messages: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -119,6 +125,10 @@ def prepare_request(
     if bad:
         raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary [0, {lm.vocab_size})",
                              param="stop_token_ids")
+    bad = sorted(t for t in s.logit_bias if not 0 <= t < lm.vocab_size)
+    if bad:
+        raise InvalidRequest(f"logit_bias token ids {bad[:10]} are outside the vocabulary [0, {lm.vocab_size})",
+                             param="logit_bias")
 
     ids = render_prompt_ids(lm, req)
     out, spans, mm_items, mm_refs, mm_hashes = _expand_media(lm, ids, media, items, refs)
@@ -139,7 +149,8 @@ def prepare_request(
         mm_spans=spans,
         mm_hashes=mm_hashes,
         bidirectional=lm.bidirectional_media and bool(spans),
-        return_logprobs=req.return_logprobs,
+        return_logprobs=req.return_logprobs or req.top_logprobs > 0,
+        top_logprobs=req.top_logprobs,
         system_len=system_prefix_len(lm, req, ids) if not spans or spans[0][0] > 0 else 0,
     )
 

@@ -301,7 +301,8 @@ class _NdjsonStream:
 
     def _line(self, out: GenOutput) -> bytes:
         self.tracker.see(out)
-        chunk = GenerateChunk(request_id=self.prep.request_id, text=out.text, token_ids=out.token_ids)
+        chunk = GenerateChunk(request_id=self.prep.request_id, text=out.text, token_ids=out.token_ids,
+                              token_logprobs=out.token_logprobs or None)
         if out.final:
             self.finished = True
             chunk.finish_reason = out.finish_reason or "abort"
@@ -354,6 +355,7 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
     text: list[str] = []
     ids: list[int] = []
     logprobs: list[float] = []
+    token_logprobs: list = []
     final: GenOutput | None = None
 
     async def consume() -> None:
@@ -363,6 +365,7 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
             text.append(out.text)
             ids.extend(out.token_ids)
             logprobs.extend(out.logprobs)
+            token_logprobs.extend(out.token_logprobs)
             if out.final:
                 final = out
 
@@ -399,4 +402,5 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
         completion_tokens=final.completion_tokens,
         cached_tokens=final.cached_tokens,
         logprobs=logprobs if prep.return_logprobs else None,
+        token_logprobs=token_logprobs if prep.return_logprobs else None,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.schemas import SamplingParams
+from shared.schemas import SampledLogprob, SamplingParams, TokenLogprob
 
 
 class IncrementalDetokenizer:
@@ -127,3 +127,10 @@ def min_tokens_banned(sampling: SamplingParams, num_output: int, eos_token_ids: 
     """Token ids the next sample must not take: the stop ids while fewer than ``min_tokens``
     tokens were produced (``num_output`` so far), none after."""
     return stop_ids(sampling, eos_token_ids) if num_output < sampling.min_tokens else []
+
+
+def logprob_entry(tokenizer, token_id: int, logprob: float, top: Sequence[tuple[int, float]] = ()) -> SampledLogprob:
+    """A generated token's text alone (as vLLM's ``decode([id])``), its logprob and alternatives."""
+    dec = tokenizer.decode
+    alts = [TokenLogprob(token_id=i, token=dec([i]), logprob=lp) for i, lp in top]
+    return SampledLogprob(token_id=token_id, token=dec([token_id]), logprob=logprob, top=alts)

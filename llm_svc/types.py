@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from shared.hashing import content_hash, hash_to_int
-from shared.schemas import SamplingParams
+from shared.schemas import SampledLogprob, SamplingParams
 
 
 # ---------------------------------------------------------------------------- the front's request
@@ -79,6 +79,7 @@ class PreparedRequest:
     mm_hashes: list[str] = field(default_factory=list)
     bidirectional: bool = False
     return_logprobs: bool = False  # log-probability of each sampled token (raw model distribution)
+    top_logprobs: int = 0  # and of its most likely alternatives (with return_logprobs)
     system_len: int = 0  # prompt tokens of the leading system message (0: none)
     # positions where later prompts are likely to branch off: their SWA windows are kept for the
     # prefix cache (chosen by the backend from ``system_len`` and its retention settings)
@@ -304,6 +305,7 @@ class GenOutput:
     error_status: int = 500  # HTTP status of ``error``: 4xx the request's fault, 5xx ours
     error_code: str | None = None  # machine-readable kind of ``error`` (e.g. "media_unavailable")
     logprobs: list[float] = field(default_factory=list)  # one per token_ids entry, if requested
+    token_logprobs: list[SampledLogprob] = field(default_factory=list)  # the same with texts and alternatives
 
     @property
     def final(self) -> bool:

@@ -5,8 +5,10 @@ imports nothing of mmserve. One process serves every job in turn (vLLM's import 
 dominate the cost).
 
     VENV_PY scripts/vllm_oracle.py JOBS.json OUT.json
-    JOBS.json: [{"name", "model", "prompts": [[ids]], "max_tokens", "logprobs", "max_model_len", "trust_remote_code"}]
-    OUT.json:  {name: [{"tokens": [...], "logprobs": [{token_id: logprob} per step]} per prompt]}
+    JOBS.json: [{"name", "model", "prompts": [[ids]], "max_tokens", "logprobs", "max_model_len", "trust_remote_code",
+                 "variants": {label: {SamplingParams field: value}} (optional: more greedy runs, e.g. penalties)}]
+    OUT.json:  {name: [{"tokens": [...], "logprobs": [{token_id: logprob} per step]} per prompt],
+                "name/label": the same for each variant}
 """
 
 from __future__ import annotations
@@ -29,12 +31,19 @@ def main(jobs_path: str, out_path: str) -> int:
                   enforce_eager=True, seed=0, max_num_seqs=8, trust_remote_code=job.get("trust_remote_code", False))
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=job.get("logprobs", 5),
                                 ignore_eos=True)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
-        results[job["name"]] = [
-            {"tokens": list(o.outputs[0].token_ids),
-             "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs]}
-            for o in outs
-        ]
+        runs = {job["name"]: params}
+        for label, extra in job.get("variants", {}).items():
+            if "logit_bias" in extra:
+                extra = {**extra, "logit_bias": {int(k): v for k, v in extra["logit_bias"].items()}}
+            runs[f"{job['name']}/{label}"] = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
+                                                           logprobs=job.get("logprobs", 5), ignore_eos=True, **extra)
+        for key, sp in runs.items():
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], sp, use_tqdm=False)
+            results[key] = [
+                {"tokens": list(o.outputs[0].token_ids),
+                 "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs]}
+                for o in outs
+            ]
         del llm
         gc.collect()
     with open(out_path, "w") as f:

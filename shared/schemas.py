@@ -15,12 +15,14 @@ with the typed header of the message stored in the safetensors metadata.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Modality = Literal["image", "video", "audio"]
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 MODALITIES: tuple[str, ...] = ("image", "video", "audio")
 
 
@@ -81,6 +83,21 @@ class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nothing_dropped(cls, data: Any) -> Any:
+        """A message field this server would ignore is a 400 naming it (``name`` changes nothing:
+        the chat templates we serve do not render it)."""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if key in ("role", "content", "name"):
+                    continue
+                if key in ("tool_calls", "tool_call_id", "reasoning_content", "refusal", "function_call", "audio") \
+                        and value in (None, [], ""):
+                    continue
+                raise ValueError(f"{key}: {'not supported by this server yet' if key in MESSAGE_LATER else 'unknown message field'}; remove it")
+        return data
+
     def parts(self) -> list[ContentPart]:
         """The content as a list of parts (a plain string is one text part)."""
         if self.content is None:
@@ -94,6 +111,40 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+MESSAGE_LATER = ("tool_calls", "tool_call_id", "reasoning_content", "refusal", "function_call", "audio")
+
+# Request fields that change nothing here, accepted and ignored (OpenAI's bookkeeping, and
+# switches whose only meaningful value is the default); any other field that is not a field of
+# ``ChatCompletionRequest`` is refused with a 400 that names it.
+NOOP_FIELDS: dict[str, str] = {
+    "user": "an end-user id for the provider's abuse monitoring",
+    "metadata": "tags for the provider's stored completions",
+    "store": "stored completions: only false (or null) is accepted",
+    "service_tier": "the provider's processing tier",
+    "safety_identifier": "an end-user id for the provider's abuse monitoring",
+    "prompt_cache_key": "a routing hint for the provider's prompt cache (the gateway routes by content)",
+}
+# Fields of OpenAI's or vLLM's request that are not served yet; each is accepted only with the
+# value that changes nothing (``None`` or the listed default), else 400 naming it.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),  # meaningless without tools
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "chat_template_kwargs": (None, {}),
+    "echo": (None, False),
+}
+
+
 class ChatCompletionRequest(_Lenient):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -104,14 +155,55 @@ class ChatCompletionRequest(_Lenient):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM extensions that benchmark clients (aiperf, guidellm) send to hold output lengths
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     # vLLM's priority: lower values are admitted first (ties keep the scheduler's own order)
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nothing_dropped(cls, data: Any) -> Any:
+        """Refuse a field that would be silently ignored (see ``NOOP_FIELDS``, ``UNSUPPORTED_FIELDS``)."""
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            if name in cls.model_fields or name in NOOP_FIELDS:
+                if name == "store" and value not in (None, False):
+                    raise ValueError("store: stored completions are not kept by this server; send store=false or omit it")
+                continue
+            allowed = UNSUPPORTED_FIELDS.get(name)
+            if allowed is None:
+                raise ValueError(f"{name}: unknown request field; remove it (see the README's API table for "
+                                 "what is served)")
+            if value not in allowed:
+                raise ValueError(f"{name}: not supported by this server yet; remove it")
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return None
+        for k, b in v.items():
+            if not k.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {k!r}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias[{k}] = {b}: biases must be in [-100, 100]")
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(v)}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -128,11 +220,51 @@ class ChatCompletionRequest(_Lenient):
         cap = self.max_completion_tokens or self.max_tokens
         if cap is not None and self.min_tokens > cap:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({cap})")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
         return self
 
     def effective_max_tokens(self, default: int) -> int:
         """The request's cap, or ``default`` (raised to ``min_tokens`` when that asks for more)."""
         return self.max_completion_tokens or self.max_tokens or max(default, self.min_tokens)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a ``prompt`` string, or chat ``messages`` rendered by the
+    model's template (text parts only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class PromptTokensDetails(BaseModel):
@@ -155,10 +287,26 @@ class AssistantMessage(BaseModel):
 OpenAIFinishReason = Literal["stop", "length"]
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: OpenAIFinishReason | None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -178,6 +326,7 @@ class DeltaMessage(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: OpenAIFinishReason | None = None
 
 
@@ -358,11 +507,22 @@ class SamplingParams(BaseModel):
     # (vLLM's semantics: EOS and stop tokens are masked out of the logits until then)
     min_tokens: int = Field(default=0, ge=0)
     priority: int = Field(default=0, ge=-(2**31), lt=2**31, description="lower is admitted first")
+    # OpenAI's penalties over the output so far; vLLM's repetition_penalty over prompt + output
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias in [-100, 100]")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="keep tokens with p >= min_p * p_max")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "SamplingParams":
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        bad = [t for t, b in self.logit_bias.items() if not -100.0 <= b <= 100.0]
+        if bad:
+            raise ValueError(f"logit_bias values must be in [-100, 100] (token ids {bad[:5]})")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         return self
 
 
@@ -374,6 +534,7 @@ class GenerateRequest(BaseModel):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stream: bool = False
     return_logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (with return_logprobs)
 
     @model_validator(mode="after")
     def _media_indices_dense(self) -> "GenerateRequest":
@@ -392,6 +553,22 @@ class GenerateRequest(BaseModel):
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class TokenLogprob(BaseModel):
+    """A token, its text alone and its log-probability under the raw model."""
+
+    model_config = WIRE_JSON
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+class SampledLogprob(TokenLogprob):
+    """A generated token's logprob and its ``top_logprobs`` most likely alternatives."""
+
+    top: list[TokenLogprob] = Field(default_factory=list)
+
+
 class GenerateResponse(BaseModel):
     model_config = WIRE_JSON
 
@@ -403,6 +580,7 @@ class GenerateResponse(BaseModel):
     completion_tokens: int
     cached_tokens: int = 0
     logprobs: list[float] | None = None
+    token_logprobs: list[SampledLogprob] | None = None  # one per token_ids entry, if asked
 
 
 class GenerateChunk(BaseModel):
@@ -418,6 +596,7 @@ class GenerateChunk(BaseModel):
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     error: str | None = None
+    token_logprobs: list[SampledLogprob] | None = None  # one per token_ids entry, if asked
 
 
 class ServiceLimits(BaseModel):
@@ -467,6 +646,11 @@ class CoreSampling(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     priority: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    min_p: float = 0.0
 
 
 class CoreAdd(msgspec.Struct, tag="add"):
@@ -482,6 +666,7 @@ class CoreAdd(msgspec.Struct, tag="add"):
     bidirectional: bool = False
     return_logprobs: bool = False
     swa_checkpoints: list[int] = []  # prompt positions whose SWA windows the prefix cache keeps
+    top_logprobs: int = 0
 
 
 class CoreAbort(msgspec.Struct, tag="abort"):
@@ -517,6 +702,7 @@ class CoreToken(msgspec.Struct, array_like=True):
     num_cached_tokens: int = 0
     error: str | None = None
     status: int = 0
+    top: list[tuple[int, float]] | None = None  # (token id, logprob) of the top_logprobs alternatives
 
 
 class CoreStats(msgspec.Struct):

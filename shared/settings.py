@@ -151,6 +151,10 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     small_step_threads: int = Field(
         default=1, ge=0, description="CPU: torch threads of a small engine step; 0: the same as threads"
     )
+    core_malloc: Literal["auto", "system"] = Field(
+        default="auto", description="allocator of the engine core: auto (tcmalloc preloaded when the system has "
+        "libtcmalloc_minimal, as vLLM's CPU docs recommend; else glibc), system (glibc)",
+    )
     # the engine core runs in its own process, supervised by the HTTP front
     core_stall_timeout: float = Field(
         default=60.0, gt=0, description="seconds without a heartbeat from a busy engine core before it is restarted"

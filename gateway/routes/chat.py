@@ -188,11 +188,11 @@ async def sse_events(
                 if chunk.error:
                     yield writer.error(f"generation failed: {chunk.error}")
                     break
-                if chunk.text:
+                if chunk.text or chunk.token_logprobs:
                     if first_token:
                         state.metrics.ttft.observe(time.monotonic() - start)
                         first_token = False
-                    yield writer.content(chunk.text)
+                    yield writer.content(chunk.text, chunk.token_logprobs)
                 if chunk.finish_reason == "abort":
                     yield writer.error(ABORTED)
                     break

@@ -20,10 +20,12 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from shared.settings import LLMSettings
 
+from ..errors import InvalidRequest
 from ..loader import LoadedLM
 from ..prompt import input_embeds
 from ..types import PreparedRequest
-from ..textproc import OutputText, min_tokens_banned, token_finish_reason
+from ..engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
+from ..textproc import OutputText, logprob_entry, min_tokens_banned, token_finish_reason
 from . import register_backend
 from .base import Backend, BackendStats, GenOutput, RequestStream
 
@@ -40,6 +42,7 @@ def generation_config(lm: LoadedLM, prep: PreparedRequest) -> GenerationConfig:
         temperature=None if greedy else s.temperature,
         top_k=None if greedy or s.top_k <= 0 else s.top_k,
         top_p=None if greedy or s.top_p >= 1.0 else s.top_p,
+        min_p=None if greedy or s.min_p <= 0.0 else s.min_p,
         eos_token_id=[],  # not None: None falls back to the model's eos and generate would stop there
         pad_token_id=lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0,
     )
@@ -99,7 +102,9 @@ class _Tap(StoppingCriteria):
             reason = "abort"
         out = GenOutput(text=delta, token_ids=[tok])
         if self.prep.return_logprobs:
-            out.logprobs = [float(torch.log_softmax(self.raw_logits[-1][0].float(), -1)[tok])]
+            (lp, top), = top_logprobs(self.raw_logits[-1], [tok], [self.prep.top_logprobs])
+            out.logprobs = [lp]
+            out.token_logprobs = [logprob_entry(self.lm.tokenizer, tok, lp, top)]
         if reason is not None:
             out.text += "" if reason == "abort" else self.text.flush()
             self.finish(out, reason)
@@ -127,6 +132,22 @@ class _MinTokens:
             scores = scores.clone()
             scores[:, banned] = float("-inf")
         return scores
+
+
+class _Knobs:
+    """A logits processor adding ``logit_bias`` and the penalties, as the engine does
+    (``logits_procs``; the history rebuilt from ``input_ids`` each step: a reference path)."""
+
+    def __init__(self, tap: _Tap):
+        self.tap = tap
+
+    def __call__(self, input_ids, scores):
+        prep = self.tap.prep
+        n = len(prep.prompt_ids)
+        hist = None
+        if penalised(prep.sampling):
+            hist = TokenHistory.start(prep.prompt_ids, input_ids[0, n:].tolist(), scores.shape[-1], scores.device)
+        return apply_bias_and_penalties(scores, [prep.sampling], [hist])
 
 
 class _RawLogits:
@@ -163,6 +184,13 @@ class HFBackend(Backend):
         self._thread.start()
 
     def submit(self, req: PreparedRequest) -> RequestStream:
+        s = req.sampling
+        if s.temperature > 0.0 and (s.logit_bias or penalised(s)):
+            # transformers runs a custom processor after its temperature / top-k / top-p warpers:
+            # the knobs would not mean what they mean in the engine (and in vLLM)
+            raise InvalidRequest("the hf backend applies logit_bias and penalties to greedy requests only "
+                                 "(temperature 0); use the swa backend to sample with them", param="logit_bias"
+                                 if s.logit_bias else "presence_penalty")
         stream = RequestStream(req.request_id, asyncio.get_running_loop())
         with self._lock:
             self._aborted[req.request_id] = threading.Event()
@@ -219,6 +247,7 @@ class HFBackend(Backend):
                 logits_processor=LogitsProcessorList(
                     ([_RawLogits(tap)] if prep.return_logprobs else [])
                     + ([_MinTokens(tap)] if prep.sampling.min_tokens else [])
+                    + ([_Knobs(tap)] if prep.sampling.logit_bias or penalised(prep.sampling) else [])
                 ),
             )
         if not tap.finished:  # generate stopped on its own (it should not): close the stream

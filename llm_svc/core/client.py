@@ -285,7 +285,7 @@ class EngineCoreClient:
         outputs.setsockopt(zmq.RCVHWM, 0)
         outputs.setsockopt(zmq.LINGER, 0)
         outputs.bind(out_addr)
-        env = {**core_env(dict(os.environ)), SETTINGS_ENV: self.settings.model_dump_json()}
+        env = {**core_env(dict(os.environ), self.settings.core_malloc), SETTINGS_ENV: self.settings.model_dump_json()}
         proc = subprocess.Popen(
             [sys.executable, "-m", "llm_svc.core.process", "--epoch", str(self._epoch), "--inputs", in_addr,
              "--outputs", out_addr, "--parent", str(os.getpid())], env=env,

@@ -35,13 +35,15 @@ def to_core_add(prep: PreparedRequest, epoch: int, request_id: str | None = None
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         seed=None if s.seed is None else s.seed % _SEED_RANGE, stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, priority=s.priority,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_p=s.min_p,
     )
     return CoreAdd(
         epoch=epoch, request_id=prep.request_id if request_id is None else request_id, prompt_ids=list(prep.prompt_ids), sampling=sampling,
         mm_items=[None if t is None else tensor_to_wire(t) for t in prep.mm_items],
         mm_spans=[tuple(x) for x in prep.mm_spans],
         mm_hashes=list(prep.mm_hashes), bidirectional=prep.bidirectional, return_logprobs=prep.return_logprobs,
-        swa_checkpoints=list(prep.swa_checkpoints),
+        swa_checkpoints=list(prep.swa_checkpoints), top_logprobs=prep.top_logprobs,
     )
 
 
@@ -50,12 +52,14 @@ def from_core_add(msg: CoreAdd, device: torch.device, dtype: torch.dtype) -> Pre
     sampling = SamplingParams.model_construct(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
         stop=[], stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        min_tokens=s.min_tokens, priority=s.priority,
+        min_tokens=s.min_tokens, priority=s.priority, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+        logit_bias=dict(s.logit_bias), min_p=s.min_p,
     )
     return PreparedRequest(
         request_id=msg.request_id, prompt_ids=list(msg.prompt_ids), sampling=sampling,
         mm_items=[None if t is None else tensor_from_wire(t).to(device=device, dtype=dtype) for t in msg.mm_items],
         mm_spans=[tuple(x) for x in msg.mm_spans], mm_hashes=list(msg.mm_hashes),
-        bidirectional=msg.bidirectional, return_logprobs=msg.return_logprobs,
+        bidirectional=msg.bidirectional, return_logprobs=msg.return_logprobs, top_logprobs=msg.top_logprobs,
         swa_checkpoints=list(msg.swa_checkpoints),
     )

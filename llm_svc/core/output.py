@@ -10,7 +10,7 @@ from shared.schemas import CoreToken
 
 from ..types import GenOutput
 from ..types import PreparedRequest
-from ..textproc import OutputText
+from ..textproc import OutputText, logprob_entry
 
 
 @dataclass
@@ -69,6 +69,7 @@ class OutputProcessor:
             out.text = p.text.push(t.token_id)
             if p.prep.return_logprobs:
                 out.logprobs = [t.logprob]
+                out.token_logprobs = [logprob_entry(self.tokenizer, t.token_id, t.logprob, t.top or ())]
         reason = t.finish_reason
         abort = False
         if p.text.stopped:  # a stop string matched (it wins over length on the same token)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_svc.engine.model_runner import ModelRunner
+from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
 from llm_svc.engine.sampler import make_generator, sample, suppress
 from llm_svc.engine.scheduler import Scheduler
 from llm_svc.errors import InvalidRequest
@@ -45,6 +46,7 @@ class EngineBroken(RuntimeError):
 class _Live:
     prep: PreparedRequest
     generator: torch.Generator | None
+    history: TokenHistory | None = None  # penalised requests: prompt tokens and output counts
 
 
 @dataclass
@@ -222,32 +224,40 @@ class Engine:
         logits = self.runner.run(batch)
         ids = list(logits)
         tokens: dict[str, int] = {}
-        logprobs: dict[str, float] = {}
+        logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         if ids:
             lives = [self._live[i] for i in ids]
-            rows = torch.stack([logits[i] for i in ids])  # [N, vocab]
+            rows = torch.stack([logits[i] for i in ids])  # [N, vocab]: the raw model, for logprobs
+            params = [lv.prep.sampling for lv in lives]
             banned = {n: min_tokens_banned(lv.prep.sampling, len(self.scheduler.requests[rid].output_ids),
                                            self.eos_token_ids)
                       for n, (rid, lv) in enumerate(zip(ids, lives)) if lv.prep.sampling.min_tokens}
-            sampled = sample(suppress(rows, banned), [lv.prep.sampling for lv in lives],
-                             [lv.generator for lv in lives])
+            for rid, lv in zip(ids, lives):
+                if lv.history is None and penalised(lv.prep.sampling):
+                    r = self.scheduler.requests[rid]
+                    lv.history = TokenHistory.start(r.prompt_ids, r.output_ids, rows.shape[1], rows.device)
+            x = apply_bias_and_penalties(suppress(rows, banned), params, [lv.history for lv in lives])
+            sampled = sample(x, params, [lv.generator for lv in lives])
             tokens = dict(zip(ids, sampled))
             want = [n for n, lv in enumerate(lives) if lv.prep.return_logprobs]
             if want:
                 sel = torch.tensor(want, device=rows.device)
-                toks = torch.tensor([sampled[n] for n in want], device=rows.device)
-                lp = torch.log_softmax(rows.index_select(0, sel).float(), -1).gather(1, toks[:, None])
-                logprobs = {ids[n]: v for n, v in zip(want, lp[:, 0].tolist())}
+                got = top_logprobs(rows.index_select(0, sel), [sampled[n] for n in want],
+                                   [lives[n].prep.top_logprobs for n in want])
+                logprobs = {ids[n]: v for n, v in zip(want, got)}
         for o in self.scheduler.postprocess(batch, tokens):
-            self._emit(o, logprobs.get(o.req_id))
+            lv = self._live.get(o.req_id)
+            if lv is not None and lv.history is not None and o.token_id is not None:
+                lv.history.add(o.token_id)
+            self._emit(o, *logprobs.get(o.req_id, (None, None)))
         if tiers is not None:
             tiers.write_notes()
 
-    def _emit(self, o: StepOutput, logprob: float | None) -> None:
+    def _emit(self, o: StepOutput, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         if o.req_id not in self._live:
             return
         reason = o.finish_reason if o.finished else None
-        self._out.append(CoreToken(o.req_id, o.token_id, logprob, reason, o.num_cached_tokens))
+        self._out.append(CoreToken(o.req_id, o.token_id, logprob, reason, o.num_cached_tokens, top=top or None))
         if reason is not None:
             self._live.pop(o.req_id, None)
 

@@ -1,6 +1,6 @@
 """Next-token sampling on the logits' device, vectorized over the batch.
 
-Greedy, temperature, top-k, top-p and per-request seeded generators. Every row carries its own
+Greedy, temperature, min-p, top-k, top-p and per-request seeded generators. Every row carries its own
 parameters; the filters are batched tensor ops (``topk`` when every filtering row has a k, one
 sort only for rows with a top-p and no top-k). The draw is an inverse-CDF sample: one uniform
 per row, the first token whose running mass exceeds ``u * total``. A row with a generator takes
@@ -10,6 +10,8 @@ One host sync per call (the final ``tolist``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -94,6 +96,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     temps = torch.tensor([sp.temperature for sp in sps], device=dev).unsqueeze(1)  # [R, 1]
     # shift by the row max first: tiny temperatures give -inf for the rest, never inf - inf
     x = (x - x.amax(dim=-1, keepdim=True)) / temps
+    if any(sp.min_p > 0.0 for sp in sps):
+        # min_p (vLLM's order: after the temperature, before top-k / top-p): the row max is 0 here,
+        # so p >= min_p * p_max is x >= log(min_p)
+        floor = torch.tensor([math.log(sp.min_p) if sp.min_p > 0.0 else float("-inf") for sp in sps],
+                             device=dev).unsqueeze(1)  # [R, 1]
+        x = x.masked_fill(x < floor, float("-inf"))
     ks = [sp.top_k if 0 < sp.top_k < V else V for sp in sps]
     # two groups, so a top-p-only row (a full sort) does not make the top-k rows sort too
     with_k = [r for r in range(len(sps)) if ks[r] < V]

@@ -129,3 +129,78 @@ def test_min_tokens_above_max_tokens_is_a_400_naming_the_field(stack):
 def test_health_answers_for_load_clients(stack):
     r = httpx.get(f"{stack.url}/health", timeout=5)
     assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_logprobs_and_top_logprobs_plain_and_streamed(client, stack):
+    """``logprobs`` / ``top_logprobs`` come back in OpenAI's shape: one entry per generated token,
+    its text the piece of the answer, the chosen token's logprob the best of its alternatives
+    (greedy), streamed entries equal to the plain ones."""
+    msgs = [{"role": "user", "content": "Say something."}]
+    r = client.chat.completions.create(model=stack.model_name, messages=msgs, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens == 8
+    assert "".join(e.token for e in lp) == r.choices[0].message.content
+    for e in lp:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0.0
+        assert abs(e.logprob - e.top_logprobs[0].logprob) < 1e-5  # greedy took the most likely token
+        assert [a.logprob for a in e.top_logprobs] == sorted((a.logprob for a in e.top_logprobs), reverse=True)
+        assert e.bytes == list(e.token.encode("utf-8"))
+    streamed = []
+    for chunk in client.chat.completions.create(model=stack.model_name, messages=msgs, max_tokens=8, temperature=0,
+                                                logprobs=True, top_logprobs=3, stream=True,
+                                                extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            if c.logprobs and c.logprobs.content:
+                streamed.extend(c.logprobs.content)
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in lp]
+    plain = client.chat.completions.create(model=stack.model_name, messages=msgs, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_penalties_and_logit_bias_change_the_greedy_answer(client, stack):
+    """Each knob reaches the sampler: a -100 bias on every token of the plain greedy answer, and
+    a strong frequency penalty, each give a different answer (a dropped knob would not)."""
+    msgs = [{"role": "user", "content": "Repeat after me: la la la la la."}]
+    kw = dict(model=stack.model_name, messages=msgs, max_tokens=16, temperature=0, logprobs=True)
+    base = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    ids = {e.token for e in base.choices[0].logprobs.content}
+    tok = httpx.post(f"{stack.url}/tokenize", json={"model": stack.model_name, "prompt": "".join(ids)}, timeout=30)
+    bias_ids = tok.json()["tokens"] if tok.status_code == 200 else []
+    answers = {base.choices[0].message.content}
+    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 2.0}):
+        r = client.chat.completions.create(**kw, extra_body={"ignore_eos": True, **extra})
+        answers.add(r.choices[0].message.content)
+    assert len(answers) >= 2
+    if bias_ids:
+        r = client.chat.completions.create(**kw, logit_bias={str(t): -100 for t in bias_ids},
+                                           extra_body={"ignore_eos": True})
+        assert r.choices[0].message.content != base.choices[0].message.content
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("response_format", {"type": "json_object"}),
+    ("tool_choice", "required"),
+    ("frobnicate", 1),
+    ("store", True),
+])
+def test_a_field_that_would_be_dropped_is_a_400_naming_it(stack, field, value):
+    body = {"model": stack.model_name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, field: value}
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+
+
+def test_fields_that_change_nothing_are_accepted(client, stack):
+    r = client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       user="u1", metadata={"k": "v"}, store=False, tool_choice="none",
+                                       response_format={"type": "text"}, service_tier="auto")
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_logit_bias_outside_the_vocabulary_is_a_400(stack):
+    body = {"model": stack.model_name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+            "logit_bias": {"99999999": 5}}
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]

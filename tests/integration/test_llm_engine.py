@@ -42,6 +42,11 @@ class ListStream(RequestStream):
     def tokens(self) -> list[int]:
         return [t for o in self.outs for t in o.token_ids]
 
+    @property
+    def top(self) -> list[list[tuple[int, float]]]:
+        """Per generated token, its ``top_logprobs`` alternatives as (id, logprob)."""
+        return [[(a.token_id, a.logprob) for a in e.top] for o in self.outs for e in o.token_logprobs]
+
 
 def make_engine(lm, num_full=4096, num_swa=None, **cfg) -> InProcessEngine:
     cfg.setdefault("max_batch_tokens", 64)

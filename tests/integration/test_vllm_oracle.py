@@ -40,6 +40,19 @@ WRITERS = {
 }
 
 
+# greedy runs with each sampling knob on (vLLM's semantics are the oracle); biases on tokens the
+# random model does emit, so that they change the path
+VARIANT_MODEL = "mimo-v2-flash"
+VARIANTS = {
+    "repetition": {"repetition_penalty": 1.8},
+    "frequency": {"frequency_penalty": 1.5},
+    "presence": {"presence_penalty": 2.0},
+    "bias": {"logit_bias": {"17": 8.0, "250": -100.0, "333": 5.5}},
+    "mixed": {"repetition_penalty": 1.3, "frequency_penalty": 0.7, "presence_penalty": -0.5,
+              "logit_bias": {"42": 3.0}},
+}
+
+
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(10, 600, (n,), generator=g).tolist() for n in (5, 40, 100)]
@@ -81,7 +94,8 @@ def vllm_results(vllm_python, checkpoints, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("vllm-run")
     # trust_remote_code: the V2.5 directory's config class is its own configuration_mimo_v2.py, as on the hub
     jobs = [{"name": n, "model": str(d), "prompts": _prompts(), "max_tokens": MAX_TOKENS, "logprobs": 5,
-             "trust_remote_code": (d / "configuration_mimo_v2.py").exists()} for n, d in checkpoints.items()]
+             "trust_remote_code": (d / "configuration_mimo_v2.py").exists(),
+             **({"variants": VARIANTS} if n == VARIANT_MODEL else {})} for n, d in checkpoints.items()]
     cached = CACHE_DIR / "vllm-oracle" / f"{_inputs_key(vllm_python, checkpoints, jobs)}.json"
     if cached.exists():
         return json.loads(cached.read_text())
@@ -121,4 +135,33 @@ def test_engine_matches_vllm(name, checkpoints, vllm_results):
           f"{len(distinct)} distinct tokens", file=sys.stderr)
     assert len(distinct) > 6  # outputs vary: a repeated token would prove little
     assert equal == len(prompts)
+    assert worst < LOGPROB_ATOL
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sampling_knobs_match_vllm(variant, checkpoints, vllm_results):
+    """Greedy under each penalty and ``logit_bias``: the engine's tokens equal vLLM's, and the
+    engine's ``top_logprobs`` (raw model, as vLLM's default) name vLLM's top-5 tokens with the
+    same values along the path; each knob changes the path (else it would prove nothing)."""
+    lm = load_lm(str(checkpoints[VARIANT_MODEL]))
+    extra = dict(VARIANTS[variant])
+    if "logit_bias" in extra:
+        extra["logit_bias"] = {int(k): v for k, v in extra["logit_bias"].items()}
+    prompts, ref, plain = _prompts(), vllm_results[f"{VARIANT_MODEL}/{variant}"], vllm_results[VARIANT_MODEL]
+    preps = [PreparedRequest(request_id=f"p{i}", prompt_ids=p, return_logprobs=True, top_logprobs=5,
+                             sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **extra))
+             for i, p in enumerate(prompts)]
+    streams = run_to_end(make_engine(lm), preps)
+    assert [r["tokens"] for r in ref] != [r["tokens"] for r in plain]
+    worst = 0.0
+    for i in range(len(prompts)):
+        s = streams[f"p{i}"]
+        assert s.tokens == ref[i]["tokens"], (variant, i)
+        for step, want in zip(s.top, ref[i]["logprobs"]):
+            got = dict(step)
+            # vLLM lists the top-5 plus the sampled token: ours holds the same top-5 ids
+            top5 = sorted(want, key=lambda t: -want[t])[:5]
+            assert set(map(str, got)) >= set(top5[:4]), (variant, i, got, want)
+            worst = max(worst, max(abs(got[int(t)] - want[t]) for t in top5 if int(t) in got))
     assert worst < LOGPROB_ATOL

@@ -32,7 +32,7 @@ def test_chunk_writer_events():
     assert role["object"] == "chat.completion.chunk" and role["usage"] is None
     assert parse(w.content("hi"))["choices"][0]["delta"] == {"content": "hi"}
     fin = parse(w.finish("length"))
-    assert fin["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length"}
+    assert fin["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}  # OpenAI's nulls
     u = parse(w.usage(10, 3, 4))
     assert u["choices"] == [] and u["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
                                                  "prompt_tokens_details": {"cached_tokens": 4}}
@@ -122,4 +122,4 @@ def test_by_reference_items_travel_as_key_and_sources_without_a_tensor():
     m0 = back.media()[0]
     assert (m0.key, m0.sources, m0.num_tokens) == (res.key, ["http://e0", "http://e1"], 16)
     assert back.media()[1].sources == []
-    assert len(body) < 1024
+    assert len(body) < 1280  # the header alone (JSON of the request), no tensor bytes

@@ -36,6 +36,8 @@ def test_onednn_linear_equals_f_linear(dtype, rows):
     w, b = torch.randn(96, 40, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
     x = torch.randn(rows, 40, generator=g).to(dtype)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    # bfloat16 oneDNN needs AVX-512 or AVX-NE-CONVERT: elsewhere ``auto`` resolves to torch
+    assert L.resolve("auto", w) == ("onednn" if L.onednn_available(dtype) else "torch")
     torch.testing.assert_close(L.make_linear(w, b)(x), F.linear(x, w, b), **tol)
     torch.testing.assert_close(L.make_linear(w)(x[None]), F.linear(x[None], w), **tol)  # [1, T, in]
     xs = torch.randn(rows, 80, generator=g).to(dtype)[:, ::2]  # a strided view

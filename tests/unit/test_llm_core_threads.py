@@ -44,3 +44,15 @@ def test_small_steps_run_on_fewer_threads_than_big_ones():
     same = step_threads(LLMSettings(model_dir="m", threads=3, small_step_threads=0))
     assert same.threads_for(1) == same.threads_for(4096) == 3
     assert step_threads(LLMSettings(model_dir="m", device="cuda")) is None
+
+
+def test_core_env_preloads_tcmalloc_only_when_asked_and_found(monkeypatch):
+    from llm_svc.core import process
+
+    monkeypatch.setattr(process, "find_tcmalloc", lambda: "/x/libtcmalloc_minimal.so.4")
+    assert core_env({}, "auto")["LD_PRELOAD"] == "/x/libtcmalloc_minimal.so.4"
+    assert core_env({"LD_PRELOAD": "/y/a.so"}, "auto")["LD_PRELOAD"] == "/x/libtcmalloc_minimal.so.4:/y/a.so"
+    assert core_env({"LD_PRELOAD": "/z/libtcmalloc.so"}, "auto")["LD_PRELOAD"] == "/z/libtcmalloc.so"
+    assert "LD_PRELOAD" not in core_env({}, "system")
+    monkeypatch.setattr(process, "find_tcmalloc", lambda: None)
+    assert "LD_PRELOAD" not in core_env({}, "auto")

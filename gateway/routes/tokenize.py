@@ -1,0 +1,38 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``, answered by an LLM replica (it holds the
+tokenizer and the chat template); the model name is checked here."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from gateway.auth import ApiKeyDep
+from gateway.errors import APIError
+from gateway.state import StateDep
+from shared.schemas import DetokenizeRequest, TokenizeRequest
+
+router = APIRouter(dependencies=[ApiKeyDep])
+
+
+def _check_model(state, model: str | None) -> None:
+    if model is not None and model != state.settings.model_name:
+        raise APIError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
+
+
+async def _forward(state, path: str, payload: dict) -> JSONResponse:
+    status, body = await state.llms.post_json(path, payload)
+    if status >= 500 and status != 503:
+        status = 502
+    return JSONResponse(body, status_code=status)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: StateDep) -> JSONResponse:
+    _check_model(state, body.model)
+    return await _forward(state, "/tokenize", body.model_dump(exclude={"model"}, exclude_none=True))
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: StateDep) -> JSONResponse:
+    _check_model(state, body.model)
+    return await _forward(state, "/detokenize", body.model_dump(exclude={"model"}))

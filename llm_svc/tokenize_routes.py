@@ -1,0 +1,71 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize`` with the served model's tokenizer and chat
+template (what a client needs to count tokens or build ``logit_bias`` before it sends a chat)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from shared.schemas import (
+    DetokenizeRequest, DetokenizeResponse, PromptMessage, PromptText, TextPart, TokenizeRequest, TokenizeResponse,
+)
+
+from .errors import error_body
+from .prompt import render_text_ids
+from .routes import StateDep
+
+router = APIRouter()
+
+
+def _bad(message: str, param: str) -> JSONResponse:
+    return JSONResponse(status_code=400, content=error_body(message, "invalid_request_error", param, None))
+
+
+def _not_ready(state) -> JSONResponse | None:
+    if state.lm is None:
+        return JSONResponse(status_code=503, content=error_body(
+            f"the model is not loaded ({state.not_ready_detail}); retry later", "service_unavailable", None, None))
+    return None
+
+
+def _model_ok(state, model: str | None) -> JSONResponse | None:
+    if model is not None and state.model_name is not None and model != state.model_name:
+        return JSONResponse(status_code=404, content=error_body(
+            f"The model `{model}` does not exist", "invalid_request_error", "model", "model_not_found"))
+    return None
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: StateDep) -> JSONResponse:
+    if (r := _not_ready(state) or _model_ok(state, body.model)) is not None:
+        return r
+    lm = state.lm
+    if body.prompt is not None:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = list(lm.tokenizer(body.prompt, add_special_tokens=special)["input_ids"])
+    else:
+        msgs = []
+        for i, m in enumerate(body.messages):
+            parts = m.parts()
+            if not all(isinstance(p, TextPart) for p in parts):
+                return _bad(f"messages[{i}]: /tokenize takes text parts only", f"messages[{i}].content")
+            msgs.append(PromptMessage(role=m.role, content=[PromptText(text=p.text) for p in parts]))
+        try:
+            ids = render_text_ids(lm, msgs, add_generation_prompt=body.add_generation_prompt)
+        except Exception as e:  # a template that refuses the conversation (e.g. roles out of order)
+            return _bad(f"the model's chat template refused these messages: {e}", "messages")
+        if body.add_special_tokens:
+            ids = list(lm.tokenizer.build_inputs_with_special_tokens(ids))
+    strs = lm.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    resp = TokenizeResponse(count=len(ids), max_model_len=state.settings.max_model_len, tokens=ids, token_strs=strs)
+    return JSONResponse(resp.model_dump(exclude_none=True))
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: StateDep) -> JSONResponse:
+    if (r := _not_ready(state) or _model_ok(state, body.model)) is not None:
+        return r
+    bad = [t for t in body.tokens if not 0 <= t < state.lm.vocab_size]
+    if bad:
+        return _bad(f"tokens {bad[:10]} are outside the vocabulary [0, {state.lm.vocab_size})", "tokens")
+    return JSONResponse(DetokenizeResponse(prompt=state.lm.tokenizer.decode(body.tokens)).model_dump())
