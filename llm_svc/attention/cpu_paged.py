@@ -1,11 +1,9 @@
-"""The CPU paged decode kernel (``cpu_paged.c``): built once per machine, called through ctypes.
+"""The CPU paged decode kernel (``cpu_paged.c``): built once per machine (``llm_svc.ckernels``), called through ctypes.
 
 Decodes are bound by reading the context: gathering it out of the pool first (``LayerKV.gather``)
 reads it, writes a copy and reads the copy again. The kernel reads each K/V row once, in place,
-through the bucket's slot table. It is plain C (no torch headers: it compiles in about a second),
-built with the machine's own vector width into ``$MMSERVE_CACHE/kernels`` (default
-``~/.cache/mmserve``), keyed by the source and the CPU's flags; a missing compiler or a failed
-build leaves ``available()`` False and the callers on the torch path.
+through the bucket's slot table. A missing compiler or a failed build leaves ``available()``
+False and the callers on the torch path.
 
 ctypes releases the GIL for the call, so a step with many work items is split over
 ``torch.get_num_threads()`` Python threads, each running a range of ``(sequence, kv head)``.
@@ -14,104 +12,42 @@ ctypes releases the GIL for the call, so a step with many work items is split ov
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from ..ckernels import CKernel
 from .base import AttentionParams, LayerKV
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_paged.c")
-FLAGS = ["-O3", "-ffast-math", "-march=native", "-fPIC", "-std=c11"]
-LINK_FLAGS = ["-shared"]
 MIN_SPLIT_KEYS = 1 << 15  # below this many key rows a step runs on one thread (a thread hop costs ~50 us)
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
 _pool: ThreadPoolExecutor | None = None
 
 
-def _cpu_key() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
+def _bind(lib: ctypes.CDLL) -> None:
+    fn = lib.mmserve_paged_decode_f32
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    fn.argtypes = [p] * 9 + [i64] * 7 + [f32, f32, i64, i64]
+    fn.restype = ctypes.c_int
+
+
+KERNEL = CKernel(SOURCE, "cpu_paged", _bind, what="CPU paged decode kernel", fallback="decodes gather their context")
 
 
 def library_path() -> Path:
     """Where this machine's build of the kernel lives (built or not)."""
-    flags = " ".join(FLAGS + ["|"] + LINK_FLAGS)
-    digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + _cpu_key().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
-    return cache / "kernels" / f"cpu_paged-{digest}.so"
-
-
-def _build(out: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc / gcc) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        # compiled with -ffast-math, linked without it: gcc links crtfastmath.o into any object it
-        # links under -ffast-math, and that sets flush-to-zero / denormals-are-zero for the whole
-        # process the moment the library loads (every float op of the service, not just ours)
-        obj = tmp + ".o"
-        try:
-            subprocess.run([cc, *FLAGS, "-c", str(SOURCE), "-o", obj], check=True, capture_output=True, text=True,
-                           timeout=120)
-            subprocess.run([cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
-                           timeout=120)
-        finally:
-            if os.path.exists(obj):
-                os.unlink(obj)
-        os.replace(tmp, out)  # atomic: concurrent builders (engine cores, tests) never load half a file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    return KERNEL.library_path()
 
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first use; None if it cannot be built here (logged once)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        try:
-            path = library_path()
-            if not path.exists():
-                _build(path)
-            lib = ctypes.CDLL(str(path))
-            fn = lib.mmserve_paged_decode_f32
-            p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-            fn.argtypes = [p] * 9 + [i64] * 7 + [f32, f32, i64, i64]
-            fn.restype = ctypes.c_int
-            _lib = lib
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or ""
-            log.warning("CPU paged decode kernel unavailable (%s %s); decodes gather their context", e, detail[-500:])
-            _lib = None
-        _tried = True
-    return _lib
+    return KERNEL.load()
 
 
 def available() -> bool:
-    return load() is not None
+    return KERNEL.available()
 
 
 def supports(q: torch.Tensor, cache: LayerKV) -> bool:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_gemv
+
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "onednn", "torch")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
@@ -68,10 +70,15 @@ class OneDNNLinear:
         self.out_features, self.in_features = w.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
         self.bias = None if bias is None else bias.detach().to(w.dtype).contiguous()
+        # calls of a few rows stream the plain weight through ``cpu_gemv`` (faster there); the
+        # module's own tensor, not a copy
+        self.weight = w if w.dtype == torch.float32 and w.is_contiguous() else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:  # F.linear would refuse too; say which side is off
             raise TypeError(f"linear of {self.dtype} weights got {x.dtype} input")
+        if self.weight is not None and cpu_gemv.supports(x, self.weight):
+            return cpu_gemv.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from llm_svc.ckernels import CKernel
 from llm_svc.attention import AttentionParams, LayerKV
 from llm_svc.attention import cpu_paged
 from llm_svc.attention.torch_common import attend, table_slots
@@ -112,8 +113,8 @@ def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
     """No compiler and no cached build: ``available()`` is False with a warning, nothing raises."""
     monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(cpu_paged, "_lib", None)
-    monkeypatch.setattr(cpu_paged, "_tried", False)
+    monkeypatch.setattr(cpu_paged, "KERNEL", CKernel(cpu_paged.SOURCE, "cpu_paged", cpu_paged._bind,
+                                                     what="CPU paged decode kernel", fallback="gather"))
     with caplog.at_level("WARNING"):
         assert cpu_paged.load() is None
     assert "unavailable" in caplog.text

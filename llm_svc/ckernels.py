@@ -1,0 +1,104 @@
+"""Small C kernels of the engine, built once per machine and called through ctypes.
+
+Plain C (no torch headers: a build takes about a second), compiled with the machine's own
+vector width (``-march=native``) into ``$MMSERVE_CACHE/kernels`` (default ``~/.cache/mmserve``),
+keyed by the source, the flags and the CPU's flags. A missing compiler or a failed build leaves
+``available()`` False (logged once) and the callers on their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+FAST_FLAGS = ("-O3", "-ffast-math", "-march=native", "-fPIC", "-std=c11")
+
+
+def _cpu_key() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+class CKernel:
+    """One C source built into one shared library; ``bind(lib)`` declares its functions'
+    ctypes signatures. ``what`` and ``fallback`` word the warning when it cannot be built."""
+
+    def __init__(self, source: Path, name: str, bind: Callable[[ctypes.CDLL], None], *, what: str, fallback: str,
+                 flags: tuple[str, ...] = FAST_FLAGS, link_flags: tuple[str, ...] = ("-shared",),
+                 libs: tuple[str, ...] = ("-lm",)):
+        self.source, self.name, self.bind = source, name, bind
+        self.what, self.fallback = what, fallback
+        self.flags, self.link_flags, self.libs = tuple(flags), tuple(link_flags), tuple(libs)
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+
+    def library_path(self) -> Path:
+        """Where this machine's build lives (built or not)."""
+        flags = " ".join(self.flags + ("|",) + self.link_flags + self.libs)
+        digest = hashlib.sha256(self.source.read_bytes() + flags.encode() + _cpu_key().encode()).hexdigest()[:16]
+        cache = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
+        return cache / "kernels" / f"{self.name}-{digest}.so"
+
+    def _build(self, out: Path) -> None:
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            raise RuntimeError("no C compiler (cc / gcc) on PATH")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            # compiled with -ffast-math, linked without it: gcc links crtfastmath.o into any object
+            # it links under -ffast-math, and that sets flush-to-zero / denormals-are-zero for the
+            # whole process the moment the library loads (every float op of the service, not ours)
+            obj = tmp + ".o"
+            try:
+                subprocess.run([cc, *self.flags, "-c", str(self.source), "-o", obj], check=True, capture_output=True,
+                               text=True, timeout=120)
+                subprocess.run([cc, *self.link_flags, obj, "-o", tmp, *self.libs], check=True, capture_output=True,
+                               text=True, timeout=120)
+            finally:
+                if os.path.exists(obj):
+                    os.unlink(obj)
+            os.replace(tmp, out)  # atomic: concurrent builders (engine cores, tests) never load half a file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def load(self) -> ctypes.CDLL | None:
+        """The library, built on first use; None if it cannot be built here (logged once)."""
+        if self._tried:
+            return self._lib
+        with self._lock:
+            if self._tried:
+                return self._lib
+            try:
+                path = self.library_path()
+                if not path.exists():
+                    self._build(path)
+                lib = ctypes.CDLL(str(path))
+                self.bind(lib)
+                self._lib = lib
+            except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+                detail = getattr(e, "stderr", "") or ""
+                log.warning("%s unavailable (%s %s); %s", self.what, e, detail[-500:], self.fallback)
+                self._lib = None
+            self._tried = True
+        return self._lib
+
+    def available(self) -> bool:
+        return self.load() is not None

@@ -1,0 +1,71 @@
+"""Linears of a few rows on the CPU (``cpu_gemv.c``): the weight streamed once, OpenMP threads.
+
+A decode step's linears have 1-8 rows per call (per routed expert, most have one or two): bound
+by reading the weight, where oneDNN's GEMM streamed 3-8 GB/s on the 2-core AVX2 dev VM. Measured
+there (64 distinct weights, 2 threads, best of 7): [4, 512] x [512, 512] 123 -> 64 us, [4, 256] x
+[512, 256] 85 -> 36 us, [8, 512] x [768, 512] 191 -> 125 us; from 16 rows on the two are even
+with the same threads, so calls of at most ``MAX_ROWS`` rows come here (``linear.OneDNNLinear``),
+or of at most ``MAX_ROWS_FEW_THREADS`` while torch runs on fewer threads than this kernel (a
+decode step, ``StepThreads``): [16, 1152] x [1152, 512] oneDNN on 1 thread 490 us, here 340.
+
+Threads: every core of the process's affinity by default (the core sets it at start-up), not
+torch's count: a decode step runs torch on one thread (``StepThreads``), but streaming a weight
+gains from both cores' memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from ..ckernels import FAST_FLAGS, CKernel
+
+SOURCE = Path(__file__).with_name("cpu_gemv.c")
+MAX_ROWS = 8
+MAX_ROWS_FEW_THREADS = 32
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.mmserve_gemv_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64]
+    lib.mmserve_gemv_f32.restype = ctypes.c_int
+
+
+KERNEL = CKernel(SOURCE, "cpu_gemv", _bind, what="CPU small-batch linear kernel",
+                 fallback="linears of few rows use oneDNN", flags=FAST_FLAGS + ("-fopenmp",),
+                 link_flags=("-shared", "-fopenmp"))
+_threads = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def set_threads(n: int) -> None:
+    """Threads of every later call (the engine core: its torch thread count for big steps)."""
+    global _threads
+    _threads = max(1, int(n))
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` runs ``x @ weight.T`` here: CPU float32, a contiguous weight, few rows
+    of x (see the module docstring) with unit stride inside a row, and the kernel built."""
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() > 0 and x.stride(-1) == 1):
+        return False
+    cap = MAX_ROWS if torch.get_num_threads() >= _threads else MAX_ROWS_FEW_THREADS
+    return (x.numel() <= cap * x.shape[-1] and weight.dtype == torch.float32 and weight.is_contiguous()
+            and KERNEL.available())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight[N, K].T + bias[N]`` -> [..., N] (check ``supports`` first)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    rc = KERNEL.load().mmserve_gemv_f32(x2.data_ptr(), x2.stride(0), weight.data_ptr(),
+                                        None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
+                                        _threads)
+    assert rc == 0
+    return out.view(*x.shape[:-1], n)

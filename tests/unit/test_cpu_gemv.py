@@ -1,0 +1,82 @@
+"""The few-row linear kernel (``cpu_gemv.c``) against ``F.linear``: shapes around its 2 x 4
+register tile and 8-wide vectors, K tails, bias, row strides, thread counts, and the oneDNN
+linear handing it only the calls it should take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llm_svc.ckernels import CKernel
+from llm_svc.models import cpu_gemv
+from llm_svc.models import linear as L
+
+pytestmark = pytest.mark.unit
+
+
+def test_kernel_builds_here():
+    assert cpu_gemv.KERNEL.available()
+    assert cpu_gemv.KERNEL.library_path().exists()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("n,k", [(1, 8), (2, 16), (33, 64), (96, 40), (67, 13), (300, 512)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_equals_f_linear(m, n, k, threads, monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "_threads", threads)
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(m, k, generator=g)
+    torch.testing.assert_close(cpu_gemv.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_gemv.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_leading_dims_and_row_strides():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 24, generator=g)
+    x = torch.randn(2, 3, 24, generator=g)
+    torch.testing.assert_close(cpu_gemv.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    rows = torch.randn(5, 48, generator=g)[:, 8:32]  # row stride 48, unit stride inside a row
+    assert cpu_gemv.supports(rows, w)
+    torch.testing.assert_close(cpu_gemv.linear(rows, w), F.linear(rows, w), rtol=1e-5, atol=1e-4)
+
+
+def test_supports_only_few_float32_rows(monkeypatch):
+    w = torch.randn(16, 8)
+    monkeypatch.setattr(cpu_gemv, "_threads", torch.get_num_threads())
+    assert cpu_gemv.supports(torch.randn(cpu_gemv.MAX_ROWS, 8), w)
+    assert not cpu_gemv.supports(torch.randn(cpu_gemv.MAX_ROWS + 1, 8), w)
+    monkeypatch.setattr(cpu_gemv, "_threads", torch.get_num_threads() + 1)  # torch on fewer threads: a decode step
+    assert cpu_gemv.supports(torch.randn(cpu_gemv.MAX_ROWS_FEW_THREADS, 8), w)
+    assert not cpu_gemv.supports(torch.randn(cpu_gemv.MAX_ROWS_FEW_THREADS + 1, 8), w)
+    assert not cpu_gemv.supports(torch.randn(2, 8, dtype=torch.float64), w)
+    assert not cpu_gemv.supports(torch.randn(2, 16)[:, ::2], w)
+    assert not cpu_gemv.supports(torch.randn(0, 8), w)
+    assert not cpu_gemv.supports(torch.randn(2, 8), torch.randn(8, 16).t())  # a transposed weight
+
+
+def test_onednn_linear_takes_few_rows_here_and_many_to_onednn(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(64, 32, generator=g), torch.randn(64, generator=g)
+    lin = L.make_linear(w, b, backend="onednn")
+    calls = []
+    real = cpu_gemv.linear
+    monkeypatch.setattr(cpu_gemv, "linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(cpu_gemv, "_threads", torch.get_num_threads())
+    for m in (1, 4, 8, 9, 100):
+        x = torch.randn(m, 32, generator=g)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert calls == [torch.Size([1, 32]), torch.Size([4, 32]), torch.Size([8, 32])]
+
+
+def test_no_compiler_leaves_the_onednn_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(cpu_gemv, "KERNEL", CKernel(cpu_gemv.SOURCE, "cpu_gemv", cpu_gemv._bind, what="gemv",
+                                                   fallback="oneDNN"))
+    with caplog.at_level("WARNING"):
+        assert not cpu_gemv.supports(torch.randn(2, 8), torch.randn(4, 8))
+    assert "unavailable" in caplog.text
+    w = torch.randn(4, 8)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(L.make_linear(w, backend="onednn")(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
