@@ -13,6 +13,9 @@ from shared.schemas import (
     ChatCompletion,
     ChatTokenLogprob,
     ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
     SampledLogprob,
     TopLogprob,
     ChatCompletionChunk,
@@ -67,6 +70,59 @@ def chat_completion(resp: GenerateResponse, model: str, cid: str, created: int) 
         choices=[choice],
         usage=usage(resp.prompt_tokens, resp.completion_tokens, resp.cached_tokens),
     )
+
+
+def completion_logprobs(entries: list[SampledLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
+    """Our per-token logprobs in the legacy completions form; ``offset``: characters before the
+    first token in the choice's text."""
+    if entries is None:
+        return None
+    out = CompletionLogprobs()
+    for e in entries:
+        out.tokens.append(e.token)
+        out.token_logprobs.append(e.logprob)
+        out.top_logprobs.append({a.token: a.logprob for a in e.top})
+        out.text_offset.append(offset)
+        offset += len(e.token)
+    return out
+
+
+def text_completion(resps: list[GenerateResponse], model: str, cid: str, created: int, logprobs: bool) -> Completion:
+    """One choice per prompt of the batch, usage summed over them."""
+    choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                                logprobs=completion_logprobs(r.token_logprobs if logprobs else None))
+               for i, r in enumerate(resps)]
+    u = usage(sum(r.prompt_tokens for r in resps), sum(r.completion_tokens for r in resps),
+              sum(r.cached_tokens for r in resps))
+    return Completion(id=cid, created=created, model=model, choices=choices, usage=u)
+
+
+class CompletionChunkWriter:
+    """The SSE events of one streamed text completion (one prompt)."""
+
+    def __init__(self, cid: str, created: int, model: str, include_usage: bool, logprobs: bool) -> None:
+        self.cid, self.created, self.model = cid, created, model
+        self.include_usage, self.logprobs = include_usage, logprobs
+        self._offset = 0
+
+    def _event(self, choices: list[CompletionChoice], u: Usage | None = None) -> bytes:
+        body = Completion(id=self.cid, created=self.created, model=self.model, choices=choices, usage=u).model_dump()
+        if not self.include_usage:
+            body.pop("usage")
+        return sse(body)
+
+    def content(self, text: str, entries: list[SampledLogprob] | None = None) -> bytes:
+        lp = completion_logprobs(entries, self._offset) if self.logprobs and entries is not None else None
+        self._offset += sum(len(e.token) for e in entries or ())
+        return self._event([CompletionChoice(text=text, logprobs=lp)])
+
+    def finish(self, reason: FinishReason) -> bytes:
+        return self._event([CompletionChoice(text="", finish_reason=reason)])
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
+        return self._event([], usage(prompt_tokens, completion_tokens, cached_tokens))
+
+    error = staticmethod(lambda message, type="upstream_error": ChunkWriter.error(message, type))
 
 
 def sse(payload: dict[str, Any]) -> bytes:

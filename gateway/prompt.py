@@ -10,6 +10,7 @@ from gateway.upstream import Encoded
 from shared.schemas import (
     ChatCompletionRequest,
     GenerateRequest,
+    GenerationFields,
     PromptMedia,
     PromptMessage,
     PromptPart,
@@ -20,8 +21,8 @@ from shared.schemas import (
 from shared.rawwire import RawTensor, pack_raw
 
 
-def sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
-    """OpenAI knobs -> SamplingParams; unset knobs keep the LLM defaults (greedy)."""
+def sampling_params(req: GenerationFields, default_max_tokens: int) -> SamplingParams:
+    """OpenAI knobs (chat or text completions) -> SamplingParams; unset knobs keep the LLM defaults (greedy)."""
     kw: dict = {"max_tokens": req.effective_max_tokens(default_max_tokens), "stop": req.stop or [],
                 "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "priority": req.priority}
     if req.temperature is not None:

@@ -97,8 +97,8 @@ def prepare_request(
         s = s.model_copy(update={"seed": s.seed % SEED_RANGE})
     # refuse what cannot fit before rendering and tokenizing it (an 8 MB prompt takes seconds)
     text_bytes = sum(len(p.text.encode("utf-8", "replace")) for m in req.messages for p in m.content
-                     if isinstance(p, PromptText))
-    at_least = lm.min_tokens(text_bytes)
+                     if isinstance(p, PromptText)) + len((req.prompt or "").encode("utf-8", "replace"))
+    at_least = lm.min_tokens(text_bytes) + len(req.prompt_ids or ())
     if at_least + s.max_tokens > max_model_len:
         raise InvalidRequest(
             f"the prompt has at least {at_least} tokens ({text_bytes} bytes of text) and max_tokens is "
@@ -130,7 +130,18 @@ def prepare_request(
         raise InvalidRequest(f"logit_bias token ids {bad[:10]} are outside the vocabulary [0, {lm.vocab_size})",
                              param="logit_bias")
 
-    ids = render_prompt_ids(lm, req)
+    if req.prompt is not None:  # completions: the tokenizer's own special tokens, as vLLM
+        ids = list(lm.tokenizer(req.prompt)["input_ids"])
+    elif req.prompt_ids is not None:
+        bad = sorted({t for t in req.prompt_ids if not 0 <= t < lm.vocab_size})
+        if bad:
+            raise InvalidRequest(f"prompt token ids {bad[:10]} are outside the vocabulary [0, {lm.vocab_size})",
+                                 param="prompt")
+        ids = list(req.prompt_ids)
+    else:
+        ids = render_prompt_ids(lm, req)
+    if not ids:
+        raise InvalidRequest("the prompt renders to no tokens; send some text", param="prompt")
     out, spans, mm_items, mm_refs, mm_hashes = _expand_media(lm, ids, media, items, refs)
     if len(out) + s.max_tokens > max_model_len:
         raise InvalidRequest(
@@ -151,6 +162,7 @@ def prepare_request(
         bidirectional=lm.bidirectional_media and bool(spans),
         return_logprobs=req.return_logprobs or req.top_logprobs > 0,
         top_logprobs=req.top_logprobs,
+        echo_text=(req.prompt if req.prompt is not None else lm.tokenizer.decode(req.prompt_ids or [])) if req.echo else "",
         system_len=system_prefix_len(lm, req, ids) if not spans or spans[0][0] > 0 else 0,
     )
 

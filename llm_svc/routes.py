@@ -298,10 +298,14 @@ class _NdjsonStream:
         self.finished = False
         self.closed = False
         self.first: GenOutput | None = None  # an output already read (``_peek``), sent first
+        self.echoed = False
 
     def _line(self, out: GenOutput) -> bytes:
         self.tracker.see(out)
-        chunk = GenerateChunk(request_id=self.prep.request_id, text=out.text, token_ids=out.token_ids,
+        text = out.text
+        if self.prep.echo_text and not self.echoed:  # completions' echo: the prompt's text leads
+            text, self.echoed = self.prep.echo_text + text, True
+        chunk = GenerateChunk(request_id=self.prep.request_id, text=text, token_ids=out.token_ids,
                               token_logprobs=out.token_logprobs or None)
         if out.final:
             self.finished = True
@@ -352,7 +356,7 @@ async def _drain(state: ServiceState, prep: PreparedRequest, stream: RequestStre
 
 async def _collect(request: Request, state: ServiceState, prep: PreparedRequest, stream: RequestStream):
     tracker = _Tracker(state)
-    text: list[str] = []
+    text: list[str] = [prep.echo_text]
     ids: list[int] = []
     logprobs: list[float] = []
     token_logprobs: list = []

@@ -80,6 +80,7 @@ class PreparedRequest:
     bidirectional: bool = False
     return_logprobs: bool = False  # log-probability of each sampled token (raw model distribution)
     top_logprobs: int = 0  # and of its most likely alternatives (with return_logprobs)
+    echo_text: str = ""  # completions' ``echo``: the answer's text starts with this (the prompt's)
     system_len: int = 0  # prompt tokens of the leading system message (0: none)
     # positions where later prompts are likely to branch off: their SWA windows are kept for the
     # prefix cache (chosen by the backend from ``system_len`` and its retention settings)

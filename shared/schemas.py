@@ -145,13 +145,13 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 }
 
 
-class ChatCompletionRequest(_Lenient):
+class GenerationFields(_Lenient):
+    """The sampling fields chat and text completions share, and the rule that no field is dropped."""
+
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
@@ -164,8 +164,6 @@ class ChatCompletionRequest(_Lenient):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM extensions that benchmark clients (aiperf, guidellm) send to hold output lengths
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
@@ -215,18 +213,72 @@ class ChatCompletionRequest(_Lenient):
             raise ValueError("at most 4 stop sequences are supported")
         return [s for s in stops if s]
 
+    def output_cap(self) -> int | None:
+        return self.max_tokens
+
+    def effective_max_tokens(self, default: int) -> int:
+        """The request's cap, or ``default`` (raised to ``min_tokens`` when that asks for more)."""
+        return self.output_cap() or max(default, self.min_tokens)
+
     @model_validator(mode="after")
-    def _min_le_max(self) -> "ChatCompletionRequest":
-        cap = self.max_completion_tokens or self.max_tokens
+    def _min_le_max(self) -> "GenerationFields":
+        cap = self.output_cap()
         if cap is not None and self.min_tokens > cap:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({cap})")
+        return self
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def output_cap(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         return self
 
-    def effective_max_tokens(self, default: int) -> int:
-        """The request's cap, or ``default`` (raised to ``min_tokens`` when that asks for more)."""
-        return self.max_completion_tokens or self.max_tokens or max(default, self.min_tokens)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+
+
+class CompletionRequest(GenerationFields):
+    """OpenAI's legacy ``/v1/completions``: a prompt string or token ids (or a batch of either:
+    one choice each, not streamed), ``logprobs`` = how many alternatives per token, ``echo``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=1)
+
+    def output_cap(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else max(COMPLETION_DEFAULT_MAX_TOKENS, self.min_tokens)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            return [p]
+        return list(p)
+
+    @model_validator(mode="after")
+    def _servable(self) -> "CompletionRequest":
+        prompts = self.prompts()
+        if not prompts or any(isinstance(p, list) and not p for p in prompts) or prompts == [""]:
+            raise ValueError("prompt must not be empty")
+        if self.suffix:
+            raise ValueError("suffix: not supported by this server (no model here is trained for insertion); remove it")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs the prompt's logprobs, not served yet; drop one of them")
+        if self.stream and len(prompts) > 1:
+            raise ValueError("prompt: send one prompt per streamed request (a batch is answered whole)")
+        return self
 
 
 class TokenizeRequest(BaseModel):
@@ -316,6 +368,29 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[Choice]
     usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: OpenAIFinishReason | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -527,14 +602,29 @@ class SamplingParams(BaseModel):
 
 
 class GenerateRequest(BaseModel):
+    """One generation: chat ``messages`` (rendered by the model's template), or a raw ``prompt``
+    string (tokenized with the tokenizer's special tokens, as vLLM's completions) or token ids."""
+
     model_config = WIRE_JSON
 
     request_id: str = Field(min_length=1)
-    messages: list[PromptMessage] = Field(min_length=1)
+    messages: list[PromptMessage] = Field(default_factory=list)
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stream: bool = False
     return_logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (with return_logprobs)
+    echo: bool = False  # the answer's text starts with the prompt's (completions)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "GenerateRequest":
+        given = [bool(self.messages), self.prompt is not None, self.prompt_ids is not None]
+        if sum(given) != 1:
+            raise ValueError("send exactly one of messages, prompt or prompt_ids")
+        if self.prompt_ids is not None and not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        return self
 
     @model_validator(mode="after")
     def _media_indices_dense(self) -> "GenerateRequest":

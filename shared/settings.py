@@ -151,6 +151,11 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     small_step_threads: int = Field(
         default=1, ge=0, description="CPU: torch threads of a small engine step; 0: the same as threads"
     )
+    gemv_threads: int = Field(
+        default=1, ge=0, description="CPU: threads of the few-row linear kernel (decode steps' linears); 0: threads. "
+        "1 by default: 2 threads streamed weights faster in isolation but lost in the service, where the front and "
+        "the gateway take the second core now and then and an OpenMP barrier waits for it",
+    )
     core_malloc: Literal["auto", "system"] = Field(
         default="auto", description="allocator of the engine core: auto (tcmalloc preloaded when the system has "
         "libtcmalloc_minimal, as vLLM's CPU docs recommend; else glibc), system (glibc)",

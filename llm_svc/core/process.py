@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(core_threads(settings))
         from ..models import cpu_gemv
 
-        cpu_gemv.set_threads(core_threads(settings))  # few-row linears stream weights on every core
+        cpu_gemv.set_threads(settings.gemv_threads or core_threads(settings))  # few-row linears: every core
         lm = load_lm(settings.model_dir, settings.device, settings.dtype)
         engine = build_engine(settings, lm, threads=step_threads(settings))
     except Exception as e:

@@ -8,15 +8,16 @@ with the same threads, so calls of at most ``MAX_ROWS`` rows come here (``linear
 or of at most ``MAX_ROWS_FEW_THREADS`` while torch runs on fewer threads than this kernel (a
 decode step, ``StepThreads``): [16, 1152] x [1152, 512] oneDNN on 1 thread 490 us, here 340.
 
-Threads: every core of the process's affinity by default (the core sets it at start-up), not
-torch's count: a decode step runs torch on one thread (``StepThreads``), but streaming a weight
-gains from both cores' memory bandwidth.
+Threads: ``set_threads`` (the core: ``gemv_threads``, 1 by default). Two threads streamed a
+weight ~2x faster in isolation ([4, 512] x [512, 512]: 136 -> 64 us), but in the service (front,
+gateway and client beside the core on 2 cores) decodes got slower with them (ITL p50 25.1 ms on
+one, 28.4 on two: an OpenMP barrier waits whenever the other core is taken); on one thread the
+kernel still beats oneDNN on one thread (136 vs 192 us, [4, 256] x [512, 256] 74 vs 177 us).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -37,11 +38,11 @@ def _bind(lib: ctypes.CDLL) -> None:
 KERNEL = CKernel(SOURCE, "cpu_gemv", _bind, what="CPU small-batch linear kernel",
                  fallback="linears of few rows use oneDNN", flags=FAST_FLAGS + ("-fopenmp",),
                  link_flags=("-shared", "-fopenmp"))
-_threads = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+_threads = 1
 
 
 def set_threads(n: int) -> None:
-    """Threads of every later call (the engine core: its torch thread count for big steps)."""
+    """Threads of every later call (the engine core: ``gemv_threads``)."""
     global _threads
     _threads = max(1, int(n))
 
