@@ -31,8 +31,9 @@ from shared.schemas import (
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
+def completion_id(prefix: str = "chatcmpl") -> str:
+    """OpenAI's id forms: ``chatcmpl-...`` (chat), ``cmpl-...`` (text completions)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:
@@ -111,6 +112,9 @@ class CompletionChunkWriter:
             body.pop("usage")
         return sse(body)
 
+    def opening(self) -> list[bytes]:
+        return []
+
     def content(self, text: str, entries: list[SampledLogprob] | None = None) -> bytes:
         lp = completion_logprobs(entries, self._offset) if self.logprobs and entries is not None else None
         self._offset += sum(len(e.token) for e in entries or ())
@@ -148,6 +152,9 @@ class ChunkWriter:
 
     def role(self) -> bytes:
         return self._chunk([ChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+
+    def opening(self) -> list[bytes]:
+        return [self.role()]
 
     def content(self, text: str, logprobs: list[SampledLogprob] | None = None) -> bytes:
         return self._chunk([ChunkChoice(delta=DeltaMessage(content=text), logprobs=choice_logprobs(logprobs))])

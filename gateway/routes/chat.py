@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.media import MediaItem, collect_media
-from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion, completion_id, now
+from gateway.openai_format import SSE_DONE, ChunkWriter, CompletionChunkWriter, chat_completion, completion_id, now
 from gateway.prompt import build_generate_request, pack_generate
 from gateway.state import GatewayState, StateDep
 from gateway.upstream import LLMStream, MediaUnavailable, UpstreamError, upstream_deadline
@@ -114,15 +114,29 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if body.model != state.settings.model_name:
         raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
     cid, created, start = completion_id(), now(), time.monotonic()
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def plain() -> dict:
+        return chat_completion(await _generate(state, body, cid), body.model, cid, created).model_dump()
+
+    return await answer(request, state, cid, start, body.stream, plain, lambda: _open(state, body, cid),
+                        ChunkWriter(cid, created, body.model, include_usage))
+
+
+async def answer(request: Request, state: GatewayState, cid: str, start: float, stream: bool,
+                 plain: Callable[[], Awaitable[dict]], open_stream: Callable[[], Awaitable[LLMStream]],
+                 writer: ChunkWriter | CompletionChunkWriter) -> Response:
+    """One admitted generation answered as JSON (``plain()``'s body) or as SSE from
+    ``open_stream()``; cancelled if the client leaves, bounded by the request timeout (carried
+    to the encoders and the LLM as a deadline)."""
     timeout = state.settings.request_timeout
-    upstream_deadline.set(start + timeout)  # carried to the encoders and the LLM (copied into tasks)
+    upstream_deadline.set(start + timeout)  # copied into the tasks below
     ticket = await admit(state)
     opened = False  # once a stream is open, the response's close releases the ticket
     try:
-        if not body.stream:
-            resp = await until_disconnect(request, _generate(state, body, cid), timeout)
-            return JSONResponse(chat_completion(resp, body.model, cid, created).model_dump())
-        stream = await until_disconnect(request, _open(state, body, cid), timeout - (time.monotonic() - start))
+        if not stream:
+            return JSONResponse(await until_disconnect(request, plain(), timeout))
+        llm = await until_disconnect(request, open_stream(), timeout - (time.monotonic() - start))
         opened = True
     except ClientGone:
         log.info("%s: client disconnected before the answer", cid)
@@ -130,15 +144,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     finally:
         if not opened:
             ticket.release()
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    writer = ChunkWriter(cid, created, body.model, include_usage)
 
     async def close() -> None:  # runs even if the client left before the first byte
         ticket.release()
-        await stream.aclose()
+        await llm.aclose()
 
     return ClosingStreamingResponse(
-        sse_events(stream, writer, state, start),
+        sse_events(llm, writer, state, start),
         on_close=close,
         media_type="text/event-stream",
         headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
@@ -176,13 +188,15 @@ async def _open(state: GatewayState, body: ChatCompletionRequest, cid: str) -> L
 
 
 async def sse_events(
-    stream: LLMStream, writer: ChunkWriter, state: GatewayState, start: float
+    stream: LLMStream, writer: ChunkWriter | CompletionChunkWriter, state: GatewayState, start: float
 ) -> AsyncIterator[bytes]:
-    """Role chunk, content deltas, finish chunk, usage chunk (if asked), ``[DONE]``; an upstream
-    failure mid-stream becomes an ``error`` event.  Closing the generator closes upstream."""
+    """Opening events (chat: the role chunk), content deltas, finish chunk, usage chunk (if
+    asked), ``[DONE]``; an upstream failure mid-stream becomes an ``error`` event. Closing the
+    generator closes upstream. Chat and text completions alike (``writer`` makes their shapes)."""
     first_token = True
     try:
-        yield writer.role()
+        for event in writer.opening():
+            yield event
         async with aclosing(stream.chunks()) as chunks:
             async for chunk in chunks:
                 if chunk.error:

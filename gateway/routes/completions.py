@@ -4,33 +4,22 @@ string or token ids, or a batch of them (one choice each), on an LLM replica; JS
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from gateway.auth import ApiKeyDep
 from gateway.errors import APIError
-from gateway.openai_format import SSE_DONE, CompletionChunkWriter, now, text_completion
+from gateway.openai_format import CompletionChunkWriter, completion_id, now, text_completion
 from gateway.prompt import sampling_params
-from gateway.routes.chat import ABORTED, CLIENT_CLOSED, ClientGone, admit, until_disconnect
+from gateway.routes.chat import ABORTED, answer
 from gateway.state import GatewayState, StateDep
-from gateway.upstream import LLMStream, UpstreamError, upstream_deadline
+from gateway.upstream import UpstreamError
 from shared.rawwire import pack_raw
 from shared.schemas import CompletionRequest, GenerateRequest, GenerateResponse
-from shared.streaming import ClosingStreamingResponse
 
-log = logging.getLogger("mmserve.gateway.completions")
 router = APIRouter(dependencies=[ApiKeyDep])
-
-
-def completion_id() -> str:
-    import uuid
-
-    return f"cmpl-{uuid.uuid4().hex}"
 
 
 def _generate_request(state: GatewayState, body: CompletionRequest, prompt: str | list[int], rid: str) -> GenerateRequest:
@@ -60,65 +49,15 @@ async def _one(state: GatewayState, gen: GenerateRequest) -> GenerateResponse:
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     if body.model != state.settings.model_name:
         raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
-    cid, created, start = completion_id(), now(), time.monotonic()
-    timeout = state.settings.request_timeout
-    upstream_deadline.set(start + timeout)
+    cid, created, start = completion_id("cmpl"), now(), time.monotonic()
     gens = [_generate_request(state, body, p, f"{cid}-{i}") for i, p in enumerate(body.prompts())]
-    ticket = await admit(state)
-    opened = False
-    try:
-        if not body.stream:
-            work = asyncio.gather(*(_one(state, g) for g in gens))
-            resps = await until_disconnect(request, work, timeout)
-            return JSONResponse(text_completion(list(resps), body.model, cid, created, body.logprobs is not None)
-                                .model_dump())
-        gen = gens[0]
-        stream = await until_disconnect(request, state.llms.open_stream(gen, pack_raw({}, gen)), timeout)
-        opened = True
-    except ClientGone:
-        log.info("%s: client disconnected before the answer", cid)
-        return Response(status_code=CLIENT_CLOSED)
-    finally:
-        if not opened:
-            ticket.release()
-    writer = CompletionChunkWriter(cid, created, body.model, bool(body.stream_options and body.stream_options.include_usage),
-                                   body.logprobs is not None)
+    logprobs = body.logprobs is not None
 
-    async def close() -> None:
-        ticket.release()
-        await stream.aclose()
+    async def plain() -> dict:
+        resps = await asyncio.gather(*(_one(state, g) for g in gens))
+        return text_completion(list(resps), body.model, cid, created, logprobs).model_dump()
 
-    return ClosingStreamingResponse(_events(stream, writer, state, start), on_close=close, media_type="text/event-stream",
-                                    headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-
-
-async def _events(stream: LLMStream, writer: CompletionChunkWriter, state: GatewayState,
-                  start: float) -> AsyncIterator[bytes]:
-    first = True
-    try:
-        async with aclosing(stream.chunks()) as chunks:
-            async for chunk in chunks:
-                if chunk.error:
-                    yield writer.error(f"generation failed: {chunk.error}")
-                    break
-                if chunk.text or chunk.token_logprobs:
-                    if first:
-                        state.metrics.ttft.observe(time.monotonic() - start)
-                        first = False
-                    yield writer.content(chunk.text, chunk.token_logprobs)
-                if chunk.finish_reason == "abort":
-                    yield writer.error(ABORTED)
-                    break
-                if chunk.finish_reason is not None:
-                    yield writer.finish(chunk.finish_reason)
-                    if writer.include_usage:
-                        yield writer.usage(chunk.prompt_tokens or 0, chunk.completion_tokens or 0, chunk.cached_tokens or 0)
-                    break
-            else:
-                yield writer.error("generation ended without a finish reason")
-        yield SSE_DONE
-    except UpstreamError as e:
-        yield writer.error(e.message)
-        yield SSE_DONE
-    finally:
-        await stream.aclose()
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await answer(request, state, cid, start, body.stream, plain,
+                        lambda: state.llms.open_stream(gens[0], pack_raw({}, gens[0])),
+                        CompletionChunkWriter(cid, created, body.model, include_usage, logprobs))
