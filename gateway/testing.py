@@ -207,6 +207,18 @@ def fake_llm_app(name: str) -> FastAPI:
     app.state.headers = []  # the headers of each /v1/generate call
     app.state.body_bytes = []  # the size of each /v1/generate body
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:  # one token per UTF-8 byte of the prompt
+        body = await request.json()
+        text = body.get("prompt") or " ".join(str(m.get("content")) for m in body.get("messages") or [])
+        ids = list(text.encode("utf-8"))
+        return JSONResponse({"count": len(ids), "max_model_len": 4096, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        ids = (await request.json()).get("tokens") or []
+        return JSONResponse({"prompt": bytes(t % 256 for t in ids).decode("utf-8", "replace")})
+
     @app.get("/readyz")
     async def readyz() -> Response:
         if not app.state.ready:

@@ -285,7 +285,7 @@ class TokenizeRequest(BaseModel):
     """vLLM's ``POST /tokenize``: a ``prompt`` string, or chat ``messages`` rendered by the
     model's template (text parts only)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1: the contract says integers
 
     model: str | None = None
     prompt: str | None = None
@@ -309,7 +309,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1: the contract says integers
 
     model: str | None = None
     tokens: list[int]

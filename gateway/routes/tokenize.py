@@ -21,6 +21,10 @@ def _check_model(state, model: str | None) -> None:
 
 async def _forward(state, path: str, payload: dict) -> JSONResponse:
     status, body = await state.llms.post_json(path, payload)
+    if status >= 400 and not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+        # a replica that does not serve the path (an older build), or a body that is not ours:
+        # an OpenAI error naming what failed, never the replica's raw answer
+        raise APIError(502, f"the LLM replica could not answer {path} (HTTP {status}); retry later")
     if status >= 500 and status != 503:
         status = 502
     return JSONResponse(body, status_code=status)
