@@ -73,6 +73,11 @@ def chat_completion(resp: GenerateResponse, model: str, cid: str, created: int) 
     )
 
 
+def sse_error(message: str, type: str = "upstream_error") -> bytes:
+    """The ``error`` event of a stream that failed after its headers were sent."""
+    return sse({"error": {"message": message, "type": type, "param": None, "code": None}})
+
+
 def completion_logprobs(entries: list[SampledLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
     """Our per-token logprobs in the legacy completions form; ``offset``: characters before the
     first token in the choice's text."""
@@ -126,7 +131,7 @@ class CompletionChunkWriter:
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
         return self._event([], usage(prompt_tokens, completion_tokens, cached_tokens))
 
-    error = staticmethod(lambda message, type="upstream_error": ChunkWriter.error(message, type))
+    error = staticmethod(sse_error)  # the same ``error`` event as chat
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -165,6 +170,4 @@ class ChunkWriter:
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
         return self._chunk([], usage(prompt_tokens, completion_tokens, cached_tokens))
 
-    @staticmethod
-    def error(message: str, type: str = "upstream_error") -> bytes:
-        return sse({"error": {"message": message, "type": type, "param": None, "code": None}})
+    error = staticmethod(sse_error)

@@ -98,29 +98,25 @@ def attend_flash(q, k, v, mask, params: AttentionParams) -> torch.Tensor:
     hkv, _, L, dv = v.shape
     g = hq // hkv
     qs = q.reshape(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * nq, d)  # [B, Hkv, G*nq, D]
-    ks, vs = k.transpose(0, 1), v.transpose(0, 1)  # [B, Hkv, L, D / Dv]
-    if dv < d:
-        vs = F.pad(vs, (0, d - dv))
-    elif dv > d:
-        qs, ks = F.pad(qs, (0, dv - d)), F.pad(ks, (0, dv - d))
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qs.to(k.dtype), ks, vs, 0.0, False, attn_mask=mask, scale=params.scale)  # o [B, Hkv, G*nq, max(D, Dv)]
-    o = o[..., :dv]
+    o, lse = _flash(qs.to(k.dtype), k.transpose(0, 1), v.transpose(0, 1), False, params.scale, mask)  # [B, Hkv, G*nq, Dv]
     if params.sinks is not None:
         sink = params.sinks.float().view(1, hkv, g, 1).expand(b, hkv, g, nq).reshape(b, hkv, g * nq)
         o = o * torch.sigmoid(lse - sink).unsqueeze(-1).to(o.dtype)
     return o.view(b, hkv, g, nq, dv).permute(0, 3, 1, 2, 4).reshape(b, nq, hq, dv)
 
 
-def _flash(q, k, v, causal: bool, scale: float):
-    """The CPU flash kernel, one head size (``Dqk != Dv`` zero-padded as in ``attend_flash``):
-    q [B, H, n, D], k/v [B, H, L, D / Dv] -> (o [B, H, n, Dv], lse [B, H, n] float32)."""
+def _flash(q, k, v, causal: bool, scale: float, mask: torch.Tensor | None = None):
+    """The CPU flash kernel, which wants one head size (``Dqk != Dv`` zero-padded: V's extra
+    columns give output columns that are dropped, zero q / k columns add nothing to a dot
+    product): q [B, H, n, D], k/v [B, H, L, D / Dv], mask broadcastable to [B, H, n, L] or None
+    -> (o [B, H, n, Dv], lse [B, H, n] float32)."""
     d, dv = k.shape[-1], v.shape[-1]
     if dv < d:
         v = F.pad(v, (0, d - dv))
     elif dv > d:
         q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                        scale=scale)
     return o[..., :dv], lse
 
 
