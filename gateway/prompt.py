@@ -38,6 +38,7 @@ def sampling_params(req: GenerationFields, default_max_tokens: int) -> SamplingP
             kw[name] = getattr(req, name)
     if req.logit_bias:
         kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+    kw["structured"] = req.structured_spec()
     return SamplingParams(**kw)
 
 

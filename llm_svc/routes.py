@@ -165,7 +165,8 @@ async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadl
     state.live[prep.request_id] = _Live(ticket, _deadline_timer(state, prep.request_id, deadline))
     if prep.stream:
         out = _NdjsonStream(state, prep, stream)
-        if prep.unresolved():
+        # media to fetch, or a grammar to compile: either can still fail as a 4xx, before any byte
+        if prep.unresolved() or prep.sampling.structured is not None:
             try:
                 first = await _peek(request, stream)
             except BaseException:
@@ -174,7 +175,7 @@ async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadl
             if first is None:  # the client left
                 await out.close()
                 return Response(status_code=499)
-            if first.error_code == MEDIA_UNAVAILABLE:
+            if first.error_code == MEDIA_UNAVAILABLE or (first.error and 400 <= first.error_status < 500):
                 out.finished = True
                 await out.close()
                 return _error(state, first.error_status, first.error, code=first.error_code)

@@ -15,6 +15,7 @@ with the typed header of the message stored in the safetensors metadata.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
@@ -132,8 +133,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "parallel_tool_calls": (None, True, False),  # meaningless without tools
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
+    # vLLM 0.12+ took these out for ``structured_outputs``; the message says so
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -143,6 +143,99 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "chat_template_kwargs": (None, {}),
     "echo": (None, False),
 }
+
+
+class StructuredSpec(BaseModel):
+    """A grammar the output must follow: the engine's form of ``response_format`` and
+    ``structured_outputs``. ``spec`` is the JSON schema text (``json``), the regex, the EBNF
+    grammar, or the choices as a JSON list; empty for ``json_object``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+    any_whitespace: bool = True
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # enforced either way (vLLM too)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"response_format: json_schema goes with type json_schema, not {self.type}")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of json / regex / choice / grammar / json_object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False  # one grammar engine here: nothing to fall back to
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "StructuredOutputs":
+        given = [k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag: not supported by this server yet; use json, "
+                             "regex, choice or grammar")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern: not supported (the grammar engine here "
+                             "takes disable_any_whitespace); remove it")
+        if self.disable_additional_properties:
+            raise ValueError("structured_outputs.disable_additional_properties: not supported; put "
+                             '"additionalProperties": false in the schema instead')
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {len(given)}")
+        if isinstance(self.json_, str):
+            try:
+                if not isinstance(json.loads(self.json_), dict):
+                    raise ValueError
+            except ValueError:
+                raise ValueError("structured_outputs.json: a JSON schema object (or its JSON text)") from None
+        if self.json_object is False:
+            raise ValueError("structured_outputs.json_object: only true means something; remove it")
+        return self
+
+    def spec(self) -> StructuredSpec:
+        ws = not self.disable_any_whitespace
+        if self.json_ is not None:
+            text = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            return StructuredSpec(kind="json", spec=text, any_whitespace=ws)
+        if self.regex is not None:
+            return StructuredSpec(kind="regex", spec=self.regex, any_whitespace=ws)
+        if self.choice is not None:
+            return StructuredSpec(kind="choice", spec=json.dumps(self.choice), any_whitespace=ws)
+        if self.grammar is not None:
+            return StructuredSpec(kind="grammar", spec=self.grammar, any_whitespace=ws)
+        return StructuredSpec(kind="json_object", any_whitespace=ws)
 
 
 class GenerationFields(_Lenient):
@@ -169,6 +262,8 @@ class GenerationFields(_Lenient):
     min_tokens: int = Field(default=0, ge=0)
     # vLLM's priority: lower values are admitted first (ties keep the scheduler's own order)
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -186,8 +281,22 @@ class GenerationFields(_Lenient):
                 raise ValueError(f"{name}: unknown request field; remove it (see the README's API table for "
                                  "what is served)")
             if value not in allowed:
+                if name.startswith("guided_"):
+                    raise ValueError(f"{name}: send structured_outputs={{\"{name[7:]}\": ...}} instead (vLLM's "
+                                     "current form)")
                 raise ValueError(f"{name}: not supported by this server yet; remove it")
         return data
+
+    def structured_spec(self) -> "StructuredSpec | None":
+        """The grammar ``response_format`` or ``structured_outputs`` asks for (``response_format``
+        wins, as in vLLM), or None."""
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return StructuredSpec(kind="json_object")
+        if rf is not None and rf.type == "json_schema":
+            return StructuredSpec(kind="json", spec=json.dumps(rf.json_schema.schema_))
+        so = self.structured_outputs
+        return so.spec() if so is not None else None
 
     @field_validator("logit_bias")
     @classmethod
@@ -588,6 +697,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias in [-100, 100]")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="keep tokens with p >= min_p * p_max")
+    structured: StructuredSpec | None = None
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "SamplingParams":
@@ -741,6 +851,7 @@ class CoreSampling(msgspec.Struct, frozen=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     min_p: float = 0.0
+    structured: tuple[str, str, bool] | None = None  # StructuredSpec's (kind, spec, any_whitespace)
 
 
 class CoreAdd(msgspec.Struct, tag="add"):

@@ -151,6 +151,9 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     small_step_threads: int = Field(
         default=1, ge=0, description="CPU: torch threads of a small engine step; 0: the same as threads"
     )
+    grammar_threads: int = Field(
+        default=1, ge=1, description="threads compiling structured-output grammars, off the engine loop",
+    )
     gemv_threads: int = Field(
         default=1, ge=0, description="CPU: threads of the few-row linear kernel (decode steps' linears); 0: threads. "
         "1 by default: 2 threads streamed weights faster in isolation but lost in the service, where the front and "

@@ -191,6 +191,9 @@ class HFBackend(Backend):
             raise InvalidRequest("the hf backend applies logit_bias and penalties to greedy requests only "
                                  "(temperature 0); use the swa backend to sample with them", param="logit_bias"
                                  if s.logit_bias else "presence_penalty")
+        if s.structured is not None:
+            raise InvalidRequest("the hf backend has no structured outputs; use the swa backend for "
+                                 "response_format and structured_outputs", param="response_format")
         stream = RequestStream(req.request_id, asyncio.get_running_loop())
         with self._lock:
             self._aborted[req.request_id] = threading.Event()

@@ -13,6 +13,7 @@ from shared.settings import LLMSettings
 
 from ..attention import FULL, SLIDING
 from ..engine.engine import Engine
+from ..engine.grammar import GrammarCache
 from ..engine.model_runner import ModelRunner
 from ..engine.step_threads import StepThreads
 from ..engine.scheduler import Scheduler, SchedulerConfig
@@ -82,7 +83,9 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
                          attention=settings.attention_backend, threads=threads)
     tiers = build_tiers(settings, lm, model, runner, scheduler, kv_dtype) if host_full and host_swa else None
     # the front tries each source within media_fetch_timeout; this is the core's backstop
-    return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1)
+    grammars = GrammarCache(lm.tokenizer, lm.vocab_size, lm.eos_token_ids, threads=settings.grammar_threads)
+    return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1,
+                  grammars=grammars)
 
 
 def model_identity(model_dir: str | Path) -> str:

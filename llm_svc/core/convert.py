@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.schemas import CoreAdd, CoreSampling, CoreTensor, SamplingParams
+from shared.schemas import CoreAdd, CoreSampling, CoreTensor, SamplingParams, StructuredSpec
 
 from ..types import PreparedRequest
 
@@ -37,6 +37,7 @@ def to_core_add(prep: PreparedRequest, epoch: int, request_id: str | None = None
         ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, priority=s.priority,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_p=s.min_p,
+        structured=None if s.structured is None else (s.structured.kind, s.structured.spec, s.structured.any_whitespace),
     )
     return CoreAdd(
         epoch=epoch, request_id=prep.request_id if request_id is None else request_id, prompt_ids=list(prep.prompt_ids), sampling=sampling,
@@ -55,6 +56,8 @@ def from_core_add(msg: CoreAdd, device: torch.device, dtype: torch.dtype) -> Pre
         min_tokens=s.min_tokens, priority=s.priority, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
         logit_bias=dict(s.logit_bias), min_p=s.min_p,
+        structured=None if s.structured is None else StructuredSpec.model_construct(
+            kind=s.structured[0], spec=s.structured[1], any_whitespace=s.structured[2]),
     )
     return PreparedRequest(
         request_id=msg.request_id, prompt_ids=list(msg.prompt_ids), sampling=sampling,

@@ -28,6 +28,7 @@ import torch
 
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
+from llm_svc.engine.grammar import GrammarCache, GrammarError, Matcher, apply_grammars
 from llm_svc.engine.sampler import make_generator, sample, suppress
 from llm_svc.engine.scheduler import Scheduler
 from llm_svc.errors import InvalidRequest
@@ -47,6 +48,13 @@ class _Live:
     prep: PreparedRequest
     generator: torch.Generator | None
     history: TokenHistory | None = None  # penalised requests: prompt tokens and output counts
+    matcher: Matcher | None = None  # structured outputs: the grammar's state
+
+
+@dataclass
+class _Compiling:
+    req: Request
+    future: Future
 
 
 @dataclass
@@ -58,13 +66,16 @@ class _Prefetch:
 
 class Engine:
     """``tiers`` (``llm_svc.offload.tiers.KVTiers``): host and L3 KV tiers, or None for the
-    device pools alone."""
+    device pools alone. ``grammars``: the structured-output compiler, or None (such requests are
+    then refused)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_token_ids: list[int], tiers=None,
-                 media_timeout: float = 30.0):
+                 media_timeout: float = 30.0, grammars: GrammarCache | None = None):
         self.runner = runner
         self.scheduler = scheduler
         self.tiers = tiers
+        self.grammars = grammars
+        self._compiling: dict[str, _Compiling] = {}
         self.media_timeout = media_timeout
         self._prefetching: dict[str, _Prefetch] = {}
         self._media_wait: dict[str, float] = {}  # request -> deadline of the media it asked for
@@ -99,24 +110,35 @@ class Engine:
         except ValueError as e:
             raise InvalidRequest(str(e), param="max_tokens") from e
         gen = make_generator(prep.sampling, self.runner.device)
+        if prep.sampling.structured is not None:
+            if self.grammars is None:
+                raise InvalidRequest("structured outputs are not served by this engine", param="response_format")
+            # queued once its grammar is compiled (see _admit_compiled): never on the step's path
+            self._compiling[req.req_id] = _Compiling(req, self.grammars.submit(prep.sampling.structured))
+        else:
+            self._queue(req)
+        self._live[req.req_id] = _Live(prep, gen)
+
+    def _queue(self, req: Request) -> None:
         fut = self.tiers.prefetch(req.all_keys[:-1]) if self.tiers is not None else None
         if fut is not None:  # queued once its L3 lookup is back (see _admit_prefetched)
             self._prefetching[req.req_id] = _Prefetch(req, fut, time.monotonic() + self.tiers.prefetch_timeout)
         else:
             self.scheduler.add(req)
-        self._live[req.req_id] = _Live(prep, gen)
 
     def abort(self, req_id: str) -> None:
         """Stop a request at the start of the next step; it ends with ``finish_reason="abort"``."""
         self._aborts.append(req_id)
 
     def has_work(self) -> bool:
-        return bool(self._aborts) or bool(self._prefetching) or self.scheduler.has_unfinished()
+        return (bool(self._aborts) or bool(self._prefetching) or bool(self._compiling)
+                or self.scheduler.has_unfinished())
 
     def stalled(self) -> bool:
         """Nothing can step until media arrives (the core may block on its inputs meanwhile)."""
         s = self.scheduler
-        return (bool(self._media_wait) and not self._aborts and not self._prefetching and not s.running
+        return (bool(self._media_wait) and not self._aborts and not self._prefetching and not self._compiling
+                and not s.running
                 and all(r.awaiting_media for r in s.waiting))
 
     def take_needs(self) -> list[CoreNeed]:
@@ -151,6 +173,8 @@ class Engine:
             self._affected = None
             if self._media_wait:
                 self._expire_media()
+            if self._compiling:
+                self._admit_compiled()
             if self._prefetching:
                 self._admit_prefetched()
             if self.scheduler.has_unfinished():
@@ -169,6 +193,29 @@ class Engine:
                                 "retry it")
         self._affected = None
         return self._out
+
+    def _admit_compiled(self) -> None:
+        """Queue requests whose grammar is compiled; fail (400) those whose grammar cannot be."""
+        ready = [rid for rid, c in self._compiling.items() if c.future.done()]
+        if not ready and not self.scheduler.has_unfinished() and not self._prefetching:
+            first = next(iter(self._compiling.values()))  # nothing else to do: wait, don't spin
+            try:
+                first.future.result(timeout=0.005)
+            except Exception:
+                pass
+            return
+        for rid in ready:
+            c = self._compiling.pop(rid)
+            self._affected = [rid]
+            err = c.future.exception()
+            if err is not None:
+                msg = str(err) if isinstance(err, GrammarError) else \
+                    f"the grammar could not be compiled ({type(err).__name__}); check it"
+                self._fail([rid], msg, status=400)
+                continue
+            self._live[rid].matcher = self.grammars.matcher(c.future.result())
+            self._queue(c.req)
+        self._affected = None
 
     def _admit_prefetched(self) -> None:
         """Queue requests whose L3 lookup is back (its hit goes into the host tier first) or
@@ -224,6 +271,7 @@ class Engine:
         logits = self.runner.run(batch)
         ids = list(logits)
         tokens: dict[str, int] = {}
+        stop_now: set[str] = set()
         logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         if ids:
             lives = [self._live[i] for i in ids]
@@ -236,22 +284,47 @@ class Engine:
                 if lv.history is None and penalised(lv.prep.sampling):
                     r = self.scheduler.requests[rid]
                     lv.history = TokenHistory.start(r.prompt_ids, r.output_ids, rows.shape[1], rows.device)
-            x = apply_bias_and_penalties(suppress(rows, banned), params, [lv.history for lv in lives])
+            x = apply_bias_and_penalties(rows, params, [lv.history for lv in lives])
+            matchers = [lv.matcher for lv in lives]
+            constrained = any(m is not None for m in matchers)
+            if constrained:
+                x = apply_grammars(x.clone() if x is rows else x, matchers)
+            if any(banned.values()):
+                y = suppress(x, banned)
+                if constrained:  # the grammar can only end here: it wins over min_tokens
+                    dead = torch.isneginf(y).all(dim=-1) & ~torch.isneginf(x).all(dim=-1)
+                    y[dead] = x[dead]
+                x = y
             sampled = sample(x, params, [lv.generator for lv in lives])
             tokens = dict(zip(ids, sampled))
+            if constrained:
+                stop_now = self._advance_grammars(ids, lives, sampled)
             want = [n for n, lv in enumerate(lives) if lv.prep.return_logprobs]
             if want:
                 sel = torch.tensor(want, device=rows.device)
                 got = top_logprobs(rows.index_select(0, sel), [sampled[n] for n in want],
                                    [lives[n].prep.top_logprobs for n in want])
                 logprobs = {ids[n]: v for n, v in zip(want, got)}
-        for o in self.scheduler.postprocess(batch, tokens):
+        for o in self.scheduler.postprocess(batch, tokens, stop=stop_now):
             lv = self._live.get(o.req_id)
             if lv is not None and lv.history is not None and o.token_id is not None:
                 lv.history.add(o.token_id)
             self._emit(o, *logprobs.get(o.req_id, (None, None)))
         if tiers is not None:
             tiers.write_notes()
+
+    @staticmethod
+    def _advance_grammars(ids: list[str], lives: list[_Live], sampled: list[int]) -> set[str]:
+        """Each constrained request takes its token; returns those whose grammar is complete."""
+        done = set()
+        for rid, lv, tok in zip(ids, lives, sampled):
+            if lv.matcher is None:
+                continue
+            if not lv.matcher.accept(tok):  # the mask forbade it: a bug, never a wrong answer
+                raise RuntimeError(f"request {rid}: token {tok} breaks its grammar")
+            if lv.matcher.terminated:
+                done.add(rid)
+        return done
 
     def _emit(self, o: StepOutput, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         if o.req_id not in self._live:
@@ -263,7 +336,8 @@ class Engine:
 
     def _orphans(self) -> list[str]:
         """Requests the scheduler dropped on its own (one that cannot fit even alone)."""
-        return [rid for rid in self._live if rid not in self.scheduler.requests and rid not in self._prefetching]
+        return [rid for rid in self._live if rid not in self.scheduler.requests and rid not in self._prefetching
+                and rid not in self._compiling]
 
     def _close_orphans(self, gone: list[str]) -> None:
         for rid in gone:
@@ -277,6 +351,7 @@ class Engine:
             req = self.scheduler.requests.get(rid)
             cached = req.num_cached_tokens if req is not None else 0
             self._prefetching.pop(rid, None)
+            self._compiling.pop(rid, None)
             self._media_wait.pop(rid, None)
             self.scheduler.abort(rid)
             if self._live.pop(rid, None) is not None:
@@ -286,6 +361,7 @@ class Engine:
         try:
             for rid in req_ids:
                 self._prefetching.pop(rid, None)
+                self._compiling.pop(rid, None)
                 self._media_wait.pop(rid, None)
                 self.scheduler.abort(rid)
                 if self._live.pop(rid, None) is not None:
@@ -297,7 +373,8 @@ class Engine:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, float]:
         out = {**self.scheduler.stats(), "steps": self.steps, "failures": self.failures,
-               "prefetching": len(self._prefetching), "media_waiting": len(self._media_wait)}
+               "prefetching": len(self._prefetching), "media_waiting": len(self._media_wait),
+               "grammar_compiling": len(self._compiling)}
         if self.tiers is not None:
             out.update(self.tiers.metrics())
         return out

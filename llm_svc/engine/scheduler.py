@@ -311,9 +311,11 @@ class Scheduler:
             bidirectional_spans=bidi,
         )
 
-    def postprocess(self, batch: ForwardBatch, next_tokens: dict[str, int]) -> list[StepOutput]:
+    def postprocess(self, batch: ForwardBatch, next_tokens: dict[str, int],
+                    stop: set[str] | frozenset[str] = frozenset()) -> list[StepOutput]:
         """Mark the batch's KV written, append sampled tokens (``next_tokens[req_id]`` for every
-        seq with ``need_logits``), finish requests, and release out-of-window SWA slots."""
+        seq with ``need_logits``), finish requests (and those in ``stop`` with "stop", e.g. a
+        completed grammar), and release out-of-window SWA slots."""
         outs: list[StepOutput] = []
         with self._lock:
             for sf in batch.seqs:
@@ -338,7 +340,7 @@ class Scheduler:
                 if sf.need_logits:
                     tok = int(next_tokens[sf.req_id])
                     req.output_ids.append(tok)
-                    reason = self._stop_reason(req, tok)
+                    reason = self._stop_reason(req, tok) or ("stop" if sf.req_id in stop else None)
                     if reason is not None:
                         self._finish(req, reason)
                         outs.append(StepOutput(req.req_id, tok, True, reason, req.num_cached_tokens))
