@@ -6,7 +6,8 @@ dominate the cost).
 
     VENV_PY scripts/vllm_oracle.py JOBS.json OUT.json
     JOBS.json: [{"name", "model", "prompts": [[ids]], "max_tokens", "logprobs", "max_model_len", "trust_remote_code",
-                 "variants": {label: {SamplingParams field: value}} (optional: more greedy runs, e.g. penalties)}]
+                 "variants": {label: {SamplingParams field: value}} (optional: more greedy runs, e.g. penalties;
+                              "structured_outputs": {...} makes a run that stops at EOS, not ignore_eos)}]
     OUT.json:  {name: [{"tokens": [...], "logprobs": [{token_id: logprob} per step]} per prompt],
                 "name/label": the same for each variant}
 """
@@ -24,6 +25,7 @@ def main(jobs_path: str, out_path: str) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     results = {}
     for job in json.loads(open(jobs_path).read()):
@@ -35,8 +37,13 @@ def main(jobs_path: str, out_path: str) -> int:
         for label, extra in job.get("variants", {}).items():
             if "logit_bias" in extra:
                 extra = {**extra, "logit_bias": {int(k): v for k, v in extra["logit_bias"].items()}}
-            runs[f"{job['name']}/{label}"] = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
-                                                           logprobs=job.get("logprobs", 5), ignore_eos=True, **extra)
+            ignore_eos = True
+            if "structured_outputs" in extra:
+                extra = {**extra, "structured_outputs": StructuredOutputsParams(**extra["structured_outputs"])}
+                ignore_eos = False
+            extra.setdefault("max_tokens", job["max_tokens"])
+            runs[f"{job['name']}/{label}"] = SamplingParams(temperature=0.0, logprobs=job.get("logprobs", 5),
+                                                           ignore_eos=ignore_eos, **extra)
         for key, sp in runs.items():
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], sp, use_tqdm=False)
             results[key] = [

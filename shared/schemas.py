@@ -154,7 +154,7 @@ class StructuredSpec(BaseModel):
 
     kind: Literal["json", "json_object", "regex", "choice", "grammar"]
     spec: str = ""
-    any_whitespace: bool = True
+    any_whitespace: bool | None = None  # JSON whitespace between tokens; None: the server's setting
 
 
 class JsonSchemaFormat(BaseModel):
@@ -225,7 +225,7 @@ class StructuredOutputs(BaseModel):
         return self
 
     def spec(self) -> StructuredSpec:
-        ws = not self.disable_any_whitespace
+        ws = False if self.disable_any_whitespace else None
         if self.json_ is not None:
             text = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
             return StructuredSpec(kind="json", spec=text, any_whitespace=ws)
@@ -851,7 +851,7 @@ class CoreSampling(msgspec.Struct, frozen=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     min_p: float = 0.0
-    structured: tuple[str, str, bool] | None = None  # StructuredSpec's (kind, spec, any_whitespace)
+    structured: tuple[str, str, bool | None] | None = None  # StructuredSpec's (kind, spec, any_whitespace)
 
 
 class CoreAdd(msgspec.Struct, tag="add"):

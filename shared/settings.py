@@ -154,6 +154,11 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     grammar_threads: int = Field(
         default=1, ge=1, description="threads compiling structured-output grammars, off the engine loop",
     )
+    structured_any_whitespace: bool = Field(
+        default=True, description="structured outputs: JSON may hold whitespace between tokens (vLLM's default); "
+        "false: compact JSON (vLLM's disable_any_whitespace), which a weak model cannot pad until max_tokens; a "
+        "request's structured_outputs.disable_any_whitespace overrides it",
+    )
     gemv_threads: int = Field(
         default=1, ge=0, description="CPU: threads of the few-row linear kernel (decode steps' linears); 0: threads. "
         "1 by default: 2 threads streamed weights faster in isolation but lost in the service, where the front and "

@@ -83,7 +83,8 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
                          attention=settings.attention_backend, threads=threads)
     tiers = build_tiers(settings, lm, model, runner, scheduler, kv_dtype) if host_full and host_swa else None
     # the front tries each source within media_fetch_timeout; this is the core's backstop
-    grammars = GrammarCache(lm.tokenizer, lm.vocab_size, lm.eos_token_ids, threads=settings.grammar_threads)
+    grammars = GrammarCache(lm.tokenizer, lm.vocab_size, lm.eos_token_ids, threads=settings.grammar_threads,
+                            any_whitespace=settings.structured_any_whitespace)
     return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1,
                   grammars=grammars)
 

@@ -89,7 +89,7 @@ def json_safe_lengths(node):
     return out
 
 
-def spec_key(spec: StructuredSpec) -> str:
+def spec_key(spec: StructuredSpec) -> str:  # any_whitespace None and its setting may differ: both kept
     return hashlib.sha256(json.dumps([spec.kind, spec.spec, spec.any_whitespace]).encode()).hexdigest()
 
 
@@ -103,6 +103,7 @@ class GrammarCache:
     stop_token_ids: list[int]
     threads: int = 1
     capacity: int = 256
+    any_whitespace: bool = True  # a spec's default (vLLM's too); False: compact JSON, no whitespace at all
 
     def __post_init__(self) -> None:
         self._compiler = None  # built by the first compile, on the pool
@@ -136,12 +137,15 @@ class GrammarCache:
             # xgrammar's own cache is off: ours is keyed by the whole spec and bounded by count
             self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=False)
         c = self._compiler
+        ws = self.any_whitespace if spec.any_whitespace is None else spec.any_whitespace
+        # vLLM's mapping of disable_any_whitespace: no optional whitespace, and the compact separators
+        sep = None if ws else (",", ":")
         try:
             if spec.kind == "json":
                 schema = json_safe_lengths(json.loads(spec.spec))
-                out = c.compile_json_schema(json.dumps(schema), any_whitespace=spec.any_whitespace, strict_mode=True)
+                out = c.compile_json_schema(json.dumps(schema), any_whitespace=ws, separators=sep, strict_mode=True)
             elif spec.kind == "json_object":
-                out = c.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
+                out = c.compile_json_schema('{"type": "object"}', any_whitespace=ws, separators=sep)
             elif spec.kind == "regex":
                 out = c.compile_regex(spec.spec)
             elif spec.kind == "choice":

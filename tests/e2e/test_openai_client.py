@@ -180,7 +180,6 @@ def test_penalties_and_logit_bias_change_the_greedy_answer(client, stack):
 
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("response_format", {"type": "json_object"}),
     ("tool_choice", "required"),
     ("frobnicate", 1),
     ("store", True),
