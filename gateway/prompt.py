@@ -11,6 +11,8 @@ from shared.schemas import (
     ChatCompletionRequest,
     GenerateRequest,
     GenerationFields,
+    NamedToolChoice,
+    ToolSpec,
     PromptMedia,
     PromptMessage,
     PromptPart,
@@ -69,7 +71,9 @@ def build_generate_request(
                     sources=list(e.sources) if e.by_ref else [],
                 )
             )
-        messages.append(PromptMessage(role=msg.role, content=parts))
+        messages.append(PromptMessage(role=msg.role, content=parts, tool_calls=msg.tool_calls,
+                                      tool_call_id=msg.tool_call_id, reasoning_content=msg.reasoning_text(),
+                                      name=msg.name if msg.role == "tool" else None))
     if next(media, None) is not None:
         raise ValueError("more encoded items than media parts")
     return GenerateRequest(
@@ -79,7 +83,21 @@ def build_generate_request(
         stream=req.stream,
         return_logprobs=req.logprobs,
         top_logprobs=req.top_logprobs or 0,
+        tools=tool_spec(req),
+        chat_template_kwargs={**(req.chat_template_kwargs or {}),
+                              **({"reasoning_effort": req.reasoning_effort} if req.reasoning_effort else {})},
+        include_reasoning=req.include_reasoning,
     )
+
+
+def tool_spec(req: ChatCompletionRequest) -> ToolSpec | None:
+    """The request's tools and choice for the LLM (None: no tools)."""
+    if not req.tools:
+        return None
+    choice = req.effective_tool_choice()
+    if isinstance(choice, NamedToolChoice):
+        choice = f"function:{choice.function.name}"
+    return ToolSpec(tools=req.tools, choice=choice, parallel=req.parallel_tool_calls is not False)
 
 
 def pack_generate(gen: GenerateRequest, encoded: Sequence[Encoded]) -> bytes:

@@ -326,8 +326,11 @@ class LLMClient:
         self.timeout = timeout
         self.limits = limits or ReplicaLimits()
 
-    async def generate(self, req: GenerateRequest, body: bytes) -> GenerateResponse:
-        stream = await self._send(req, body)
+    async def generate(self, req: GenerateRequest, body: bytes, prefer: str | None = None) -> GenerateResponse:
+        return await self.read(await self._send(req, body, prefer))
+
+    async def read(self, stream: "LLMStream") -> GenerateResponse:
+        """The whole (non-streamed) answer of an open generation; closes it."""
         try:
             await stream.response.aread()
             try:
@@ -360,11 +363,12 @@ class LLMClient:
                 errors.append(f"{replica}: HTTP {r.status_code} without a JSON body")
         raise UpstreamError(f"{path} failed on {len(errors)} LLM replica(s): {'; '.join(errors)}")
 
-    async def open_stream(self, req: GenerateRequest, body: bytes) -> LLMStream:
-        """Response headers received (status 200); the body is not read yet."""
-        return await self._send(req, body)
+    async def open_stream(self, req: GenerateRequest, body: bytes, prefer: str | None = None) -> LLMStream:
+        """Response headers received (status 200); the body is not read yet. ``prefer``: the
+        replica to try first (the one holding a sibling choice's prefill)."""
+        return await self._send(req, body, prefer)
 
-    async def _send(self, req: GenerateRequest, body: bytes) -> LLMStream:
+    async def _send(self, req: GenerateRequest, body: bytes, prefer: str | None = None) -> LLMStream:
         replicas = self._pool.routable()
         if not replicas:
             raise UpstreamError("no LLM replica is configured", status=503)
@@ -377,7 +381,10 @@ class LLMClient:
         while len(tried) < min(self.attempts, len(replicas)):
             if errors:
                 await backoff(len(errors))
-            replica = self.router.choose([r for r in replicas if r not in tried], blocks)
+            if prefer in replicas and not tried:
+                replica = prefer
+            else:
+                replica = self.router.choose([r for r in replicas if r not in tried], blocks)
             tried.append(replica)
             try:
                 return await self._send_to(replica, body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 
 import torch
 
@@ -9,6 +10,8 @@ from shared.schemas import GenerateRequest, PromptMedia, PromptMessage, PromptTe
 
 from .errors import InvalidRequest
 from .loader import LoadedLM
+from .output_shape import build_shaper
+from .tool_choice import forced_spec
 from .types import EmbeddingRef, PreparedRequest
 
 SEED_RANGE = 1 << 63  # every backend's generator takes it; the engine core reduces the same way
@@ -16,7 +19,9 @@ SEED_RANGE = 1 << 63  # every backend's generator takes it; the engine core redu
 
 def render_prompt_ids(lm: LoadedLM, req: GenerateRequest) -> list[int]:
     """Chat template (one pad token per media item) -> token ids, no extra special tokens."""
-    return _render(lm, _template_messages(req), add_generation_prompt=True)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools.tools] if req.tools is not None else None
+    return _render(lm, _template_messages(req), add_generation_prompt=True, tools=tools,
+                   kwargs=req.chat_template_kwargs)
 
 
 def render_text_ids(lm: LoadedLM, messages: list[PromptMessage], add_generation_prompt: bool) -> list[int]:
@@ -25,8 +30,16 @@ def render_text_ids(lm: LoadedLM, messages: list[PromptMessage], add_generation_
                    add_generation_prompt=add_generation_prompt)
 
 
-def _render(lm: LoadedLM, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(lm: LoadedLM, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+            kwargs: dict | None = None) -> list[int]:
+    try:
+        text = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                tools=tools or None, **(kwargs or {}))
+    except Exception as e:  # jinja's own errors (a template's raise_exception): the request's fault
+        if type(e).__name__ not in ("TemplateError", "TemplateSyntaxError", "UndefinedError", "TypeError"):
+            raise
+        raise InvalidRequest(f"the model's chat template refused these messages: {str(e)[:300]}",
+                             param="messages") from None
     return list(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -59,8 +72,31 @@ def _template_messages(req: GenerateRequest) -> list[dict]:
                 parts.append({"type": "text", "text": p.text})
             else:
                 parts.append({"type": p.modality})
-        messages.append({"role": m.role, "content": parts})
+        msg: dict = {"role": m.role, "content": parts}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
+            if not parts:
+                msg["content"] = ""  # templates test ``content`` as a string before the calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        messages.append(msg)
     return messages
+
+
+def _arguments(text: str):
+    """A tool call's JSON arguments as templates iterate them (a dict), or the text if not JSON
+    (vLLM does the same)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _check_tensor(lm: LoadedLM, part: PromptMedia, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -104,6 +140,10 @@ def prepare_request(
             f"the prompt has at least {at_least} tokens ({text_bytes} bytes of text) and max_tokens is "
             f"{s.max_tokens}: together they exceed max_model_len={max_model_len}; shorten the prompt or "
             "lower max_tokens", param="messages", code="context_length_exceeded")
+    if req.tools is not None:
+        forced = forced_spec(req.tools)
+        if forced is not None:
+            s = s.model_copy(update={"structured": forced})
     media = [p for m in req.messages for p in m.content if isinstance(p, PromptMedia)]
     supported = sorted(lm.pad_ids)
     for p in media:
@@ -164,6 +204,7 @@ def prepare_request(
         top_logprobs=req.top_logprobs,
         echo_text=(req.prompt if req.prompt is not None else lm.tokenizer.decode(req.prompt_ids or [])) if req.echo else "",
         system_len=system_prefix_len(lm, req, ids) if not spans or spans[0][0] > 0 else 0,
+        shaper=build_shaper(lm, req),
     )
 
 

@@ -27,6 +27,7 @@ from shared.wire import WireError, unpack
 from .backends import BackendStats, GenOutput, RequestStream
 from .errors import InvalidRequest, error_body
 from .media_fetch import MEDIA_UNAVAILABLE, MediaUnavailable
+from .output_shape import merge_calls
 from .prompt import prepare_request
 from .types import PreparedRequest
 from .state import ServiceState
@@ -308,9 +309,14 @@ class _NdjsonStream:
             text, self.echoed = self.prep.echo_text + text, True
         chunk = GenerateChunk(request_id=self.prep.request_id, text=text, token_ids=out.token_ids,
                               token_logprobs=out.token_logprobs or None)
+        reason = (out.finish_reason or "abort") if out.final else None
+        if self.prep.shaper is not None and not out.error:
+            shaped = self.prep.shaper.shape(out.token_ids, text, reason)
+            chunk.text, chunk.reasoning, chunk.tool_calls = shaped.content, shaped.reasoning, shaped.tool_calls
+            reason = shaped.finish_reason
         if out.final:
             self.finished = True
-            chunk.finish_reason = out.finish_reason or "abort"
+            chunk.finish_reason = reason
             chunk.error = out.error
             if _expired(self.state, self.prep.request_id):
                 chunk.error = "the request's deadline passed; generation stopped"
@@ -391,6 +397,11 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
         expired = _expired(state, prep.request_id)
         _release(state, prep.request_id)
     assert final is not None
+    reasoning, calls, finish = None, None, final.finish_reason
+    if prep.shaper is not None and not final.error:
+        shaped = prep.shaper.shape(ids, "".join(text), final.finish_reason)
+        text, finish = [shaped.content], shaped.finish_reason
+        reasoning, calls = shaped.reasoning, merge_calls(shaped.tool_calls or [])
     if expired:
         return _error(state, 504, "the request's deadline passed; generation stopped", type_="timeout_error")
     if final.error:
@@ -401,8 +412,10 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
     return GenerateResponse(
         request_id=prep.request_id,
         text="".join(text),
+        reasoning=reasoning,
+        tool_calls=calls,
         token_ids=ids,
-        finish_reason=final.finish_reason,
+        finish_reason=finish,
         prompt_tokens=final.prompt_tokens,
         completion_tokens=final.completion_tokens,
         cached_tokens=final.cached_tokens,

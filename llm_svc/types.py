@@ -85,6 +85,8 @@ class PreparedRequest:
     # positions where later prompts are likely to branch off: their SWA windows are kept for the
     # prefix cache (chosen by the backend from ``system_len`` and its retention settings)
     swa_checkpoints: list[int] = field(default_factory=list)
+    # chat: splits the text into content, reasoning and tool calls (``llm_svc.output_shape``); front only
+    shaper: object | None = None
 
     def __post_init__(self) -> None:
         assert self.prompt_ids, "empty prompt"
@@ -187,6 +189,7 @@ class Request:
         if any(not 0 < p <= len(self.prompt_ids) for p in self.swa_checkpoints):
             raise ValueError(f"request {self.req_id}: swa_checkpoints must be in [1, prompt length]")
         assert 0 <= self.num_cached_tokens <= len(self.prompt_ids)
+        self.prompt_sig = hash(tuple(self.prompt_keys))  # twins (n > 1, retries) share one prefill
 
     @property
     def all_ids(self) -> list[int]:

@@ -19,11 +19,12 @@ import json
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 Modality = Literal["image", "video", "audio"]
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+MAX_CHOICES = 16  # n per request
 MODALITIES: tuple[str, ...] = ("image", "video", "audio")
 
 
@@ -80,9 +81,31 @@ ContentPart = Annotated[
 ]
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    """An assistant turn's tool call in the history (OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this answers
+    reasoning_content: str | None = None  # assistant turns: passed back to templates that render it
+    reasoning: str | None = None  # vLLM's name for reasoning_content
+    name: str | None = None  # a tool turn's function name (some templates render it); else no-op
 
     @model_validator(mode="before")
     @classmethod
@@ -91,13 +114,25 @@ class ChatMessage(_Lenient):
         the chat templates we serve do not render it)."""
         if isinstance(data, dict):
             for key, value in data.items():
-                if key in ("role", "content", "name"):
+                if key in ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
                     continue
-                if key in ("tool_calls", "tool_call_id", "reasoning_content", "refusal", "function_call", "audio") \
-                        and value in (None, [], ""):
+                if key in MESSAGE_LATER and value in (None, [], ""):
                     continue
                 raise ValueError(f"{key}: {'not supported by this server yet' if key in MESSAGE_LATER else 'unknown message field'}; remove it")
         return data
+
+    @model_validator(mode="after")
+    def _roles(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role}")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to tool messages, not {self.role}")
+        if (self.reasoning_content or self.reasoning) and self.role != "assistant":
+            raise ValueError(f"reasoning_content belongs to assistant messages, not {self.role}")
+        return self
+
+    def reasoning_text(self) -> str | None:
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     def parts(self) -> list[ContentPart]:
         """The content as a list of parts (a plain string is one text part)."""
@@ -112,7 +147,39 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-MESSAGE_LATER = ("tool_calls", "tool_call_id", "reasoning_content", "refusal", "function_call", "audio")
+MESSAGE_LATER = ("refusal", "function_call", "audio")
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # tool_choice required / named are enforced either way
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 # Request fields that change nothing here, accepted and ignored (OpenAI's bookkeeping, and
 # switches whose only meaningful value is the default); any other field that is not a field of
@@ -128,9 +195,6 @@ NOOP_FIELDS: dict[str, str] = {
 # Fields of OpenAI's or vLLM's request that are not served yet; each is accepted only with the
 # value that changes nothing (``None`` or the listed default), else 400 naming it.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),  # meaningless without tools
     "functions": (None, []),
     "function_call": (None, "none"),
     # vLLM 0.12+ took these out for ``structured_outputs``; the message says so
@@ -139,8 +203,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
-    "reasoning_effort": (None,),
-    "chat_template_kwargs": (None, {}),
     "echo": (None, False),
 }
 
@@ -252,7 +314,7 @@ class GenerationFields(_Lenient):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices; the prompt is computed once
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
@@ -342,6 +404,41 @@ class ChatCompletionRequest(GenerationFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true (OpenAI's default)
+    # rendered by the chat template (vLLM's): e.g. MiMo's enable_thinking
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # gpt-oss's template renders it
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning from the answer
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @model_validator(mode="after")
+    def _tools_consistent(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if choice == "required" and not names:
+            raise ValueError('tool_choice "required" needs tools')
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        if forced and (self.response_format is not None and self.response_format.type != "text"
+                       or self.structured_outputs is not None):
+            raise ValueError("tool_choice required or a named function already constrains the output; drop "
+                             "response_format / structured_outputs")
+        if self.chat_template_kwargs:
+            reserved = {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template", "documents"}
+            bad = sorted(reserved & set(self.chat_template_kwargs))
+            if bad:
+                raise ValueError(f"chat_template_kwargs: {bad[0]} is set by the server; remove it")
+        return self
 
     def output_cap(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -439,13 +536,33 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+    # the model's reasoning under both names clients read: vLLM's ``reasoning`` and DeepSeek's
+    # ``reasoning_content`` (what OpenAI-compatible SDKs and LangChain look for)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        """Plain answers keep OpenAI's plain shape: no null tool_calls or reasoning keys."""
+        data = handler(self)
+        for k in ("tool_calls", "reasoning", "reasoning_content"):
+            if data.get(k) is None:
+                data.pop(k, None)
+        return data
 
 
 # OpenAI's values; an aborted generation is an error for the client, never a finish reason
-OpenAIFinishReason = Literal["stop", "length"]
+OpenAIFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class TopLogprob(BaseModel):
@@ -502,9 +619,24 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChunkChoice(BaseModel):
@@ -672,6 +804,22 @@ PromptPart = Annotated[Union[PromptText, PromptMedia], Field(discriminator="type
 class PromptMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: list[PromptPart]
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    name: str | None = None
+
+
+class ToolSpec(BaseModel):
+    """What the LLM needs of a request's tools: the definitions (rendered by the chat template),
+    the choice (``"none"`` / ``"auto"`` / ``"required"`` / a function name) and whether calls may
+    come several at a time."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tools: list[ToolDef] = Field(default_factory=list)
+    choice: str = "auto"  # "none" | "auto" | "required" | "function:<name>"
+    parallel: bool = True
 
 
 class SamplingParams(BaseModel):
@@ -726,6 +874,9 @@ class GenerateRequest(BaseModel):
     return_logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (with return_logprobs)
     echo: bool = False  # the answer's text starts with the prompt's (completions)
+    tools: ToolSpec | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
@@ -750,7 +901,7 @@ class GenerateRequest(BaseModel):
         return sorted(items, key=lambda p: p.index)
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
 
 class TokenLogprob(BaseModel):
@@ -769,11 +920,25 @@ class SampledLogprob(TokenLogprob):
     top: list[TokenLogprob] = Field(default_factory=list)
 
 
+class ToolCallWire(BaseModel):
+    """A parsed tool call (whole, in a response) or a piece of one (in a stream chunk: ``id`` and
+    ``name`` on its first piece only; the ``arguments`` pieces of one ``index`` concatenate)."""
+
+    model_config = WIRE_JSON
+
+    index: int = Field(ge=0)
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
 class GenerateResponse(BaseModel):
     model_config = WIRE_JSON
 
     request_id: str
     text: str
+    reasoning: str | None = None
+    tool_calls: list[ToolCallWire] | None = None
     token_ids: list[int]
     finish_reason: FinishReason
     prompt_tokens: int
@@ -790,6 +955,8 @@ class GenerateChunk(BaseModel):
 
     request_id: str
     text: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCallWire] | None = None
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: FinishReason | None = None
     prompt_tokens: int | None = None

@@ -19,9 +19,10 @@ from gateway.media import MediaItem, collect_media
 from gateway.openai_format import SSE_DONE, ChunkWriter, CompletionChunkWriter, chat_completion, completion_id, now
 from gateway.prompt import build_generate_request, pack_generate
 from gateway.state import GatewayState, StateDep
-from gateway.upstream import LLMStream, MediaUnavailable, UpstreamError, upstream_deadline
+from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
+from gateway.upstream import MediaUnavailable, UpstreamError, upstream_deadline
 from gateway.validate import check_fits, check_text
-from shared.schemas import ChatCompletionRequest, GenerateRequest, GenerateResponse
+from shared.schemas import ChatCompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse
 from shared.admission import Overloaded, Ticket
 from shared.streaming import ClosingStreamingResponse
 
@@ -124,7 +125,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
 
 
 async def answer(request: Request, state: GatewayState, cid: str, start: float, stream: bool,
-                 plain: Callable[[], Awaitable[dict]], open_stream: Callable[[], Awaitable[LLMStream]],
+                 plain: Callable[[], Awaitable[dict]], open_stream: Callable[[], Awaitable[ChoiceStreams]],
                  writer: ChunkWriter | CompletionChunkWriter) -> Response:
     """One admitted generation answered as JSON (``plain()``'s body) or as SSE from
     ``open_stream()``; cancelled if the client leaves, bounded by the request timeout (carried
@@ -166,59 +167,65 @@ async def admit(state: GatewayState) -> Ticket:
         raise APIError(429, e.message, code="overloaded", headers={"Retry-After": str(e.retry_after)}) from None
 
 
-async def _generate(state: GatewayState, body: ChatCompletionRequest, cid: str) -> GenerateResponse:
+async def _generate(state: GatewayState, body: ChatCompletionRequest, cid: str) -> list[GenerateResponse]:
+    """One answer per choice (``n``)."""
     gen, packed, items = await prepare(state, body, cid)
     try:
-        resp = await state.llms.generate(gen, packed)
+        resps = await generate_all(state.llms, fan_out(gen, packed, body.n))
     except MediaUnavailable as e:
         gen, packed = await by_value(state, body, cid, items, e)
-        resp = await state.llms.generate(gen, packed)
-    if resp.finish_reason == "abort":
+        resps = await generate_all(state.llms, fan_out(gen, packed, body.n))
+    if any(r.finish_reason == "abort" for r in resps):
         raise UpstreamError(ABORTED, status=503)
-    return resp
+    return resps
 
 
-async def _open(state: GatewayState, body: ChatCompletionRequest, cid: str) -> LLMStream:
+async def _open(state: GatewayState, body: ChatCompletionRequest, cid: str) -> ChoiceStreams:
     gen, packed, items = await prepare(state, body, cid)
     try:  # the LLM answers a by-reference stream's headers once its media is resolved
-        return await state.llms.open_stream(gen, packed)
+        return ChoiceStreams(await open_all(state.llms, fan_out(gen, packed, body.n)))
     except MediaUnavailable as e:
         gen, packed = await by_value(state, body, cid, items, e)
-        return await state.llms.open_stream(gen, packed)
+        return ChoiceStreams(await open_all(state.llms, fan_out(gen, packed, body.n)))
 
 
 async def sse_events(
-    stream: LLMStream, writer: ChunkWriter | CompletionChunkWriter, state: GatewayState, start: float
+    stream: ChoiceStreams, writer: ChunkWriter | CompletionChunkWriter, state: GatewayState, start: float
 ) -> AsyncIterator[bytes]:
-    """Opening events (chat: the role chunk), content deltas, finish chunk, usage chunk (if
-    asked), ``[DONE]``; an upstream failure mid-stream becomes an ``error`` event. Closing the
-    generator closes upstream. Chat and text completions alike (``writer`` makes their shapes)."""
+    """Opening events (chat: the role chunk of each choice), content deltas, a finish chunk per
+    choice, the usage chunk (if asked: the prompt once, every choice's completion tokens),
+    ``[DONE]``; an upstream failure mid-stream becomes an ``error`` event. Closing the generator
+    closes upstream. Chat and text completions alike (``writer`` makes their shapes)."""
     first_token = True
+    finished: dict[int, GenerateChunk] = {}
     try:
-        for event in writer.opening():
-            yield event
+        for i in range(stream.n):
+            for event in writer.opening(i):
+                yield event
         async with aclosing(stream.chunks()) as chunks:
-            async for chunk in chunks:
+            async for i, chunk in chunks:
                 if chunk.error:
                     yield writer.error(f"generation failed: {chunk.error}")
                     break
-                if chunk.text or chunk.token_logprobs:
+                if chunk.text or chunk.token_logprobs or chunk.reasoning or chunk.tool_calls:
                     if first_token:
                         state.metrics.ttft.observe(time.monotonic() - start)
                         first_token = False
-                    yield writer.content(chunk.text, chunk.token_logprobs)
+                    yield writer.content(chunk.text, chunk.token_logprobs, chunk.reasoning, chunk.tool_calls, index=i)
                 if chunk.finish_reason == "abort":
                     yield writer.error(ABORTED)
                     break
                 if chunk.finish_reason is not None:
-                    yield writer.finish(chunk.finish_reason)
-                    if writer.include_usage:
-                        yield writer.usage(
-                            chunk.prompt_tokens or 0, chunk.completion_tokens or 0, chunk.cached_tokens or 0
-                        )
-                    break
+                    yield writer.finish(chunk.finish_reason, index=i)
+                    finished[i] = chunk
+                    if len(finished) == stream.n:
+                        break
             else:
                 yield writer.error("generation ended without a finish reason")
+        if len(finished) == stream.n and writer.include_usage:
+            first = finished[0]
+            yield writer.usage(first.prompt_tokens or 0, sum(c.completion_tokens or 0 for c in finished.values()),
+                               first.cached_tokens or 0)
         yield SSE_DONE
     except UpstreamError as e:
         yield writer.error(e.message)

@@ -13,6 +13,7 @@ from gateway.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.openai_format import CompletionChunkWriter, completion_id, now, text_completion
 from gateway.prompt import sampling_params
+from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
 from gateway.routes.chat import ABORTED, answer
 from gateway.state import GatewayState, StateDep
 from gateway.upstream import UpstreamError
@@ -38,11 +39,16 @@ def _generate_request(state: GatewayState, body: CompletionRequest, prompt: str 
     )
 
 
-async def _one(state: GatewayState, gen: GenerateRequest) -> GenerateResponse:
-    resp = await state.llms.generate(gen, pack_raw({}, gen))
-    if resp.finish_reason == "abort":
+async def _one(state: GatewayState, gen: GenerateRequest, n: int) -> list[GenerateResponse]:
+    """The ``n`` choices of one prompt."""
+    resps = await generate_all(state.llms, fan_out(gen, pack_raw({}, gen), n))
+    if any(r.finish_reason == "abort" for r in resps):
         raise UpstreamError(ABORTED, status=503)
-    return resp
+    return resps
+
+
+async def _open(state: GatewayState, gen: GenerateRequest, n: int) -> ChoiceStreams:
+    return ChoiceStreams(await open_all(state.llms, fan_out(gen, pack_raw({}, gen), n)))
 
 
 @router.post("/v1/completions")
@@ -54,10 +60,11 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     logprobs = body.logprobs is not None
 
     async def plain() -> dict:
-        resps = await asyncio.gather(*(_one(state, g) for g in gens))
-        return text_completion(list(resps), body.model, cid, created, logprobs).model_dump()
+        per_prompt = await asyncio.gather(*(_one(state, g, body.n) for g in gens))
+        return text_completion([r for rs in per_prompt for r in rs], body.model, cid, created, logprobs,
+                               n=body.n).model_dump()
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await answer(request, state, cid, start, body.stream, plain,
-                        lambda: state.llms.open_stream(gens[0], pack_raw({}, gens[0])),
+                        lambda: _open(state, gens[0], body.n),
                         CompletionChunkWriter(cid, created, body.model, include_usage, logprobs))

@@ -198,14 +198,22 @@ class Scheduler:
         ):
             admissible = [r for r in self.waiting if not r.awaiting_media]
             order = self.policy.order(admissible, self.clock(), self.kv.tree.peek_match_len)
+            # a prompt identical to one still in prefill (n > 1's choices, a client's retry) waits
+            # for that prefill to enter the prefix cache, then computes its last token only
+            prefilling = ({r.prompt_sig for r in self.running if not r.prefill_cached}
+                          if cfg.enable_prefix_cache else None)
             for req in order:
                 if budget < 1 or len(self.running) >= cfg.max_running:
                     break
+                if prefilling and req.prompt_sig in prefilling:
+                    continue
                 sf = self._admit(req, budget, fallback=not self.running and not seqs)
                 if sf is AWAIT_MEDIA:
                     continue
                 if sf is None:
                     break
+                if prefilling is not None:
+                    prefilling.add(req.prompt_sig)
                 seqs.append(sf)
                 in_batch.add(req.req_id)
                 budget -= len(sf.token_ids)

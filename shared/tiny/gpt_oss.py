@@ -20,13 +20,43 @@ from pathlib import Path
 
 HARMONY_SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
                     "<|call|>", "<|constrain|>"]
+# gpt-oss' tool rendering (harmony): the tools as TypeScript-like signatures in namespace
+# ``functions`` in a developer message, an assistant's ``reasoning_content`` in its analysis
+# channel, its calls as ``commentary to=functions.NAME <|constrain|>json`` messages ending in
+# ``<|call|>``, a tool result as a message from ``functions.NAME`` to the assistant. Without
+# tools, tool calls, tool messages or reasoning_content the template renders as before.
+HARMONY_TOOLS = (
+    "{% if tools %}{{ '<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n\n' }}"
+    "{% for tool in tools %}{% set fn = tool['function'] if tool['function'] is defined else tool %}"
+    "{% if fn['description'] %}{{ '// ' + fn['description'] + '\n' }}{% endif %}"
+    "{{ 'type ' + fn['name'] + ' = (' }}{% if fn['parameters'] %}{{ '_: ' + (fn['parameters'] | tojson) }}{% endif %}"
+    "{{ ') => any;\n\n' }}{% endfor %}{{ '} // namespace functions<|end|>' }}{% endif %}"
+)
+HARMONY_TOOL_CALLS = (
+    "{% for call in message['tool_calls'] %}{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% set ns.last_call = fn['name'] %}"
+    "{{ '<|start|>assistant<|channel|>commentary to=functions.' + fn['name'] + ' <|constrain|>json<|message|>' }}"
+    "{{ fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson }}{{ '<|call|>' }}{% endfor %}"
+)
 HARMONY_TEMPLATE = (
-    "{% for message in messages %}"
+    "{% set ns = namespace(last_call='') %}" + HARMONY_TOOLS
+    + "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|start|>functions.' + (message['name'] if message['name'] is string else ns.last_call) }}"
+    "{{ ' to=assistant<|channel|>commentary<|message|>' }}"
+    "{{ message['content'] if message['content'] is string else '' }}{{ '<|end|>' }}"
+    "{% else %}"
+    "{% if message['role'] == 'assistant' and message['reasoning_content'] is string %}"
+    "{{ '<|start|>assistant<|channel|>analysis<|message|>' + message['reasoning_content'] + '<|end|>' }}{% endif %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{% if message['content'] %}{{ '<|start|>assistant<|channel|>commentary<|message|>' + message['content'] + '<|end|>' }}"
+    "{% endif %}" + HARMONY_TOOL_CALLS + "{% else %}"
     "{{ '<|start|>' + message['role'] + '<|message|>' }}"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
     "{% endif %}{% endfor %}{% endif %}"
     "{{ '<|end|>' }}"
+    "{% endif %}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start|>assistant<|channel|>final<|message|>' }}{% endif %}"
 )

@@ -29,23 +29,63 @@ GEMMA_SPECIALS = [
     "<image_soft_token>",
 ]
 
+# MiMo's tool rendering (MiMo-V2-Flash's template): the tool list in a system turn of its own
+# ahead of the conversation, assistant calls in its compact XML (``<parameter=K>V</parameter>``,
+# string values verbatim, others as JSON), tool results as user turns of ``<tool_response>``s,
+# an assistant's ``reasoning_content`` as its ``<think>`` block. Without tools, tool calls, tool
+# messages, reasoning_content or enable_thinking the template renders as plain ChatML.
+CHATML_TOOLS_SYSTEM = (
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the "
+    "user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, output the function name and arguments in the following "
+    "format:\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>value_1"
+    "</parameter>\n<parameter=example_parameter_2>This is the value for the second parameter\nthat can "
+    "span\nmultiple lines</parameter>\n</function>\n</tool_call><|im_end|>\n' }}{% endif %}"
+)
+CHATML_TOOL_CALLS = (
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{{ '\n<tool_call>\n<function=' + fn['name'] + '>\n' }}"
+    "{% if fn['arguments'] is mapping %}{% for key, value in fn['arguments'] | items %}"
+    "{{ '<parameter=' + key + '>' }}{{ value if value is string else value | tojson }}{{ '</parameter>\n' }}"
+    "{% endfor %}{% elif fn['arguments'] %}{{ fn['arguments'] + '\n' }}{% endif %}"
+    "{{ '</function>\n</tool_call>' }}{% endfor %}{% endif %}"
+)
+CHATML_TOOL_RESPONSE = (
+    "{% if loop.first or loop.previtem['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' }}{{ message['content'] if message['content'] is string else '' }}"
+    "{{ '\n</tool_response>' }}"
+    "{% if loop.last or loop.nextitem['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+)
+
+
 # Media parts are rendered by the chat template as the placeholder's start+pad+end; the LLM
 # service expands the single pad into one pad per embedding row.
 def chatml_template(audio_start: str = "<|audio_start|>", audio_end: str = "<|audio_end|>") -> str:
     """ChatML with Qwen-VL style media placeholders; the audio markers differ per checkpoint."""
     return (
-        "{% for message in messages %}"
+        CHATML_TOOLS_SYSTEM
+        + "{% for message in messages %}"
+        "{% if message['role'] == 'tool' %}" + CHATML_TOOL_RESPONSE + "{% else %}"
         "{{ '<|im_start|>' + message['role'] + '\n' }}"
-        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% if message['role'] == 'assistant' and message['reasoning_content'] is string %}"
+        "{{ '<think>' + message['reasoning_content'] + '</think>' }}{% endif %}"
+        "{% if message['content'] is none %}"
+        "{% elif message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for part in message['content'] %}"
         "{% if part['type'] == 'text' %}{{ part['text'] }}"
         "{% elif part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
         "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
         f"{{% elif part['type'] == 'audio' %}}{{{{ '{audio_start}<|audio_pad|>{audio_end}' }}}}"
         "{% endif %}{% endfor %}{% endif %}"
-        "{{ '<|im_end|>\n' }}"
-        "{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+        + CHATML_TOOL_CALLS
+        + "{{ '<|im_end|>\n' }}"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+        "{% if enable_thinking is defined and enable_thinking is true %}{{ '<think>' }}"
+        "{% elif enable_thinking is defined and enable_thinking is false %}{{ '<think></think>' }}{% endif %}"
+        "{% endif %}"
     )
 
 

@@ -43,7 +43,7 @@ def test_chunk_writer_events():
 def test_chat_completion_body():
     resp = GenerateResponse(request_id="r", text="ok", token_ids=[1], finish_reason="stop",
                             prompt_tokens=7, completion_tokens=1, cached_tokens=5)
-    body = chat_completion(resp, "m", "chatcmpl-1", 9).model_dump()
+    body = chat_completion([resp], "m", "chatcmpl-1", 9).model_dump()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "ok"}
     assert body["usage"]["total_tokens"] == 8 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 5
 
@@ -122,4 +122,4 @@ def test_by_reference_items_travel_as_key_and_sources_without_a_tensor():
     m0 = back.media()[0]
     assert (m0.key, m0.sources, m0.num_tokens) == (res.key, ["http://e0", "http://e1"], 16)
     assert back.media()[1].sources == []
-    assert len(body) < 1280  # the header alone (JSON of the request), no tensor bytes
+    assert len(body) < 1280 + 256  # the header alone (JSON of the request), no image tensor bytes (16 x 4 x 4)

@@ -369,3 +369,21 @@ def test_running_request_prompt_is_shared_with_concurrent_requests(late_start):
     else:  # b shares a's last prefill step (computes the prompt too, then hands its copies
         # back when it caches), c is admitted after a's prompt is in the tree
         assert cached == {"a": 0, "b": 0, "c": 42}
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_identical_prompts_share_one_prefill(cache):
+    """Four requests with one prompt (n = 4's choices): with the prefix cache, the first
+    prefills it and the others wait, then compute only the last prompt token; without it each
+    computes the whole prompt. Same outputs either way."""
+    sched, runner = make(SchedulerConfig(max_batch_tokens=16, window=4, enable_prefix_cache=cache), full=600)
+    prompt = list(range(1, 50))
+    computed: list[int] = []
+    for i in range(4):
+        sched.add(req(f"c{i}", prompt, max_tokens=3))
+    outs = drive(sched, runner, on_step=lambda b: computed.extend(
+        len(s.token_ids) for s in b.seqs if s.start < len(prompt)))
+    prefill = sum(computed)
+    assert prefill == (len(prompt) + 3 * 1 if cache else 4 * len(prompt)), prefill
+    toks = {i: [o.token_id for o in outs if o.req_id == f"c{i}"] for i in range(4)}
+    assert all(t == toks[0] for t in toks.values()) and len(toks[0]) == 3

@@ -1,0 +1,100 @@
+"""``n`` > 1: one generation per choice, all on the replica of the first, so the choices after
+the first find the prompt in its prefix cache (its scheduler holds an identical prompt until the
+first one's prefill is cached: the prompt is computed once, not n times).
+
+Choice ``i`` is request ``{id}-{i}``; with a ``seed``, choice ``i`` samples with ``seed + i`` (a
+reproducible, distinct stream per choice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from gateway.upstream import LLMClient, LLMStream
+from shared.rawwire import pack_raw, unpack_raw
+from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse
+
+
+def fan_out(gen: GenerateRequest, packed: bytes, n: int) -> list[tuple[GenerateRequest, bytes]]:
+    """The ``n`` choices' requests and bodies (the media tensors repeated in each body)."""
+    if n == 1:
+        return [(gen, packed)]
+    tensors, _ = unpack_raw(packed, GenerateRequest)
+    out = []
+    for i in range(n):
+        s = gen.sampling
+        sp = s.model_copy(update={"seed": None if s.seed is None else s.seed + i})
+        g = gen.model_copy(update={"request_id": f"{gen.request_id}-{i}", "sampling": sp})
+        out.append((g, pack_raw(tensors, g)))
+    return out
+
+
+async def open_all(llms: LLMClient, pairs: list[tuple[GenerateRequest, bytes]]) -> list[LLMStream]:
+    """Every choice's stream open (the first routed as usual, the others to its replica)."""
+    first = await llms.open_stream(*pairs[0])
+    if len(pairs) == 1:
+        return [first]
+    try:
+        rest = await asyncio.gather(*(llms.open_stream(g, b, prefer=first.replica) for g, b in pairs[1:]))
+    except BaseException:
+        await first.aclose()
+        raise
+    return [first, *rest]
+
+
+async def generate_all(llms: LLMClient, pairs: list[tuple[GenerateRequest, bytes]]) -> list[GenerateResponse]:
+    streams = await open_all(llms, pairs)
+    try:
+        return list(await asyncio.gather(*(llms.read(s) for s in streams)))
+    finally:
+        for s in streams:
+            await s.aclose()
+
+
+class ChoiceStreams:
+    """Several choices' streams read as one: ``chunks()`` yields ``(index, chunk)`` in arrival order."""
+
+    def __init__(self, streams: list[LLMStream]) -> None:
+        self.streams = streams
+
+    @property
+    def n(self) -> int:
+        return len(self.streams)
+
+    async def chunks(self) -> AsyncIterator[tuple[int, GenerateChunk]]:
+        if len(self.streams) == 1:
+            async for c in self.streams[0].chunks():
+                yield 0, c
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, s: LLMStream) -> None:
+            try:
+                async for c in s.chunks():
+                    await queue.put((i, c))
+            except BaseException as e:  # a broken stream surfaces in the reader
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, done))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            live = len(tasks)
+            while live:
+                i, item = await queue.get()
+                if item is done:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        for s in self.streams:
+            await s.aclose()
