@@ -71,9 +71,7 @@ def build_generate_request(
                     sources=list(e.sources) if e.by_ref else [],
                 )
             )
-        messages.append(PromptMessage(role=msg.role, content=parts, tool_calls=msg.tool_calls,
-                                      tool_call_id=msg.tool_call_id, reasoning_content=msg.reasoning_text(),
-                                      name=msg.name if msg.role == "tool" else None))
+        messages.append(PromptMessage.of(msg, parts))
     if next(media, None) is not None:
         raise ValueError("more encoded items than media parts")
     return GenerateRequest(

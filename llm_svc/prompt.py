@@ -24,10 +24,13 @@ def render_prompt_ids(lm: LoadedLM, req: GenerateRequest) -> list[int]:
                    kwargs=req.chat_template_kwargs)
 
 
-def render_text_ids(lm: LoadedLM, messages: list[PromptMessage], add_generation_prompt: bool) -> list[int]:
-    """Text-only chat ``messages`` through the chat template -> token ids (``/tokenize``)."""
+def render_text_ids(lm: LoadedLM, messages: list[PromptMessage], add_generation_prompt: bool,
+                    tools: list | None = None, kwargs: dict | None = None) -> list[int]:
+    """Text-only chat ``messages`` (with the request's ``tools`` and template kwargs) through the
+    chat template -> token ids (``/tokenize``)."""
+    dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     return _render(lm, _template_messages(GenerateRequest(request_id="render", messages=messages)),
-                   add_generation_prompt=add_generation_prompt)
+                   add_generation_prompt=add_generation_prompt, tools=dicts, kwargs=kwargs)
 
 
 def _render(lm: LoadedLM, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,

@@ -49,9 +49,10 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> JSONResponse:
             parts = m.parts()
             if not all(isinstance(p, TextPart) for p in parts):
                 return _bad(f"messages[{i}]: /tokenize takes text parts only", f"messages[{i}].content")
-            msgs.append(PromptMessage(role=m.role, content=[PromptText(text=p.text) for p in parts]))
+            msgs.append(PromptMessage.of(m, [PromptText(text=p.text) for p in parts]))
         try:
-            ids = render_text_ids(lm, msgs, add_generation_prompt=body.add_generation_prompt)
+            ids = render_text_ids(lm, msgs, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+                                  kwargs=body.chat_template_kwargs)
         except Exception as e:  # a template that refuses the conversation (e.g. roles out of order)
             return _bad(f"the model's chat template refused these messages: {e}", "messages")
         if body.add_special_tokens:

@@ -496,6 +496,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None  # rendered by the chat template, as in a chat request
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -808,6 +810,12 @@ class PromptMessage(BaseModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     name: str | None = None
+
+    @classmethod
+    def of(cls, msg: ChatMessage, content: list[PromptPart]) -> "PromptMessage":
+        """A client's message with its content already converted (text and media parts)."""
+        return cls(role=msg.role, content=content, tool_calls=msg.tool_calls, tool_call_id=msg.tool_call_id,
+                   reasoning_content=msg.reasoning_text(), name=msg.name if msg.role == "tool" else None)
 
 
 class ToolSpec(BaseModel):

@@ -265,3 +265,36 @@ def test_n_choices_share_one_prefill(client, stack):
                 finished.add(ch.index)
     assert finished == {0, 1, 2} and usage.prompt_tokens == p
     assert [pieces[i] for i in range(3)] == [c.message.content for c in r.choices[:3]]
+
+
+# ---- reasoning -------------------------------------------------------------------------------
+def _chat(stack, **kw) -> dict:
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json={"model": stack.model_name, "messages": _msgs("hi"),
+                                                               "max_tokens": 12, **kw}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_reasoning_is_split_from_content_as_the_template_opens_it(stack):
+    """enable_thinking: MiMo's template opens <think>, so until the model closes it the output is
+    reasoning (a random model never does: all of it); off, it is all content; include_reasoning
+    false drops it; streamed deltas carry the same reasoning; passed back, it is rendered."""
+    on = _chat(stack, chat_template_kwargs={"enable_thinking": True})
+    msg = on["message"]
+    assert msg["reasoning_content"] and msg["reasoning"] == msg["reasoning_content"] and not msg["content"]
+    off = _chat(stack, chat_template_kwargs={"enable_thinking": False})["message"]
+    assert off["content"] and "reasoning_content" not in off
+    hidden = _chat(stack, chat_template_kwargs={"enable_thinking": True}, include_reasoning=False)["message"]
+    assert "reasoning_content" not in hidden
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", timeout=60, json={
+            "model": stack.model_name, "messages": _msgs("hi"), "max_tokens": 12, "stream": True,
+            "chat_template_kwargs": {"enable_thinking": True}}) as r:
+        deltas = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = "".join(c["choices"][0]["delta"].get("reasoning_content", "") for c in deltas if c["choices"])
+    assert streamed == msg["reasoning_content"]
+    turns = _msgs("hi") + [{"role": "assistant", "content": "ok", "reasoning_content": "I think so"},
+                           {"role": "user", "content": "and?"}]
+    plain = _msgs("hi") + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+    n = [httpx.post(f"{stack.url}/tokenize", json={"model": stack.model_name, "messages": m}, timeout=30).json()["count"]
+         for m in (turns, plain)]
+    assert n[0] > n[1]
