@@ -12,7 +12,7 @@ from gateway.errors import install_error_handlers
 from gateway.limits import BodyLimitMiddleware, ShedMiddleware, body_limit
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import install_openapi
-from gateway.routes import chat, completions, dashboard, health, models, tokenize
+from gateway.routes import chat, completions, dashboard, health, models, responses, tokenize
 from gateway.state import GatewayState
 from shared.malloc_tuning import pin_mmap_threshold
 from shared.settings import GatewaySettings
@@ -37,7 +37,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app)
     paths: set[str] = set()
-    for module in (chat, completions, models, tokenize, health, dashboard):
+    for module in (chat, completions, responses, models, tokenize, health, dashboard):
         app.include_router(module.router)
         paths.update(getattr(r, "path", "") for r in module.router.routes)
     app.add_middleware(BodyLimitMiddleware, limit=body_limit(settings.max_request_media_bytes))

@@ -21,6 +21,9 @@ from shared.admission import Admission, AdmissionConfig
 from shared.settings import GatewaySettings
 
 
+DEFAULT_MODEL_NAME = "mmserve-tiny"
+
+
 @dataclass
 class GatewayState:
     """Everything a request needs: settings, metrics, HTTP clients, replica pools, the encoder
@@ -39,6 +42,14 @@ class GatewayState:
     llm_limits: ReplicaLimits
     admission: Admission
     tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def model_name(self) -> str:
+        """The served name: the setting, else what the LLM replicas report, else the default."""
+        if self.settings.model_name:
+            return self.settings.model_name
+        served = sorted(set(self.llm_limits.models.values()))
+        return served[0] if served else DEFAULT_MODEL_NAME
 
     @classmethod
     def build(cls, settings: GatewaySettings, metrics: GatewayMetrics) -> "GatewayState":

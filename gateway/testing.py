@@ -223,7 +223,7 @@ def fake_llm_app(name: str) -> FastAPI:
     async def readyz() -> Response:
         if not app.state.ready:
             return Response(status_code=503)
-        return JSONResponse({"status": "ok", "service": "llm", "limits": app.state.limits})
+        return JSONResponse({"status": "ok", "service": "llm", "model": name, "limits": app.state.limits})
 
     @app.post("/v1/generate")
     async def generate(request: Request) -> Response:

@@ -151,7 +151,7 @@ MESSAGE_LATER = ("refusal", "function_call", "audio")
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # the contract's types: no "1" for true
 
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: str | None = None
@@ -447,6 +447,102 @@ class ChatCompletionRequest(GenerationFields):
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+
+class ResponsesTextFormat(BaseModel):
+    """``text.format`` of the Responses API."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: ResponsesTextFormat = Field(default_factory=ResponsesTextFormat)
+    verbosity: Literal["medium"] | None = None  # the only value that changes nothing here
+
+
+class ResponsesTool(BaseModel):
+    """A function tool, in the Responses API's flat form."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesReasoning(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal[REASONING_EFFORTS] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # the text is passed whole
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's ``POST /v1/responses``, stateless: ``input`` (a string or message / function_call /
+    function_call_output items), ``instructions``, function ``tools``, ``text.format``, streaming.
+    ``store`` true and ``previous_response_id`` need stored responses: 400."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    include: list[str] | None = None
+    truncation: Literal["disabled"] | None = None
+    # no-ops, as in chat (``NOOP_FIELDS``)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # vLLM's extensions, as in chat
+    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+
+    @model_validator(mode="after")
+    def _stateless(self) -> "ResponsesRequest":
+        if self.store:
+            raise ValueError("store: this server keeps no responses; send store=false (or omit it)")
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id: this server keeps no responses; send the whole conversation "
+                             "as input items")
+        if self.include:
+            raise ValueError(f"include: {self.include[0]!r} is not served; remove it")
+        if self.top_logprobs:
+            raise ValueError("top_logprobs: not served on /v1/responses yet; use /v1/chat/completions")
         return self
 
 

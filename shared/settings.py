@@ -227,7 +227,9 @@ class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
     model_config = SettingsConfigDict(env_prefix="MMSERVE_GATEWAY_", extra="ignore")
 
     port: int = 8000
-    model_name: str = "mmserve-tiny"
+    # the served name; None: the name the LLM replicas report (their model directory's), and
+    # "mmserve-tiny" until one has answered
+    model_name: str | None = None
     encoder_urls: StrList = Field(default_factory=lambda: ["http://127.0.0.1:8100"])
     llm_urls: StrList = Field(default_factory=lambda: ["http://127.0.0.1:8200"])
     api_keys: StrList = Field(default_factory=list)

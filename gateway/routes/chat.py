@@ -112,7 +112,7 @@ async def by_value(state: GatewayState, body: ChatCompletionRequest, cid: str, i
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Response:
     check_text(body)  # before anything may echo a string back
-    if body.model != state.settings.model_name:
+    if body.model != state.model_name:
         raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
     cid, created, start = completion_id(), now(), time.monotonic()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

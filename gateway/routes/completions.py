@@ -53,7 +53,7 @@ async def _open(state: GatewayState, gen: GenerateRequest, n: int) -> ChoiceStre
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
-    if body.model != state.settings.model_name:
+    if body.model != state.model_name:
         raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
     cid, created, start = completion_id("cmpl"), now(), time.monotonic()
     gens = [_generate_request(state, body, p, f"{cid}-{i}") for i, p in enumerate(body.prompts())]

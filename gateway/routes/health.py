@@ -16,7 +16,7 @@ router = APIRouter()
 @router.get("/healthz")
 async def healthz(state: StateDep) -> HealthStatus:
     """The process is alive."""
-    return HealthStatus(status="ok", service="gateway", model=state.settings.model_name)
+    return HealthStatus(status="ok", service="gateway", model=state.model_name)
 
 
 @router.get("/health")
@@ -32,11 +32,11 @@ async def readyz(state: StateDep) -> JSONResponse:
     enc_ok, llm_ok = await asyncio.gather(state.encoder_pool.any_ready(), state.llm_pool.any_ready())
     enc_ok = enc_ok or not state.settings.encoder_urls
     if enc_ok and llm_ok:
-        body = HealthStatus(status="ok", service="gateway", model=state.settings.model_name)
+        body = HealthStatus(status="ok", service="gateway", model=state.model_name)
         return JSONResponse(body.model_dump(), status_code=200)
     missing = [name for name, ok in (("encoder", enc_ok), ("llm", llm_ok)) if not ok]
     body = HealthStatus(
-        status="loading", service="gateway", model=state.settings.model_name,
+        status="loading", service="gateway", model=state.model_name,
         detail=f"no ready {' or '.join(missing)} replica",
     )
     return JSONResponse(body.model_dump(), status_code=503)

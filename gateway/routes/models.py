@@ -13,4 +13,4 @@ router = APIRouter(dependencies=[ApiKeyDep])
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(state: StateDep) -> ModelList:
-    return ModelList(data=[ModelCard(id=state.settings.model_name)])
+    return ModelList(data=[ModelCard(id=state.model_name)])

@@ -15,7 +15,7 @@ router = APIRouter(dependencies=[ApiKeyDep])
 
 
 def _check_model(state, model: str | None) -> None:
-    if model is not None and model != state.settings.model_name:
+    if model is not None and model != state.model_name:
         raise APIError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
 
 

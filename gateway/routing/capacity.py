@@ -15,14 +15,17 @@ class ReplicaLimits:
 
     def __init__(self) -> None:
         self._by_url: dict[str, ServiceLimits] = {}
+        self.models: dict[str, str] = {}  # replica URL -> the model name it serves
 
     def record(self, url: str, body: object) -> None:
         try:
-            limits = HealthStatus.model_validate(body).limits
+            health = HealthStatus.model_validate(body)
         except ValidationError:
             return
-        if limits is not None:
-            self._by_url[url] = limits
+        if health.model:
+            self.models[url] = health.model
+        if health.limits is not None:
+            self._by_url[url] = health.limits
 
     def best(self) -> ServiceLimits | None:
         if not self._by_url:

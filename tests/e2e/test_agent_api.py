@@ -298,3 +298,67 @@ def test_reasoning_is_split_from_content_as_the_template_opens_it(stack):
     n = [httpx.post(f"{stack.url}/tokenize", json={"model": stack.model_name, "messages": m}, timeout=30).json()["count"]
          for m in (turns, plain)]
     assert n[0] > n[1]
+
+
+# ---- /v1/responses ---------------------------------------------------------------------------
+def test_responses_text_schema_and_stream(client, stack):
+    r = client.responses.create(model=stack.model_name, input="Say hi", instructions="Be brief.",
+                                max_output_tokens=12, temperature=0)
+    assert r.status in ("completed", "incomplete") and r.output_text and r.usage.output_tokens >= 1
+    schema = {"type": "object", "properties": {"w": {"enum": ["red", "green"]}}, "required": ["w"],
+              "additionalProperties": False}
+    j = client.responses.create(model=stack.model_name, input="a color as JSON", max_output_tokens=40,
+                                text={"format": {"type": "json_schema", "name": "c", "schema": schema, "strict": True}})
+    assert json.loads(j.output_text)["w"] in ("red", "green")
+    events = list(client.responses.create(model=stack.model_name, input="Say hi", instructions="Be brief.",
+                                          max_output_tokens=12, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed",
+                                                                                        "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_function_calls_and_their_outputs(client, stack):
+    tools = [{"type": "function", "name": "get_time", "parameters": SCHEMAS["get_time"]}]
+    r = client.responses.create(model=stack.model_name, input="time?", tools=tools, tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_time"
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_time"])
+    follow = client.responses.create(model=stack.model_name, tools=tools, max_output_tokens=8, input=[
+        {"role": "user", "content": "time?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_time", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "12:00"}])
+    assert follow.usage.input_tokens > r.usage.input_tokens
+    bad = httpx.post(f"{stack.url}/v1/responses", timeout=30, json={"model": stack.model_name, "input": "x",
+                                                                      "previous_response_id": "resp_1"})
+    assert bad.status_code == 400 and "previous_response_id" in bad.json()["error"]["message"]
+    bad = httpx.post(f"{stack.url}/v1/responses", timeout=30, json={"model": stack.model_name, "input": [
+        {"type": "web_search_call"}]})
+    assert bad.status_code == 400 and "web_search_call" in bad.json()["error"]["message"]
+
+
+def test_agents_sdk_default_responses_model(stack):
+    """The Agents SDK's default model (the Responses API) runs the same tool loop."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone."""
+        seen.append(zone)
+        return f"12:00 {zone}"
+
+    model = OpenAIResponsesModel(model=stack.model_name, openai_client=openai.AsyncOpenAI(
+        base_url=f"{stack.url}/v1", api_key="unused", max_retries=0))
+    agent = Agent(name="clock", instructions="Use the tool.", tools=[get_time], model=model,
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=60,
+                                               temperature=0, store=False),
+                  tool_use_behavior="stop_on_first_tool")
+    result = asyncio.run(Runner.run(agent, "What time is it?", max_turns=3))
+    assert seen and result.final_output == f"12:00 {seen[0]}"

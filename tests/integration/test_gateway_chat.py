@@ -167,9 +167,12 @@ def test_unknown_model(stack):
     assert err["code"] == "model_not_found"
 
 
-def test_n_greater_than_one(stack):
+def test_n_choices_and_their_bound(stack):
+    """n = 2: two choices, one request id each on the same replica; above the bound: 400."""
     client, _, _ = stack
-    assert_openai_error(post(client, chat({"type": "text", "text": "x"}, n=2)), 400, "n:")
+    r = post(client, chat({"type": "text", "text": "x"}, n=2))
+    assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert_openai_error(post(client, chat({"type": "text", "text": "x"}, n=17)), 400, "n")
 
 
 def test_bad_base64(stack):

@@ -89,7 +89,7 @@ def gateway_over_http():
     from shared.settings import GatewaySettings
 
     with ServerThread(fake_encoder_app("enc")) as enc, ServerThread(fake_llm_app("llm")) as llm:
-        settings = GatewaySettings(encoder_urls=[enc.url], llm_urls=[llm.url])
+        settings = GatewaySettings(model_name="m", encoder_urls=[enc.url], llm_urls=[llm.url])
         with ServerThread(create_app(settings)) as gw:
             yield gw.url, settings.model_name
 

@@ -1,0 +1,265 @@
+"""The Responses API on top of chat: a ``ResponsesRequest`` as a ``ChatCompletionRequest`` (input
+items as messages), and our answers as Responses objects and stream events.
+
+Input items: ``{"role", "content"}`` messages (``content`` a string or ``input_text`` /
+``input_image`` / ``output_text`` parts), ``function_call`` items (assistant tool calls, merged
+into one assistant turn), ``function_call_output`` items (tool turns) and ``reasoning`` items
+(their text is the next assistant turn's ``reasoning_content``). Anything else is a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from gateway.openai_format import assistant_message
+from shared.schemas import ChatCompletionRequest, GenerateResponse, ResponsesRequest, ToolCallWire
+
+
+class InputError(ValueError):
+    """An input item this server cannot take; the message says which and why."""
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _parts(content: Any, where: str) -> str | list[dict]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InputError(f"{where}.content: a string or a list of parts")
+    out = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            out.append({"type": "text", "text": p.get("text", "")})
+        elif kind == "input_image":
+            url = p.get("image_url")
+            if not isinstance(url, str):
+                raise InputError(f"{where}.content[{j}]: input_image needs an image_url (file_id is not served)")
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise InputError(f"{where}.content[{j}]: part type {kind!r} is not served (input_text, input_image, "
+                             "output_text)")
+    return out
+
+
+def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The same request as chat (raises ``InputError`` or pydantic's ValueError for a bad one)."""
+    messages: list[dict] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    reasoning: str | None = None
+    for i, it in enumerate(items):
+        kind = it.get("type", "message")
+        where = f"input[{i}]"
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise InputError(f"{where}.role: user, assistant, system or developer")
+            msg = {"role": role, "content": _parts(it.get("content", ""), where)}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning_content"], reasoning = reasoning, None
+            messages.append(msg)
+        elif kind == "function_call":
+            call = {"id": it.get("call_id") or it.get("id") or _id("call"), "type": "function",
+                    "function": {"name": it.get("name", ""), "arguments": it.get("arguments", "{}")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                msg = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if reasoning is not None:
+                    msg["reasoning_content"], reasoning = reasoning, None
+                messages.append(msg)
+        elif kind == "function_call_output":
+            out = it.get("output", "")
+            messages.append({"role": "tool", "tool_call_id": it.get("call_id", ""),
+                             "content": out if isinstance(out, str) else json.dumps(out)})
+        elif kind == "reasoning":
+            texts = [c.get("text", "") for c in (it.get("content") or []) + (it.get("summary") or [])
+                     if isinstance(c, dict)]
+            reasoning = "".join(texts)
+        else:
+            raise InputError(f"{where}: item type {kind!r} is not served (message, function_call, "
+                             "function_call_output, reasoning)")
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}  # response.completed carries the usage
+    for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                     ("seed", "seed"), ("top_k", "top_k"), ("min_p", "min_p"),
+                     ("repetition_penalty", "repetition_penalty"), ("parallel_tool_calls", "parallel_tool_calls")):
+        if getattr(req, src) is not None:
+            body[dst] = getattr(req, src)
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                         for t in req.tools]
+    if req.tool_choice is not None:
+        tc = req.tool_choice
+        body["tool_choice"] = tc if isinstance(tc, str) else {"type": "function", "function": {"name": tc.name}}
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.name or "response", "schema": fmt.schema_ or {}, "strict": fmt.strict}}
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort
+    return ChatCompletionRequest.model_validate(body)
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def _message_item(text: str, mid: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": mid, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(c: ToolCallWire, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": _id("fc"), "call_id": c.id, "name": c.name,
+            "arguments": c.arguments or "{}", "status": status}
+
+
+def _reasoning_item(text: str) -> dict:
+    return {"type": "reasoning", "id": _id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+class ResponseShell:
+    """What every Responses object of one request repeats: ids, the request's settings echoed."""
+
+    def __init__(self, req: ResponsesRequest, created: int) -> None:
+        self.id, self.created, self.req = _id("resp"), created, req
+
+    def body(self, status: str, output: list[dict], usage: dict | None, incomplete: str | None = None) -> dict:
+        r = self.req
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": r.model,
+            "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": r.instructions, "metadata": r.metadata or {},
+            "parallel_tool_calls": r.parallel_tool_calls is not False,
+            "tool_choice": "auto" if r.tool_choice is None else r.tool_choice if isinstance(r.tool_choice, str)
+            else r.tool_choice.model_dump(),
+            "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
+            "temperature": r.temperature, "top_p": r.top_p, "max_output_tokens": r.max_output_tokens,
+            "text": (r.text.model_dump(by_alias=True, exclude_none=True) if r.text else {"format": {"type": "text"}}),
+            "truncation": "disabled", "store": False, "previous_response_id": None, "reasoning": None,
+            "user": r.user,
+        }
+
+
+def response_object(shell: ResponseShell, resp: GenerateResponse) -> dict:
+    """A whole (non-streamed) answer: reasoning, the message, then the function calls."""
+    msg = assistant_message(resp)
+    output: list[dict] = []
+    if msg.reasoning:
+        output.append(_reasoning_item(msg.reasoning))
+    if msg.content:
+        output.append(_message_item(msg.content, _id("msg")))
+    output.extend(_call_item(ToolCallWire(index=i, id=c.id, name=c.function.name, arguments=c.function.arguments))
+                  for i, c in enumerate(msg.tool_calls or ()))
+    incomplete = "max_output_tokens" if resp.finish_reason == "length" else None
+    return shell.body("incomplete" if incomplete else "completed", output,
+                      _usage(resp.prompt_tokens, resp.completion_tokens, resp.cached_tokens), incomplete)
+
+
+def sse_event(payload: dict) -> bytes:
+    return (f"event: {payload['type']}\n".encode() + b"data: "
+            + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+class ResponsesEventWriter:
+    """The Responses stream's events, driven by ``gateway.routes.chat.sse_events`` like the chat
+    writers: created / in_progress; per text: output_item.added, content_part.added,
+    output_text.delta ...; at the finish the done events of each item; usage -> completed."""
+
+    include_usage = True
+
+    def __init__(self, shell: ResponseShell) -> None:
+        self.shell = shell
+        self.seq = 0
+        self.output: list[dict] = []  # items done so far
+        self.text: str | None = None  # the open message's text (None: no message open)
+        self.msg_id = _id("msg")
+        self.reasoning = ""
+        self.calls: dict[int, ToolCallWire] = {}
+        self.finish_reason: str | None = None
+
+    def _ev(self, payload: dict) -> bytes:
+        payload["sequence_number"] = self.seq
+        self.seq += 1
+        return sse_event(payload)
+
+    def opening(self, index: int = 0) -> list[bytes]:
+        body = self.shell.body("in_progress", [], None)
+        return [self._ev({"type": "response.created", "response": body}),
+                self._ev({"type": "response.in_progress", "response": body})]
+
+    def content(self, text: str, logprobs=None, reasoning: str | None = None,
+                tool_calls: list[ToolCallWire] | None = None, index: int = 0) -> bytes:
+        out = b""
+        if reasoning:
+            self.reasoning += reasoning
+        if text:
+            if self.text is None:
+                self.text = ""
+                pos = len(self.output)
+                out += self._ev({"type": "response.output_item.added", "output_index": pos,
+                                 "item": _message_item("", self.msg_id, "in_progress") | {"content": []}})
+                out += self._ev({"type": "response.content_part.added", "item_id": self.msg_id, "output_index": pos,
+                                 "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}})
+            self.text += text
+            out += self._ev({"type": "response.output_text.delta", "item_id": self.msg_id,
+                             "output_index": len(self.output), "content_index": 0, "delta": text, "logprobs": []})
+        for c in tool_calls or ():
+            known = self.calls.get(c.index)
+            if known is None:
+                self.calls[c.index] = c.model_copy()
+            else:
+                known.arguments += c.arguments
+        return out
+
+    def finish(self, reason: str, index: int = 0) -> bytes:
+        self.finish_reason = reason
+        out = b""
+        if self.reasoning:
+            item = _reasoning_item(self.reasoning)
+            out += self._ev({"type": "response.output_item.added", "output_index": len(self.output), "item": item})
+            out += self._ev({"type": "response.output_item.done", "output_index": len(self.output), "item": item})
+            self.output.append(item)
+        if self.text is not None:
+            pos, item = len(self.output), _message_item(self.text, self.msg_id)
+            out += self._ev({"type": "response.output_text.done", "item_id": self.msg_id, "output_index": pos,
+                             "content_index": 0, "text": self.text, "logprobs": []})
+            out += self._ev({"type": "response.content_part.done", "item_id": self.msg_id, "output_index": pos,
+                             "content_index": 0, "part": item["content"][0]})
+            out += self._ev({"type": "response.output_item.done", "output_index": pos, "item": item})
+            self.output.append(item)
+        for i in sorted(self.calls):
+            pos, item = len(self.output), _call_item(self.calls[i])
+            out += self._ev({"type": "response.output_item.added", "output_index": pos,
+                             "item": item | {"arguments": "", "status": "in_progress"}})
+            out += self._ev({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                             "output_index": pos, "delta": item["arguments"]})
+            out += self._ev({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                             "output_index": pos, "arguments": item["arguments"]})
+            out += self._ev({"type": "response.output_item.done", "output_index": pos, "item": item})
+            self.output.append(item)
+        return out
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
+        incomplete = "max_output_tokens" if self.finish_reason == "length" else None
+        body = self.shell.body("incomplete" if incomplete else "completed", self.output,
+                               _usage(prompt_tokens, completion_tokens, cached_tokens), incomplete)
+        return self._ev({"type": "response.incomplete" if incomplete else "response.completed", "response": body})
+
+    def error(self, message: str, type: str = "upstream_error") -> bytes:
+        return self._ev({"type": "error", "code": type, "message": message, "param": None})

@@ -1,0 +1,45 @@
+"""``POST /v1/responses`` (OpenAI's Responses API, the Agents SDK's default), stateless: the
+request becomes a chat request (``gateway.responses_format``) and runs the chat path, media,
+tools, structured output and streaming included."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from gateway.auth import ApiKeyDep
+from gateway.errors import APIError
+from gateway.openai_format import completion_id, now
+from gateway.responses_format import InputError, ResponsesEventWriter, ResponseShell, response_object, to_chat
+from gateway.routes.chat import _generate, _open, answer
+from gateway.state import StateDep
+from gateway.validate import check_text
+from shared.schemas import ResponsesRequest
+
+router = APIRouter(dependencies=[ApiKeyDep])
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request, state: StateDep) -> Response:
+    if body.model != state.model_name:
+        raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
+    try:
+        chat = to_chat(body)
+    except InputError as e:
+        raise APIError(400, str(e), param="input") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        raise APIError(400, f"{where}: {err.get('msg', 'invalid')}".strip(": "), param="input") from None
+    check_text(chat)
+    cid, start = completion_id("chatcmpl"), time.monotonic()
+    shell = ResponseShell(body, now())
+
+    async def plain() -> dict:
+        return response_object(shell, (await _generate(state, chat, cid))[0])
+
+    return await answer(request, state, cid, start, body.stream, plain, lambda: _open(state, chat, cid),
+                        ResponsesEventWriter(shell))
