@@ -82,12 +82,9 @@ def _template_messages(req: GenerateRequest) -> list[dict]:
                                  for c in m.tool_calls]
             if not parts:
                 msg["content"] = ""  # templates test ``content`` as a string before the calls
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            msg["name"] = m.name
-        if m.reasoning_content is not None:
-            msg["reasoning_content"] = m.reasoning_content
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
         messages.append(msg)
     return messages
 

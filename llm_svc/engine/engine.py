@@ -287,8 +287,11 @@ class Engine:
             x = apply_bias_and_penalties(rows, params, [lv.history for lv in lives])
             matchers = [lv.matcher for lv in lives]
             constrained = any(m is not None for m in matchers)
+            stuck: list[str] = []
             if constrained:
                 x = apply_grammars(x.clone() if x is rows else x, matchers)
+                dead = torch.isneginf(x).all(dim=-1).tolist()
+                stuck = [ids[n] for n, m in enumerate(matchers) if m is not None and dead[n]]
             if any(banned.values()):
                 y = suppress(x, banned)
                 if constrained:  # the grammar can only end here: it wins over min_tokens
@@ -298,7 +301,13 @@ class Engine:
             sampled = sample(x, params, [lv.generator for lv in lives])
             tokens = dict(zip(ids, sampled))
             if constrained:
-                stop_now = self._advance_grammars(ids, lives, sampled)
+                stop_now, broken = self._advance_grammars(ids, lives, sampled, set(stuck))
+                if stuck:  # the request's fault (a grammar this vocabulary cannot write), not the batch's
+                    self._fail(stuck, "the structured output cannot continue: its grammar allows no token of this "
+                                      "model's vocabulary here (e.g. a character the tokenizer cannot write)",
+                               status=400)
+                if broken:
+                    self._fail(broken, "the sampled token broke the request's grammar; retry it")
             want = [n for n, lv in enumerate(lives) if lv.prep.return_logprobs]
             if want:
                 sel = torch.tensor(want, device=rows.device)
@@ -314,17 +323,20 @@ class Engine:
             tiers.write_notes()
 
     @staticmethod
-    def _advance_grammars(ids: list[str], lives: list[_Live], sampled: list[int]) -> set[str]:
-        """Each constrained request takes its token; returns those whose grammar is complete."""
-        done = set()
+    def _advance_grammars(ids: list[str], lives: list[_Live], sampled: list[int],
+                          stuck: set[str]) -> tuple[set[str], list[str]]:
+        """Each constrained request takes its token: (those whose grammar is complete, those whose
+        token the grammar refused: never expected, as the mask forbids it; failed alone)."""
+        done, broken = set(), []
         for rid, lv, tok in zip(ids, lives, sampled):
-            if lv.matcher is None:
+            if lv.matcher is None or rid in stuck:
                 continue
-            if not lv.matcher.accept(tok):  # the mask forbade it: a bug, never a wrong answer
-                raise RuntimeError(f"request {rid}: token {tok} breaks its grammar")
-            if lv.matcher.terminated:
+            if not lv.matcher.accept(tok):
+                log.error("request %s: token %d breaks its grammar", rid, tok)
+                broken.append(rid)
+            elif lv.matcher.terminated:
                 done.add(rid)
-        return done
+        return done, broken
 
     def _emit(self, o: StepOutput, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         if o.req_id not in self._live:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,15 @@ from dataclasses import dataclass
 import torch
 
 from shared.schemas import StructuredSpec
+
+
+def _lower_priority() -> None:
+    """A compile thread yields the CPU to the engine's step threads: a large schema's compile
+    (seconds) then costs other users' steps little, on a machine with few cores."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: this thread alone
+    except (AttributeError, OSError):
+        pass
 
 
 def _xgr():
@@ -67,7 +77,8 @@ def json_safe_lengths(node):
     xgrammar (0.2.8-0.2.9) renders ``minLength`` / ``maxLength`` as ``[^"\\\r\n]{lo,hi}``, which
     admits U+0000-U+001F unescaped: invalid JSON that strict parsers (Python's ``json.loads``)
     refuse. Such a string gets the equivalent ``pattern`` with the control characters excluded
-    (escapes were not admitted there either). Other nodes are copied unchanged."""
+    (escapes were not admitted there either), its bounds in the pattern. Other nodes are copied
+    unchanged."""
     if isinstance(node, list):
         return [json_safe_lengths(x) for x in node]
     if not isinstance(node, dict):
@@ -84,7 +95,7 @@ def json_safe_lengths(node):
             out[k] = {name: json_safe_lengths(x) for name, x in out[k].items()}
     if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out)
             and not any(k in out for k in ("pattern", "format", "enum", "const"))):
-        lo, hi = int(out.get("minLength", 0)), out.get("maxLength")
+        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)  # the pattern holds the bounds
         out["pattern"] = "^[^\\u0000-\\u001f\"\\\\]{%d,%s}$" % (lo, "" if hi is None else int(hi))
     return out
 
@@ -107,7 +118,8 @@ class GrammarCache:
 
     def __post_init__(self) -> None:
         self._compiler = None  # built by the first compile, on the pool
-        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="grammar")
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="grammar",
+                                        initializer=_lower_priority)
         self._futures: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.compiled = 0

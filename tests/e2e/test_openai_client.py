@@ -179,7 +179,7 @@ def test_penalties_and_logit_bias_change_the_greedy_answer(client, stack):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("functions", [{"name": "f", "parameters": {"type": "object"}}]),  # OpenAI's deprecated form
     ("tool_choice", "required"),
     ("frobnicate", 1),
     ("store", True),

@@ -1,0 +1,130 @@
+"""``n`` = 4 against 4 separate requests with the same prompt, ours and vLLM's, side by side:
+prompt tokens computed (the prompt's tokens minus the prefix-cache hits, from each server's own
+counters) and wall time. Target (issue 19): ours computes the prompt once, 1x, not 4x.
+
+Both servers serve the MiMo-form benchmark checkpoint (``benchmarks._vs_vllm_servers``) with
+the same KV budget; ours behind its gateway, vLLM direct. Each run sends a fresh random prompt
+(about ``--words`` words) so that no run hits an earlier run's cache; the four separate requests
+are sent at once. Sides alternate A-B-B-A per round. Wall-clock, not a simulation.
+
+    python -m benchmarks.n_sampling --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks import _vs_vllm_servers as srv
+from benchmarks._bench_host import bench_lock
+
+N = 4
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one round (about two minutes with start-up)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--words", type=int, default=600, help="prompt length in words (~2 tokens each)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--lock-timeout", type=float, default=1800)
+    return p.parse_args()
+
+
+def _prompt(rng: random.Random, words: list[str], n: int) -> list[dict]:
+    return [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(n))}]
+
+
+def _computed(side: str, before: dict, after: dict) -> float:
+    hits, queries = srv.PREFIX_METRICS[side]
+    return (after.get(queries, 0) - before.get(queries, 0)) - (after.get(hits, 0) - before.get(hits, 0))
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    r = await client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()
+
+
+async def _run(url: str, model: str, messages: list[dict], mode: str, max_tokens: int) -> tuple[float, int]:
+    base = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 1.0,
+            "ignore_eos": True}
+    async with httpx.AsyncClient() as client:
+        t0 = time.perf_counter()
+        if mode == "n":
+            out = [await _one(client, url, {**base, "n": N, "seed": 1})]
+        else:
+            out = await asyncio.gather(*(_one(client, url, {**base, "seed": 1 + i}) for i in range(N)))
+        wall = time.perf_counter() - t0
+    return wall, out[0]["usage"]["prompt_tokens"]
+
+
+def measure(side: str, url: str, metrics_url: str, model: str, messages: list[dict], mode: str,
+            max_tokens: int) -> dict:
+    before = srv.scrape(metrics_url)
+    wall, prompt = asyncio.run(_run(url, model, messages, mode, max_tokens))
+    time.sleep(0.5)  # counters of finished requests
+    computed = _computed(side, before, srv.scrape(metrics_url))
+    return {"wall_s": round(wall, 3), "prompt_tokens": prompt, "computed_prompt_tokens": computed,
+            "prompt_passes": round(computed / prompt, 2) if prompt else None}
+
+
+def main() -> int:
+    args = parse_args()
+    if not srv.vllm_available():
+        print(f"no vLLM venv at {srv.VLLM_VENV}", file=sys.stderr)
+        return 2
+    rounds = 1 if args.quick else args.rounds
+    model_dir = srv.ensure_checkpoint(srv.MiMoSpec())
+    served = "mimo-bench"
+    log_dir = Path(tempfile.mkdtemp(prefix="mmserve-n-sampling-"))
+    words = srv.word_list()
+    rng = random.Random(0)
+    runs: dict[str, dict[str, list[dict]]] = {s: {"n": [], "separate": []} for s in ("ours", "vllm")}
+    with bench_lock(args.lock_timeout), contextlib.ExitStack() as stack:
+        vllm = srv.vllm_service(model_dir, log_dir, served=served)
+        ours = srv.our_services(model_dir, log_dir, served=served)
+        srv.start_vllm(vllm, 600)
+        stack.callback(vllm.stop)
+        srv.start_ours(ours, 600)
+        stack.callback(lambda: [s.stop() for s in ours])
+        ends = {"ours": (ours[1].url, ours[0].url), "vllm": (vllm.url, vllm.url)}
+        for side in ("ours", "vllm"):  # warm both (first-request compiles, allocator)
+            measure(side, *ends[side], served, _prompt(rng, words, 50), "n", 4)
+        for r in range(rounds):
+            order = ("ours", "vllm", "vllm", "ours") if r % 2 == 0 else ("vllm", "ours", "ours", "vllm")
+            for k, side in enumerate(order):
+                for mode in (("n", "separate") if k % 2 == 0 else ("separate", "n")):
+                    res = measure(side, *ends[side], served, _prompt(rng, words, args.words), mode, args.max_tokens)
+                    runs[side][mode].append(res)
+                    print(f"round {r} {side:5s} {mode:8s} {res}", flush=True)
+    summary = {}
+    for side, modes in runs.items():
+        summary[side] = {mode: {"wall_s_median": statistics.median(x["wall_s"] for x in rs),
+                                "prompt_passes_median": statistics.median(x["prompt_passes"] for x in rs)}
+                         for mode, rs in modes.items()}
+    ours_passes = summary["ours"]["n"]["prompt_passes_median"]
+    print(f"\nprompt passes for n={N}: ours {ours_passes} (target 1.0), vLLM {summary['vllm']['n']['prompt_passes_median']};"
+          f" 4 separate requests: ours {summary['ours']['separate']['prompt_passes_median']}, vLLM "
+          f"{summary['vllm']['separate']['prompt_passes_median']}")
+    for side in ("ours", "vllm"):
+        s = summary[side]
+        print(f"{side}: wall n={N} {s['n']['wall_s_median']:.2f} s, {N} separate {s['separate']['wall_s_median']:.2f} s")
+    print(json.dumps({"benchmark": "n_sampling", "quick": args.quick, "n": N, "words": args.words,
+                      "max_tokens": args.max_tokens, "wall_clock": True, "summary": summary, "runs": runs,
+                      "target": {"ours_n_prompt_passes": 1.0, "met": ours_passes is not None and ours_passes <= 1.05}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
