@@ -31,16 +31,20 @@ def fan_out(gen: GenerateRequest, packed: bytes, n: int) -> list[tuple[GenerateR
 
 
 async def open_all(llms: LLMClient, pairs: list[tuple[GenerateRequest, bytes]]) -> list[LLMStream]:
-    """Every choice's stream open (the first routed as usual, the others to its replica)."""
-    first = await llms.open_stream(*pairs[0])
+    """Every choice's stream open, all at once, all to the replica the router picks for the
+    first (a non-streamed answer's headers come only when it is done: sending the others after
+    the first opened would run the choices one after another)."""
     if len(pairs) == 1:
-        return [first]
-    try:
-        rest = await asyncio.gather(*(llms.open_stream(g, b, prefer=first.replica) for g, b in pairs[1:]))
-    except BaseException:
-        await first.aclose()
-        raise
-    return [first, *rest]
+        return [await llms.open_stream(*pairs[0])]
+    prefer = llms.route(pairs[0][0])
+    opened = await asyncio.gather(*(llms.open_stream(g, b, prefer=prefer) for g, b in pairs), return_exceptions=True)
+    failed = [o for o in opened if isinstance(o, BaseException)]
+    if failed:
+        for o in opened:
+            if not isinstance(o, BaseException):
+                await o.aclose()
+        raise failed[0]
+    return list(opened)
 
 
 async def generate_all(llms: LLMClient, pairs: list[tuple[GenerateRequest, bytes]]) -> list[GenerateResponse]:

@@ -368,13 +368,21 @@ class LLMClient:
         replica to try first (the one holding a sibling choice's prefill)."""
         return await self._send(req, body, prefer)
 
-    async def _send(self, req: GenerateRequest, body: bytes, prefer: str | None = None) -> LLMStream:
+    def _candidates(self, req: GenerateRequest) -> tuple[list[str], list[int]]:
         replicas = self._pool.routable()
         if not replicas:
             raise UpstreamError("no LLM replica is configured", status=503)
         text = sum(len(p.text.encode("utf-8")) for m in req.messages for p in m.content if isinstance(p, PromptText))
         replicas = self.limits.bucketed(replicas, estimate_prompt_tokens(text, sum(p.num_tokens for p in req.media())))
-        blocks = prefix_blocks(req.messages)
+        return replicas, prefix_blocks(req.messages)
+
+    def route(self, req: GenerateRequest) -> str:
+        """The replica the router picks for ``req`` (sent nothing): where sibling choices go."""
+        replicas, blocks = self._candidates(req)
+        return self.router.choose(replicas, blocks)
+
+    async def _send(self, req: GenerateRequest, body: bytes, prefer: str | None = None) -> LLMStream:
+        replicas, blocks = self._candidates(req)
         tried: list[str] = []
         errors: list[str] = []
         dropped = 0
