@@ -350,8 +350,8 @@ class GenerationFields(_Lenient):
         return data
 
     def structured_spec(self) -> "StructuredSpec | None":
-        """The grammar ``response_format`` or ``structured_outputs`` asks for (``response_format``
-        wins, as in vLLM), or None."""
+        """The grammar ``response_format`` or ``structured_outputs`` asks for (never both:
+        ``_one_constraint``), or None."""
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             return StructuredSpec(kind="json_object")
@@ -390,6 +390,13 @@ class GenerationFields(_Lenient):
     def effective_max_tokens(self, default: int) -> int:
         """The request's cap, or ``default`` (raised to ``min_tokens`` when that asks for more)."""
         return self.output_cap() or max(default, self.min_tokens)
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "GenerationFields":
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("send one of response_format and structured_outputs, not both (one would be ignored)")
+        return self
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "GenerationFields":

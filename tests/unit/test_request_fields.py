@@ -51,3 +51,11 @@ def test_every_message_field_is_honoured_noop_or_refused():
         with pytest.raises(pydantic.ValidationError, match=name):
             ChatMessage.model_validate({"role": "assistant", "content": "x", name: PROBE})
         ChatMessage.model_validate({"role": "assistant", "content": "x", name: None})
+
+
+def test_response_format_and_structured_outputs_together_are_refused():
+    """Both constrain the output: one would be ignored, so both together are a 400."""
+    _refused(ChatCompletionRequest, {**CHAT, "response_format": {"type": "json_object"},
+                                     "structured_outputs": {"regex": "a+"}}, "structured_outputs")
+    ChatCompletionRequest.model_validate({**CHAT, "response_format": {"type": "text"},
+                                          "structured_outputs": {"regex": "a+"}})
