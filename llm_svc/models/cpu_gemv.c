@@ -14,6 +14,12 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__)
+#define GEMV_AVX512 1
+#ifndef GEMV_PREFETCH
+#define GEMV_PREFETCH 4 * K
+#endif
+#endif
 
 #define BLOCK_ROWS 32 /* weight rows per work item: 32 x K floats (64 KB at K = 512) */
 
@@ -27,7 +33,7 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-static void rows(const float* x, int64_t ldx, const float* w, const float* bias, float* out, int64_t ldo,
+static __attribute__((unused)) void rows(const float* x, int64_t ldx, const float* w, const float* bias, float* out, int64_t ldo,
                  int64_t M, int64_t K, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n += 2) {
         const int two = n + 1 < n1;
@@ -69,17 +75,80 @@ static void rows(const float* x, int64_t ldx, const float* w, const float* bias,
     }
 }
 
+#ifdef GEMV_AVX512
+/* AVX-512: four weight rows against up to four x rows (16 accumulators of 16 lanes), so each
+ * 64-byte weight load feeds as many FMAs as there are x rows and the x rows (L1) are loaded once
+ * per four weight rows; K tails by a masked load. MM is a compile-time row count (1-4): a call
+ * of 1-3 rows does no wasted FMAs. On an AVX-512 Xeon (one thread, 64 distinct weights) the AVX2
+ * tile below was 1.5-1.9x slower than oneDNN; this one is not. */
+static inline __attribute__((always_inline)) void tile512(const float* const* xs, const float* w, int64_t K,
+                                                         int nw, int MM, float r[4][4]) {
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+    const float* ws[4];
+    for (int i = 0; i < 4; i++) ws[i] = w + (i < nw ? i : 0) * K;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 y[4];
+        for (int j = 0; j < MM; j++) y[j] = _mm512_loadu_ps(xs[j] + k);
+        for (int i = 0; i < 4; i++) {
+            _mm_prefetch((const char*)(ws[i] + k + GEMV_PREFETCH), _MM_HINT_T0);
+            const __m512 v = _mm512_loadu_ps(ws[i] + k);
+            for (int j = 0; j < MM; j++) acc[i][j] = _mm512_fmadd_ps(v, y[j], acc[i][j]);
+        }
+    }
+    if (k < K) {
+        const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);
+        __m512 y[4];
+        for (int j = 0; j < MM; j++) y[j] = _mm512_maskz_loadu_ps(mask, xs[j] + k);
+        for (int i = 0; i < 4; i++) {
+            const __m512 v = _mm512_maskz_loadu_ps(mask, ws[i] + k);
+            for (int j = 0; j < MM; j++) acc[i][j] = _mm512_fmadd_ps(v, y[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < MM; j++) r[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+static void rows512(const float* x, int64_t ldx, const float* w, const float* bias, float* out, int64_t ldo,
+                    int64_t M, int64_t K, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n += 4) {
+        const int nw = n1 - n < 4 ? (int)(n1 - n) : 4;
+        for (int64_t m = 0; m < M; m += 4) {
+            const int mm = M - m < 4 ? (int)(M - m) : 4;
+            const float* xs[4];
+            for (int j = 0; j < 4; j++) xs[j] = x + (m + (j < mm ? j : 0)) * ldx;
+            float r[4][4];
+            switch (mm) {
+                case 1: tile512(xs, w + n * K, K, nw, 1, r); break;
+                case 2: tile512(xs, w + n * K, K, nw, 2, r); break;
+                case 3: tile512(xs, w + n * K, K, nw, 3, r); break;
+                default: tile512(xs, w + n * K, K, nw, 4, r); break;
+            }
+            for (int i = 0; i < nw; i++) {
+                const float b = bias ? bias[n + i] : 0.f;
+                for (int j = 0; j < mm; j++) out[(m + j) * ldo + n + i] = r[i][j] + b;
+            }
+        }
+    }
+}
+#define ROWS rows512
+#else
+#define ROWS rows
+#endif
+
 int mmserve_gemv_f32(const float* x, int64_t ldx, const float* w, const float* bias, float* out, int64_t ldo,
                      int64_t M, int64_t N, int64_t K, int64_t threads) {
     const int64_t blocks = (N + BLOCK_ROWS - 1) / BLOCK_ROWS;
     if (threads <= 1 || blocks < 2) {
-        rows(x, ldx, w, bias, out, ldo, M, K, 0, N);
+        ROWS(x, ldx, w, bias, out, ldo, M, K, 0, N);
         return 0;
     }
 #pragma omp parallel for num_threads((int)threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t n0 = b * BLOCK_ROWS, n1 = n0 + BLOCK_ROWS < N ? n0 + BLOCK_ROWS : N;
-        rows(x, ldx, w, bias, out, ldo, M, K, n0, n1);
+        ROWS(x, ldx, w, bias, out, ldo, M, K, n0, n1);
     }
     return 0;
 }

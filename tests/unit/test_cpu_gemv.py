@@ -1,6 +1,7 @@
-"""The few-row linear kernel (``cpu_gemv.c``) against ``F.linear``: shapes around its 2 x 4
-register tile and 8-wide vectors, K tails, bias, row strides, thread counts, and the oneDNN
-linear handing it only the calls it should take."""
+"""The few-row linear kernel (``cpu_gemv.c``) against ``F.linear``: shapes around its register
+tiles (2 x 4 of 8-wide vectors on AVX2, 4 x 4 of 16-wide on AVX-512) and K tails, bias, row
+strides, thread counts, every vector path this machine can run, and the oneDNN linear handing it
+only the calls it should take."""
 
 from __future__ import annotations
 
@@ -29,6 +30,26 @@ def test_equals_f_linear(m, n, k, threads, monkeypatch):
     w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(m, k, generator=g)
     torch.testing.assert_close(cpu_gemv.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(cpu_gemv.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+# the narrower paths, built on this machine with the wider ISAs switched off
+_ISAS = {"avx2": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx")}
+
+
+@pytest.mark.parametrize("isa", sorted(_ISAS))
+def test_every_vector_path_equals_f_linear(isa):
+    """The machine's own build takes one path (AVX-512 here when the CPU has it); the others are
+    built beside it so each stays right on whatever CPU runs the service."""
+    kernel = CKernel(cpu_gemv.SOURCE, f"cpu_gemv_test_{isa}", cpu_gemv._bind, what="test build", fallback="none",
+                     flags=cpu_gemv.KERNEL.flags + _ISAS[isa], link_flags=cpu_gemv.KERNEL.link_flags)
+    lib = kernel.load()
+    assert lib is not None
+    g = torch.Generator().manual_seed(7)
+    for m, n, k in [(1, 1, 8), (3, 33, 64), (4, 67, 13), (5, 96, 40), (8, 300, 512), (2, 5, 17)]:
+        w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(m, k, generator=g)
+        out = torch.empty(m, n)
+        assert lib.mmserve_gemv_f32(x.data_ptr(), k, w.data_ptr(), b.data_ptr(), out.data_ptr(), n, m, n, k, 1) == 0
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 def test_leading_dims_and_row_strides():
