@@ -14,6 +14,13 @@ if ! command -v ffmpeg >/dev/null 2>&1; then
   echo "[setup] installing ffmpeg" >&2
   as_root apt-get update -qq && as_root apt-get install -y -qq ffmpeg >/dev/null
 fi
+# tcmalloc for the engine core (core_malloc=auto preloads it, as vLLM's CPU docs recommend for
+# theirs): optional, the core runs on glibc's malloc without it
+if ! ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+  echo "[setup] installing libtcmalloc-minimal4" >&2
+  { as_root apt-get update -qq && as_root apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; } \
+    || echo "[setup] libtcmalloc-minimal4 not installed; the engine core uses glibc's malloc" >&2
+fi
 if [ -n "$extras" ] && ! command -v redis-server >/dev/null 2>&1; then
   echo "[setup] installing redis-server" >&2
   as_root apt-get update -qq && as_root apt-get install -y -qq redis-server >/dev/null
