@@ -178,25 +178,43 @@ def sse_event(payload: dict) -> bytes:
 
 class ResponsesEventWriter:
     """The Responses stream's events, driven by ``gateway.routes.chat.sse_events`` like the chat
-    writers: created / in_progress; per text: output_item.added, content_part.added,
-    output_text.delta ...; at the finish the done events of each item; usage -> completed."""
+    writers: created / in_progress; then items as they arrive, each with the next
+    ``output_index``: the reasoning so far (whole) before the first other item, the message
+    (output_item.added, content_part.added, output_text.delta ...) and each function call
+    (output_item.added with its name, function_call_arguments.delta per arguments piece, as the
+    parser sends them); at the finish the done events of each open item; usage -> completed."""
 
     include_usage = True
 
     def __init__(self, shell: ResponseShell) -> None:
         self.shell = shell
         self.seq = 0
-        self.output: list[dict] = []  # items done so far
-        self.text: str | None = None  # the open message's text (None: no message open)
+        self.output: list[dict] = []  # every item announced, by output_index
+        self.text: str | None = None  # the message's text (None: no message yet)
+        self.msg_pos = -1
         self.msg_id = _id("msg")
-        self.reasoning = ""
-        self.calls: dict[int, ToolCallWire] = {}
+        self.reasoning = ""  # reasoning not yet sent as an item
+        self.calls: dict[int, int] = {}  # call index -> output_index
         self.finish_reason: str | None = None
 
     def _ev(self, payload: dict) -> bytes:
         payload["sequence_number"] = self.seq
         self.seq += 1
         return sse_event(payload)
+
+    def _add(self, item: dict, added: dict | None = None) -> bytes:
+        """Announce ``item`` at the next output_index (``added``: how it shows while open)."""
+        out = self._flush_reasoning() if item["type"] != "reasoning" else b""
+        self.output.append(item)
+        return out + self._ev({"type": "response.output_item.added", "output_index": len(self.output) - 1,
+                               "item": added or item})
+
+    def _flush_reasoning(self) -> bytes:
+        if not self.reasoning:
+            return b""
+        item, self.reasoning = _reasoning_item(self.reasoning), ""
+        out = self._add(item)
+        return out + self._ev({"type": "response.output_item.done", "output_index": len(self.output) - 1, "item": item})
 
     def opening(self, index: int = 0) -> list[bytes]:
         body = self.shell.body("in_progress", [], None)
@@ -211,48 +229,43 @@ class ResponsesEventWriter:
         if text:
             if self.text is None:
                 self.text = ""
-                pos = len(self.output)
-                out += self._ev({"type": "response.output_item.added", "output_index": pos,
-                                 "item": _message_item("", self.msg_id, "in_progress") | {"content": []}})
-                out += self._ev({"type": "response.content_part.added", "item_id": self.msg_id, "output_index": pos,
-                                 "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}})
+                out += self._add(_message_item("", self.msg_id, "in_progress"),
+                                 _message_item("", self.msg_id, "in_progress") | {"content": []})
+                self.msg_pos = len(self.output) - 1
+                out += self._ev({"type": "response.content_part.added", "item_id": self.msg_id,
+                                 "output_index": self.msg_pos, "content_index": 0,
+                                 "part": {"type": "output_text", "text": "", "annotations": []}})
             self.text += text
             out += self._ev({"type": "response.output_text.delta", "item_id": self.msg_id,
-                             "output_index": len(self.output), "content_index": 0, "delta": text, "logprobs": []})
+                             "output_index": self.msg_pos, "content_index": 0, "delta": text, "logprobs": []})
         for c in tool_calls or ():
-            known = self.calls.get(c.index)
-            if known is None:
-                self.calls[c.index] = c.model_copy()
-            else:
-                known.arguments += c.arguments
+            if c.index not in self.calls:
+                out += self._add(_call_item(c, "in_progress") | {"arguments": ""})
+                self.calls[c.index] = len(self.output) - 1
+            pos = self.calls[c.index]
+            if c.arguments:
+                self.output[pos]["arguments"] += c.arguments
+                out += self._ev({"type": "response.function_call_arguments.delta", "item_id": self.output[pos]["id"],
+                                 "output_index": pos, "delta": c.arguments})
         return out
 
     def finish(self, reason: str, index: int = 0) -> bytes:
         self.finish_reason = reason
-        out = b""
-        if self.reasoning:
-            item = _reasoning_item(self.reasoning)
-            out += self._ev({"type": "response.output_item.added", "output_index": len(self.output), "item": item})
-            out += self._ev({"type": "response.output_item.done", "output_index": len(self.output), "item": item})
-            self.output.append(item)
-        if self.text is not None:
-            pos, item = len(self.output), _message_item(self.text, self.msg_id)
-            out += self._ev({"type": "response.output_text.done", "item_id": self.msg_id, "output_index": pos,
-                             "content_index": 0, "text": self.text, "logprobs": []})
-            out += self._ev({"type": "response.content_part.done", "item_id": self.msg_id, "output_index": pos,
-                             "content_index": 0, "part": item["content"][0]})
+        out = self._flush_reasoning()
+        for pos, item in enumerate(self.output):
+            if item.get("status") != "in_progress":
+                continue
+            if item["type"] == "message":
+                item.update(_message_item(self.text, self.msg_id))
+                out += self._ev({"type": "response.output_text.done", "item_id": self.msg_id, "output_index": pos,
+                                 "content_index": 0, "text": self.text, "logprobs": []})
+                out += self._ev({"type": "response.content_part.done", "item_id": self.msg_id, "output_index": pos,
+                                 "content_index": 0, "part": item["content"][0]})
+            else:
+                item.update(status="completed", arguments=item["arguments"] or "{}")
+                out += self._ev({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                                 "output_index": pos, "arguments": item["arguments"]})
             out += self._ev({"type": "response.output_item.done", "output_index": pos, "item": item})
-            self.output.append(item)
-        for i in sorted(self.calls):
-            pos, item = len(self.output), _call_item(self.calls[i])
-            out += self._ev({"type": "response.output_item.added", "output_index": pos,
-                             "item": item | {"arguments": "", "status": "in_progress"}})
-            out += self._ev({"type": "response.function_call_arguments.delta", "item_id": item["id"],
-                             "output_index": pos, "delta": item["arguments"]})
-            out += self._ev({"type": "response.function_call_arguments.done", "item_id": item["id"],
-                             "output_index": pos, "arguments": item["arguments"]})
-            out += self._ev({"type": "response.output_item.done", "output_index": pos, "item": item})
-            self.output.append(item)
         return out
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:

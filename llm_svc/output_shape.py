@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from shared.schemas import GenerateRequest, ToolCallWire
 
 from .errors import InvalidRequest
-from .parsers import family_of, output_parser
+from .parsers import ToolCallDelta, family_of, output_parser
 from .tool_choice import NamedCallParser, RequiredCallsParser, named_function
 
 
@@ -40,8 +40,7 @@ class OutputShaper:
             calls.extend(tail.tool_calls)
             if finish_reason == "stop" and self.mode in ("auto", "required") and self.parser.tool_calls_made:
                 finish_reason = "tool_calls"
-        wire = [ToolCallWire(index=c.index, id=c.id, name=c.name, arguments=c.arguments) for c in calls]
-        return Shaped(content, reasoning if self.include_reasoning and reasoning else None, wire or None,
+        return Shaped(content, reasoning if self.include_reasoning and reasoning else None, _coalesce(calls),
                       finish_reason)
 
 
@@ -66,6 +65,18 @@ def build_shaper(lm, req: GenerateRequest) -> OutputShaper | None:
                                  '"required" or a named function, or "none"', param="tool_choice")
         return None
     return OutputShaper(parser, mode, req.include_reasoning)
+
+
+def _coalesce(calls: list[ToolCallDelta]) -> list[ToolCallWire] | None:
+    """One increment's pieces, consecutive pieces of one call joined: a stream chunk then holds
+    one entry per call, as OpenAI's do, however many tokens the increment had."""
+    out: list[ToolCallWire] = []
+    for c in calls:
+        if out and out[-1].index == c.index and c.id is None:
+            out[-1].arguments += c.arguments
+        else:
+            out.append(ToolCallWire(index=c.index, id=c.id, name=c.name, arguments=c.arguments))
+    return out or None
 
 
 def merge_calls(pieces: list[ToolCallWire]) -> list[ToolCallWire] | None:

@@ -18,6 +18,11 @@ def new_call_id() -> str:
 
 @dataclass
 class ToolCallDelta:
+    """A piece of one tool call. A call's first delta has its id and name (arguments usually
+    empty); the arguments of all its deltas, concatenated in order, are its JSON arguments. The
+    non-streamed answer is the same concatenation (``llm_svc.output_shape.merge_calls``), so the
+    two agree by construction."""
+
     index: int                # the call's position in this output: 0, 1, ...
     id: str | None = None     # only on a call's first delta
     name: str | None = None   # only on a call's first delta (the full function name)
@@ -48,10 +53,11 @@ class OutputParser(ABC):
 
     @abstractmethod
     def finish(self) -> ParsedDelta:
-        """The output ended: everything held back (an unfinished tool call: its text goes to
-        content)."""
+        """The output ended: everything held back. A call whose name was sent stays a call (each
+        family's module says how its arguments are closed); text not yet committed to a call
+        goes to content."""
 
     @property
     @abstractmethod
     def tool_calls_made(self) -> int:
-        """How many complete tool calls were parsed so far."""
+        """How many tool calls were started (their id and name sent) so far."""

@@ -7,15 +7,18 @@
 - A ``<tool_call>`` inside reasoning stays reasoning (it is the model thinking about a call).
 - A stray ``</think>`` in content is dropped; whitespace right before ``<tool_call>`` and right
   after ``</tool_call>`` is dropped (the template's separators, not content).
-- A call is emitted whole when its ``</tool_call>`` arrives (its name and arguments are only then
-  certain); an unterminated one goes back to content at ``finish()``.
+- A call streams (``llm_svc.parsers.mimo_calls``): its name once ``<function=NAME>`` is complete,
+  then each parameter once it is complete. A ``<tool_call>`` with no function in it stays
+  content (nothing is committed before a ``<function=NAME>``); at ``finish()`` an unterminated
+  one whose name was sent stays a call, its arguments closed with the parameters already
+  complete (valid JSON), and one with no function yet goes back to content.
 - ``reasoning=False``: the think block is kept in content, tags included.
 """
 
 from __future__ import annotations
 
-from llm_svc.parsers.base import OutputParser, ParsedDelta, ToolCallDelta, new_call_id
-from llm_svc.parsers.mimo_calls import parse_calls
+from llm_svc.parsers.base import OutputParser, ParsedDelta
+from llm_svc.parsers.mimo_calls import CallBodyReader
 from llm_svc.parsers.scan import find_tag, partial_tail
 from llm_svc.parsers.schema_types import tool_properties
 
@@ -36,11 +39,12 @@ class MiMoParser(OutputParser):
         self._ws = ""         # content whitespace held until we know whether a tool call follows
         self._ws_before_call = ""  # ... and dropped, unless the call turns out not to be one
         self._skip_ws = False  # just after </tool_call>: its trailing whitespace is markup
-        self._calls = 0
+        self._calls = 0       # calls sent in earlier <tool_call> bodies
+        self._body: CallBodyReader | None = None  # the open <tool_call>'s
 
     @property
     def tool_calls_made(self) -> int:
-        return self._calls
+        return self._calls + (self._body.calls if self._body else 0)
 
     def feed(self, token_ids: list[int], text: str) -> ParsedDelta:
         self._buf += text
@@ -53,7 +57,9 @@ class MiMoParser(OutputParser):
         out = ParsedDelta()
         while self._step(out, final=True):
             pass
-        if self._state == _TOOL:  # unterminated: back to content, as it was written
+        if self._state == _TOOL and self._body.calls:  # unterminated, but a call was sent
+            out.tool_calls.extend(self._body.abandon())
+        elif self._state == _TOOL:  # unterminated before any function: back to content, as written
             self._content(out, self._ws_before_call + TOOL_START + self._buf, final=True)
         elif self._state == _REASONING:
             self._reason(out, self._buf)
@@ -84,17 +90,17 @@ class MiMoParser(OutputParser):
             return self._advance(out, tags, lambda o, t: self._content(o, t, final), final)
         hit = buf.find(TOOL_END)
         if hit < 0:
+            out.tool_calls.extend(self._body.read(buf, closed=False))
             return False
         self._buf = buf[hit + len(TOOL_END):]
         self._state = _CONTENT
-        calls = parse_calls(buf[:hit], self._props)
-        if not calls:  # no function inside: not a call after all
+        out.tool_calls.extend(self._body.read(buf[:hit], closed=True))
+        body, self._body = self._body, None
+        if not body.calls:  # no function inside: not a call after all
             self._content(out, self._ws_before_call + TOOL_START + buf[:hit + len(TOOL_END)], final)
             return True
+        self._calls += body.calls
         self._ws, self._skip_ws = "", True
-        for name, args in calls:
-            out.tool_calls.append(ToolCallDelta(self._calls, new_call_id(), name, args))
-            self._calls += 1
         return True
 
     def _advance(self, out: ParsedDelta, tags: tuple[str, ...], emit, final: bool) -> bool:
@@ -114,6 +120,7 @@ class MiMoParser(OutputParser):
         elif tag == TOOL_START:
             self._ws_before_call, self._ws = self._ws, ""
             self._state = _TOOL
+            self._body = CallBodyReader(self._props, self._calls)
         return True
 
     def _reason(self, out: ParsedDelta, text: str) -> None:

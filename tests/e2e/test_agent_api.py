@@ -176,6 +176,22 @@ def test_a_named_function_is_called_and_finishes_with_stop(client, stack):
     _calls_valid(calls)
 
 
+def test_a_named_call_streams_its_arguments_in_pieces(client, stack):
+    """Streamed, a two-parameter call's id and name come on its first delta only and its
+    arguments in several pieces that concatenate to the non-streamed call's (greedy: the same
+    tokens both ways)."""
+    kw = dict(model=stack.model_name, messages=_msgs("weather?"), tools=[WEATHER, CLOCK],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=100, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    _calls_valid(whole)
+    pieces = [t for chunk in client.chat.completions.create(**kw, stream=True) for ch in chunk.choices
+              for t in ch.delta.tool_calls or ()]
+    assert pieces[0].id.startswith("call_") and pieces[0].function.name == "get_weather"
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:])
+    args = [p.function.arguments or "" for p in pieces]
+    assert len([a for a in args if a]) > 1 and "".join(args) == whole[0].function.arguments
+
+
 def test_tool_history_is_rendered_by_the_template(client, stack):
     """An assistant tool call and the tool's answer in the history reach the prompt (the prompt
     grows by them) and the model answers after them."""
@@ -337,6 +353,23 @@ def test_responses_function_calls_and_their_outputs(client, stack):
     bad = httpx.post(f"{stack.url}/v1/responses", timeout=30, json={"model": stack.model_name, "input": [
         {"type": "web_search_call"}]})
     assert bad.status_code == 400 and "web_search_call" in bad.json()["error"]["message"]
+
+
+def test_responses_stream_function_call_arguments_in_deltas(client, stack):
+    """function_call_arguments.delta events carry the arguments as they are generated; they
+    concatenate to the .done event's and to the non-streamed call's arguments."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMAS["get_weather"]}]
+    kw = dict(model=stack.model_name, input="weather?", tools=tools, max_output_tokens=60, temperature=0,
+              tool_choice={"type": "function", "name": "get_weather"})
+    call = next(o for o in client.responses.create(**kw).output if o.type == "function_call")
+    events = list(client.responses.create(**kw, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(deltas) > 1 and done == ["".join(deltas)] and done[0] == call.arguments
+    kinds = [e.type for e in events]
+    added = next(e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call")
+    assert added.item.name == "get_weather"
+    assert events.index(added) < kinds.index("response.function_call_arguments.delta")
 
 
 def test_agents_sdk_default_responses_model(stack):

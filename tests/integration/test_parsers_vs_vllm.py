@@ -7,8 +7,9 @@ Where vLLM is wrong we follow OpenAI's semantics and pin the difference (``VLLM_
   loses the text around it; ours keeps it reasoning (the model is thinking about a call). With
   ``enable_thinking=False`` (``<think>`` is then text) both make the call, and vLLM's one-shot
   drops the content after it; ours keeps it.
-- MiMo, an unterminated call at the end: vLLM reports a call (one-shot ``{}``, streamed a cut
-  JSON text ``{"city": "Rome``); ours gives the text back as content, no invalid call.
+- MiMo, an unterminated call at the end: vLLM's one-shot reports it with ``{}`` and its stream
+  with a cut JSON text ``{"city": "Rome``; ours is the call with the parameters complete by then
+  (``{}`` here) both ways, valid JSON.
 - Gemma, an output starting with ``[`` that is not a call list: vLLM's streaming drops it (its
   one-shot returns it as content); ours returns it as content both ways.
 - vLLM's streamed MiMo content keeps the newlines between calls that its one-shot strips.

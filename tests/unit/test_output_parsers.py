@@ -1,6 +1,8 @@
 """The per-family output parsers: any split of an output into feed() chunks gives the same
-content, reasoning and tool calls as one feed of the whole; the tiny templates render tools the
-way the families' published templates do, and plain chats exactly as before."""
+content, reasoning and tool calls as one feed of the whole; a call's id and name come on its
+first delta only and its argument fragments concatenate to its JSON arguments; fed piecewise, a
+call's name comes before its end and its parameters as they complete. The tiny templates render
+tools the way the families' published templates do, and plain chats exactly as before."""
 
 from __future__ import annotations
 
@@ -54,24 +56,38 @@ def mimo_chunks(text: str, rng: random.Random) -> list[tuple[list[int], str]]:
     return [([], text[a:b]) for a, b in zip([0] + cuts, cuts + [len(text)])]
 
 
-def run(parser: OutputParser, chunks) -> dict:
+def run(parser: OutputParser, chunks, fragments: dict | None = None) -> dict:
+    """Content, reasoning and calls (name, arguments parsed as JSON, or the text where it is not
+    JSON); ``fragments`` (if given) gets each call's argument fragments, in order."""
     out = {"content": "", "reasoning": "", "calls": {}}
     deltas = [parser.feed(ids, text) for ids, text in chunks] + [parser.finish()]
     for d in deltas:
         out["content"] += d.content
         out["reasoning"] += d.reasoning
         for c in d.tool_calls:
-            call = out["calls"].setdefault(c.index, {"id": None, "name": None, "arguments": ""})
-            if c.id is not None:
-                assert call["id"] is None and re.fullmatch(r"call_[a-zA-Z0-9]{24}", c.id)
-                call["id"], call["name"] = c.id, c.name
+            call = out["calls"].get(c.index)
+            if call is None:  # the first delta: id and name
+                assert re.fullmatch(r"call_[a-zA-Z0-9]{24}", c.id) and c.name, c
+                call = out["calls"][c.index] = {"id": c.id, "name": c.name, "arguments": ""}
+            else:
+                assert c.id is None and c.name is None, c
+                if fragments is not None:
+                    fragments.setdefault(c.index, []).append(c.arguments)
             call["arguments"] += c.arguments
     assert sorted(out["calls"]) == list(range(len(out["calls"])))
     assert parser.tool_calls_made == len(out["calls"])
     ids = [c["id"] for c in out["calls"].values()]
     assert len(set(ids)) == len(ids)
-    out["calls"] = [(c["name"], json.loads(c["arguments"])) for c in out["calls"].values()]
+    out["arguments"] = [c["arguments"] for c in out["calls"].values()]
+    out["calls"] = [(c["name"], _json_or_text(c["arguments"])) for c in out["calls"].values()]
     return out
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +120,58 @@ def test_mimo_any_split_equals_one_shot(case, thinking):
     rng = random.Random(f"{case}-{thinking}")
     for _ in range(25):
         assert run(output_parser("mimo", None, tools=TOOLS, enable_thinking=thinking), mimo_chunks(text, rng)) == whole
+    assert all(isinstance(args, dict) for _, args in whole["calls"])
     if case in MIMO_EXPECTED and thinking is not False:
         assert whole["calls"] == MIMO_EXPECTED[case]
+        assert whole["arguments"] == [json.dumps(a, ensure_ascii=False) for _, a in MIMO_EXPECTED[case]]
+
+
+MIMO_EDGES = {  # case: (output, content, calls); our decisions, so not compared with vLLM
+    "duplicate_key": ("<tool_call><function=get_weather><parameter=city>A</parameter><parameter=days>2</parameter>"
+                      "<parameter=city>B</parameter></function></tool_call>", "",
+                      [("get_weather", {"city": "A", "days": 2})]),  # the first value stays
+    "functions_in_one_body": ("<tool_call>\n<function=now>\n</function>\n<function=get_weather>\n<parameter=days>2\n"
+                              "<parameter=city>Oslo\n</function>\n</tool_call>", "",
+                              [("now", {}), ("get_weather", {"days": 2, "city": "Oslo"})]),
+    "no_function": ("Text <tool_call>not a call</tool_call> more", "Text <tool_call>not a call</tool_call> more", []),
+    "empty_name": ("<tool_call><function= ><parameter=a>1</parameter></function><function=now></function></tool_call>",
+                   "", [("now", {})]),
+    "no_closing_tags": ("<tool_call><function=get_weather><parameter=days>3\n</tool_call>", "",
+                        [("get_weather", {"days": 3})]),
+    "unterminated_after_param": ("Sure.<tool_call><function=get_weather><parameter=city>Rome</parameter>"
+                                 "<parameter=days>4", "Sure.", [("get_weather", {"city": "Rome"})]),
+    "unterminated_before_function": ("Sure.\n<tool_call>\n<funct", "Sure.\n<tool_call>\n<funct", []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MIMO_EDGES))
+def test_mimo_edge_cases(case):
+    text, content, calls = MIMO_EDGES[case]
+    whole = run(output_parser("mimo", None, tools=TOOLS), [([], text)])
+    assert (whole["content"], whole["calls"]) == (content, calls)
+    assert whole["arguments"] == [json.dumps(a, ensure_ascii=False) for _, a in calls]
+    rng = random.Random(case)
+    for _ in range(25):
+        assert run(output_parser("mimo", None, tools=TOOLS), mimo_chunks(text, rng)) == whole
+
+
+def char_by_char(parser: OutputParser, text: str) -> list[tuple[int, object]]:
+    """(characters fed so far, delta) for each tool-call delta, fed one character at a time."""
+    seen = [(i + 1, d) for i in range(len(text)) for d in parser.feed([], text[i]).tool_calls]
+    return seen + [(len(text), d) for d in parser.finish().tool_calls]
+
+
+def test_mimo_streams_the_name_then_each_parameter():
+    text = MIMO["two_calls"]
+    seen = char_by_char(output_parser("mimo", None, tools=TOOLS), text)
+    first = [(n, d) for n, d in seen if d.index == 0]
+    assert first[0][0] == text.index("<function=get_weather>") + len("<function=get_weather>")
+    assert (first[0][1].name, first[0][1].arguments) == ("get_weather", "")
+    assert [d.arguments for _, d in first[1:]] == ['{"city": "São \\"Paulo\\" 東京"', ', "days": 3',
+                                                  ', "opts": {"a": [1, {"b": null}]}', ', "zip": "01234"', "}"]
+    assert [n for n, _ in first[1:5]] == [m.end() for m in re.finditer("</parameter>", text)]
+    assert first[5][0] == text.index("</function>") + len("</function>")
+    assert [(d.name, d.arguments) for _, d in seen if d.index == 1] == [("now", ""), (None, "{}")]
 
 
 def test_mimo_structure():
@@ -116,8 +182,8 @@ def test_mimo_structure():
     assert r["content"] == "Checking." and r["reasoning"] == "need weather"
     r = p(MIMO["call_in_reasoning"])
     assert r["calls"] == [] and "<tool_call>" in r["reasoning"] and r["content"] == "Fine."
-    r = p(MIMO["unterminated"])
-    assert r["calls"] == [] and r["content"] == MIMO["unterminated"]
+    r = p(MIMO["unterminated"])  # the name was sent: a call, with the parameters complete by then
+    assert r["calls"] == [("get_weather", {})] and r["content"] == "Sure."
     assert p(MIMO["tag_like"])["content"] == MIMO["tag_like"]
     r = p(MIMO["two_calls"], tools=None)  # no tools: call text stays content
     assert r["calls"] == [] and "<tool_call>" in r["content"]
@@ -135,6 +201,7 @@ def test_gemma_any_split_equals_one_shot(case):
     rng = random.Random(len(text))
     for _ in range(25):
         assert run(output_parser("gemma3", None, tools=TOOLS), mimo_chunks(text, rng)) == whole
+    assert all(isinstance(args, dict) for _, args in whole["calls"])
     if case == "call":
         assert whole["calls"] == [("get_weather", {"city": "São \"Paulo\" 東京", "days": 3,
                                                    "opts": {"a": [1, {"b": None}]}}), ("now", {})]
@@ -144,6 +211,33 @@ def test_gemma_any_split_equals_one_shot(case):
     else:
         assert whole["calls"] == [] and whole["content"] == text
     assert run(output_parser("gemma3", None, tools=None), [([], text)])["calls"] == []
+
+
+GEMMA_EDGES = {  # case: (output, content, calls)
+    "text_after": ("[now()] and more", " and more", [("now", {})]),
+    "trailing_comma": ("[now(),]", "", [("now", {})]),
+    "later_not_a_call": ("[now(), 5] tail", " 5] tail", [("now", {})]),
+    "unterminated_second": ('[now(), get_weather(city="Ro', ' get_weather(city="Ro', [("now", {})]),
+    "positional": ('[get_weather("Paris")]', '[get_weather("Paris")]', []),
+    "paren_closes": ("[now)", "[now)", []),
+    "empty": ("[]", "[]", []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GEMMA_EDGES))
+def test_gemma_edge_cases(case):
+    text, content, calls = GEMMA_EDGES[case]
+    whole = run(output_parser("gemma3", None, tools=TOOLS), [([], text)])
+    assert (whole["content"], whole["calls"]) == (content, calls)
+    rng = random.Random(case)
+    for _ in range(25):
+        assert run(output_parser("gemma3", None, tools=TOOLS), mimo_chunks(text, rng)) == whole
+
+
+def test_gemma_sends_each_call_before_the_list_closes():
+    text = GEMMA["call"]
+    seen = char_by_char(output_parser("gemma3", None, tools=TOOLS), text)
+    assert [(n, d.name) for n, d in seen] == [(text.index("), now()") + 2, "get_weather"), (len(text), "now")]
 
 
 @pytest.mark.parametrize("case", sorted(HARMONY))
@@ -158,10 +252,43 @@ def test_harmony_any_split_equals_one_shot(case, harmony_tok):
         "plain": ("Just the final answer.", "", []),
         "reasoning": ("It is 4.", "Think hard.", []),
         "two_calls": ("", "need tools", [("get_weather", {"city": "São 東京", "opts": {"a": [1]}}), ("now", {})]),
-        "unterminated": ('{"x": ', "", []),
+        "unterminated": ("", "", [("now", '{"x": ')]),  # a cut call stays one, as far as it got
         "tag_like": (text, "", []),
     }[case]
     assert (whole["content"], whole["reasoning"], whole["calls"]) == expected
+
+
+HARMONY_EDGES = {  # case: (output, content, calls)
+    "not_an_object": ("<|channel|>commentary to=functions.now <|constrain|>json<|message|> 5<|call|>", "",
+                      [("now", {"value": 5})]),
+    "empty_body": ("<|channel|>commentary to=functions.now <|constrain|>json<|message|><|call|>", "", [("now", {})]),
+    "whitespace_around": ('<|channel|>commentary to=functions.now <|constrain|>json<|message|>\n {"a": 1}\n<|call|>',
+                          "", [("now", {"a": 1})]),
+    "end_tag_missing": ("<|channel|>commentary to=functions.now<|message|>[1]<|start|>assistant<|channel|>final"
+                        "<|message|>ok", "ok", [("now", {"value": [1]})]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HARMONY_EDGES))
+def test_harmony_edge_cases(case, harmony_tok):
+    text, content, calls = HARMONY_EDGES[case]
+    ids = harmony_tok.encode(text, add_special_tokens=False)
+    whole = run(output_parser("gpt_oss", harmony_tok, tools=TOOLS), [(ids, "")])
+    assert (whole["content"], whole["calls"]) == (content, calls)
+    rng = random.Random(case)
+    for _ in range(25):
+        assert run(output_parser("gpt_oss", harmony_tok, tools=TOOLS), harmony_chunks(harmony_tok, text, rng)) == whole
+
+
+def test_harmony_streams_the_name_then_the_body(harmony_tok):
+    ids = harmony_tok.encode(HARMONY["two_calls"], add_special_tokens=False)
+    p = output_parser("gpt_oss", harmony_tok, tools=TOOLS)
+    seen = [(i, d) for i, t in enumerate(ids) for d in p.feed([t], "").tool_calls]
+    message, call = harmony_tok.convert_tokens_to_ids("<|message|>"), harmony_tok.convert_tokens_to_ids("<|call|>")
+    first = [(i, d) for i, d in seen if d.index == 0]
+    assert ids[first[0][0]] == message and first[0][1].name == "get_weather"
+    body = [d.arguments for i, d in first[1:] if i < ids.index(call)]
+    assert len(body) > 1 and "".join(body) == '{"city": "São 東京", "opts": {"a": [1]}}'
 
 
 def test_harmony_without_tools_and_reasoning_flag(harmony_tok):
