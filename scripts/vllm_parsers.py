@@ -1,10 +1,17 @@
 """Run vLLM 0.32's own output parsers on a corpus (JSON on stdin) and print their structures
-(JSON on stdout): MiMo's ``MiMoParser`` and Gemma 3's ``PythonicToolParser``, each one-shot and
-streamed in the given chunks. Executed by the vLLM venv's python
-(tests/integration/test_parsers_vs_vllm.py).
+(JSON on stdout): MiMo's ``MiMoParser``, Gemma 3's ``PythonicToolParser`` and gpt-oss's
+``HarmonyParser``, each one-shot and streamed in the given chunks. Executed by the vLLM venv's
+python (tests/integration/test_parsers_vs_vllm.py, tests/integration/test_harmony_vs_vllm.py).
 
-stdin: {"tokenizer": dir, "tools": [...], "cases": [{"family", "text", "chunks", "thinking"}]}
-stdout: [{"whole": {content, reasoning, calls}, "stream": {...}}] (calls: [[name, arguments]])."""
+stdin: {"tokenizer": dir (not needed for gpt_oss), "tools": [...],
+        "cases": [{"family", "text", "chunks", "thinking"}]}; a gpt_oss case has "ids" (o200k-harmony
+        token ids) and "splits" (lists of id chunks) instead of "text" and "chunks".
+stdout: [{"whole": {content, reasoning, calls}, "stream": {...}}] (calls: [[name, arguments]]); a
+        gpt_oss case has "streams", one per split, instead of "stream".
+
+``--encode``: stdin {"texts": [...]} -> stdout {"ids": [[...]], "pieces": {id: hex of its bytes},
+"specials": {tag: id}}: the texts as o200k-harmony ids (special tokens as such), from
+openai-harmony's encoding, with what our side needs to decode them."""
 
 from __future__ import annotations
 
@@ -47,6 +54,58 @@ def _gemma(tok, tools, case):
     return {"whole": whole, "stream": _calls_list(stream)}
 
 
+def _harmony_encoding():
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def _encode(job):
+    enc = _harmony_encoding()
+    ids = [enc.encode(t, allowed_special="all") for t in job["texts"]]
+    used = {i for seq in ids for i in seq}
+    specials = {t: enc.encode(t, allowed_special="all")[0] for t in enc.special_tokens_set}
+    pieces = {i: enc.decode([i], errors="surrogateescape").encode("utf-8", "surrogateescape").hex() for i in used}
+    return {"ids": ids, "pieces": pieces, "specials": specials}
+
+
+class _HarmonyTokenizer:
+    """What vLLM's HarmonyParser asks of a tokenizer (the reasoning parser keeps it; a turn that
+    ends mid-header is decoded with it)."""
+
+    def __init__(self, enc):
+        self._enc = enc
+
+    def decode(self, ids, **_):
+        return self._enc.decode(ids)
+
+    def get_vocab(self):
+        return {}
+
+
+def _gpt_oss(_tok, tools, case):
+    from vllm.parser.harmony import HarmonyParser
+    from vllm.reasoning.gptoss_reasoning_parser import GptOssReasoningParser
+    from vllm.tool_parsers.gptoss_tool_parser import GptOssToolParser
+
+    class Parser(HarmonyParser):  # what vLLM's ParserManager composes for a gpt_oss model
+        reasoning_parser_cls = GptOssReasoningParser
+        tool_parser_cls = GptOssToolParser
+
+    tok, req = _HarmonyTokenizer(_harmony_encoding()), _request(tools)
+    ids = case["ids"]
+    reasoning, content, calls = Parser(tok, req.tools).parse(tok.decode(ids), req, enable_auto_tools=True,
+                                                             model_output_token_ids=ids)
+    whole = {"content": content or "", "reasoning": reasoning or "",
+             "calls": [[c.name, c.arguments] for c in calls or []]}
+    streams = []
+    for split in case["splits"]:
+        p, acc = Parser(tok, req.tools), {"content": "", "reasoning": "", "calls": {}}
+        for i, chunk in enumerate(split):
+            _add(acc, p.parse_delta(tok.decode(chunk), chunk, req, finished=i == len(split) - 1))
+        streams.append(_calls_list(acc))
+    return {"whole": whole, "streams": streams}
+
+
 def _add(acc, d):
     if d is None:
         return
@@ -65,10 +124,15 @@ def _calls_list(acc):
 
 
 def main() -> None:
-    from transformers import AutoTokenizer
     job = json.load(sys.stdin)
-    tok = AutoTokenizer.from_pretrained(job["tokenizer"])
-    run = {"mimo": _mimo, "gemma3": _gemma}
+    if "--encode" in sys.argv[1:]:
+        json.dump(_encode(job), sys.stdout)
+        return
+    tok = None
+    if job.get("tokenizer"):
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(job["tokenizer"])
+    run = {"mimo": _mimo, "gemma3": _gemma, "gpt_oss": _gpt_oss}
     out = []
     for case in job["cases"]:
         try:

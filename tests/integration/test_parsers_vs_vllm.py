@@ -13,9 +13,8 @@ Where vLLM is wrong we follow OpenAI's semantics and pin the difference (``VLLM_
 - Gemma, an output starting with ``[`` that is not a call list: vLLM's streaming drops it (its
   one-shot returns it as content); ours returns it as content both ways.
 - vLLM's streamed MiMo content keeps the newlines between calls that its one-shot strips.
-Not compared: gpt-oss. vLLM's harmony parser reads o200k-harmony token ids through
-openai-harmony; our tiny checkpoint's ids are its own BPE's, so the two can not be fed the same
-output (see ``llm_svc/parsers/harmony.py``)."""
+gpt-oss is compared in ``test_harmony_vs_vllm.py``: vLLM's harmony parser reads o200k-harmony
+token ids, not our tiny tokenizer's, so that corpus is encoded with openai-harmony's vocabulary."""
 
 from __future__ import annotations
 
