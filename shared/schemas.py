@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 Modality = Literal["image", "video", "audio"]
 MAX_LOGIT_BIAS = 1024
@@ -39,26 +40,32 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class TextPart(_Lenient):
+class _Part(BaseModel):
+    """A message content part: its fields are checked first (``_check_parts``), this is the backstop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Part):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Lenient):
+class ImageURL(_Part):
     url: str = Field(min_length=1)
-    detail: Literal["auto", "low", "high"] | None = None
+    detail: Literal["auto", "low", "high", "original"] | None = None  # a no-op: PART_NOOP_FIELDS
 
 
-class ImagePart(_Lenient):
+class ImagePart(_Part):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class VideoURL(_Lenient):
+class VideoURL(_Part):
     url: str = Field(min_length=1)
 
 
-class VideoPart(_Lenient):
+class VideoPart(_Part):
     type: Literal["video_url"]
     video_url: VideoURL
 
@@ -66,12 +73,12 @@ class VideoPart(_Lenient):
 AudioFormat = Literal["wav", "mp3", "flac", "ogg", "opus", "webm", "m4a", "aac"]
 
 
-class InputAudio(_Lenient):
+class InputAudio(_Part):
     data: str = Field(min_length=1, description="base64-encoded audio bytes")
-    format: AudioFormat = Field(default="wav", description="the container of ``data``")
+    format: AudioFormat = Field(default="wav", description="the container of ``data`` (a no-op: PART_NOOP_FIELDS)")
 
 
-class AudioPart(_Lenient):
+class AudioPart(_Part):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
@@ -79,6 +86,60 @@ class AudioPart(_Lenient):
 ContentPart = Annotated[
     Union[TextPart, ImagePart, VideoPart, AudioPart], Field(discriminator="type")
 ]
+
+# Content-part fields that change nothing here, accepted and ignored (a path inside the part).
+PART_NOOP_FIELDS: dict[str, str] = {
+    "image_url.detail": "images are encoded at the model's own resolution (vLLM ignores it too)",
+    "input_audio.format": "the container is read from the audio bytes (the value is still checked)",
+    "prompt_cache_breakpoint": "a hint for the provider's prompt cache (prefix caching here is automatic)",
+}
+# The part types served: type -> its fields besides ``type`` (-> the model of a field that is an object)
+_PART_FIELDS: dict[str, dict[str, type[BaseModel] | None]] = {
+    "text": {"text": None}, "image_url": {"image_url": ImageURL}, "video_url": {"video_url": VideoURL},
+    "input_audio": {"input_audio": InputAudio},
+}
+
+
+def _part_error(loc: tuple, message: str, value: Any) -> ValidationError:
+    return ValidationError.from_exception_data("ContentPart", [InitErrorDetails(
+        type=PydanticCustomError("content_part", message), loc=loc, input=value)])
+
+
+def _check_parts(role: Any, content: list) -> list:
+    """A message's content parts, checked before they are parsed: an unknown part type, or a part
+    field this server would ignore, is a 400 naming it (``messages[i].content[j].FIELD``); no-op
+    fields are dropped. An assistant's ``refusal`` part is its text, as vLLM reads it."""
+    out = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            out.append(part)
+            continue
+        kind = part.get("type")
+        fields = _PART_FIELDS.get(kind) if isinstance(kind, str) else None
+        if kind == "refusal" and role == "assistant":
+            fields = {"refusal": None}
+        if fields is None:
+            why = {"refusal": "refusal parts belong to assistant messages",
+                   "file": "file parts are not served (send images as image_url, audio as input_audio)",
+                   }.get(kind, f"unknown content part type {kind!r}")
+            served = ", ".join(_PART_FIELDS)
+            raise _part_error(("content", j, "type"), f"{why}; this server takes {served} parts", part)
+        for name, value in part.items():
+            if name == "type" or name in PART_NOOP_FIELDS:
+                continue
+            if name not in fields:
+                raise _part_error(("content", j, name), f"not a field of a {kind} part here; remove it", part)
+            nested = fields[name]
+            for key in value if nested is not None and isinstance(value, dict) else ():
+                if key not in nested.model_fields:
+                    raise _part_error(("content", j, name, key), f"not a field of {name} here; remove it", part)
+        part = {k: v for k, v in part.items() if k not in PART_NOOP_FIELDS}
+        if kind == "refusal":
+            if not isinstance(part.get("refusal"), str):
+                raise _part_error(("content", j, "refusal"), "a refusal part needs its text as a string", part)
+            part = {"type": "text", "text": part["refusal"]}
+        out.append(part)
+    return out
 
 
 class FunctionCall(BaseModel):
@@ -119,6 +180,8 @@ class ChatMessage(_Lenient):
                 if key in MESSAGE_LATER and value in (None, [], ""):
                     continue
                 raise ValueError(f"{key}: {'not supported by this server yet' if key in MESSAGE_LATER else 'unknown message field'}; remove it")
+            if isinstance(data.get("content"), list):
+                data = {**data, "content": _check_parts(data.get("role"), data["content"])}
         return data
 
     @model_validator(mode="after")
