@@ -71,4 +71,6 @@ def test_routed_experts_equal_transformers_stacked_experts():
     with torch.no_grad():  # as the engine runs it (inference mode)
         want = hf(x, idx, w)
         got = RoutedExperts.pack(hf)(x, idx, w)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # N(0, 1) weights give outputs of magnitude ~300: float32 sums in another order (the few-row
+    # kernel's vector width) differ by a few ulps of that, so the absolute bound scales with it
+    torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=1e-5)
