@@ -308,7 +308,7 @@ class _NdjsonStream:
         if self.prep.echo_text and not self.echoed:  # completions' echo: the prompt's text leads
             text, self.echoed = self.prep.echo_text + text, True
         chunk = GenerateChunk(request_id=self.prep.request_id, text=text, token_ids=out.token_ids,
-                              token_logprobs=out.token_logprobs or None)
+                              token_logprobs=out.token_logprobs or None, prompt_logprobs=out.prompt_logprobs)
         reason = (out.finish_reason or "abort") if out.final else None
         if self.prep.shaper is not None and not out.error:
             shaped = self.prep.shaper.shape(out.token_ids, text, reason)
@@ -367,16 +367,19 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
     ids: list[int] = []
     logprobs: list[float] = []
     token_logprobs: list = []
+    prompt_logprobs: list | None = None
     final: GenOutput | None = None
 
     async def consume() -> None:
-        nonlocal final
+        nonlocal final, prompt_logprobs
         async for out in stream:
             tracker.see(out)
             text.append(out.text)
             ids.extend(out.token_ids)
             logprobs.extend(out.logprobs)
             token_logprobs.extend(out.token_logprobs)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
             if out.final:
                 final = out
 
@@ -421,4 +424,5 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
         cached_tokens=final.cached_tokens,
         logprobs=logprobs if prep.return_logprobs else None,
         token_logprobs=token_logprobs if prep.return_logprobs else None,
+        prompt_logprobs=prompt_logprobs,
     )

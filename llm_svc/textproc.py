@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.schemas import SampledLogprob, SamplingParams, TokenLogprob
+from shared.schemas import CorePromptLogprob, PromptTokenLogprob, SampledLogprob, SamplingParams, TokenLogprob
 
 
 class IncrementalDetokenizer:
@@ -134,3 +134,20 @@ def logprob_entry(tokenizer, token_id: int, logprob: float, top: Sequence[tuple[
     dec = tokenizer.decode
     alts = [TokenLogprob(token_id=i, token=dec([i]), logprob=lp) for i, lp in top]
     return SampledLogprob(token_id=token_id, token=dec([token_id]), logprob=logprob, top=alts)
+
+
+def prompt_logprob_entries(tokenizer, prompt_ids: Sequence[int],
+                           scores: Sequence[CorePromptLogprob]) -> list[PromptTokenLogprob]:
+    """The engine's prompt logprobs (one per prompt position) with each token's text alone, as
+    ``logprob_entry`` writes it (each distinct id decoded once)."""
+    texts: dict[int, str] = {}
+
+    def dec(i: int) -> str:
+        t = texts.get(i)
+        if t is None:
+            t = texts[i] = tokenizer.decode([i])
+        return t
+
+    return [PromptTokenLogprob(token_id=t, token=dec(t), logprob=s.logprob, rank=s.rank,
+                               top=[TokenLogprob(token_id=i, token=dec(i), logprob=lp) for i, lp in s.top])
+            for t, s in zip(prompt_ids, scores, strict=True)]

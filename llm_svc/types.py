@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from shared.hashing import content_hash, hash_to_int
-from shared.schemas import SampledLogprob, SamplingParams
+from shared.schemas import PromptTokenLogprob, SampledLogprob, SamplingParams
 
 
 # ---------------------------------------------------------------------------- the front's request
@@ -167,6 +167,9 @@ class Request:
     decodes_since_release: int = 0
     admitted_once: bool = False
     prefill_cached: bool = False  # the computed prompt went into the prefix tree (this admission)
+    # ``prompt_logprobs`` requests: prompt positions 1..prompt_scored have been scored (in any
+    # admission); a prefix-cache hit may cover no more than that (it has no logits)
+    prompt_scored: int = 0
     # its admission needs embeddings it has by reference only: not admitted until they arrive
     awaiting_media: bool = False
 
@@ -240,6 +243,8 @@ class SeqForward:
     out_swa_slots: list[int]
     swa_ctx_start: int
     need_logits: bool  # True for the last prefill chunk and for decode steps
+    # the logits of every token of the chunk, not only the last (a prefill scoring its prompt)
+    all_logits: bool = False
     reset_full: list[int] | None = None
     reset_swa: list[int] | None = None
     # media rows injected at chunk-relative offsets: (offset_in_chunk, row_in_item, item_index)
@@ -310,6 +315,7 @@ class GenOutput:
     error_code: str | None = None  # machine-readable kind of ``error`` (e.g. "media_unavailable")
     logprobs: list[float] = field(default_factory=list)  # one per token_ids entry, if requested
     token_logprobs: list[SampledLogprob] = field(default_factory=list)  # the same with texts and alternatives
+    prompt_logprobs: list[PromptTokenLogprob] | None = None  # one per prompt token, on one output, if asked
 
     @property
     def final(self) -> bool:

@@ -1001,7 +1001,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(default=64, ge=1)
+    max_tokens: int = Field(default=64, ge=0, description="0: the prompt alone, no token generated (echo)")
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
@@ -1020,6 +1020,9 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias in [-100, 100]")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="keep tokens with p >= min_p * p_max")
     structured: StructuredSpec | None = None
+    # vLLM's: the logprob of every prompt token given the ones before it, with this many
+    # alternatives; such a request takes no prefix-cache hit (a cached prefix has no logits)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "SamplingParams":
@@ -1094,6 +1097,20 @@ class SampledLogprob(TokenLogprob):
     top: list[TokenLogprob] = Field(default_factory=list)
 
 
+class PromptTokenLogprob(BaseModel):
+    """A prompt token's log-probability given the tokens before it (None for the first token,
+    which has none), its rank in the vocabulary (1: the most likely; ties count against it) and
+    its position's ``prompt_logprobs`` most likely alternatives, under the raw model."""
+
+    model_config = WIRE_JSON
+
+    token_id: int
+    token: str
+    logprob: float | None = None
+    rank: int | None = None
+    top: list[TokenLogprob] = Field(default_factory=list)
+
+
 class ToolCallWire(BaseModel):
     """A parsed tool call (whole, in a response) or a piece of one (in a stream chunk: ``id`` and
     ``name`` on its first piece only; the ``arguments`` pieces of one ``index`` concatenate)."""
@@ -1120,6 +1137,7 @@ class GenerateResponse(BaseModel):
     cached_tokens: int = 0
     logprobs: list[float] | None = None
     token_logprobs: list[SampledLogprob] | None = None  # one per token_ids entry, if asked
+    prompt_logprobs: list[PromptTokenLogprob] | None = None  # one per prompt token, if asked: on one chunk
 
 
 class GenerateChunk(BaseModel):
@@ -1138,6 +1156,7 @@ class GenerateChunk(BaseModel):
     cached_tokens: int | None = None
     error: str | None = None
     token_logprobs: list[SampledLogprob] | None = None  # one per token_ids entry, if asked
+    prompt_logprobs: list[PromptTokenLogprob] | None = None  # one per prompt token, if asked
 
 
 class ServiceLimits(BaseModel):
@@ -1193,6 +1212,7 @@ class CoreSampling(msgspec.Struct, frozen=True):
     logit_bias: dict[int, float] = {}
     min_p: float = 0.0
     structured: tuple[str, str, bool | None] | None = None  # StructuredSpec's (kind, spec, any_whitespace)
+    prompt_logprobs: int | None = None
 
 
 class CoreAdd(msgspec.Struct, tag="add"):
@@ -1233,9 +1253,19 @@ class CoreMedia(msgspec.Struct, tag="media"):
 CoreInput = Union[CoreAdd, CoreAbort, CoreShutdown, CoreMedia]
 
 
+class CorePromptLogprob(msgspec.Struct, array_like=True):
+    """A prompt position's logprob (``PromptTokenLogprob`` without the texts, which the front
+    adds): None for position 0; ``top``: (token id, logprob) of its most likely alternatives."""
+
+    logprob: float | None = None
+    rank: int | None = None
+    top: list[tuple[int, float]] = []
+
+
 class CoreToken(msgspec.Struct, array_like=True):
     """One step's result for one request: a sampled token (or none, for a finish without one)
-    and, on the last, ``finish_reason``; ``error`` (with ``status``, 4xx or 5xx) fails it."""
+    and, on the last, ``finish_reason``; ``error`` (with ``status``, 4xx or 5xx) fails it.
+    ``prompt_logprobs`` (one per prompt position) rides on the request's first output."""
 
     request_id: str
     token_id: int | None = None
@@ -1245,6 +1275,7 @@ class CoreToken(msgspec.Struct, array_like=True):
     error: str | None = None
     status: int = 0
     top: list[tuple[int, float]] | None = None  # (token id, logprob) of the top_logprobs alternatives
+    prompt_logprobs: list[CorePromptLogprob] | None = None
 
 
 class CoreStats(msgspec.Struct):

@@ -194,6 +194,9 @@ class HFBackend(Backend):
         if s.structured is not None:
             raise InvalidRequest("the hf backend has no structured outputs; use the swa backend for "
                                  "response_format and structured_outputs", param="response_format")
+        if s.prompt_logprobs is not None or s.max_tokens == 0:
+            raise InvalidRequest("the hf backend scores no prompts; use the swa backend for prompt_logprobs, echo "
+                                 "with logprobs and max_tokens=0", param="prompt_logprobs" if s.max_tokens else "max_tokens")
         stream = RequestStream(req.request_id, asyncio.get_running_loop())
         with self._lock:
             self._aborted[req.request_id] = threading.Event()

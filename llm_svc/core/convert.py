@@ -38,6 +38,7 @@ def to_core_add(prep: PreparedRequest, epoch: int, request_id: str | None = None
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_p=s.min_p,
         structured=None if s.structured is None else (s.structured.kind, s.structured.spec, s.structured.any_whitespace),
+        prompt_logprobs=s.prompt_logprobs,
     )
     return CoreAdd(
         epoch=epoch, request_id=prep.request_id if request_id is None else request_id, prompt_ids=list(prep.prompt_ids), sampling=sampling,
@@ -58,6 +59,7 @@ def from_core_add(msg: CoreAdd, device: torch.device, dtype: torch.dtype) -> Pre
         logit_bias=dict(s.logit_bias), min_p=s.min_p,
         structured=None if s.structured is None else StructuredSpec.model_construct(
             kind=s.structured[0], spec=s.structured[1], any_whitespace=s.structured[2]),
+        prompt_logprobs=s.prompt_logprobs,
     )
     return PreparedRequest(
         request_id=msg.request_id, prompt_ids=list(msg.prompt_ids), sampling=sampling,

@@ -10,7 +10,7 @@ from shared.schemas import CoreToken
 
 from ..types import GenOutput
 from ..types import PreparedRequest
-from ..textproc import OutputText, logprob_entry
+from ..textproc import OutputText, logprob_entry, prompt_logprob_entries
 
 
 @dataclass
@@ -63,6 +63,8 @@ class OutputProcessor:
                                  prompt_tokens=len(p.prep.prompt_ids), completion_tokens=p.num_out))
             return False
         out = GenOutput()
+        if t.prompt_logprobs is not None:
+            out.prompt_logprobs = prompt_logprob_entries(self.tokenizer, p.prep.prompt_ids, t.prompt_logprobs)
         if t.token_id is not None:
             p.num_out += 1
             out.token_ids = [t.token_id]

@@ -29,6 +29,7 @@ import torch
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
 from llm_svc.engine.grammar import GrammarCache, GrammarError, Matcher, apply_grammars
+from llm_svc.engine.prompt_logprobs import PromptScores
 from llm_svc.engine.sampler import make_generator, sample, suppress
 from llm_svc.engine.scheduler import Scheduler
 from llm_svc.errors import InvalidRequest
@@ -49,6 +50,7 @@ class _Live:
     generator: torch.Generator | None
     history: TokenHistory | None = None  # penalised requests: prompt tokens and output counts
     matcher: Matcher | None = None  # structured outputs: the grammar's state
+    prompt: PromptScores | None = None  # prompt_logprobs: scored during prefill, sent with the first output
 
 
 @dataclass
@@ -117,10 +119,13 @@ class Engine:
             self._compiling[req.req_id] = _Compiling(req, self.grammars.submit(prep.sampling.structured))
         else:
             self._queue(req)
-        self._live[req.req_id] = _Live(prep, gen)
+        k = prep.sampling.prompt_logprobs
+        self._live[req.req_id] = _Live(prep, gen, prompt=PromptScores(prep.prompt_ids, k) if k is not None else None)
 
     def _queue(self, req: Request) -> None:
-        fut = self.tiers.prefetch(req.all_keys[:-1]) if self.tiers is not None else None
+        # a request scoring its prompt takes no cached prefix: nothing to fetch for it
+        fetch = self.tiers is not None and req.sampling.prompt_logprobs is None
+        fut = self.tiers.prefetch(req.all_keys[:-1]) if fetch else None
         if fut is not None:  # queued once its L3 lookup is back (see _admit_prefetched)
             self._prefetching[req.req_id] = _Prefetch(req, fut, time.monotonic() + self.tiers.prefetch_timeout)
         else:
@@ -269,7 +274,8 @@ class Engine:
             return
         self._affected = [sf.req_id for sf in batch.seqs]
         logits = self.runner.run(batch)
-        ids = list(logits)
+        self._score_prompts(batch, logits)
+        ids = [rid for rid in logits if self._live[rid].prep.sampling.max_tokens > 0]  # 0: the prompt alone
         tokens: dict[str, int] = {}
         stop_now: set[str] = set()
         logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
@@ -322,6 +328,19 @@ class Engine:
         if tiers is not None:
             tiers.write_notes()
 
+    def _score_prompts(self, batch, logits: dict[str, torch.Tensor]) -> None:
+        """The prompt rows of ``all_logits`` seqs go to their requests' ``PromptScores``; ``logits``
+        keeps only the last row of each (the one to sample from, when it has ``need_logits``)."""
+        for sf in batch.seqs:
+            if not sf.all_logits:
+                continue
+            rows = logits.pop(sf.req_id)  # [n, vocab]
+            lv = self._live.get(sf.req_id)
+            if lv is not None and lv.prompt is not None:
+                lv.prompt.add(rows, sf.start)
+            if sf.need_logits:
+                logits[sf.req_id] = rows[-1]
+
     @staticmethod
     def _advance_grammars(ids: list[str], lives: list[_Live], sampled: list[int],
                           stuck: set[str]) -> tuple[set[str], list[str]]:
@@ -339,10 +358,16 @@ class Engine:
         return done, broken
 
     def _emit(self, o: StepOutput, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
-        if o.req_id not in self._live:
+        lv = self._live.get(o.req_id)
+        if lv is None:
             return
+        prompt = None
+        if lv.prompt is not None:  # the first output: the prefill scored every prompt position
+            assert lv.prompt.complete, f"{o.req_id}: prompt logprobs incomplete at its first output"
+            prompt, lv.prompt = lv.prompt.entries, None
         reason = o.finish_reason if o.finished else None
-        self._out.append(CoreToken(o.req_id, o.token_id, logprob, reason, o.num_cached_tokens, top=top or None))
+        self._out.append(CoreToken(o.req_id, o.token_id, logprob, reason, o.num_cached_tokens, top=top or None,
+                                   prompt_logprobs=prompt))
         if reason is not None:
             self._live.pop(o.req_id, None)
 

@@ -3,7 +3,7 @@ one ``ForwardBatch``. No policy.
 
 Input: the scheduler's batch (prefill chunks and decodes mixed, in any order; only the slots
 that changed, see ``llm_svc.engine.forward_batch``). Output: logits of the last token of every
-sequence with ``need_logits``.
+sequence with ``need_logits``, and of every token of a sequence with ``all_logits``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
-        """Execute the batch; returns ``{req_id: logits [vocab] float32}`` for ``need_logits`` seqs."""
+        """Execute the batch; returns ``{req_id: logits float32}``: ``[vocab]`` (its last token's)
+        for a ``need_logits`` seq, ``[n, vocab]`` (each of its n tokens', the last included) for an
+        ``all_logits`` seq."""
         assert batch.seqs, "empty batch"
         if self.threads is not None:
             self.threads.apply(batch.num_tokens)
@@ -73,13 +75,17 @@ class ModelRunner:
                                  device=self.device)
         meta = self.attn.prepare(batch, tables, self.model.window, self.device)
         h = self.model.forward(self._input_embeds(batch), positions, self.kv, self.attn, meta)
-        last, ids, row = [], [], 0
+        rows: list[int] = []
+        spans: list[tuple[str, int, int, bool]] = []  # (req_id, first row in ``rows``, count, all rows)
+        row = 0
         for sf in batch.seqs:
-            row += len(sf.token_ids)
-            if sf.need_logits:
-                last.append(row - 1)
-                ids.append(sf.req_id)
-        if not last:
+            n = len(sf.token_ids)
+            if sf.all_logits or sf.need_logits:
+                take = range(row, row + n) if sf.all_logits else range(row + n - 1, row + n)
+                spans.append((sf.req_id, len(rows), len(take), sf.all_logits))
+                rows.extend(take)
+            row += n
+        if not rows:
             return {}
-        logits = self.model.logits(h[torch.tensor(last, dtype=torch.long, device=self.device)])
-        return dict(zip(ids, logits))
+        logits = self.model.logits(h[torch.tensor(rows, dtype=torch.long, device=self.device)])  # [R, vocab]
+        return {rid: logits[i:i + k] if every else logits[i] for rid, i, k, every in spans}

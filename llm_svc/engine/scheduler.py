@@ -20,6 +20,11 @@ One engine step: ``schedule()`` -> runner -> ``postprocess(batch, next_tokens)``
 * When a decode cannot get a slot, the newest running request not already in this step's batch
   is preempted: its computed KV goes into the prefix tree (or is freed without caching) and it
   is requeued first, to recompute prompt + outputs so far.
+* Prompt logprobs (``sampling.prompt_logprobs``): a chunk that holds prompt positions not yet
+  scored asks the runner for the logits of all its tokens (``all_logits``); row p scores prompt
+  token p + 1, so chunk i's last row scores chunk i + 1's first token. A cached prefix has no
+  logits, so such a request's prefix-cache match stops at ``prompt_scored`` (nothing on a first
+  admission; after a preemption, what it already scored); it still puts its prompt in the tree.
 * Media by reference: a request's items may be known by key only (``mm_items[i] is None``).
   Admission computes the cached prefix first; when a media span ends past it and its item is
   missing, the request is not admitted: it is marked ``awaiting_media`` (skipped by admission)
@@ -205,8 +210,8 @@ class Scheduler:
             for req in order:
                 if budget < 1 or len(self.running) >= cfg.max_running:
                     break
-                if prefilling and req.prompt_sig in prefilling:
-                    continue
+                if prefilling and req.prompt_sig in prefilling and self._matchable(req, req.num_tokens) > 0:
+                    continue  # (one that may take no cached prefix, e.g. scoring its prompt, need not wait)
                 sf = self._admit(req, budget, fallback=not self.running and not seqs)
                 if sf is AWAIT_MEDIA:
                     continue
@@ -218,6 +223,19 @@ class Scheduler:
                 in_batch.add(req.req_id)
                 budget -= len(sf.token_ids)
         return ForwardBatch(seqs)
+
+    @staticmethod
+    def _matchable(req: Request, total: int) -> int:
+        """How many of ``req``'s ``total`` keys a prefix-cache match may cover: all but the last,
+        or for a request still scoring its prompt, only the positions it has scored."""
+        if req.sampling.prompt_logprobs is None or req.prompt_scored >= len(req.prompt_ids) - 1:
+            return total - 1
+        return min(total - 1, req.prompt_scored)
+
+    @staticmethod
+    def _scores(req: Request, end: int) -> bool:
+        """A chunk ending at ``end`` holds prompt positions ``req`` has yet to score."""
+        return req.sampling.prompt_logprobs is not None and min(end, len(req.prompt_ids) - 1) > req.prompt_scored
 
     def _chunk_end(self, req: Request, start: int, budget: int) -> int:
         """End of the next chunk from ``start``: at most ``budget`` tokens, never splitting a
@@ -246,7 +264,7 @@ class Scheduler:
         forbidden = [(s, s + n) for s, n, _ in req.mm_spans] if req.bidirectional else []
         for attempt in (0, 1) if fallback else (0,):
             seq = (
-                self.kv.start(keys[: total - 1], forbidden, req.swa_checkpoints, len(req.prompt_ids))
+                self.kv.start(keys[: self._matchable(req, total)], forbidden, req.swa_checkpoints, len(req.prompt_ids))
                 if attempt == 0 else self.kv.start([], prompt_end=len(req.prompt_ids))
             )
             start = seq.cached_len
@@ -312,6 +330,7 @@ class Scheduler:
             out_swa_slots=kv.swa[start:end],
             swa_ctx_start=swa_start,
             need_logits=end == req.num_tokens,
+            all_logits=self._scores(req, end),
             reset_full=reset_full,
             reset_swa=reset_swa,
             mm_rows=mm_rows,
@@ -322,7 +341,8 @@ class Scheduler:
     def postprocess(self, batch: ForwardBatch, next_tokens: dict[str, int],
                     stop: set[str] | frozenset[str] = frozenset()) -> list[StepOutput]:
         """Mark the batch's KV written, append sampled tokens (``next_tokens[req_id]`` for every
-        seq with ``need_logits``), finish requests (and those in ``stop`` with "stop", e.g. a
+        seq with ``need_logits``, but a request with ``max_tokens == 0``: it finishes with its
+        prefill, "length", without a token), finish requests (and those in ``stop`` with "stop", e.g. a
         completed grammar), and release out-of-window SWA slots."""
         outs: list[StepOutput] = []
         with self._lock:
@@ -332,6 +352,8 @@ class Scheduler:
                     continue  # aborted or finished while the step ran (or an id reused since)
                 end = sf.end
                 req.num_computed = end
+                if sf.all_logits:
+                    req.prompt_scored = max(req.prompt_scored, min(end, len(req.prompt_ids) - 1))
                 if self.config.l3_page_tokens and not req.prefill_cached:
                     if sf.need_logits or any(sf.start < c <= end for c in req.swa_checkpoints):
                         # before the release below: the windows at this chunk's boundaries
@@ -345,6 +367,10 @@ class Scheduler:
                     if self.config.release_swa:
                         self.kv.release_window(req.kv, end - self.config.window - 1)
                     self.kv.cache_prefix(req.kv, req.all_keys, end)
+                if sf.need_logits and req.sampling.max_tokens == 0:  # the prompt alone (echo)
+                    self._finish(req, "length")
+                    outs.append(StepOutput(req.req_id, None, True, "length", req.num_cached_tokens))
+                    continue
                 if sf.need_logits:
                     tok = int(next_tokens[sf.req_id])
                     req.output_ids.append(tok)
