@@ -9,7 +9,8 @@ dominate the cost).
                  "variants": {label: {SamplingParams field: value}} (optional: more greedy runs, e.g. penalties;
                               "structured_outputs": {...} makes a run that stops at EOS, not ignore_eos)}]
     OUT.json:  {name: [{"tokens": [...], "logprobs": [{token_id: logprob} per step]} per prompt],
-                "name/label": the same for each variant}
+                "name/label": the same for each variant, plus "prompt_logprobs": [null, {token_id: [logprob, rank]}
+                              per later prompt position] when the variant sets prompt_logprobs}
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ def main(jobs_path: str, out_path: str) -> int:
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], sp, use_tqdm=False)
             results[key] = [
                 {"tokens": list(o.outputs[0].token_ids),
-                 "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs]}
+                 "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs],
+                 **({"prompt_logprobs": [None if pos is None else {str(t): [float(lp.logprob), lp.rank]
+                                                                   for t, lp in pos.items()}
+                                         for pos in o.prompt_logprobs]} if sp.prompt_logprobs is not None else {})}
                 for o in outs
             ]
         del llm

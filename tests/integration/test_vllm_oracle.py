@@ -99,16 +99,19 @@ def _inputs_key(vllm_python: str, checkpoints: dict[str, Path], jobs: list[dict]
 
 @pytest.fixture(scope="module")
 def vllm_results(vllm_python, checkpoints, tmp_path_factory) -> dict:
-    """vLLM's answers; kept under ~/.cache/mmserve/vllm-oracle keyed by a hash of all its inputs
-    (the checkpoints are seeded, so a repeat run with unchanged writers reuses them and only our
-    side is recomputed; any change to a checkpoint, prompt, script or vLLM reruns vLLM)."""
-    work = tmp_path_factory.mktemp("vllm-run")
     # trust_remote_code: the V2.5 directory's config class is its own configuration_mimo_v2.py, as on the hub
     jobs = [{"name": n, "model": str(d), "prompts": _prompts(), "max_tokens": MAX_TOKENS, "logprobs": 5,
              "trust_remote_code": (d / "configuration_mimo_v2.py").exists(),
              **({"variants": {**VARIANTS, **{f"so-{k}": {"structured_outputs": v, "max_tokens": STRUCTURED_MAX_TOKENS}
                                              for k, v in STRUCTURED.items()}}} if n == VARIANT_MODEL else {})}
             for n, d in checkpoints.items()]
+    return run_vllm(vllm_python, checkpoints, jobs, tmp_path_factory.mktemp("vllm-run"))
+
+
+def run_vllm(vllm_python: str, checkpoints: dict[str, Path], jobs: list[dict], work: Path) -> dict:
+    """vLLM's answers to ``jobs``; kept under ~/.cache/mmserve/vllm-oracle keyed by a hash of all
+    its inputs (the checkpoints are seeded, so a repeat run with unchanged writers reuses them and
+    only our side is recomputed; any change to a checkpoint, prompt, script or vLLM reruns vLLM)."""
     cached = CACHE_DIR / "vllm-oracle" / f"{_inputs_key(vllm_python, checkpoints, jobs)}.json"
     if cached.exists():
         return json.loads(cached.read_text())
@@ -200,3 +203,41 @@ def test_structured_outputs_match_vllm(kind, checkpoints, vllm_results):
     for i in range(len(preps)):
         assert streams[f"p{i}"].tokens == ref[i]["tokens"], (kind, i, lm.tokenizer.decode(streams[f"p{i}"].tokens),
                                                               lm.tokenizer.decode(ref[i]["tokens"]))
+
+
+PROMPT_K = 5
+
+
+@pytest.fixture(scope="module")
+def vllm_prompt_results(vllm_python, checkpoints, tmp_path_factory) -> dict:
+    d = checkpoints[VARIANT_MODEL]
+    jobs = [{"name": VARIANT_MODEL, "model": str(d), "prompts": _prompts(), "max_tokens": 1, "logprobs": 1,
+             "variants": {"prompt": {"prompt_logprobs": PROMPT_K}}}]
+    return run_vllm(vllm_python, checkpoints, jobs, tmp_path_factory.mktemp("vllm-prompt"))
+
+
+@pytest.mark.timeout(1800)
+def test_prompt_logprobs_match_vllm(checkpoints, vllm_prompt_results):
+    """vLLM's ``prompt_logprobs`` (none for the first token; then the prompt token's logprob and
+    rank, and the top 5): the engine's equal them, ids equal and values within 1e-3, with a
+    chunk of 16 tokens (the 40- and 100-token prompts span several; a chunk's last row scores
+    the next chunk's first token)."""
+    lm = load_lm(str(checkpoints[VARIANT_MODEL]))
+    prompts, ref = _prompts(), vllm_prompt_results[f"{VARIANT_MODEL}/prompt"]
+    preps = [PreparedRequest(request_id=f"p{i}", prompt_ids=p,
+                             sampling=SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=PROMPT_K))
+             for i, p in enumerate(prompts)]
+    streams = run_to_end(make_engine(lm, max_batch_tokens=16), preps)
+    worst = 0.0
+    for i, p in enumerate(prompts):
+        ours = next(o.prompt_logprobs for o in streams[f"p{i}"].outs if o.prompt_logprobs is not None)
+        want = ref[i]["prompt_logprobs"]
+        assert len(ours) == len(want) == len(p) and want[0] is None and ours[0].logprob is None
+        for pos, (e, w) in enumerate(zip(ours[1:], want[1:]), start=1):
+            lp, rank = w[str(p[pos])]
+            assert e.rank == rank, (i, pos, e.rank, rank)
+            top = sorted((t for t in w if w[t][1] <= PROMPT_K), key=lambda t: w[t][1])
+            assert [str(a.token_id) for a in e.top] == top, (i, pos)
+            worst = max([worst, abs(e.logprob - lp)] + [abs(a.logprob - w[str(a.token_id)][0]) for a in e.top])
+    print(f"\n[vllm-oracle] prompt logprobs: max |diff| {worst:.2e}", file=sys.stderr)
+    assert worst < 1e-3
