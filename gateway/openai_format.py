@@ -29,7 +29,10 @@ from shared.schemas import (
     ToolCallOut,
     ToolCallWire,
     GenerateResponse,
+    PromptLogprobs,
+    PromptTokenLogprob,
     PromptTokensDetails,
+    RankedLogprob,
     Usage,
 )
 
@@ -83,8 +86,24 @@ def delta_tool_calls(pieces: list[ToolCallWire] | None) -> list[DeltaToolCall] |
             for p in pieces]
 
 
-def chat_completion(resps: list[GenerateResponse], model: str, cid: str, created: int) -> ChatCompletion:
-    """One choice per response (``n``); usage counts the prompt once (it is computed once)."""
+def prompt_logprobs(entries: list[PromptTokenLogprob] | None, k: int | None) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt position (None for the first) the prompt token
+    and its ``k`` most likely alternatives, by token id (None: not asked)."""
+    if entries is None or k is None:
+        return None
+    out: PromptLogprobs = [None]
+    for e in entries[1:]:
+        pos = {e.token_id: RankedLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.token)}
+        for rank, a in enumerate(e.top[:k], start=1):
+            pos.setdefault(a.token_id, RankedLogprob(logprob=a.logprob, rank=rank, decoded_token=a.token))
+        out.append(pos)
+    return out
+
+
+def chat_completion(resps: list[GenerateResponse], model: str, cid: str, created: int,
+                    prompt_top: int | None = None) -> ChatCompletion:
+    """One choice per response (``n``); usage counts the prompt once (it is computed once);
+    ``prompt_top``: the alternatives per position of vLLM's ``prompt_logprobs`` (None: none)."""
     choices = [Choice(index=i, message=assistant_message(r), finish_reason=r.finish_reason,
                       logprobs=choice_logprobs(r.token_logprobs)) for i, r in enumerate(resps)]
     first = resps[0]
@@ -94,6 +113,7 @@ def chat_completion(resps: list[GenerateResponse], model: str, cid: str, created
         model=model,
         choices=choices,
         usage=usage(first.prompt_tokens, sum(r.completion_tokens for r in resps), first.cached_tokens),
+        prompt_logprobs=prompt_logprobs(first.prompt_logprobs, prompt_top),
     )
 
 
@@ -102,27 +122,37 @@ def sse_error(message: str, type: str = "upstream_error") -> bytes:
     return sse({"error": {"message": message, "type": type, "param": None, "code": None}})
 
 
-def completion_logprobs(entries: list[SampledLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
+def completion_logprobs(entries: list[SampledLogprob] | None, offset: int = 0,
+                        prompt: list[PromptTokenLogprob] | None = None, prompt_top: int = 0) -> CompletionLogprobs | None:
     """Our per-token logprobs in the legacy completions form; ``offset``: characters before the
-    first token in the choice's text."""
-    if entries is None:
+    first token in the choice's text. ``prompt`` (echo): the prompt's tokens lead, with their
+    ``prompt_top`` best alternatives (the first token's logprob and alternatives are null)."""
+    if entries is None and prompt is None:
         return None
     out = CompletionLogprobs()
-    for e in entries:
-        out.tokens.append(e.token)
-        out.token_logprobs.append(e.logprob)
-        out.top_logprobs.append({a.token: a.logprob for a in e.top})
+    rows = [(e.token, e.logprob, None if e.logprob is None else {a.token: a.logprob for a in e.top[:prompt_top]})
+            for e in prompt or ()]
+    rows += [(e.token, e.logprob, {a.token: a.logprob for a in e.top}) for e in entries or ()]
+    for token, lp, top in rows:
+        out.tokens.append(token)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append(top)
         out.text_offset.append(offset)
-        offset += len(e.token)
+        offset += len(token)
     return out
 
 
 def text_completion(resps: list[GenerateResponse], model: str, cid: str, created: int, logprobs: bool,
-                    n: int = 1) -> Completion:
+                    n: int = 1, echo_top: int | None = None, prompt_top: int | None = None) -> Completion:
     """``n`` choices per prompt of the batch (prompt-major), usage summed over them, each prompt
-    counted once."""
+    counted once. ``echo_top``: echo with logprobs (the prompt's tokens lead the logprobs, with
+    this many alternatives); ``prompt_top``: alternatives per position of vLLM's
+    ``prompt_logprobs`` field (None: no field)."""
+    echoed = echo_top is not None
     choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                                logprobs=completion_logprobs(r.token_logprobs if logprobs else None))
+                                logprobs=completion_logprobs(r.token_logprobs, prompt=r.prompt_logprobs if echoed else None,
+                                                             prompt_top=echo_top or 0) if logprobs else None,
+                                prompt_logprobs=prompt_logprobs(r.prompt_logprobs, prompt_top))
                for i, r in enumerate(resps)]
     u = usage(sum(r.prompt_tokens for r in resps[::n]), sum(r.completion_tokens for r in resps),
               sum(r.cached_tokens for r in resps[::n]))
@@ -132,9 +162,10 @@ def text_completion(resps: list[GenerateResponse], model: str, cid: str, created
 class CompletionChunkWriter:
     """The SSE events of one streamed text completion (one prompt)."""
 
-    def __init__(self, cid: str, created: int, model: str, include_usage: bool, logprobs: bool) -> None:
+    def __init__(self, cid: str, created: int, model: str, include_usage: bool, logprobs: bool,
+                 echo_top: int = 0) -> None:
         self.cid, self.created, self.model = cid, created, model
-        self.include_usage, self.logprobs = include_usage, logprobs
+        self.include_usage, self.logprobs, self.echo_top = include_usage, logprobs, echo_top
         self._offset: dict[int, int] = {}  # per choice: characters of text so far
 
     def _event(self, choices: list[CompletionChoice], u: Usage | None = None) -> bytes:
@@ -147,9 +178,13 @@ class CompletionChunkWriter:
         return []
 
     def content(self, text: str, entries: list[SampledLogprob] | None = None, reasoning: str | None = None,
-                tool_calls: list[ToolCallWire] | None = None, index: int = 0) -> bytes:
-        lp = completion_logprobs(entries, self._offset.get(index, 0)) if self.logprobs and entries is not None else None
-        self._offset[index] = self._offset.get(index, 0) + sum(len(e.token) for e in entries or ())
+                tool_calls: list[ToolCallWire] | None = None, index: int = 0,
+                prompt_logprobs: list[PromptTokenLogprob] | None = None) -> bytes:
+        """``prompt_logprobs`` (echo with logprobs: on the first content) lead the logprobs."""
+        lp = None
+        if self.logprobs and (entries is not None or prompt_logprobs is not None):
+            lp = completion_logprobs(entries, self._offset.get(index, 0), prompt_logprobs, self.echo_top)
+            self._offset[index] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else self._offset.get(index, 0)
         return self._event([CompletionChoice(index=index, text=text, logprobs=lp)])
 
     def finish(self, reason: FinishReason, index: int = 0) -> bytes:
@@ -193,7 +228,9 @@ class ChunkWriter:
         return [self.role(index)]
 
     def content(self, text: str, logprobs: list[SampledLogprob] | None = None, reasoning: str | None = None,
-                tool_calls: list[ToolCallWire] | None = None, index: int = 0) -> bytes:
+                tool_calls: list[ToolCallWire] | None = None, index: int = 0,
+                prompt_logprobs: list[PromptTokenLogprob] | None = None) -> bytes:
+        """``prompt_logprobs``: never in a chat stream (refused with stream=true)."""
         delta = DeltaMessage(content=text or None if (reasoning or tool_calls) else text,
                              reasoning=reasoning or None, reasoning_content=reasoning or None,
                              tool_calls=delta_tool_calls(tool_calls))

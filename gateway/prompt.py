@@ -41,6 +41,7 @@ def sampling_params(req: GenerationFields, default_max_tokens: int) -> SamplingP
     if req.logit_bias:
         kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     kw["structured"] = req.structured_spec()
+    kw["prompt_logprobs"] = req.prompt_logprobs_wanted()
     return SamplingParams(**kw)
 
 

@@ -222,7 +222,7 @@ class ResponsesEventWriter:
                 self._ev({"type": "response.in_progress", "response": body})]
 
     def content(self, text: str, logprobs=None, reasoning: str | None = None,
-                tool_calls: list[ToolCallWire] | None = None, index: int = 0) -> bytes:
+                tool_calls: list[ToolCallWire] | None = None, index: int = 0, prompt_logprobs=None) -> bytes:
         out = b""
         if reasoning:
             self.reasoning += reasoning

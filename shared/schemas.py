@@ -389,6 +389,8 @@ class GenerationFields(_Lenient):
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: each prompt token's logprob and this many alternatives (``prompt_logprobs`` of the answer)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="before")
     @classmethod
@@ -450,6 +452,11 @@ class GenerationFields(_Lenient):
     def output_cap(self) -> int | None:
         return self.max_tokens
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Alternatives per prompt position the answer carries, or None (not asked, or streamed:
+        a stream has no place for them)."""
+        return None if self.stream else self.prompt_logprobs
+
     def effective_max_tokens(self, default: int) -> int:
         """The request's cap, or ``default`` (raised to ``min_tokens`` when that asks for more)."""
         return self.output_cap() or max(default, self.min_tokens)
@@ -466,6 +473,12 @@ class GenerationFields(_Lenient):
         cap = self.output_cap()
         if cap is not None and self.min_tokens > cap:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({cap})")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> "GenerationFields":
+        if self.stream and self.prompt_logprobs:  # vLLM's rule: a stream has no place for them
+            raise ValueError("prompt_logprobs: not available when stream=true; send the request unstreamed")
         return self
 
 
@@ -621,9 +634,13 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/comp
 
 class CompletionRequest(GenerationFields):
     """OpenAI's legacy ``/v1/completions``: a prompt string or token ids (or a batch of either:
-    one choice each, not streamed), ``logprobs`` = how many alternatives per token, ``echo``."""
+    one choice each, not streamed), ``logprobs`` = how many alternatives per token, ``echo``.
+    With ``echo`` and ``logprobs`` the logprobs cover the prompt's tokens too (the first one's is
+    null: vLLM's ``prompt_logprobs``), and ``max_tokens=0`` answers the prompt alone (vLLM's; what
+    lm-evaluation-harness sends for loglikelihoods)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -631,6 +648,23 @@ class CompletionRequest(GenerationFields):
 
     def output_cap(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else max(COMPLETION_DEFAULT_MAX_TOKENS, self.min_tokens)
+
+    def effective_max_tokens(self, default: int) -> int:
+        return self.output_cap()  # never None here; 0 stays 0
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Alternatives per prompt position the answer needs, or None: ``prompt_logprobs``, and
+        with ``echo`` and ``logprobs`` the echoed prompt's (streamed too: they lead the stream)."""
+        echoed = self.logprobs if self.echo else None
+        own = super().prompt_logprobs_wanted()
+        return echoed if own is None else own if echoed is None else max(own, echoed)
+
+    def prompt_logprobs_field(self) -> int | None:
+        """Alternatives per position of the answer's vLLM ``prompt_logprobs`` field (None: no
+        field): vLLM's rule, ``prompt_logprobs`` or else ``logprobs`` when echoed."""
+        if self.stream:
+            return None
+        return self.prompt_logprobs if self.prompt_logprobs is not None else self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each a string or a list of token ids."""
@@ -646,8 +680,8 @@ class CompletionRequest(GenerationFields):
             raise ValueError("prompt must not be empty")
         if self.suffix:
             raise ValueError("suffix: not supported by this server (no model here is trained for insertion); remove it")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs the prompt's logprobs, not served yet; drop one of them")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 answers the prompt alone: it needs echo=true")
         if self.stream and len(prompts) > 1:
             raise ValueError("prompt: send one prompt per streamed request (a batch is answered whole)")
         return self
@@ -755,6 +789,27 @@ class Choice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
 
 
+class RankedLogprob(BaseModel):
+    """vLLM's ``Logprob``: a token's logprob, its rank in the vocabulary (1: the most likely) and
+    its text; ``prompt_logprobs`` maps token ids to these."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs`` of an answer: per prompt position (None for the first) the prompt
+# token and the asked-for most likely alternatives, by token id
+PromptLogprobs = list[dict[int, RankedLogprob] | None]
+
+
+def _omit_none(data: dict, *keys: str) -> dict:
+    for k in keys:
+        if data.get(k) is None:
+            data.pop(k, None)
+    return data
+
+
 class ChatCompletion(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -762,12 +817,19 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[Choice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked (one list: the prompt is shared)
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        return _omit_none(handler(self), "prompt_logprobs")
 
 
 class CompletionLogprobs(BaseModel):
+    """The legacy shape; with ``echo`` the prompt's tokens lead, the first with null logprobs."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -776,6 +838,11 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: OpenAIFinishReason | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when computed
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        return _omit_none(handler(self), "prompt_logprobs")
 
 
 class Completion(BaseModel):
@@ -1137,7 +1204,7 @@ class GenerateResponse(BaseModel):
     cached_tokens: int = 0
     logprobs: list[float] | None = None
     token_logprobs: list[SampledLogprob] | None = None  # one per token_ids entry, if asked
-    prompt_logprobs: list[PromptTokenLogprob] | None = None  # one per prompt token, if asked: on one chunk
+    prompt_logprobs: list[PromptTokenLogprob] | None = None  # one per prompt token, if asked
 
 
 class GenerateChunk(BaseModel):
@@ -1156,7 +1223,7 @@ class GenerateChunk(BaseModel):
     cached_tokens: int | None = None
     error: str | None = None
     token_logprobs: list[SampledLogprob] | None = None  # one per token_ids entry, if asked
-    prompt_logprobs: list[PromptTokenLogprob] | None = None  # one per prompt token, if asked
+    prompt_logprobs: list[PromptTokenLogprob] | None = None  # one per prompt token, if asked: on one chunk
 
 
 class ServiceLimits(BaseModel):

@@ -118,7 +118,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def plain() -> dict:
-        return chat_completion(await _generate(state, body, cid), body.model, cid, created).model_dump()
+        return chat_completion(await _generate(state, body, cid), body.model, cid, created,
+                               prompt_top=body.prompt_logprobs_wanted()).model_dump()
 
     return await answer(request, state, cid, start, body.stream, plain, lambda: _open(state, body, cid),
                         ChunkWriter(cid, created, body.model, include_usage))
@@ -207,11 +208,12 @@ async def sse_events(
                 if chunk.error:
                     yield writer.error(f"generation failed: {chunk.error}")
                     break
-                if chunk.text or chunk.token_logprobs or chunk.reasoning or chunk.tool_calls:
+                if chunk.text or chunk.token_logprobs or chunk.reasoning or chunk.tool_calls or chunk.prompt_logprobs:
                     if first_token:
                         state.metrics.ttft.observe(time.monotonic() - start)
                         first_token = False
-                    yield writer.content(chunk.text, chunk.token_logprobs, chunk.reasoning, chunk.tool_calls, index=i)
+                    yield writer.content(chunk.text, chunk.token_logprobs, chunk.reasoning, chunk.tool_calls, index=i,
+                                         prompt_logprobs=chunk.prompt_logprobs)
                 if chunk.finish_reason == "abort":
                     yield writer.error(ABORTED)
                     break

@@ -58,13 +58,14 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     cid, created, start = completion_id("cmpl"), now(), time.monotonic()
     gens = [_generate_request(state, body, p, f"{cid}-{i}") for i, p in enumerate(body.prompts())]
     logprobs = body.logprobs is not None
+    echo_top = body.logprobs if body.echo else None  # echo with logprobs: the prompt's lead them
 
     async def plain() -> dict:
         per_prompt = await asyncio.gather(*(_one(state, g, body.n) for g in gens))
         return text_completion([r for rs in per_prompt for r in rs], body.model, cid, created, logprobs,
-                               n=body.n).model_dump()
+                               n=body.n, echo_top=echo_top, prompt_top=body.prompt_logprobs_field()).model_dump()
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await answer(request, state, cid, start, body.stream, plain,
                         lambda: _open(state, gens[0], body.n),
-                        CompletionChunkWriter(cid, created, body.model, include_usage, logprobs))
+                        CompletionChunkWriter(cid, created, body.model, include_usage, logprobs, echo_top or 0))

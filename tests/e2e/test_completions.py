@@ -1,5 +1,6 @@
 """``/v1/completions`` through the gateway with the official ``openai`` client: string and
-token-id prompts, batches, streaming, logprobs, echo, and clear 400s."""
+token-id prompts, batches, streaming, logprobs, echo (with the prompt's logprobs, as
+lm-evaluation-harness asks for loglikelihoods), vLLM's ``prompt_logprobs``, and clear 400s."""
 
 from __future__ import annotations
 
@@ -72,9 +73,64 @@ def test_echo_prepends_the_prompt(client, stack):
     assert streamed == r.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, stack):
+    """lm-evaluation-harness's loglikelihood request: the logprobs cover the prompt's tokens (the
+    first one's null) then the completion's; each prompt position scores as the model's next
+    token after the tokens before it; max_tokens=0 answers the prompt alone; streamed the same."""
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = _ids(stack, text)
+    kw = dict(model=stack.model_name, prompt=text, echo=True, logprobs=1, temperature=0)
+    r = client.completions.create(**kw, max_tokens=1)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(text) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    pl = r.choices[0].model_extra["prompt_logprobs"]  # vLLM's field, computed for the echo
+    assert pl[0] is None and len(pl) == len(ids)
+    assert [pos[str(t)]["logprob"] for pos, t in zip(pl[1:], ids[1:])] == lp.token_logprobs[1:len(ids)]
+    nxt = client.completions.create(model=stack.model_name, prompt=ids[:-1], max_tokens=1, logprobs=1, temperature=0)
+    (tok, want), = nxt.choices[0].logprobs.top_logprobs[0].items()
+    (got_tok, got), = lp.top_logprobs[len(ids) - 1].items()
+    assert tok == got_tok and abs(got - want) < 1e-4
+    alone = client.completions.create(**kw, max_tokens=0)
+    assert alone.choices[0].text == text and alone.choices[0].finish_reason == "length"
+    assert alone.usage.completion_tokens == 0 and alone.usage.prompt_tokens == len(ids)
+    assert alone.choices[0].logprobs.tokens == lp.tokens[:-1]
+    assert alone.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:-1], abs=1e-5)
+    tokens, values, streamed = [], [], ""
+    for chunk in client.completions.create(**kw, max_tokens=1, stream=True):
+        for c in chunk.choices:
+            streamed += c.text
+            if c.logprobs:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+    assert streamed == r.choices[0].text and tokens == lp.tokens
+    assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def test_prompt_logprobs_on_chat_and_completions(client, stack):
+    """vLLM's ``prompt_logprobs`` extra: per prompt position (null for the first) the prompt token
+    and the asked-for alternatives, each with its logprob, rank and text."""
+    r = client.completions.create(model=stack.model_name, prompt="one two three", max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    pl = r.choices[0].model_extra["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == r.usage.prompt_tokens and r.choices[0].logprobs is None
+    for pos in pl[1:]:
+        assert 2 <= len(pos) <= 3 and all({"logprob", "rank", "decoded_token"} <= set(v) for v in pos.values())
+        assert sorted(v["rank"] for v in pos.values())[:2] == [1, 2]
+    c = client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0})
+    pl = c.model_extra["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == c.usage.prompt_tokens and all(len(pos) == 1 for pos in pl[1:])
+    assert "prompt_logprobs" not in client.completions.create(model=stack.model_name, prompt="x", max_tokens=1
+                                                              ).choices[0].model_extra
+
+
 @pytest.mark.parametrize("extra,field", [
     ({"suffix": "x"}, "suffix"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": ["a", "b"], "stream": True}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": ""}, "prompt"),

@@ -123,3 +123,50 @@ def test_by_reference_items_travel_as_key_and_sources_without_a_tensor():
     assert (m0.key, m0.sources, m0.num_tokens) == (res.key, ["http://e0", "http://e1"], 16)
     assert back.media()[1].sources == []
     assert len(body) < 1280 + 256  # the header alone (JSON of the request), no image tensor bytes (16 x 4 x 4)
+
+
+def _prompt_entries() -> list:
+    from shared.schemas import PromptTokenLogprob, TokenLogprob
+
+    alt = [TokenLogprob(token_id=7, token=" b", logprob=-0.5), TokenLogprob(token_id=3, token=" c", logprob=-1.5)]
+    return [PromptTokenLogprob(token_id=5, token="a"),
+            PromptTokenLogprob(token_id=3, token=" c", logprob=-1.5, rank=2, top=alt)]
+
+
+def test_echo_with_logprobs_leads_with_the_prompt_and_vllm_prompt_logprobs():
+    from gateway.openai_format import CompletionChunkWriter, text_completion
+    from shared.schemas import SampledLogprob
+
+    out = [SampledLogprob(token_id=9, token="!", logprob=-0.1)]
+    resp = GenerateResponse(request_id="r", text="a c!", token_ids=[9], finish_reason="length", prompt_tokens=2,
+                            completion_tokens=1, token_logprobs=out, prompt_logprobs=_prompt_entries())
+    body = text_completion([resp], "m", "cmpl-1", 1, True, echo_top=1, prompt_top=2).model_dump()
+    lp = body["choices"][0]["logprobs"]
+    assert lp == {"tokens": ["a", " c", "!"], "token_logprobs": [None, -1.5, -0.1],
+                  "top_logprobs": [None, {" b": -0.5}, {}], "text_offset": [0, 1, 3]}
+    assert body["choices"][0]["prompt_logprobs"] == [None, {
+        3: {"logprob": -1.5, "rank": 2, "decoded_token": " c"}, 7: {"logprob": -0.5, "rank": 1, "decoded_token": " b"}}]
+    plain = text_completion([resp], "m", "cmpl-1", 1, True).model_dump()["choices"][0]
+    assert "prompt_logprobs" not in plain and plain["logprobs"]["tokens"] == ["!"]
+    w = CompletionChunkWriter("cmpl-1", 1, "m", False, True, echo_top=1)
+    first = parse(w.content("a c!", out, prompt_logprobs=_prompt_entries()))["choices"][0]["logprobs"]
+    assert first == lp
+    assert parse(w.content("?", [SampledLogprob(token_id=8, token="?", logprob=-2.0)]))["choices"][0]["logprobs"][
+        "text_offset"] == [4]
+
+
+def test_prompt_logprobs_reach_the_sampling_params():
+    from shared.schemas import CompletionRequest
+
+    def k(**kw):
+        return sampling_params(CompletionRequest(model="m", prompt="x", **kw), 16).prompt_logprobs
+
+    assert k() is None and k(logprobs=2) is None and k(echo=True) is None
+    assert k(echo=True, logprobs=2) == 2 and k(echo=True, logprobs=2, stream=True) == 2
+    assert k(prompt_logprobs=4) == 4 and k(echo=True, logprobs=1, prompt_logprobs=3) == 3
+    assert sampling_params(CompletionRequest(model="m", prompt="x", echo=True, max_tokens=0), 16).max_tokens == 0
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], prompt_logprobs=1)
+    assert sampling_params(chat, 16).prompt_logprobs == 1
+    for bad in ({"prompt_logprobs": 1, "stream": True}, {"max_tokens": 0}, {"prompt_logprobs": 21}):
+        with pytest.raises(ValueError):
+            CompletionRequest(model="m", prompt="x", **bad)
