@@ -152,3 +152,69 @@ int mmserve_gemv_f32(const float* x, int64_t ldx, const float* w, const float* b
     }
     return 0;
 }
+
+/* Routed experts of a few tokens (decode steps), one call for the whole MoE layer:
+ *   out[t] = sum over k of w[t, k] * down[e] . (silu(gate[e] . x[t]) * (up[e] . x[t])), e = idx[t, k]
+ * x [T, H] contiguous; idx [T, K] int64; w [T, K]; gate_up [E, 2I, H] (gate rows then up rows);
+ * down [E, H, I]; out [T, H]. Each expert with tokens runs its two few-row products on its own
+ * rows (a weight is streamed once per step however many of the step's tokens chose it); threads
+ * split the experts, and the tokens' sums are taken afterwards in ascending expert order, so the
+ * result does not depend on the thread count. Returns 0, or 1 if an index is out of range or
+ * memory is short (out untouched). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+int mmserve_moe_f32(const float* x, int64_t T, int64_t H, const int64_t* idx, const float* w, int64_t K,
+                    const float* gate_up, const float* down, int64_t E, int64_t I, float* out, int64_t threads) {
+    const int64_t P = T * K;
+    for (int64_t p = 0; p < P; p++)
+        if (idx[p] < 0 || idx[p] >= E) return 1;
+    int64_t* start = calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t* pair = malloc((size_t)(P ? P : 1) * sizeof(int64_t)); /* pairs grouped by expert, token order inside */
+    float* xs = malloc((size_t)(P ? P : 1) * (size_t)H * sizeof(float));
+    float* gu = malloc((size_t)(P ? P : 1) * (size_t)(2 * I) * sizeof(float));
+    float* ys = malloc((size_t)(P ? P : 1) * (size_t)H * sizeof(float));
+    if (!start || !pair || !xs || !gu || !ys) {
+        free(start); free(pair); free(xs); free(gu); free(ys);
+        return 1;
+    }
+    for (int64_t p = 0; p < P; p++) start[idx[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    {
+        int64_t* fill = calloc((size_t)E, sizeof(int64_t));
+        if (!fill) { free(start); free(pair); free(xs); free(gu); free(ys); return 1; }
+        for (int64_t p = 0; p < P; p++) {
+            const int64_t e = idx[p];
+            pair[start[e] + fill[e]++] = p;
+        }
+        free(fill);
+    }
+    for (int64_t r = 0; r < P; r++) memcpy(xs + r * H, x + (pair[r] / K) * H, (size_t)H * sizeof(float));
+#pragma omp parallel for num_threads((int)(threads > 1 ? threads : 1)) schedule(dynamic, 1) if (threads > 1)
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = start[e], c = start[e + 1] - r0;
+        if (!c) continue;
+        float* g = gu + r0 * 2 * I;
+        ROWS(xs + r0 * H, H, gate_up + e * 2 * I * H, NULL, g, 2 * I, c, H, 0, 2 * I);
+        for (int64_t j = 0; j < c; j++) { /* the activation in place over the gate half */
+            float* row = g + j * 2 * I;
+            for (int64_t i = 0; i < I; i++) {
+                const float v = row[i];
+                /* -ffast-math assumes no infinities: keep expf finite (silu(-80) is 0 in float) */
+                row[i] = v / (1.f + expf(fminf(-v, 80.f))) * row[I + i];
+            }
+        }
+        ROWS(g, 2 * I, down + e * H * I, NULL, ys + r0 * H, H, c, I, 0, H);
+    }
+    memset(out, 0, (size_t)T * (size_t)H * sizeof(float));
+    for (int64_t r = 0; r < P; r++) {
+        const int64_t p = pair[r];
+        const float s = w[p];
+        float* o = out + (p / K) * H;
+        const float* y = ys + r * H;
+        for (int64_t h = 0; h < H; h++) o[h] += y[h] * s;
+    }
+    free(start); free(pair); free(xs); free(gu); free(ys);
+    return 0;
+}

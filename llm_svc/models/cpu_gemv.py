@@ -40,6 +40,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.mmserve_gemv_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64]
     lib.mmserve_gemv_f32.restype = ctypes.c_int
+    lib.mmserve_moe_f32.argtypes = [p, i64, i64, p, p, i64, p, p, i64, i64, p, i64]
+    lib.mmserve_moe_f32.restype = ctypes.c_int
 
 
 KERNEL = CKernel(SOURCE, "cpu_gemv", _bind, what="CPU small-batch linear kernel",
@@ -77,3 +79,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                         _threads)
     assert rc == 0
     return out.view(*x.shape[:-1], n)
+
+
+MOE_MAX_TOKENS = 16
+
+
+def supports_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``moe`` runs this routed-experts call: CPU float32, at most ``MOE_MAX_TOKENS``
+    tokens (a decode step's), contiguous stacked weights, and the kernel built."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 0 < x.shape[0] <= MOE_MAX_TOKENS
+            and gate_up.dtype == torch.float32 and down.dtype == torch.float32 and gate_up.is_contiguous()
+            and down.is_contiguous() and KERNEL.available())
+
+
+def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SiLU-gated routed experts in one call (check ``supports_moe`` first): x [T, H], idx [T, K]
+    chosen experts, w [T, K] their weights, gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
+    t, h = x.shape
+    k = idx.shape[1]
+    e, i2, _ = gate_up.shape
+    x = x.contiguous()
+    idx = idx.to(torch.int64).contiguous()
+    w = w.to(torch.float32).contiguous()
+    out = torch.empty(t, h, dtype=torch.float32)
+    rc = KERNEL.load().mmserve_moe_f32(x.data_ptr(), t, h, idx.data_ptr(), w.data_ptr(), k, gate_up.data_ptr(),
+                                       down.data_ptr(), e, i2 // 2, out.data_ptr(), _threads)
+    if rc != 0:
+        raise ValueError(f"routed experts: an expert index outside [0, {e}) (or out of memory)")
+    return out

@@ -101,3 +101,57 @@ def test_no_compiler_leaves_the_onednn_path(monkeypatch, tmp_path, caplog):
     w = torch.randn(4, 8)
     x = torch.randn(2, 8)
     torch.testing.assert_close(L.make_linear(w, backend="onednn")(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def _moe_loop(x, idx, w, gate_up, down):
+    out = torch.zeros_like(x)
+    i = gate_up.shape[1] // 2
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            h = F.linear(x[t], gate_up[e])
+            out[t] += w[t, k] * F.linear(F.silu(h[:i]) * h[i:], down[e])
+    return out
+
+
+@pytest.mark.parametrize("t,k,e,h,i", [(1, 1, 1, 8, 4), (1, 2, 8, 64, 32), (4, 2, 8, 96, 40), (5, 3, 6, 33, 17),
+                                       (16, 2, 8, 128, 64), (3, 8, 8, 40, 24)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_routed_experts_kernel_equals_the_per_pair_loop(t, k, e, h, i, threads, monkeypatch):
+    """Experts chosen by several tokens, by one, by none; every K; one and two threads; large
+    negative gate values (the activation's exp kept finite)."""
+    monkeypatch.setattr(cpu_gemv, "_threads", threads)
+    g = torch.Generator().manual_seed(t * 100 + k * 10 + e)
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    x = torch.randn(t, h, generator=g) * 4  # gate values of +-100 and more
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if k <= e else None
+    w = torch.rand(t, k, generator=g)
+    assert cpu_gemv.supports_moe(x, gate_up, down)
+    got = cpu_gemv.moe(x, idx, w, gate_up, down)
+    want = _moe_loop(x, idx, w, gate_up, down)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_routed_experts_kernel_result_does_not_depend_on_threads(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    gate_up, down = torch.randn(8, 64, 48, generator=g), torch.randn(8, 48, 32, generator=g)
+    x, w = torch.randn(12, 48, generator=g), torch.rand(12, 2, generator=g)
+    idx = torch.randint(0, 8, (12, 2), generator=g)  # a token may choose one expert twice
+    outs = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(cpu_gemv, "_threads", threads)
+        outs.append(cpu_gemv.moe(x, idx, w, gate_up, down))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0], _moe_loop(x, idx, w, gate_up, down), rtol=1e-5, atol=1e-4)
+
+
+def test_routed_experts_kernel_refuses_what_it_cannot_run():
+    gate_up, down = torch.randn(4, 16, 8), torch.randn(4, 8, 8)
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="expert index"):
+        cpu_gemv.moe(x, torch.tensor([[0], [4]]), torch.ones(2, 1), gate_up, down)
+    assert not cpu_gemv.supports_moe(torch.randn(cpu_gemv.MOE_MAX_TOKENS + 1, 8), gate_up, down)
+    assert not cpu_gemv.supports_moe(x.double(), gate_up, down)
+    assert not cpu_gemv.supports_moe(x, gate_up.transpose(1, 2), down)
+    assert not cpu_gemv.supports_moe(torch.randn(0, 8), gate_up, down)
