@@ -1,6 +1,11 @@
 """The Responses API on top of chat: a ``ResponsesRequest`` as a ``ChatCompletionRequest`` (input
 items as messages), and our answers as Responses objects and stream events.
 
+Logprobs (``include: ["message.output_text.logprobs"]`` or ``top_logprobs`` > 0): every generated
+token's, on the message's ``output_text`` (as chat's ``logprobs`` and vLLM's) and, streamed, on
+the ``output_text.delta`` events (a token that adds no text rides on the next delta; a last
+delta without text carries what is left), so that they concatenate to the done event's.
+
 Input items: ``{"role", "content"}`` messages (``content`` a string or ``input_text`` /
 ``input_image`` / ``output_text`` parts), ``function_call`` items (assistant tool calls, merged
 into one assistant turn), ``function_call_output`` items (tool turns) and ``reasoning`` items
@@ -14,7 +19,7 @@ import uuid
 from typing import Any
 
 from gateway.openai_format import assistant_message
-from shared.schemas import ChatCompletionRequest, GenerateResponse, ResponsesRequest, ToolCallWire
+from shared.schemas import ChatCompletionRequest, GenerateResponse, ResponsesRequest, SampledLogprob, ToolCallWire
 
 
 class InputError(ValueError):
@@ -108,6 +113,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             "name": fmt.name or "response", "schema": fmt.schema_ or {}, "strict": fmt.strict}}
     if req.reasoning is not None and req.reasoning.effort is not None:
         body["reasoning_effort"] = req.reasoning.effort
+    if req.wants_logprobs():
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     return ChatCompletionRequest.model_validate(body)
 
 
@@ -117,9 +124,18 @@ def _usage(prompt: int, completion: int, cached: int) -> dict:
             "total_tokens": prompt + completion}
 
 
-def _message_item(text: str, mid: str, status: str = "completed") -> dict:
+def _message_item(text: str, mid: str, status: str = "completed", logprobs: list[dict] | None = None) -> dict:
     return {"type": "message", "id": mid, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _logprobs(entries: list[SampledLogprob], with_bytes: bool) -> list[dict]:
+    """Tokens' logprobs in the Responses shape: ``output_text`` parts carry each token's UTF-8
+    ``bytes``, the stream events' logprobs do not."""
+    def one(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, **({"bytes": list(token.encode())} if with_bytes else {})}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(a.token, a.logprob) for a in e.top]} for e in entries]
 
 
 def _call_item(c: ToolCallWire, status: str = "completed") -> dict:
@@ -150,6 +166,7 @@ class ResponseShell:
             else r.tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
             "temperature": r.temperature, "top_p": r.top_p, "max_output_tokens": r.max_output_tokens,
+            "top_logprobs": r.top_logprobs,
             "text": (r.text.model_dump(by_alias=True, exclude_none=True) if r.text else {"format": {"type": "text"}}),
             "truncation": "disabled", "store": False, "previous_response_id": None, "reasoning": None,
             "user": r.user,
@@ -163,7 +180,8 @@ def response_object(shell: ResponseShell, resp: GenerateResponse) -> dict:
     if msg.reasoning:
         output.append(_reasoning_item(msg.reasoning))
     if msg.content:
-        output.append(_message_item(msg.content, _id("msg")))
+        lps = _logprobs(resp.token_logprobs or [], with_bytes=True) if shell.req.wants_logprobs() else None
+        output.append(_message_item(msg.content, _id("msg"), logprobs=lps))
     output.extend(_call_item(ToolCallWire(index=i, id=c.id, name=c.function.name, arguments=c.function.arguments))
                   for i, c in enumerate(msg.tool_calls or ()))
     incomplete = "max_output_tokens" if resp.finish_reason == "length" else None
@@ -196,6 +214,9 @@ class ResponsesEventWriter:
         self.reasoning = ""  # reasoning not yet sent as an item
         self.calls: dict[int, int] = {}  # call index -> output_index
         self.finish_reason: str | None = None
+        self.logprobs = shell.req.wants_logprobs()
+        self.entries: list[SampledLogprob] = []  # every token's logprobs so far (when asked)
+        self.unsent = 0  # the last entries not yet on a delta event
 
     def _ev(self, payload: dict) -> bytes:
         payload["sequence_number"] = self.seq
@@ -221,9 +242,18 @@ class ResponsesEventWriter:
         return [self._ev({"type": "response.created", "response": body}),
                 self._ev({"type": "response.in_progress", "response": body})]
 
+    def _delta(self, text: str) -> bytes:
+        lps = _logprobs(self.entries[len(self.entries) - self.unsent:], with_bytes=False) if self.unsent else []
+        self.unsent = 0
+        return self._ev({"type": "response.output_text.delta", "item_id": self.msg_id, "output_index": self.msg_pos,
+                         "content_index": 0, "delta": text, "logprobs": lps})
+
     def content(self, text: str, logprobs=None, reasoning: str | None = None,
                 tool_calls: list[ToolCallWire] | None = None, index: int = 0, prompt_logprobs=None) -> bytes:
         out = b""
+        if self.logprobs and logprobs:
+            self.entries += logprobs
+            self.unsent += len(logprobs)
         if reasoning:
             self.reasoning += reasoning
         if text:
@@ -236,8 +266,7 @@ class ResponsesEventWriter:
                                  "output_index": self.msg_pos, "content_index": 0,
                                  "part": {"type": "output_text", "text": "", "annotations": []}})
             self.text += text
-            out += self._ev({"type": "response.output_text.delta", "item_id": self.msg_id,
-                             "output_index": self.msg_pos, "content_index": 0, "delta": text, "logprobs": []})
+            out += self._delta(text)
         for c in tool_calls or ():
             if c.index not in self.calls:
                 out += self._add(_call_item(c, "in_progress") | {"arguments": ""})
@@ -256,9 +285,12 @@ class ResponsesEventWriter:
             if item.get("status") != "in_progress":
                 continue
             if item["type"] == "message":
-                item.update(_message_item(self.text, self.msg_id))
+                if self.unsent:
+                    out += self._delta("")
+                item.update(_message_item(self.text, self.msg_id, logprobs=_logprobs(self.entries, with_bytes=True)))
                 out += self._ev({"type": "response.output_text.done", "item_id": self.msg_id, "output_index": pos,
-                                 "content_index": 0, "text": self.text, "logprobs": []})
+                                 "content_index": 0, "text": self.text,
+                                 "logprobs": _logprobs(self.entries, with_bytes=False)})
                 out += self._ev({"type": "response.content_part.done", "item_id": self.msg_id, "output_index": pos,
                                  "content_index": 0, "part": item["content"][0]})
             else:

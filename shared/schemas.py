@@ -579,6 +579,9 @@ class ResponsesReasoning(BaseModel):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+RESPONSES_INCLUDABLE = ("message.output_text.logprobs",)
+
+
 class ResponsesRequest(BaseModel):
     """OpenAI's ``POST /v1/responses``, stateless: ``input`` (a string or message / function_call /
     function_call_output items), ``instructions``, function ``tools``, ``text.format``, streaming.
@@ -622,11 +625,16 @@ class ResponsesRequest(BaseModel):
         if self.previous_response_id is not None:
             raise ValueError("previous_response_id: this server keeps no responses; send the whole conversation "
                              "as input items")
-        if self.include:
-            raise ValueError(f"include: {self.include[0]!r} is not served; remove it")
-        if self.top_logprobs:
-            raise ValueError("top_logprobs: not served on /v1/responses yet; use /v1/chat/completions")
+        for name in self.include or ():
+            if name not in RESPONSES_INCLUDABLE:
+                raise ValueError(f"include: {name!r} is not served (only {', '.join(RESPONSES_INCLUDABLE)}); "
+                                 "remove it")
         return self
+
+    def wants_logprobs(self) -> bool:
+        """The message's ``output_text`` carries its tokens' logprobs: asked by ``include`` or by
+        ``top_logprobs`` > 0 (alternatives imply the logprobs they go with)."""
+        return "message.output_text.logprobs" in (self.include or ()) or bool(self.top_logprobs)
 
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions

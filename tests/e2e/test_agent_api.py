@@ -372,6 +372,31 @@ def test_responses_stream_function_call_arguments_in_deltas(client, stack):
     assert events.index(added) < kinds.index("response.function_call_arguments.delta")
 
 
+def test_responses_logprobs_streamed_and_not(client, stack):
+    """``top_logprobs`` with ``include: ["message.output_text.logprobs"]``: every output token's
+    logprob and alternatives on the output_text part (with bytes); streamed, the deltas' logprobs
+    concatenate to the done event's, which equal the non-streamed ones; not asked: none."""
+    kw = dict(model=stack.model_name, input="Say hi", max_output_tokens=8, temperature=0, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    r = client.responses.create(**kw)
+    lps = next(o for o in r.output if o.type == "message").content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and r.top_logprobs == 2
+    for lp in lps:
+        assert len(lp.top_logprobs) == 2 and lp.bytes == list(lp.token.encode())
+        assert abs(lp.logprob - lp.top_logprobs[0].logprob) < 1e-5  # greedy: the best alternative
+    events = list(client.responses.create(**kw, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done").logprobs
+    assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in done]
+    assert [x.token for x in done] == [x.token for x in lps]
+    assert [x.logprob for x in done] == pytest.approx([x.logprob for x in lps], abs=1e-5)
+    plain = client.responses.create(model=stack.model_name, input="Say hi", max_output_tokens=8, temperature=0)
+    assert next(o for o in plain.output if o.type == "message").content[0].logprobs == []
+    bad = httpx.post(f"{stack.url}/v1/responses", timeout=30, json={"model": stack.model_name, "input": "x",
+                                                                      "include": ["file_search_call.results"]})
+    assert bad.status_code == 400 and "file_search_call.results" in bad.json()["error"]["message"]
+
+
 def test_agents_sdk_default_responses_model(stack):
     """The Agents SDK's default model (the Responses API) runs the same tool loop."""
     import asyncio

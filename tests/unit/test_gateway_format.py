@@ -170,3 +170,35 @@ def test_prompt_logprobs_reach_the_sampling_params():
     for bad in ({"prompt_logprobs": 1, "stream": True}, {"max_tokens": 0}, {"prompt_logprobs": 21}):
         with pytest.raises(ValueError):
             CompletionRequest(model="m", prompt="x", **bad)
+
+
+def test_responses_logprobs_ride_on_text_deltas_and_concatenate_to_done():
+    """A token that adds no text rides on the next delta; what is left goes on a last empty delta;
+    the deltas' logprobs concatenate to the done event's and the item's (which has bytes)."""
+    from gateway.responses_format import ResponsesEventWriter, ResponseShell
+    from shared.schemas import ResponsesRequest, SampledLogprob, TokenLogprob
+
+    def e(tok: str, lp: float) -> SampledLogprob:
+        return SampledLogprob(token_id=1, token=tok, logprob=lp, top=[TokenLogprob(token_id=2, token=tok, logprob=lp)])
+
+    def events(req: dict) -> list[dict]:
+        w = ResponsesEventWriter(ResponseShell(ResponsesRequest(model="m", input="x", stream=True, **req), 1))
+        raw = b"".join([*w.opening(), w.content("", [e("<", -1.0)]), w.content("hi", [e("hi", -0.5)]),
+                        w.content("", [e(">", -2.0)]), w.finish("stop")])
+        return [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+    ev = events({"top_logprobs": 1})
+    deltas = [x for x in ev if x["type"] == "response.output_text.delta"]
+    assert [d["delta"] for d in deltas] == ["hi", ""]
+    assert [[lp["token"] for lp in d["logprobs"]] for d in deltas] == [["<", "hi"], [">"]]
+    done = next(x for x in ev if x["type"] == "response.output_text.done")
+    assert done["logprobs"] == [lp for d in deltas for lp in d["logprobs"]]
+    assert done["logprobs"][0] == {"token": "<", "logprob": -1.0, "top_logprobs": [{"token": "<", "logprob": -1.0}]}
+    item = next(x for x in ev if x["type"] == "response.output_item.done")["item"]
+    assert item["content"][0]["logprobs"][1] == {"token": "hi", "logprob": -0.5, "bytes": [104, 105],
+                                                 "top_logprobs": [{"token": "hi", "logprob": -0.5, "bytes": [104, 105]}]}
+    plain = events({})
+    assert all(x["logprobs"] == [] for x in plain if x["type"].startswith("response.output_text."))
+    assert [x["delta"] for x in plain if x["type"] == "response.output_text.delta"] == ["hi"]
+    with pytest.raises(ValueError, match="file_search_call.results"):
+        ResponsesRequest(model="m", input="x", include=["file_search_call.results"])
