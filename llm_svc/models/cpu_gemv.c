@@ -218,3 +218,39 @@ int mmserve_moe_f32(const float* x, int64_t T, int64_t H, const int64_t* idx, co
     free(start); free(pair); free(xs); free(gu); free(ys);
     return 0;
 }
+
+/* MiMo's router for a few tokens (one group: n_group = 1): scores = sigmoid(x . wr[e]); the K
+ * experts of highest score + bias[e] (bias steers the choice only), in descending order, ties to
+ * the lower index; weights = their raw scores, divided by their sum when norm, times scale.
+ * x [T, H]; wr [E, H]; bias [E] or NULL; idx [T, K] int64 out; w [T, K] out. Returns 0, 1 if
+ * K > E or E > 256. */
+int mmserve_route_f32(const float* x, int64_t T, int64_t H, const float* wr, const float* bias, int64_t E,
+                      int64_t K, int64_t norm, float scale, int64_t* idx, float* w) {
+    if (K > E || E > 256) return 1;
+    float s[256], c[256];
+    unsigned char taken[256]; /* not a NaN mark: -ffast-math assumes there are none */
+    for (int64_t t = 0; t < T; t++) {
+        memset(taken, 0, sizeof taken);
+        ROWS(x + t * H, H, wr, NULL, s, E, 1, H, 0, E);
+        for (int64_t e = 0; e < E; e++) {
+            s[e] = 1.f / (1.f + expf(fminf(-s[e], 80.f)));
+            c[e] = s[e] + (bias ? bias[e] : 0.f);
+        }
+        float sum = 0.f;
+        for (int64_t k = 0; k < K; k++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || c[e] > c[best])) best = e;
+            idx[t * K + k] = best;
+            w[t * K + k] = s[best];
+            sum += s[best];
+            taken[best] = 1;
+        }
+        for (int64_t k = 0; k < K; k++) {
+            float v = w[t * K + k];
+            if (norm) v = v / (sum + 1e-20f);
+            w[t * K + k] = v * scale;
+        }
+    }
+    return 0;
+}

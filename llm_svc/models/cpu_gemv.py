@@ -42,6 +42,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mmserve_gemv_f32.restype = ctypes.c_int
     lib.mmserve_moe_f32.argtypes = [p, i64, i64, p, p, i64, p, p, i64, i64, p, i64]
     lib.mmserve_moe_f32.restype = ctypes.c_int
+    lib.mmserve_route_f32.argtypes = [p, i64, i64, p, p, i64, i64, i64, ctypes.c_float, p, p]
+    lib.mmserve_route_f32.restype = ctypes.c_int
 
 
 KERNEL = CKernel(SOURCE, "cpu_gemv", _bind, what="CPU small-batch linear kernel",
@@ -107,3 +109,30 @@ def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tens
     if rc != 0:
         raise ValueError(f"routed experts: an expert index outside [0, {e}) (or out of memory)")
     return out
+
+
+def supports_route(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``route`` runs this call: as ``supports_moe`` for x, a float32 contiguous router
+    weight of at most 256 experts."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 0 < x.shape[0] <= MOE_MAX_TOKENS
+            and weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[0] <= 256
+            and KERNEL.available())
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm: bool,
+          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiMo's sigmoid router with one expert group (check ``supports_moe`` for x first): x [T, H],
+    weight [E, H] float32 contiguous, bias [E] or None (steers the choice only) -> (idx [T, K]
+    int64, descending by score + bias; w [T, K] the chosen raw scores, renormalized when
+    ``norm``, times ``scale``)."""
+    t, h = x.shape
+    e = weight.shape[0]
+    x = x.contiguous()
+    idx = torch.empty(t, top_k, dtype=torch.int64)
+    w = torch.empty(t, top_k, dtype=torch.float32)
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    rc = KERNEL.load().mmserve_route_f32(x.data_ptr(), t, h, weight.data_ptr(), None if b is None else b.data_ptr(),
+                                         e, top_k, int(norm), float(scale), idx.data_ptr(), w.data_ptr())
+    if rc != 0:
+        raise ValueError(f"router: top_k {top_k} of {e} experts is not served by the CPU kernel")
+    return idx, w

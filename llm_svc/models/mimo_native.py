@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_gemv
 from .geometry import FULL_T, SLIDING_T, MiMoGeometry
 from .quant import scheme_for
 from .weights import load_strict
@@ -87,6 +88,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.g
+        if g.n_group == 1 and g.top_k <= g.n_experts and cpu_gemv.supports_route(x, self.weight):
+            # a decode step's few tokens: one C call instead of ~10 tiny ops (~8% of the step)
+            return cpu_gemv.route(x, self.weight.detach(), self.e_score_correction_bias.detach(), g.top_k,
+                                  g.norm_topk_prob, g.routed_scaling_factor)
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias.float()
         if g.n_group > 1:

@@ -155,3 +155,34 @@ def test_routed_experts_kernel_refuses_what_it_cannot_run():
     assert not cpu_gemv.supports_moe(x.double(), gate_up, down)
     assert not cpu_gemv.supports_moe(x, gate_up.transpose(1, 2), down)
     assert not cpu_gemv.supports_moe(torch.randn(0, 8), gate_up, down)
+
+
+def _route_torch(x, weight, bias, k, norm, scale):
+    scores = F.linear(x, weight).sigmoid()
+    idx = (scores + (0 if bias is None else bias)).topk(k, dim=-1)[1]
+    w = scores.gather(1, idx)
+    if norm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return idx, w * scale
+
+
+@pytest.mark.parametrize("t,e,k,h", [(1, 8, 2, 64), (4, 8, 2, 512), (16, 64, 6, 40), (3, 5, 5, 17), (2, 256, 8, 24)])
+@pytest.mark.parametrize("norm,bias", [(True, True), (False, False)])
+def test_router_kernel_equals_torch(t, e, k, h, norm, bias):
+    g = torch.Generator().manual_seed(t * 7 + e + k)
+    x, weight = torch.randn(t, h, generator=g), torch.randn(e, h, generator=g) / h ** 0.5
+    b = torch.randn(e, generator=g) * 0.1 if bias else None
+    assert cpu_gemv.supports_route(x, weight)
+    idx, w = cpu_gemv.route(x, weight, b, k, norm, 2.5)
+    want_idx, want_w = _route_torch(x, weight, b, k, norm, 2.5)
+    assert torch.equal(idx, want_idx)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_router_kernel_refuses_what_it_cannot_run():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="top_k"):
+        cpu_gemv.route(x, torch.randn(4, 8), None, 5, True, 1.0)
+    assert not cpu_gemv.supports_route(x, torch.randn(257, 8))
+    assert not cpu_gemv.supports_route(x.double(), torch.randn(4, 8))
+    assert not cpu_gemv.supports_route(torch.randn(cpu_gemv.MOE_MAX_TOKENS + 1, 8), torch.randn(4, 8))
