@@ -74,3 +74,21 @@ def test_routed_experts_equal_transformers_stacked_experts():
     # N(0, 1) weights give outputs of magnitude ~300: float32 sums in another order (the few-row
     # kernel's vector width) differ by a few ulps of that, so the absolute bound scales with it
     torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 37, 2000])
+def test_native_rms_norm_fused_equals_its_reference(rows):
+    """The float32 path (one fused op) against the module's own upcast formula, which bf16 keeps."""
+    from llm_svc.models.mimo_native import RMSNorm
+
+    torch.manual_seed(rows)
+    norm = RMSNorm(512, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+        x = torch.randn(rows, 512) * 3
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+        torch.testing.assert_close(norm(x), norm.weight * h, rtol=1e-6, atol=1e-6)
+        xb = x.bfloat16()
+        norm_b = RMSNorm(512, 1e-6).bfloat16()
+        hb = xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        assert torch.equal(norm_b(xb), norm_b.weight * hb.to(torch.bfloat16))
