@@ -7,9 +7,11 @@ the ``output_text.delta`` events (a token that adds no text rides on the next de
 delta without text carries what is left), so that they concatenate to the done event's.
 
 Input items: ``{"role", "content"}`` messages (``content`` a string or ``input_text`` /
-``input_image`` / ``output_text`` parts), ``function_call`` items (assistant tool calls, merged
-into one assistant turn), ``function_call_output`` items (tool turns) and ``reasoning`` items
-(their text is the next assistant turn's ``reasoning_content``). Anything else is a 400.
+``input_image`` / ``output_text`` / an assistant's ``refusal`` parts), ``function_call`` items
+(assistant tool calls, merged into one assistant turn), ``function_call_output`` items (tool turns;
+``output`` a string or parts) and ``reasoning`` items (their text is the next assistant turn's
+``reasoning_content``). Any other item, part or field is a 400 naming it (``input[2].content[0].file_id``),
+but for the no-ops of ``shared.schemas.RESPONSES_ITEM_NOOP_FIELDS``.
 """
 
 from __future__ import annotations
@@ -19,53 +21,100 @@ import uuid
 from typing import Any
 
 from gateway.openai_format import assistant_message
-from shared.schemas import ChatCompletionRequest, GenerateResponse, ResponsesRequest, SampledLogprob, ToolCallWire
+from shared.schemas import (RESPONSES_ITEM_NOOP_FIELDS, RESPONSES_ITEM_UNSUPPORTED, ChatCompletionRequest,
+                            GenerateResponse, ResponsesRequest, SampledLogprob, ToolCallWire)
 
 
 class InputError(ValueError):
-    """An input item this server cannot take; the message says which and why."""
+    """An input item this server cannot take: ``param`` is where (``input[2].content[0].file_id``),
+    the message says why."""
+
+    def __init__(self, param: str, why: str) -> None:
+        super().__init__(f"{param}: {why}")
+        self.param = param
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _parts(content: Any, where: str) -> str | list[dict]:
+# item / part type -> the fields read (besides ``type``); RESPONSES_ITEM_NOOP_FIELDS are ignored,
+# RESPONSES_ITEM_UNSUPPORTED pass at their defaults, any other field is a 400 naming it
+_ITEMS = {"message": {"role", "content"}, "function_call": {"call_id", "id", "name", "arguments"},
+          "function_call_output": {"call_id", "name", "output"}, "reasoning": {"summary", "content"}}
+_PARTS = {"input_text": {"text"}, "output_text": {"text"}, "text": {"text"}, "input_image": {"image_url"},
+          "refusal": {"refusal"}}
+_PART_REFUSED = {"input_file": "file parts are not served (send images as input_image)",
+                 "refusal": "refusal parts belong to assistant messages"}
+
+
+def _check_fields(obj: dict, kind: str, where: str) -> None:
+    read = _ITEMS.get(kind) or _PARTS[kind]
+    for name, value in obj.items():
+        key = f"{kind}.{name}"
+        if name == "type" or name in read or key in RESPONSES_ITEM_NOOP_FIELDS:
+            continue
+        allowed, why = RESPONSES_ITEM_UNSUPPORTED.get(key, ((), f"not a field of {kind} here; remove it"))
+        if value not in allowed:
+            raise InputError(f"{where}.{name}", why)
+
+
+def _parts(content: Any, where: str, role: str) -> str | list[dict]:
+    """Content (``where``: ``input[2].content``) as chat's: a string, or text and image_url parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InputError(f"{where}.content: a string or a list of parts")
+        raise InputError(where, "a string or a list of parts")
     out = []
     for j, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else None
-        if kind in ("input_text", "output_text", "text"):
-            out.append({"type": "text", "text": p.get("text", "")})
-        elif kind == "input_image":
-            url = p.get("image_url")
-            if not isinstance(url, str):
-                raise InputError(f"{where}.content[{j}]: input_image needs an image_url (file_id is not served)")
-            out.append({"type": "image_url", "image_url": {"url": url}})
-        else:
-            raise InputError(f"{where}.content[{j}]: part type {kind!r} is not served (input_text, input_image, "
-                             "output_text)")
+        if kind not in _PARTS or kind == "refusal" and role != "assistant":
+            why = _PART_REFUSED.get(kind, f"part type {kind!r} is not served")
+            raise InputError(f"{where}[{j}].type", f"{why}; this server takes input_text, input_image, output_text "
+                             "and (an assistant's) refusal parts")
+        _check_fields(p, kind, f"{where}[{j}]")
+        if kind == "input_image":
+            if not isinstance(p.get("image_url"), str):
+                raise InputError(f"{where}[{j}].image_url", "input_image needs an image_url (a URL or data: URL)")
+            out.append({"type": "image_url", "image_url": {"url": p["image_url"]}})
+        else:  # an assistant's refusal is its text, as in chat
+            out.append({"type": "text", "text": p.get("refusal" if kind == "refusal" else "text", "")})
     return out
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The same request as chat (raises ``InputError`` or pydantic's ValueError for a bad one)."""
+def _reasoning_text(it: dict, where: str) -> str:
+    texts = []
+    for key in ("content", "summary"):
+        for k, c in enumerate(it.get(key) or ()):
+            extra = sorted(set(c) - {"type", "text"}) if isinstance(c, dict) else ["text"]
+            if extra:
+                raise InputError(f"{where}.{key}[{k}].{extra[0]}", "a reasoning part has a type and a text only")
+            texts.append(c.get("text", ""))
+    return "".join(texts)
+
+
+def _messages(req: ResponsesRequest) -> list[dict]:
+    """The input items as chat messages (an ``InputError`` names a field this server would ignore)."""
     messages: list[dict] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     reasoning: str | None = None
     for i, it in enumerate(items):
-        kind = it.get("type", "message")
         where = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise InputError(where, "an item is an object")
+        kind = it.get("type") or ("message" if "role" in it else "item_reference")
+        if kind not in _ITEMS:
+            why = (f"{kind!r} items need stored items; send the items themselves" if kind == "item_reference"
+                   else f"item type {kind!r} is not served")
+            raise InputError(f"{where}.type", f"{why} (message, function_call, function_call_output, reasoning)")
+        _check_fields(it, kind, where)
         if kind == "message":
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise InputError(f"{where}.role: user, assistant, system or developer")
-            msg = {"role": role, "content": _parts(it.get("content", ""), where)}
+                raise InputError(f"{where}.role", "user, assistant, system or developer")
+            msg = {"role": role, "content": _parts(it.get("content", ""), f"{where}.content", role)}
             if role == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
             messages.append(msg)
@@ -81,16 +130,19 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                     msg["reasoning_content"], reasoning = reasoning, None
                 messages.append(msg)
         elif kind == "function_call_output":
-            out = it.get("output", "")
-            messages.append({"role": "tool", "tool_call_id": it.get("call_id", ""),
-                             "content": out if isinstance(out, str) else json.dumps(out)})
-        elif kind == "reasoning":
-            texts = [c.get("text", "") for c in (it.get("content") or []) + (it.get("summary") or [])
-                     if isinstance(c, dict)]
-            reasoning = "".join(texts)
+            msg = {"role": "tool", "tool_call_id": it.get("call_id", ""),
+                   "content": _parts(it.get("output", ""), f"{where}.output", "tool")}
+            if it.get("name") is not None:
+                msg["name"] = it["name"]
+            messages.append(msg)
         else:
-            raise InputError(f"{where}: item type {kind!r} is not served (message, function_call, "
-                             "function_call_output, reasoning)")
+            reasoning = _reasoning_text(it, where)
+    return messages
+
+
+def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The same request as chat (raises ``InputError`` or pydantic's ValueError for a bad one)."""
+    messages = _messages(req)
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
     if req.stream:
         body["stream_options"] = {"include_usage": True}  # response.completed carries the usage
@@ -110,7 +162,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         body["response_format"] = {"type": "json_object"}
     elif fmt is not None and fmt.type == "json_schema":
         body["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.name or "response", "schema": fmt.schema_ or {}, "strict": fmt.strict}}
+            "name": fmt.name or "response", "description": fmt.description, "schema": fmt.schema_ or {},
+            "strict": fmt.strict}}
     if req.reasoning is not None and req.reasoning.effort is not None:
         body["reasoning_effort"] = req.reasoning.effort
     if req.wants_logprobs():

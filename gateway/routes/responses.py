@@ -29,7 +29,7 @@ async def responses(body: ResponsesRequest, request: Request, state: StateDep) -
     try:
         chat = to_chat(body)
     except InputError as e:
-        raise APIError(400, str(e), param="input") from None
+        raise APIError(400, str(e), param=e.param) from None
     except (TypeError, AttributeError):  # an item's field of the wrong JSON type
         raise APIError(400, "input: an item has a field of the wrong type (see the Responses API's input items)",
                        param="input") from None

@@ -85,24 +85,28 @@ HONOURED = {  # (part type, field) -> where the value lands in the parsed part
 }
 
 
+def field_paths(td, prefix: str = "") -> dict[str, list]:
+    """Every field path of an openai client's TypedDict (``image_url.detail``; into a nested
+    TypedDict, the first of a union) -> values to send (a Literal's values; a sample string); the
+    top ``type`` left out."""
+    out: dict[str, list] = {}
+    for name, hint in te.get_type_hints(td).items():
+        nested = [a for a in (hint, *te.get_args(hint)) if te.is_typeddict(a)]
+        if nested:
+            out.update(field_paths(nested[0], f"{prefix}{name}."))
+        elif name != "type" or prefix:
+            out[prefix + name] = list(te.get_args(hint)) if te.get_origin(hint) is te.Literal else ["v"]
+    return out
+
+
 def _openai_part_fields() -> dict[str, dict[str, list]]:
-    """Part type -> every field path of the openai client's part type (``image_url.detail``) ->
-    values to send (a Literal's values; a sample string)."""
-
-    def walk(td, prefix: str, out: dict) -> None:
-        for name, hint in te.get_type_hints(td).items():
-            nested = [a for a in (hint, *te.get_args(hint)) if te.is_typeddict(a)]
-            if nested:
-                walk(nested[0], f"{prefix}{name}.", out)
-            elif name != "type" or prefix:
-                out[prefix + name] = list(te.get_args(hint)) if te.get_origin(hint) is te.Literal else ["v"]
-
+    """Part type -> every field path of the openai client's part type -> values to send."""
     types = (*te.get_args(part_param.ChatCompletionContentPartParam),
              *te.get_args(assistant_param.ContentArrayOfContentPart))
     out: dict[str, dict[str, list]] = {}
     for td in types:
         kind = te.get_args(te.get_type_hints(td)["type"])[0]
-        walk(td, "", out.setdefault(kind, {}))
+        out.setdefault(kind, {}).update(field_paths(td))
     return out
 
 
