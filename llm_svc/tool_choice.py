@@ -3,7 +3,8 @@
 
 * a named function: the output is that function's arguments object;
 * "required": a JSON array of ``{"name": ..., "parameters": {...}}``, one item per call (at most
-  one when ``parallel_tool_calls`` is false); each call is sent once its object is complete.
+  one when ``parallel_tool_calls`` is false); a call's name is sent once it is complete, then its
+  parameters' JSON text as it arrives.
 """
 
 from __future__ import annotations
@@ -62,38 +63,114 @@ class NamedCallParser:
 
 
 class RequiredCallsParser:
-    """A JSON array of calls, read item by item as each completes."""
+    """A JSON array of calls (the grammar of ``forced_spec``), read as it is generated: a call's
+    id and name go out once its ``"name"`` string is complete, then its ``"parameters"`` object
+    as raw JSON text, piece by piece as it arrives. The arguments are that text as the model
+    wrote it (whitespace included where the grammar allowed it), so the streamed pieces and the
+    non-streamed arguments are the same string by construction. xgrammar writes the properties
+    in the schema's order (name, then parameters); parameters written first would be held back
+    until the name is known. A call cut off by ``max_tokens`` keeps what arrived (its arguments
+    may be cut JSON, as OpenAI's can be when the finish reason is ``length``)."""
 
     def __init__(self) -> None:
-        self._buf = ""
-        self._pos = 0
-        self._n = 0
-        self._dec = json.JSONDecoder()
+        self._n = 0              # calls started
+        self._depth = 0          # JSON nesting depth: 0 outside the array, 1 in it, 2 in an item
+        self._in_str = False
+        self._esc = False
+        self._tok = ""           # text of the string or key being read at item depth
+        self._key: str | None = None   # the item's key whose value comes next
+        self._name: str | None = None  # the current item's name, once complete
+        self._args: str | None = None  # the current item's parameters text (None: not reached)
+        self._args_depth = 0     # depth at which the parameters object opened
+        self._held = ""          # parameters text not sent yet (name not known yet)
+        self._open = False       # the current item's call was announced
 
     def feed(self, token_ids: list[int], text: str) -> ParsedDelta:
-        self._buf += text
-        out = []
-        while True:
-            i = self._pos
-            while i < len(self._buf) and self._buf[i] in " \t\r\n,[":
-                i += 1
-            if i >= len(self._buf) or self._buf[i] == "]":
-                break
-            try:
-                obj, end = self._dec.raw_decode(self._buf, i)
-            except json.JSONDecodeError:  # the item is not complete yet
-                break
-            self._pos = end
-            if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
-                continue  # the grammar rules this out; never a call without a name
-            args = json.dumps(obj.get("parameters", {}), ensure_ascii=False)
-            out.append(ToolCallDelta(index=self._n, id=call_id(), name=obj["name"], arguments=args))
-            self._n += 1
-        return ParsedDelta(tool_calls=out)
+        out = ParsedDelta()
+        for ch in text:
+            self._char(ch, out)
+        self._flush(out)
+        return out
 
     def finish(self) -> ParsedDelta:
-        return ParsedDelta()
+        out = ParsedDelta()
+        self._flush(out)
+        return out
 
     @property
     def tool_calls_made(self) -> int:
         return self._n
+
+    def _char(self, ch: str, out: ParsedDelta) -> None:
+        if self._args is not None:  # inside the parameters value: every character is arguments
+            self._args_char(ch, out)
+            return
+        if self._in_str:
+            if self._esc:
+                self._esc = False
+            elif ch == "\\":
+                self._esc = True
+            elif ch == '"':
+                self._in_str = False
+                self._string_done(out)
+                return
+            self._tok += ch
+            return
+        if ch == '"' and self._depth == 2:
+            self._in_str, self._tok = True, ""
+        elif ch in "{[":
+            self._depth += 1
+            if self._depth == 2:
+                self._key = self._name = None
+                self._open = False
+        elif ch in "}]":
+            self._depth -= 1
+        elif ch == ":" and self._depth == 2 and self._key == "parameters":
+            self._args, self._args_depth = "", self._depth
+
+    def _string_done(self, out: ParsedDelta) -> None:
+        try:
+            value = json.loads('"' + self._tok + '"')
+        except ValueError:
+            value = self._tok
+        if self._key is None:  # a key
+            self._key = value
+            return
+        if self._key == "name" and self._name is None:
+            self._name = value
+            self._announce(out)
+        self._key = None
+
+    def _args_char(self, ch: str, out: ParsedDelta) -> None:
+        if not self._args and ch in " \t\r\n":
+            return  # the whitespace before the value belongs to the separator
+        self._args += ch
+        self._held += ch
+        if self._in_str:
+            if self._esc:
+                self._esc = False
+            elif ch == "\\":
+                self._esc = True
+            elif ch == '"':
+                self._in_str = False
+            return
+        if ch == '"':
+            self._in_str = True
+        elif ch in "{[":
+            self._depth += 1
+        elif ch in "}]":
+            self._depth -= 1
+            if self._depth == self._args_depth:  # the parameters object closed
+                self._flush(out)
+                self._args, self._key = None, None
+
+    def _announce(self, out: ParsedDelta) -> None:
+        if not self._open and self._name is not None:
+            out.tool_calls.append(ToolCallDelta(index=self._n, id=call_id(), name=self._name))
+            self._open = True
+            self._n += 1
+
+    def _flush(self, out: ParsedDelta) -> None:
+        if self._held and self._open:
+            out.tool_calls.append(ToolCallDelta(index=self._n - 1, arguments=self._held))
+            self._held = ""
