@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tokenizers.decoders import DecodeStream
+
 from shared.schemas import CorePromptLogprob, PromptTokenLogprob, SampledLogprob, SamplingParams, TokenLogprob
 
 
@@ -14,6 +16,13 @@ class IncrementalDetokenizer:
     character (decoded as U+FFFD) is held until the character completes. Decoding a window
     ``ids[prefix:]`` and subtracting ``ids[prefix:read]`` keeps tokenizers that change a token's
     text by its left context (leading spaces) correct, at O(window) cost per token.
+
+    A fast tokenizer whose ``decode`` is its Rust tokenizer's (``clean_up_tokenization_spaces``
+    off) steps with ``tokenizers``' ``DecodeStream``, which applies this same rule in one call.
+    The window is tracked here as well: ``flush`` needs it (the stream has none), and so does a
+    step the stream refuses because the window's text no longer starts with its prefix's (byte
+    fallback tokens that turn an emitted byte into U+FFFD): that step takes the rule here, as
+    every step does for other tokenizers.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
@@ -22,25 +31,48 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self._prefix = 0
         self._read = 0
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        streams = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if streams else None
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=self._skip)
 
-    def push(self, token_id: int) -> str:
-        self.ids.append(int(token_id))
+    def _window_delta(self) -> str | None:
+        """The text ``ids[prefix:]`` adds to ``ids[prefix:read]``, None while not final."""
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         new_text = self._decode(self.ids[self._prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text) :]
-            self._prefix, self._read = self._read, len(self.ids)
-            return delta
-        return ""
+            return new_text[len(prefix_text) :]
+        return None
+
+    def _stream_delta(self) -> str | None:
+        try:
+            return self._stream.step(self._backend, self.ids[-1])
+        except Exception as e:  # the stream holds the id and kept its window
+            if "Invalid prefix" not in str(e):
+                raise
+        delta = self._window_delta()
+        if delta is not None:  # the window moves to ids[read:]: a new stream starts there
+            self._stream = DecodeStream(self.ids[self._read :], skip_special_tokens=self._skip)
+        return delta
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        delta = self._stream_delta() if self._stream is not None else self._window_delta()
+        if delta is None:
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return delta
 
     def flush(self) -> str:
         """Whatever is still held (an incomplete character at the end stays U+FFFD)."""
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         new_text = self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
+        if self._stream is not None:
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
         return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 

@@ -40,6 +40,21 @@ def test_special_tokens_are_not_emitted(tokenizer):
     assert "".join(detok.push(t) for t in ids) + detok.flush() == "hello"
 
 
+def test_a_step_that_rewrites_emitted_text_takes_the_window_rule():
+    """Byte-fallback tokens: "A" alone is valid, then 0xE4 makes the byte run invalid (each byte
+    U+FFFD), so the next text no longer starts with what was emitted. ``DecodeStream`` refuses
+    that step; the delta is what the window gives, and later steps go on from there."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<0x41>": 0, "<0xE4>": 1, "b": 2, "c": 3, "<unk>": 4}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    detok = IncrementalDetokenizer(PreTrainedTokenizerFast(tokenizer_object=backend))
+    assert [detok.push(t) for t in (0, 1, 2, 3)] == ["A", "", "\ufffdb", "c"]
+    assert detok.flush() == ""
+
+
 @pytest.mark.parametrize("pieces", [["Hel", "lo W", "orld"], ["H", "e", "l", "l", "o", " ", "W", "o"], ["Hello World"]])
 def test_stop_string_never_emitted_in_any_split(pieces):
     f = StopStringFilter(["o W"])
