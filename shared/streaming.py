@@ -1,4 +1,4 @@
-"""A streaming response that always runs its cleanup.
+"""A streaming response that always runs its cleanup, and a waiter for a client's disconnect.
 
 Starlette's ``StreamingResponse`` runs the body generator's ``finally`` only if the generator
 started: when the client is gone before the first byte (the ``http.response.start`` send fails,
@@ -12,8 +12,17 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import anyio
+from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone: the body is read, so the server's next ASGI message is
+    ``http.disconnect`` (a waiter, not a poll: a service holding thousands of requests spends
+    nothing on the ones still waiting, as vLLM's ``listen_for_disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class ClosingStreamingResponse(StreamingResponse):

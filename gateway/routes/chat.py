@@ -24,7 +24,7 @@ from gateway.upstream import MediaUnavailable, UpstreamError, upstream_deadline
 from gateway.validate import check_fits, check_text
 from shared.schemas import ChatCompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse
 from shared.admission import Overloaded, Ticket
-from shared.streaming import ClosingStreamingResponse
+from shared.streaming import ClosingStreamingResponse, disconnected
 
 log = logging.getLogger("mmserve.gateway.chat")
 router = APIRouter(dependencies=[ApiKeyDep])
@@ -40,18 +40,10 @@ class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone: the body is read, so the server's next ASGI message is
-    ``http.disconnect`` (a waiter, not a poll: a gateway holding thousands of requests spends
-    nothing on the ones still waiting, as vLLM's ``listen_for_disconnect``)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def until_disconnect(request: Request, work: Awaitable[T], timeout: float) -> T:
     """``await work``, cancelling it if the client disconnects or ``timeout`` s pass first."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     returned = False
     try:
         done, _ = await asyncio.wait({task, gone}, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
