@@ -35,7 +35,6 @@ One engine step: ``schedule()`` -> runner -> ``postprocess(batch, next_tokens)``
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
@@ -50,9 +49,10 @@ AWAIT_MEDIA = object()  # ``_admit``'s answer for a request that needs embedding
 
 
 class Scheduler:
-    """Owns the request queues and one ``KVManager``. Public methods take an internal lock, so
-    ``abort``/``finish`` may come from another thread; ``schedule`` and ``postprocess`` alternate
-    (the runner runs in between). ``postprocess`` needs a token for every seq with ``need_logits``."""
+    """Owns the request queues and one ``KVManager``. Single-threaded: the engine's step loop
+    calls every method (``abort``/``finish`` between steps); ``schedule`` and ``postprocess``
+    alternate (the runner runs in between). ``postprocess`` needs a token for every seq with
+    ``need_logits``."""
 
     def __init__(
         self, config: SchedulerConfig, num_full_slots: int, num_swa_slots: int,
@@ -74,7 +74,6 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: oldest first
         self.requests: dict[str, Request] = {}
         self._dropped: list[str] = []  # views ended since the last batch (the runner frees their tables)
-        self._lock = threading.RLock()
         self.media_needs: list[tuple[str, list[int]]] = []  # (req_id, item indices) to fetch
         self.num_preemptions = 0
         self.prompt_tokens = 0
@@ -93,51 +92,46 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a request. Raises ValueError if it can never fit in the full pool."""
         self.check_fits(req)
-        with self._lock:
-            if req.req_id in self.requests:
-                raise ValueError(f"duplicate request id {req.req_id}")
-            req.status = RequestStatus.WAITING
-            self.requests[req.req_id] = req
-            self.waiting.append(req)
+        if req.req_id in self.requests:
+            raise ValueError(f"duplicate request id {req.req_id}")
+        req.status = RequestStatus.WAITING
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
 
     def abort(self, req_id: str) -> bool:
         """Drop a request and free everything it holds; safe at any time. False if unknown."""
-        with self._lock:
-            req = self.requests.get(req_id)
-            if req is None:
-                return False
-            self._finish(req, "abort")
-            return True
+        req = self.requests.get(req_id)
+        if req is None:
+            return False
+        self._finish(req, "abort")
+        return True
 
     def finish(self, req_id: str, reason: str = "stop") -> bool:
         """Finish a request now (the engine matched a stop string). False if unknown."""
-        with self._lock:
-            req = self.requests.get(req_id)
-            if req is None:
-                return False
-            self._finish(req, reason)
-            return True
+        req = self.requests.get(req_id)
+        if req is None:
+            return False
+        self._finish(req, reason)
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def take_media_needs(self) -> list[tuple[str, list[int]]]:
         """What admission found missing since the last call (each request asks once per wait)."""
-        with self._lock:
-            out, self.media_needs = self.media_needs, []
-            return out
+        out, self.media_needs = self.media_needs, []
+        return out
 
     def provide_media(self, req_id: str, items: dict) -> bool:
         """Item index -> embeddings for a request sent by reference; it is admissible again.
         False if the request is gone (aborted, finished)."""
-        with self._lock:
-            req = self.requests.get(req_id)
-            if req is None:
-                return False
-            for idx, value in items.items():
-                req.mm_items[idx] = value
-            req.awaiting_media = False
-            return True
+        req = self.requests.get(req_id)
+        if req is None:
+            return False
+        for idx, value in items.items():
+            req.mm_items[idx] = value
+        req.awaiting_media = False
+        return True
 
     @staticmethod
     def missing_media(req: Request, cached_len: int) -> list[int]:
@@ -149,20 +143,19 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ForwardBatch | None:
         """The next step's batch, or None when there is nothing to run."""
-        with self._lock:
-            for _ in range(len(self.running) + 2):
-                batch = self._schedule_once()
-                if batch.seqs or not self.running:
-                    if not batch.seqs:
-                        return None
-                    batch.dropped, self._dropped = self._dropped, []
-                    return batch
-                # running requests exist but none could get slots: make room and retry
-                if len(self.running) == 1:
-                    self._finish(self.running[0], "abort")  # cannot progress even alone
-                else:
-                    self._preempt(self.running[-1])
-            return None
+        for _ in range(len(self.running) + 2):
+            batch = self._schedule_once()
+            if batch.seqs or not self.running:
+                if not batch.seqs:
+                    return None
+                batch.dropped, self._dropped = self._dropped, []
+                return batch
+            # running requests exist but none could get slots: make room and retry
+            if len(self.running) == 1:
+                self._finish(self.running[0], "abort")  # cannot progress even alone
+            else:
+                self._preempt(self.running[-1])
+        return None
 
     def _schedule_once(self) -> ForwardBatch:
         cfg = self.config
@@ -345,46 +338,45 @@ class Scheduler:
         prefill, "length", without a token), finish requests (and those in ``stop`` with "stop", e.g. a
         completed grammar), and release out-of-window SWA slots."""
         outs: list[StepOutput] = []
-        with self._lock:
-            for sf in batch.seqs:
-                req = self.requests.get(sf.req_id)
-                if req is None or req.status != RequestStatus.RUNNING or sf.start != req.num_computed:
-                    continue  # aborted or finished while the step ran (or an id reused since)
-                end = sf.end
-                req.num_computed = end
-                if sf.all_logits:
-                    req.prompt_scored = max(req.prompt_scored, min(end, len(req.prompt_ids) - 1))
-                if self.config.l3_page_tokens and not req.prefill_cached:
-                    if sf.need_logits or any(sf.start < c <= end for c in req.swa_checkpoints):
-                        # before the release below: the windows at this chunk's boundaries
-                        self.kv.note_l3(req.kv, req.all_keys, end, req.swa_checkpoints)
-                if sf.need_logits and not req.prefill_cached:
-                    # prefill done: cache it now, so concurrent requests sharing it hit it.
-                    # Out-of-window SWA is released first, but W + 1 positions stay: a request
-                    # re-sending the same prompt matches all but its last token (needs the
-                    # window ending at end - 1), a follow-up turn matches up to end
-                    req.prefill_cached = True
-                    if self.config.release_swa:
-                        self.kv.release_window(req.kv, end - self.config.window - 1)
-                    self.kv.cache_prefix(req.kv, req.all_keys, end)
-                if sf.need_logits and req.sampling.max_tokens == 0:  # the prompt alone (echo)
-                    self._finish(req, "length")
-                    outs.append(StepOutput(req.req_id, None, True, "length", req.num_cached_tokens))
+        for sf in batch.seqs:
+            req = self.requests.get(sf.req_id)
+            if req is None or req.status != RequestStatus.RUNNING or sf.start != req.num_computed:
+                continue  # aborted or finished while the step ran (or an id reused since)
+            end = sf.end
+            req.num_computed = end
+            if sf.all_logits:
+                req.prompt_scored = max(req.prompt_scored, min(end, len(req.prompt_ids) - 1))
+            if self.config.l3_page_tokens and not req.prefill_cached:
+                if sf.need_logits or any(sf.start < c <= end for c in req.swa_checkpoints):
+                    # before the release below: the windows at this chunk's boundaries
+                    self.kv.note_l3(req.kv, req.all_keys, end, req.swa_checkpoints)
+            if sf.need_logits and not req.prefill_cached:
+                # prefill done: cache it now, so concurrent requests sharing it hit it.
+                # Out-of-window SWA is released first, but W + 1 positions stay: a request
+                # re-sending the same prompt matches all but its last token (needs the
+                # window ending at end - 1), a follow-up turn matches up to end
+                req.prefill_cached = True
+                if self.config.release_swa:
+                    self.kv.release_window(req.kv, end - self.config.window - 1)
+                self.kv.cache_prefix(req.kv, req.all_keys, end)
+            if sf.need_logits and req.sampling.max_tokens == 0:  # the prompt alone (echo)
+                self._finish(req, "length")
+                outs.append(StepOutput(req.req_id, None, True, "length", req.num_cached_tokens))
+                continue
+            if sf.need_logits:
+                tok = int(next_tokens[sf.req_id])
+                req.output_ids.append(tok)
+                reason = self._stop_reason(req, tok) or ("stop" if sf.req_id in stop else None)
+                if reason is not None:
+                    self._finish(req, reason)
+                    outs.append(StepOutput(req.req_id, tok, True, reason, req.num_cached_tokens))
                     continue
-                if sf.need_logits:
-                    tok = int(next_tokens[sf.req_id])
-                    req.output_ids.append(tok)
-                    reason = self._stop_reason(req, tok) or ("stop" if sf.req_id in stop else None)
-                    if reason is not None:
-                        self._finish(req, reason)
-                        outs.append(StepOutput(req.req_id, tok, True, reason, req.num_cached_tokens))
-                        continue
-                    outs.append(StepOutput(req.req_id, tok, False, None, req.num_cached_tokens))
-                if len(sf.token_ids) == 1:
-                    req.decodes_since_release += 1
-                    if req.decodes_since_release < self.config.decode_release_interval:
-                        continue
-                self._release(req)
+                outs.append(StepOutput(req.req_id, tok, False, None, req.num_cached_tokens))
+            if len(sf.token_ids) == 1:
+                req.decodes_since_release += 1
+                if req.decodes_since_release < self.config.decode_release_interval:
+                    continue
+            self._release(req)
         return outs
 
     @staticmethod
@@ -433,32 +425,30 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Pools partition exactly (free + cached + in use), every running request holds SWA KV
         for its whole current window, and queue states agree."""
-        with self._lock:
-            w = self.config.window
-            for req in self.running:
-                assert req.status == RequestStatus.RUNNING and req.kv is not None
-                assert self.requests.get(req.req_id) is req
-                kv = req.kv
-                assert kv.cached_len <= req.num_computed <= len(kv.full) <= req.num_tokens
-                lo = max(0, req.num_computed - w)
-                assert NO_SLOT not in kv.swa[lo:req.num_computed], f"{req.req_id}: window lost"
-                assert not self.missing_media(req, req.num_computed), f"{req.req_id}: runs without its media"
-            for req in self.waiting:
-                assert req.status == RequestStatus.WAITING and req.kv is None
-                assert self.requests.get(req.req_id) is req
-                assert not req.awaiting_media or None in req.mm_items, f"{req.req_id} awaits no media"
-            assert len(self.requests) == len(self.running) + len(self.waiting)
-            self.kv.check_integrity([r.kv for r in self.running])
+        w = self.config.window
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING and req.kv is not None
+            assert self.requests.get(req.req_id) is req
+            kv = req.kv
+            assert kv.cached_len <= req.num_computed <= len(kv.full) <= req.num_tokens
+            lo = max(0, req.num_computed - w)
+            assert NO_SLOT not in kv.swa[lo:req.num_computed], f"{req.req_id}: window lost"
+            assert not self.missing_media(req, req.num_computed), f"{req.req_id}: runs without its media"
+        for req in self.waiting:
+            assert req.status == RequestStatus.WAITING and req.kv is None
+            assert self.requests.get(req.req_id) is req
+            assert not req.awaiting_media or None in req.mm_items, f"{req.req_id} awaits no media"
+        assert len(self.requests) == len(self.running) + len(self.waiting)
+        self.kv.check_integrity([r.kv for r in self.running])
 
     def stats(self) -> dict[str, float]:
-        with self._lock:
-            u = self.kv.usage()
-            return {
-                **u,
-                "running": len(self.running),
-                "waiting": len(self.waiting),
-                "preemptions": self.num_preemptions,
-                "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens,
-                "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            }
+        u = self.kv.usage()
+        return {
+            **u,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "preemptions": self.num_preemptions,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+        }
