@@ -101,7 +101,6 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     device: str = "cpu"
     dtype: str = "float32"
     max_model_len: int = Field(default=4096, ge=16)
-    default_max_tokens: int = Field(default=64, ge=1)
     max_request_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1, description="largest /v1/generate body (prompt + media embeddings)"
     )
