@@ -9,9 +9,11 @@ Layout (one job per module):
   strings), ``errors.py``.
 * ``backends/`` - one async interface (``submit`` / iterate / ``abort``) with a registry:
   ``hf`` (transformers ``generate``, one request at a time: the reference) and ``swa`` (ours).
-* ``engine/`` - the swa engine: ``scheduler.py`` + ``request.py`` (bookkeeping) and
-  ``model_runner.py`` (tensors) meet at ``forward_batch.py``; ``engine.py`` is the step loop;
-  ``sampler.py`` samples.
+* ``types.py`` - the core types: ``PreparedRequest``, the scheduler's ``Request``, and
+  ``ForwardBatch``, where the scheduler and the runner meet.
+* ``engine/`` - the swa engine: ``scheduler.py`` (bookkeeping) and ``model_runner.py``
+  (tensors) meet at ``ForwardBatch``; ``engine.py`` is the step loop; ``sampler.py`` samples.
+* ``core/`` - the engine in its own process (``process.py``) and the front's client of it.
 * ``kv/`` - slot pools, pool sizing, the SWA-aware radix prefix cache (no tensors).
 * ``models/`` - our forward passes (MiMo-V2-Flash, Gemma 3) over the HF weights.
 * ``attention/`` - attention backends (pool KV through index tensors) with a registry.

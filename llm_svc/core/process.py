@@ -1,6 +1,6 @@
 """The engine-core process: loads the model, then loops ``inputs -> Engine.step() -> outputs``.
 
-Started by the front (``llm_svc.core.front.CoreSupervisor``) as
+Started by the front (``llm_svc.core.client.EngineCoreClient``) as
 ``python -m llm_svc.core.process --epoch N --inputs ADDR --outputs ADDR`` with the service's
 settings in ``MMSERVE_LLM_CORE_SETTINGS`` (JSON). It connects a ZMQ PULL socket to ``inputs``
 (``CoreAdd`` / ``CoreAbort`` / ``CoreMedia`` / ``CoreShutdown``) and a PUSH socket to ``outputs``

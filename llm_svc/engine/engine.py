@@ -1,7 +1,7 @@
 """One engine step: schedule -> run -> sample -> postprocess, token ids out. No threads, no text.
 
 The engine-core process (``llm_svc.core.process``) calls ``add`` / ``abort`` between steps and
-``step`` in a loop; detokenization and stop strings live in the front (``llm_svc.core.front``).
+``step`` in a loop; detokenization and stop strings live in the front (``llm_svc.core.output``).
 
 Failure containment: every phase of a step (aborts, schedule, run, sample, postprocess, orphan
 closing) runs inside one ``try``. When a phase raises, only the requests that phase touched

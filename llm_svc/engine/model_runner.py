@@ -2,7 +2,7 @@
 one ``ForwardBatch``. No policy.
 
 Input: the scheduler's batch (prefill chunks and decodes mixed, in any order; only the slots
-that changed, see ``llm_svc.engine.forward_batch``). Output: logits of the last token of every
+that changed, see ``llm_svc.types.ForwardBatch``). Output: logits of the last token of every
 sequence with ``need_logits``, and of every token of a sequence with ``all_logits``.
 """
 
