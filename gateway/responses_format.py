@@ -68,6 +68,7 @@ def _parts(content: Any, where: str, role: str) -> str | list[dict]:
     out = []
     for j, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else None
+        kind = kind if isinstance(kind, str) else None  # a list or object type names nothing
         if kind not in _PARTS or kind == "refusal" and role != "assistant":
             why = _PART_REFUSED.get(kind, f"part type {kind!r} is not served")
             raise InputError(f"{where}[{j}].type", f"{why}; this server takes input_text, input_image, output_text "
@@ -105,6 +106,8 @@ def _messages(req: ResponsesRequest) -> list[dict]:
         if not isinstance(it, dict):
             raise InputError(where, "an item is an object")
         kind = it.get("type") or ("message" if "role" in it else "item_reference")
+        if not isinstance(kind, str):
+            raise InputError(f"{where}.type", "an item's type must be a string")
         if kind not in _ITEMS:
             why = (f"{kind!r} items need stored items; send the items themselves" if kind == "item_reference"
                    else f"item type {kind!r} is not served")

@@ -121,7 +121,8 @@ def _check_parts(role: Any, content: list) -> list:
         if fields is None:
             why = {"refusal": "refusal parts belong to assistant messages",
                    "file": "file parts are not served (send images as image_url, audio as input_audio)",
-                   }.get(kind, f"unknown content part type {kind!r}")
+                   }.get(kind, f"unknown content part type {kind!r}") if isinstance(kind, str) else (
+                "a content part's type must be a string")
             served = ", ".join(_PART_FIELDS)
             raise _part_error(("content", j, "type"), f"{why}; this server takes {served} parts", part)
         for name, value in part.items():
@@ -737,10 +738,12 @@ class ResponsesRequest(BaseModel):
         include = data.get("include")
         if isinstance(include, list):
             for i, name in enumerate(include):
+                if not isinstance(name, str):
+                    continue  # not a string: the field's own type check names it
                 if name not in RESPONSES_INCLUDABLE and name not in RESPONSES_INCLUDE_NOOP:
                     raise _field_error(("include", i), f"{name!r} is not served (only "
                                        f"{', '.join(RESPONSES_INCLUDABLE)}); remove it", name)
-            data = {**data, "include": [v for v in include if v not in RESPONSES_INCLUDE_NOOP]}
+            data = {**data, "include": [v for v in include if not (isinstance(v, str) and v in RESPONSES_INCLUDE_NOOP)]}
         return data
 
     def wants_logprobs(self) -> bool:

@@ -157,7 +157,11 @@ def test_malformed_json(stack):
 def test_unknown_content_part_type(stack):
     client, _, _ = stack
     err = assert_openai_error(post(client, chat({"type": "image_file", "file": "x"})), 400, "'image_file'")
-    assert err["param"] == "messages[0].content[0]" and err["type"] == "invalid_request_error"
+    assert err["param"] == "messages[0].content[0].type" and err["type"] == "invalid_request_error"
+    # a type that is not a string is a 400 too, never a 500
+    err = assert_openai_error(post(client, chat({"type": {}, "input_audio": {"data": "0", "format": "wav"}})), 400,
+                              "must be a string")
+    assert err["param"] == "messages[0].content[0].type"
 
 
 def test_unknown_model(stack):

@@ -416,3 +416,8 @@ def test_part_type_and_role_refusals_name_where():
                 "input[1].summary[0].x")
     _refused_at(_input({**ITEMS["reasoning"], "encrypted_content": "gAAA"}), "input[1].encrypted_content")
 
+
+
+def test_a_type_that_is_not_a_string_is_a_400_not_a_500():
+    _refused_at(_input({"role": "user", "content": [{"type": {}, "text": "x"}]}), "input[1].content[0].type")
+    _refused_at(_input({"type": ["message"], "role": "user", "content": "x"}), "input[1].type")
