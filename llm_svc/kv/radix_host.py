@@ -1,20 +1,24 @@
-"""Host-tier moves for ``RadixCache`` (``llm_svc.kv.radix``): loading a match's host-only KV
+"""Moves up the tiers of a ``RadixCache`` (``llm_svc.kv.radix``): loading a match's host-only KV
 back to the device, and inserting KV that arrives from a lower tier (L3) into the host pools.
-Pure bookkeeping: device copies are recorded in ``self.ops``; the caller fills inserted host
-slots itself."""
+Pure bookkeeping: device copies are recorded in the tree's ``ops``; the caller fills inserted
+host slots itself. (Moves down the tiers are eviction's: ``llm_svc.kv.radix_evict``.)"""
 
 from __future__ import annotations
 
 from llm_svc.kv.radix_node import NO_SLOT, MatchResult, Node
 
 
-class HostMixin:
-    """Host <-> device methods of ``RadixCache``; see the module doc."""
+class HostMover:
+    """Host -> device loads and lower tier -> host inserts for a ``RadixCache``; see the module
+    doc. Uses the tree's tiers, matching helpers, locks, ``evictor``, ``ops`` and ``stats``."""
+
+    def __init__(self, tree) -> None:
+        self.tree = tree
 
     def load_need(self, m: MatchResult) -> tuple[int, int]:
         """Device ``(full, swa)`` slots that ``load(m)`` allocates."""
-        full = sum(len(n.key) for n in m.nodes if n.full is None)
-        swa = sum(1 for n, i in self._window_positions(m) if n.swa[i] == NO_SLOT)
+        full = sum(len(n.key) for n in m.nodes if n.device.full is None)
+        swa = sum(1 for n, i in self.tree.window_positions(m) if n.device.swa[i] == NO_SLOT)
         return full, swa
 
     def load(self, m: MatchResult) -> bool:
@@ -24,42 +28,45 @@ class HostMixin:
         room."""
         if not m.needs_load:
             return True
+        tree, device = self.tree, self.tree.device
         need_full, need_swa = self.load_need(m)
-        if need_full > self.full_pool.num_free + self.evictable_full() or (
-            need_swa > self.swa_pool.num_free + self.evictable_swa()
+        if need_full > device.full_pool.num_free + device.evictable_full() or (
+            need_swa > device.swa_pool.num_free + device.evictable_swa()
         ):
             return False
-        short_full = need_full - self.full_pool.num_free
-        short_swa = need_swa - self.swa_pool.num_free
+        short_full = need_full - device.full_pool.num_free
+        short_swa = need_swa - device.swa_pool.num_free
         if short_full > 0 or short_swa > 0:
-            self.evict(max(0, short_full), max(0, short_swa))
-        full = self.full_pool.alloc(need_full)
-        swa = self.swa_pool.alloc(need_swa)
+            tree.evict(max(0, short_full), max(0, short_swa))
+        full = device.full_pool.alloc(need_full)
+        swa = device.swa_pool.alloc(need_swa)
         assert full is not None and swa is not None, "eviction freed less than it promised"
         at = 0
-        for n in m.nodes:
-            if n.full is None:
-                n.full = full[at:at + len(n.key)]
-                self._leaf_index(n)
-                self._leaf_index(n.parent)
+        for n in m.nodes:  # root first: device residency stays top-closed
+            if n.device.full is None:
+                slots = full[at:at + len(n.key)]
                 at += len(n.key)
-                self.ops.append(("h2d_full", list(n.hfull), list(n.full)))
-                self.full_tokens += len(n.key)
-                if n.full_lock:
-                    self.locked_full += len(n.key)
-        src, dst = [], []
+                device.set(n, full=slots)
+                tree.ops.append(("h2d_full", list(n.host.full), list(slots)))
+        src: list[int] = []
+        dst: list[int] = []
+        window: dict[Node, tuple[list[int], list[int]]] = {}
         it = iter(swa)
-        for n, i in self._window_positions(m):
-            if n.swa[i] == NO_SLOT:
+        for n, i in tree.window_positions(m):
+            if n.device.swa[i] == NO_SLOT:
                 s = next(it)
-                src.append(n.hswa[i])
+                src.append(n.host.swa[i])
                 dst.append(s)
-                self._set_swa(n, i, s)
+                positions, slots = window.setdefault(n, ([], []))
+                positions.append(i)
+                slots.append(s)
+        for n, (positions, slots) in window.items():
+            device.put_swa(n, positions, slots)
         if dst:
-            self.ops.append(("h2d_swa", src, dst))
-        self.stats["loaded_full"] += need_full
-        self.stats["loaded_swa"] += need_swa
-        m.full_slots, m.swa_slots = self._device_slots(m)
+            tree.ops.append(("h2d_swa", src, dst))
+        tree.stats["loaded_full"] += need_full
+        tree.stats["loaded_swa"] += need_swa
+        m.full_slots, m.swa_slots = tree.device_slots(m)
         m.needs_load = False
         return True
 
@@ -72,71 +79,63 @@ class HostMixin:
         Returns ``(full, swa)`` lists of ``(position, host_slot)`` for the caller to fill, or
         None (nothing changed) if positions below ``full_from`` are missing or the host has no
         room."""
-        if not self.host_enabled:
+        tree = self.tree
+        if tree.host is None:
             return None
         n_tok = len(keys)
-        path, _ = self._walk(keys, False)
+        path, _ = tree.walk(keys, False)
         raw = sum(k for _, k in path)
         if raw < min(full_from, n_tok):
             return None
-        node, nodes = self._cut(path, raw)
-        pin = self.lock(MatchResult(raw, [], [], node, nodes=nodes))  # host eviction spares the path
+        node, nodes = tree.cut(path, raw)
+        pin = tree.lock(MatchResult(raw, [], [], node, nodes=nodes))  # host eviction spares the path
         try:
-            return self._insert_host_at(keys, node, nodes, raw, window_from)
+            return self._insert_at(keys, node, nodes, raw, window_from)
         finally:
-            self.unlock(pin)
+            tree.unlock(pin)
 
-    def _insert_host_at(self, keys, node, nodes, raw, window_from):
+    def _insert_at(self, keys, node, nodes, raw, window_from):
+        tree, host = self.tree, self.tree.host
         n_tok = len(keys)
         new_full = n_tok - raw
-        # SWA positions in [window_from, n) lacking SWA in both tiers
-        lacking: list[tuple[Node, int, int]] = []
+        # SWA positions in [window_from, n) lacking SWA in both tiers, per node
+        lacking: dict[Node, list[int]] = {}
         pos = 0
         for n in nodes:
-            for i in range(len(n.key)):
-                p = pos + i
-                if p >= window_from and n.swa[i] == NO_SLOT and (n.hswa is None or n.hswa[i] == NO_SLOT):
-                    lacking.append((n, i, p))
+            dev_swa, host_swa = n.device.swa, n.host.swa
+            for i in range(max(0, window_from - pos), len(n.key)):
+                if dev_swa[i] == NO_SLOT and host_swa[i] == NO_SLOT:
+                    lacking.setdefault(n, []).append(i)
             pos += len(n.key)
         swa_new = max(0, n_tok - max(raw, window_from))
-        hf = self._host_alloc_full(new_full)
+        hf = tree.evictor.host_alloc_full(new_full)
         if hf is None:
             return None
-        hs = self._host_alloc_swa(len(lacking) + swa_new)
+        hs = tree.evictor.host_alloc_swa(sum(map(len, lacking.values())) + swa_new)
         if hs is None:
-            self.host_full_pool.free(hf)
+            host.full_pool.free(hf)
             return None
         out_full: list[tuple[int, int]] = []
         out_swa: list[tuple[int, int]] = []
-        it = iter(hs)
-        for n, i, p in lacking:
-            s = next(it)
-            self._set_hswa(n, i, s)
-            out_swa.append((p, s))
+        at, pos = 0, 0
+        for n in nodes:
+            positions = lacking.get(n)
+            if positions:
+                slots = hs[at:at + len(positions)]
+                at += len(positions)
+                host.put_swa(n, positions, slots)
+                out_swa.extend((pos + i, s) for i, s in zip(positions, slots))
+            pos += len(n.key)
         if new_full:
             hswa = [NO_SLOT] * new_full
             for p in range(max(raw, window_from), n_tok):
-                s = next(it)
-                hswa[p - raw] = s
-                out_swa.append((p, s))
-            new = Node(list(keys[raw:]), None, [NO_SLOT] * new_full, node, list(hf), hswa)
-            node.children[keys[raw]] = new
-            self._nodes.add(new)
-            self._reindex(new)
-            self.host_full_tokens += new_full
-            self.host_swa_tokens += new.num_hswa
+                hswa[p - raw] = hs[at]
+                out_swa.append((p, hs[at]))
+                at += 1
+            node = tree.add_child(node, list(keys[raw:]))
+            host.set(node, full=list(hf), swa=hswa)
             out_full = [(raw + i, s) for i, s in enumerate(hf)]
-            node = new
-        self._touch_path(node, n_tok)
-        self.stats["host_inserted_full"] += len(out_full)
-        self.stats["host_inserted_swa"] += len(out_swa)
+        tree.touch_path(node, n_tok)
+        tree.stats["host_inserted_full"] += len(out_full)
+        tree.stats["host_inserted_swa"] += len(out_swa)
         return out_full, out_swa
-
-    def _set_hswa(self, node: Node, i: int, slot: int) -> None:
-        if node.hswa is None:
-            node.hswa = [NO_SLOT] * len(node.key)
-        delta = int(slot != NO_SLOT) - int(node.hswa[i] != NO_SLOT)
-        node.hswa[i] = slot
-        node.num_hswa += delta
-        self._reindex(node)
-        self.host_swa_tokens += delta

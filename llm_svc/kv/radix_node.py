@@ -1,4 +1,5 @@
-"""The radix tree's node and the records it hands out (see ``llm_svc.kv.radix``)."""
+"""The radix tree's node, its per-tier slot records, and the records the tree hands out (see
+``llm_svc.kv.radix``)."""
 
 from __future__ import annotations
 
@@ -7,29 +8,36 @@ from dataclasses import dataclass, field
 NO_SLOT = -1
 
 
-class Node:
-    """A run of tokens: per token a key, a device full slot and a device SWA slot or ``NO_SLOT``
-    (tombstone), and the same two in host memory (the L2 tier).
+class TierSlots:
+    """A node's KV in one tier: ``full`` slots (one per token, or ``None`` when this tier holds
+    none of the node's full KV) and ``swa`` slots (one per token, ``NO_SLOT`` where this tier
+    holds no SWA KV), ``num_swa`` of them valid. Changed only through ``Tier.set`` (which keeps
+    the tier's counters and indexes in step)."""
 
-    Full KV lives per node: ``full`` is ``None`` when the node's full KV left the device
-    (demoted), ``hfull`` is ``None`` when the host holds none; at least one of them is set. SWA KV
-    lives per token in either tier. ``full_lock`` counts holders of this node's path;
-    ``swa_holders`` pin its device SWA slots."""
+    __slots__ = ("full", "swa", "num_swa")
+
+    def __init__(self, n_tokens: int) -> None:
+        self.full: list[int] | None = None
+        self.swa: list[int] = [NO_SLOT] * n_tokens
+        self.num_swa = 0
+
+
+class Node:
+    """A run of tokens (``key``, one int per token) with its KV in each tier of the tree: the
+    ``device`` record, and the ``host`` record (``None`` when the tree has no host tier).
+
+    Full KV is per node: at least one tier holds all of it. ``full_lock`` counts holders of this
+    node's path; ``swa_holders`` pin its device SWA slots. ``last_access`` / ``swa_access``: the
+    tree's clock when the node's full KV / SWA window was last needed."""
 
     __slots__ = (
-        "key", "full", "swa", "num_swa", "hfull", "hswa", "num_hswa", "children", "parent",
-        "full_lock", "swa_holders", "last_access", "swa_access",
+        "key", "device", "host", "children", "parent", "full_lock", "swa_holders", "last_access", "swa_access",
     )
 
-    def __init__(self, key: list[int], full: list[int] | None, swa: list[int], parent: "Node | None",
-                 hfull: list[int] | None = None, hswa: list[int] | None = None) -> None:
+    def __init__(self, key: list[int], parent: "Node | None", with_host: bool) -> None:
         self.key = key
-        self.full = full
-        self.swa = swa
-        self.num_swa = sum(s != NO_SLOT for s in swa)
-        self.hfull = hfull
-        self.hswa = hswa  # None: no host SWA for any token
-        self.num_hswa = sum(s != NO_SLOT for s in hswa) if hswa else 0
+        self.device = TierSlots(len(key))
+        self.host = TierSlots(len(key)) if with_host else None
         self.children: dict[int, Node] = {}
         self.parent = parent
         self.full_lock = 0
@@ -37,12 +45,8 @@ class Node:
         self.last_access = 0
         self.swa_access = 0
 
-    @property
-    def on_device(self) -> bool:
-        return self.full is not None
-
     def has_device_child(self) -> bool:
-        return any(c.full is not None for c in self.children.values())
+        return any(c.device.full is not None for c in self.children.values())
 
 
 @dataclass(eq=False)

@@ -70,7 +70,7 @@ def test_eviction_looks_only_at_indexed_candidates():
     tree = sched.kv.tree
     assert tree.stats["swa_evictions"] > 100 and tree.stats["host_swa_evictions"] > 100, tree.stats
     assert tree.stats["demoted_full"] > 1000 and tree.stats["host_evictions"] > 100, tree.stats
-    assert 0 < len(tree._leaves) * 4 < tree.num_nodes, (len(tree._leaves), tree.num_nodes)
-    assert 0 < len(tree._hfull_nodes) < tree.num_nodes
-    assert 0 < len(tree._swa_nodes) and len(tree._swa_nodes) * 4 < tree.num_nodes, (len(tree._swa_nodes), tree.num_nodes)
-    assert 0 < len(tree._hswa_nodes) < tree.num_nodes
+    assert 0 < len(tree.device.leaves) * 4 < tree.num_nodes, (len(tree.device.leaves), tree.num_nodes)
+    assert 0 < len(tree.host.full_nodes) < tree.num_nodes
+    assert 0 < len(tree.device.swa_nodes) and len(tree.device.swa_nodes) * 4 < tree.num_nodes, (len(tree.device.swa_nodes), tree.num_nodes)
+    assert 0 < len(tree.host.swa_nodes) < tree.num_nodes

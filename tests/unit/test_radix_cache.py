@@ -208,10 +208,10 @@ def test_split_of_locked_node_unlocks_cleanly(tree):
 def test_integrity_check_catches_a_double_owned_slot(tree):
     tree.insert(seq(4))
     node = next(iter(tree.t._nodes))
-    node.swa[1] = node.swa[0]
+    node.device.swa[1] = node.device.swa[0]
     with pytest.raises(AssertionError):
         tree.t.check_integrity()
-    node.swa[1] = tree.swa.alloc(1)[0]  # repair (the freed-by-nobody slot 1 stays a leak) ...
+    node.device.swa[1] = tree.swa.alloc(1)[0]  # repair (the freed-by-nobody slot 1 stays a leak) ...
     tree.t.check_integrity()
     with pytest.raises(AssertionError):
         tree.check()  # ... which the pool partition check catches

@@ -20,8 +20,8 @@ def path_slots(tree: RadixCache, keys: list[int]) -> tuple[list[int], list[int]]
         k = 0
         while k < len(child.key) and pos + k < len(keys) and child.key[k] == keys[pos + k]:
             k += 1
-        full += child.full[:k]
-        swa += child.swa[:k]
+        full += child.device.full[:k]
+        swa += child.device.swa[:k]
         pos += k
         if k < len(child.key):
             break

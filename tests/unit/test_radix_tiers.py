@@ -168,7 +168,7 @@ def test_demoted_prefix_comes_back_from_host_exactly():
 
 def test_no_host_tier_drops_as_before():
     tree = RadixCache(2, SlotPool(8, "full"), SlotPool(8, "swa"))
-    full, swa = tree.full_pool.alloc(4), tree.swa_pool.alloc(4)
+    full, swa = tree.device.full_pool.alloc(4), tree.device.swa_pool.alloc(4)
     tree.insert([1, 2, 3, 4], full, swa)
     tree.evict(4, 0)
     assert tree.num_nodes == 0 and tree.take_ops() == [] and tree.insert_host([1, 2], 0, 0) is None
