@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from shared.bundle import BundleSpec, CheckpointError, load_bundle_spec
 
 from .media_layout import TimestampLayout
+from .prompt_bound import TokenBound
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,13 +33,18 @@ class LoadedLM:
     bidirectional_media: bool = False  # Gemma 3: an image's tokens attend to each other
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
-    # longest vocabulary entry in UTF-8 bytes: len(text.encode()) / this is a lower bound on the
-    # number of tokens, so a prompt that cannot fit is refused before it is tokenized
-    max_token_bytes: int = 64
+    # lower bounds on a text's tokens (longest entry, byte changes), so a prompt that cannot fit
+    # is refused before it is tokenized whole
+    bound: TokenBound = TokenBound(max_bytes=64)
 
     @property
     def text_config(self):
         return self.model.config.get_text_config()
+
+    @property
+    def max_token_bytes(self) -> int:
+        """Longest vocabulary entry in UTF-8 bytes: ``bytes / this`` lower-bounds a text's tokens."""
+        return self.bound.max_bytes
 
     def min_tokens(self, text_bytes: int) -> int:
         """A lower bound on the tokens of ``text_bytes`` bytes of text."""
@@ -61,11 +67,6 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(int(tokenizer.eos_token_id))
     return ids
-
-
-def _max_token_bytes(tokenizer) -> int:
-    vocab = tokenizer.get_vocab()
-    return max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
 
 
 def _arch_of(architecture: str) -> tuple[str, dict]:
@@ -136,7 +137,7 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
         bidirectional_media=(arch == "gemma3"),
         device=torch.device(device if weights else "cpu"),  # the front keeps media on the CPU
         dtype=tdtype,
-        max_token_bytes=_max_token_bytes(tokenizer),
+        bound=TokenBound.of(tokenizer),
     )
 
 

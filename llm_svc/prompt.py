@@ -11,6 +11,7 @@ from shared.schemas import GenerateRequest, PromptMedia, PromptMessage, PromptTe
 from .errors import InvalidRequest
 from .loader import LoadedLM
 from .output_shape import build_shaper
+from .prompt_bound import tokens_past
 from .tool_choice import forced_spec
 from .types import EmbeddingRef, PreparedRequest
 
@@ -19,9 +20,14 @@ SEED_RANGE = 1 << 63  # every backend's generator takes it; the engine core redu
 
 def render_prompt_ids(lm: LoadedLM, req: GenerateRequest) -> list[int]:
     """Chat template (one pad token per media item) -> token ids, no extra special tokens."""
+    return _tokenize(lm, render_prompt_text(lm, req))
+
+
+def render_prompt_text(lm: LoadedLM, req: GenerateRequest) -> str:
+    """The chat template's text of ``req`` (one pad token per media item)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools.tools] if req.tools is not None else None
-    return _render(lm, _template_messages(req), add_generation_prompt=True, tools=tools,
-                   kwargs=req.chat_template_kwargs)
+    return _render_text(lm, _template_messages(req), add_generation_prompt=True, tools=tools,
+                        kwargs=req.chat_template_kwargs)
 
 
 def render_text_ids(lm: LoadedLM, messages: list[PromptMessage], add_generation_prompt: bool,
@@ -35,6 +41,15 @@ def render_text_ids(lm: LoadedLM, messages: list[PromptMessage], add_generation_
 
 def _render(lm: LoadedLM, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
             kwargs: dict | None = None) -> list[int]:
+    return _tokenize(lm, _render_text(lm, messages, add_generation_prompt, tools, kwargs))
+
+
+def _tokenize(lm: LoadedLM, text: str, add_special_tokens: bool = False) -> list[int]:
+    return list(lm.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _render_text(lm: LoadedLM, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+                 kwargs: dict | None = None) -> str:
     try:
         text = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                 tools=tools or None, **(kwargs or {}))
@@ -43,7 +58,7 @@ def _render(lm: LoadedLM, messages: list[dict], add_generation_prompt: bool, too
             raise
         raise InvalidRequest(f"the model's chat template refused these messages: {str(e)[:300]}",
                              param="messages") from None
-    return list(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return text
 
 
 def system_prefix_len(lm: LoadedLM, req: GenerateRequest, ids: list[int]) -> int:
@@ -170,16 +185,23 @@ def prepare_request(
         raise InvalidRequest(f"logit_bias token ids {bad[:10]} are outside the vocabulary [0, {lm.vocab_size})",
                              param="logit_bias")
 
-    if req.prompt is not None:  # completions: the tokenizer's own special tokens, as vLLM
-        ids = list(lm.tokenizer(req.prompt)["input_ids"])
-    elif req.prompt_ids is not None:
+    if req.prompt_ids is not None:
         bad = sorted({t for t in req.prompt_ids if not 0 <= t < lm.vocab_size})
         if bad:
             raise InvalidRequest(f"prompt token ids {bad[:10]} are outside the vocabulary [0, {lm.vocab_size})",
                                  param="prompt")
         ids = list(req.prompt_ids)
-    else:
-        ids = render_prompt_ids(lm, req)
+    else:  # completions: the tokenizer's own special tokens, as vLLM; chat: the template's alone
+        specials = req.prompt is not None
+        text = req.prompt if specials else render_prompt_text(lm, req)
+        # a text that cannot fit is refused once that is certain, not after tokenizing all of it
+        at_least = tokens_past(lm.tokenizer, lm.bound, text, max_model_len - s.max_tokens, specials)
+        if at_least is not None:
+            raise InvalidRequest(
+                f"the prompt has at least {at_least} tokens and max_tokens is {s.max_tokens}: together they exceed "
+                f"max_model_len={max_model_len}; shorten the prompt or lower max_tokens",
+                param="prompt" if specials else "messages", code="context_length_exceeded")
+        ids = _tokenize(lm, text, specials)
     if not ids:
         raise InvalidRequest("the prompt renders to no tokens; send some text", param="prompt")
     out, spans, mm_items, mm_refs, mm_hashes = _expand_media(lm, ids, media, items, refs)

@@ -1,0 +1,188 @@
+"""A prompt that cannot fit ``max_model_len`` is refused without tokenizing all of it, with a
+real-size vocabulary: a 50k-token byte-level BPE trained here, whose longest tokens are runs of
+256 bytes (as GPT-4's and Qwen's), so ``bytes / longest token`` alone lets 8 MB through."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import pytest
+
+from llm_svc import prompt_bound
+from llm_svc.errors import InvalidRequest
+from llm_svc.loader import load_lm
+from llm_svc.prompt import prepare_request, render_prompt_text
+from llm_svc.prompt_bound import TokenBound, chunked_at_least, tokens_past
+from llm_svc.routes import _prepare
+from shared.schemas import GenerateRequest, PromptMessage, PromptText, SamplingParams
+from shared.wire import pack
+
+pytestmark = pytest.mark.unit
+
+_SYLLABLES = ["ka", "lo", "mi", "nu", "re", "sa", "ti", "vo", "zen", "qua", "bri", "dor", "ph", "st", "ex", "ing",
+              "al", "be", "cu", "dy", "fo", "gri", "ha", "jo", "ke", "mon", "ner", "ol", "pu", "ty"]
+
+
+def _words(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out: dict[str, None] = {}
+    while len(out) < n:
+        out["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4)))] = None
+    return list(out)
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """ChatML specials at ids 0-9 (as the tiny MiMo's), pseudo-word sentences and runs of up to
+    256 dashes, spaces, '=', '#', '*' (about 2 s to train)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from shared.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE
+
+    rng = random.Random(0)
+    words = _words(40000, 0)
+    lines = []
+    for i in range(60000):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) + rng.choice(".,?!"))
+        if i % 20 == 0:
+            lines.append(rng.choice("-=#* ") * rng.choice([16, 32, 64, 128, 256]))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=50000, special_tokens=CHATML_SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
+    assert len(fast) == 50000
+    return fast
+
+
+@pytest.fixture(scope="module")
+def lm(bpe, mimo_bundle):
+    """The tiny MiMo's front (no weights) with the real-size vocabulary."""
+    base = load_lm(str(mimo_bundle), weights=False)
+    return dataclasses.replace(base, tokenizer=bpe, bound=TokenBound.of(bpe), vocab_size=len(bpe))
+
+
+def _count(tok, text: str) -> int:
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _texts(seed: int) -> dict[str, str]:
+    rng = random.Random(seed)
+    words = _words(20000, 0)
+    return {
+        "words": " ".join(rng.choice(words) for _ in range(6000)),
+        "glued": "".join(rng.choice(words) for _ in range(6000)),
+        "runs": "".join(rng.choice("-=x #*\n.") * rng.randint(1, 700) for _ in range(150)),
+        "digits": "".join(str(rng.randint(0, 10**9)) for _ in range(5000)),
+        "cjk": "".join(chr(rng.randint(0x4E00, 0x4E40)) for _ in range(12000)),
+        "mixed": "".join(rng.choice([rng.choice(words), " ", "  ", "\n", "\t", ".", ", ", str(rng.randint(0, 999)),
+                                     rng.choice("-=") * rng.randint(1, 300)]) for _ in range(6000)),
+        "specials": "".join(rng.choice([rng.choice(words), "<|im_end|>", "<|im_start|>", "x" * rng.randint(1, 50)])
+                            for _ in range(5000)),
+    }
+
+
+def test_the_vocabulary_is_real_size_and_its_longest_token_makes_the_bytes_bound_weak(lm):
+    assert lm.bound.max_bytes == 256  # a run of 256 dashes or spaces
+    # the bound that used to be the only one: 8 MB is "at least 31,250 tokens", under a 32K context
+    assert lm.min_tokens(8_000_000) + 64 <= 32768
+    assert len(lm.bound.max_changes) == len(prompt_bound.PERIODS)
+    assert max(lm.bound.max_changes) < 64  # the longest tokens are runs: they change nowhere
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_byte_changes_bound_the_tokens_from_below(bpe, seed):
+    bound = TokenBound.of(bpe)
+    for kind, text in _texts(seed).items():
+        n = _count(bpe, text)
+        assert bound.at_least(text) <= n, kind
+    words = _texts(seed)["words"]
+    assert bound.at_least(words) > 4 * len(words.encode()) // bound.max_bytes  # far tighter on text
+
+
+@pytest.mark.parametrize("chunk", [256, 1000, 4096])
+def test_chunk_counts_less_the_cuts_bound_the_tokens_from_below(bpe, chunk, monkeypatch):
+    """Many cuts (small chunks): before spaces, and hard ones inside runs, glued words, numbers,
+    CJK and special tokens; the whole text's count is never below the chunked bound."""
+    monkeypatch.setattr(prompt_bound, "CHUNK_CHARS", chunk)
+    monkeypatch.setattr(prompt_bound, "CUT_WINDOW", chunk // 4)
+    for kind, text in _texts(chunk).items():
+        n = _count(bpe, text)
+        lower = chunked_at_least(bpe, text, budget=1 << 40)
+        assert lower <= n, (kind, lower, n)
+        if chunk >= 4096:  # the service's chunks are 16K: little is lost to the cuts
+            assert lower >= n * 0.9, (kind, lower, n)
+    monkeypatch.setattr(prompt_bound, "SPACE_CUT_SLACK", 0)
+    words = _texts(chunk)["words"]
+    assert chunked_at_least(bpe, words, budget=1 << 40) == _count(bpe, words)  # space cuts are exact here
+
+
+def _chat(text: str, max_tokens: int = 64) -> GenerateRequest:
+    return GenerateRequest(request_id="r", sampling=SamplingParams(max_tokens=max_tokens),
+                           messages=[PromptMessage(role="user", content=[PromptText(text=text)])])
+
+
+def _timed_refusal(fn) -> tuple[float, InvalidRequest]:
+    best, err = float("inf"), None
+    for _ in range(3):  # the best of three: a shared 2-core machine
+        t0 = time.perf_counter()
+        with pytest.raises(InvalidRequest) as e:
+            fn()
+        best, err = min(best, time.perf_counter() - t0), e.value
+    return best, err
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_an_8_mb_prompt_is_a_400_naming_max_model_len_within_100_ms(lm, kind):
+    """The LLM front's whole preparation of the body (header check, unpack, template, bounds) on
+    a 32K context, where the bytes bound alone would have tokenized all 8 MB (6.2 s measured).
+    Measured: 24-44 ms for both (the byte-changes bound: "at least 509,868 tokens"), on a shared
+    2-core machine."""
+    words = _words(20000, 1)
+    rng = random.Random(1)
+    text = " ".join(rng.choice(words) for _ in range(1_400_000))[:8_000_000]
+    if kind == "chat":
+        req = _chat(text)
+    else:
+        req = GenerateRequest(request_id="r", prompt=text, sampling=SamplingParams(max_tokens=64))
+    body = pack({}, req)
+    elapsed, err = _timed_refusal(lambda: _prepare(lm, body, 32768))
+    assert err.code == "context_length_exceeded" and "max_model_len=32768" in err.message, err.message
+    assert elapsed < 0.1, f"{elapsed * 1e3:.0f} ms"
+
+
+def test_a_run_of_x_is_refused_by_counting_chunks(lm):
+    """8 MB of one character changes nowhere: the chunked count refuses it after about 33K
+    characters, 26-31 ms measured (the whole text would take about 12 s to tokenize)."""
+    req = _chat("x" * 8_000_000)
+    elapsed, err = _timed_refusal(lambda: prepare_request(lm, req, {}, 32768))
+    assert err.code == "context_length_exceeded" and "max_model_len=32768" in err.message, err.message
+    assert elapsed < 0.1, f"{elapsed * 1e3:.0f} ms"
+
+
+@pytest.mark.parametrize("text", ["words", "runs"])
+def test_a_prompt_at_the_limit_passes_and_one_token_more_is_refused(lm, text, monkeypatch):
+    """The chunked count forced (small chunks, every length): exactly max_model_len passes."""
+    monkeypatch.setattr(prompt_bound, "EAGER_CHARS_PER_TOKEN", 0)
+    monkeypatch.setattr(prompt_bound, "CHUNK_CHARS", 1024)
+    rng = random.Random(3)
+    words = _words(20000, 2)
+    if text == "words":
+        body = " ".join(rng.choice(words) for _ in range(3000))
+    else:  # long tokens: about 256 bytes each
+        body = " ".join("-" * rng.randint(200, 2000) + " " + rng.choice(words) for _ in range(200))
+    req = _chat(body, max_tokens=10)
+    n = _count(lm.tokenizer, render_prompt_text(lm, req))
+    assert len(body) > 8 * n or text == "words"
+    prep = prepare_request(lm, req, {}, n + 10)
+    assert len(prep.prompt_ids) == n
+    with pytest.raises(InvalidRequest) as e:
+        prepare_request(lm, req, {}, n + 9)
+    assert e.value.code == "context_length_exceeded"
+    assert tokens_past(lm.tokenizer, lm.bound, render_prompt_text(lm, req), n) is None
