@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from shared.bundle import BundleSpec, CheckpointError, load_bundle_spec
 
+from .context_len import DEFAULT_CONTEXT_LEN, context_length
 from .media_layout import TimestampLayout
 from .prompt_bound import TokenBound
 
@@ -36,6 +37,7 @@ class LoadedLM:
     # lower bounds on a text's tokens (longest entry, byte changes), so a prompt that cannot fit
     # is refused before it is tokenized whole
     bound: TokenBound = TokenBound(max_bytes=64)
+    context_len: int = DEFAULT_CONTEXT_LEN  # the checkpoint's (llm_svc.context_len): max_model_len's default
 
     @property
     def text_config(self):
@@ -138,6 +140,7 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
         device=torch.device(device if weights else "cpu"),  # the front keeps media on the CPU
         dtype=tdtype,
         bound=TokenBound.of(tokenizer),
+        context_len=context_length(spec.lm_dir, tokenizer.model_max_length),
     )
 
 

@@ -94,12 +94,20 @@ class ServiceState:
             s = self.settings
             cls = backend_class(s.backend)
             lm = await asyncio.to_thread(load_lm, s.model_dir, s.device, s.dtype, cls.needs_weights)
+            derived = s.max_model_len is None
+            if derived:  # the checkpoint's context length, as vLLM; the engine core sizes its pools by it
+                s = self.settings = s.model_copy(update={"max_model_len": lm.context_len})
             backend = await asyncio.to_thread(cls, s, lm)
             self.lm, self.prep = lm, PrepPool(lm)
             self.media = backend.media = EmbeddingFetcher(lm.hidden_size, s.media_fetch_timeout, self.metrics,
                                                           redis_url=s.media_redis_url, redis_prefix=s.media_redis_prefix,
                                                           allow=s.media_fetch_allow)
             await backend.start()
+            held = backend.max_sequence_tokens()
+            if derived and held is not None and held < s.max_model_len:  # at most what the KV pool holds
+                s = self.settings = s.model_copy(update={"max_model_len": held})
+            log.info("max_model_len %d (%s)", s.max_model_len, "the checkpoint's context length, at most the KV "
+                     "pool" if derived else "set")
             self.backend = backend
             log.info("llm service ready: %s backend=%s", self.model_name, s.backend)
         except Exception as e:

@@ -100,7 +100,10 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     backend: str = Field(default="swa", description="swa (our hybrid SWA engine) or hf (transformers reference)")
     device: str = "cpu"
     dtype: str = "float32"
-    max_model_len: int = Field(default=4096, ge=16)
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="longest prompt + output in tokens; unset: the checkpoint's context length "
+        "(its text config's max_position_embeddings, as vLLM), at most what the KV pool holds",
+    )
     max_request_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1, description="largest /v1/generate body (prompt + media embeddings)"
     )

@@ -48,3 +48,8 @@ class Backend(ABC):
 
     def stats(self) -> BackendStats:
         return BackendStats()
+
+    def max_sequence_tokens(self) -> int | None:
+        """The most tokens (prompt + output) one sequence can ever hold, once started: the KV
+        pool's size; None: no bound of the backend's own."""
+        return None

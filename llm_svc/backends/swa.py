@@ -48,6 +48,10 @@ class SWABackend(Backend):
     async def close(self) -> None:
         await self.client.close()
 
+    def max_sequence_tokens(self) -> int | None:
+        cap = self.client.capacity
+        return cap.num_full_slots if cap is not None else None
+
     def stats(self) -> BackendStats:
         s = self.client.stats()
         s.engine_restarts = self.client.restarts

@@ -73,7 +73,8 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     kv_dtype = kv_dtype_of(settings, lm)
     geometry = MeasuredGeometry.of(model, kv_dtype)
     num_full, num_swa = size_pools(kv_budget_bytes(settings, lm.device), geometry, settings.swa_fraction,
-                                   max_chunk=settings.max_batch_tokens, expected_seq_len=settings.max_model_len,
+                                   max_chunk=settings.max_batch_tokens,
+                                   expected_seq_len=settings.max_model_len or lm.context_len,
                                    release_interval=cfg.decode_release_interval)
     num_swa = max(num_swa, cfg.min_swa_slots())
     host_full = settings.host_kv_full_bytes // geometry.full_token_bytes
