@@ -6,7 +6,10 @@
     mmserve gateway  [--port 8000] [--encoder-urls URL,...] [--llm-urls URL,...]
     mmserve up       [--model DIR] [--encoders N] [--llms M]   the whole stack as local processes
 
-Every service flag also has an environment variable (``MMSERVE_<SERVICE>_<FLAG>``); flags win.
+Every setting of a service (``shared/settings.py``) is a flag of its command, named after the
+field (``max_model_len``: ``--max-model-len``; booleans also ``--no-...``), plus vLLM's name where
+one means the same (``SETTINGS_ALIASES``); each is also an environment variable
+(``MMSERVE_<SERVICE>_<FIELD>``); flags win.
 """
 
 from __future__ import annotations
@@ -22,14 +25,54 @@ CACHE_DIR = Path(os.environ.get("MMSERVE_CACHE_DIR", Path.home() / ".cache" / "m
 DEFAULT_MODEL_DIR = CACHE_DIR / "tiny-mimo"
 
 
+# extra flags of a setting (its own flag is the field's name in kebab case): vLLM's names where the
+# setting means the same, and the short ``--model`` of the bundle directory
+SETTINGS_ALIASES = {
+    "model-dir": "model",
+    "model-name": "served-model-name",
+    "max-running": "max-num-seqs",
+    "max-batch-tokens": "max-num-batched-tokens",
+    "enable-prefix-cache": "enable-prefix-caching",
+}
+
+
+def _add_settings_flags(p: argparse.ArgumentParser, settings_cls) -> None:
+    """One flag per field of ``settings_cls`` (help from its description), and its aliases; the
+    parsed flags go to the settings as their highest-priority source."""
+    from pydantic_settings import CliSettingsSource
+
+    source = CliSettingsSource(settings_cls, root_parser=p, cli_kebab_case=True, cli_implicit_flags=True,
+                               cli_enforce_required=False, cli_shortcuts=SETTINGS_ALIASES)
+    p.set_defaults(settings_cls=settings_cls, settings_source=source, settings_parser=p)
+
+
+def _settings(args: argparse.Namespace):
+    """The command's settings: flags, then ``MMSERVE_<SERVICE>_*``, then the defaults; a model
+    service without a bundle directory serves the default tiny model."""
+    from pydantic import ValidationError
+
+    cls = args.settings_cls
+    if "model_dir" in cls.model_fields and not getattr(args, "model_dir", None) and not _in_env(cls, "model_dir"):
+        args.model_dir = ensure_default_model(None)
+    flags = argparse.Namespace(**{k: v for k, v in vars(args).items() if k in cls.model_fields})
+    try:
+        return cls(_cli_settings_source=args.settings_source(parsed_args=flags))
+    except ValidationError as e:  # a bad flag or environment value: say which, no traceback
+        prefix = cls.model_config.get("env_prefix", "")
+        args.settings_parser.error("; ".join(
+            f"--{str(err['loc'][0]).replace('_', '-')} / {prefix}{str(err['loc'][0]).upper()}: {err['msg']}"
+            if err["loc"] else err["msg"] for err in e.errors()))
+
+
+def _in_env(settings_cls, field: str) -> bool:
+    name = (settings_cls.model_config.get("env_prefix", "") + field).lower()
+    return any(k.lower() == name for k in os.environ)
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--log-level", default=None)
-
-
-def _overrides(args: argparse.Namespace, names: list[str]) -> dict:
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def _serve(app, settings) -> None:
@@ -65,40 +108,24 @@ def ensure_default_model(model_dir: str | None) -> str:
     return str(DEFAULT_MODEL_DIR)
 
 
-def _run_model_service(args: argparse.Namespace, app_module: str, settings_cls, flags: list[str]) -> int:
+def _run_service(args: argparse.Namespace, app_module: str) -> int:
     import importlib
 
-    kw = _overrides(args, ["host", "port", "log_level", "device", *flags])
-    kw["model_dir"] = ensure_default_model(args.model)
-    settings = settings_cls(**kw)
+    settings = _settings(args)
     _serve(importlib.import_module(app_module).create_app(settings), settings)
     return 0
 
 
 def cmd_encoder(args: argparse.Namespace) -> int:
-    from shared.settings import EncoderSettings
-
-    return _run_model_service(args, "encoder_svc.app", EncoderSettings, ["redis_url", "max_batch_size"])
+    return _run_service(args, "encoder_svc.app")
 
 
 def cmd_llm(args: argparse.Namespace) -> int:
-    from shared.settings import LLMSettings
-
-    return _run_model_service(args, "llm_svc.app", LLMSettings, ["backend", "kv_bytes", "kv_l3_url", "media_redis_url"])
+    return _run_service(args, "llm_svc.app")
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from gateway.app import create_app
-    from shared.settings import GatewaySettings
-
-    kw = _overrides(args, ["host", "port", "log_level", "model_name", "llm_routing"])
-    for name in ("encoder_urls", "llm_urls", "api_keys", "allowed_hosts"):
-        # an explicit empty --encoder-urls "": a text-only model, served without encoders
-        if getattr(args, name, None) or (name == "encoder_urls" and getattr(args, name, None) == ""):
-            kw[name] = [s.strip() for s in getattr(args, name).split(",") if s.strip()]
-    settings = GatewaySettings(**kw)
-    _serve(create_app(settings), settings)
-    return 0
+    return _run_service(args, "gateway.app")
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -144,34 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantized as published: fp8 (mimo-v2-flash / mimo-v2.5, block FP8), mxfp4 (gpt-oss experts)")
     p.set_defaults(fn=cmd_tiny_model)
 
-    p = sub.add_parser("encoder", help="run one encoder service")
-    _add_common(p)
-    p.add_argument("--model", default=None, help="bundle dir (default: the tiny model)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--redis-url", default=None)
-    p.add_argument("--max-batch-size", type=int, default=None)
-    p.set_defaults(fn=cmd_encoder)
+    from shared.settings import EncoderSettings, GatewaySettings, LLMSettings
 
-    p = sub.add_parser("llm", help="run one LLM service")
-    _add_common(p)
-    p.add_argument("--model", default=None, help="bundle dir (default: the tiny model)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--backend", default=None, help="hf | swa")
-    p.add_argument("--kv-bytes", type=int, default=None)
-    p.add_argument("--kv-l3-url", default=None, help="Redis URL of the L3 KV tier shared by LLM replicas")
-    p.add_argument("--media-redis-url", default=None,
-                   help="the encoders' Redis embedding tier: media sent by reference is read there first")
-    p.set_defaults(fn=cmd_llm)
-
-    p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
-    _add_common(p)
-    p.add_argument("--model-name", default=None)
-    p.add_argument("--encoder-urls", default=None, help="comma-separated")
-    p.add_argument("--llm-urls", default=None, help="comma-separated")
-    p.add_argument("--api-keys", default=None, help="comma-separated")
-    p.add_argument("--allowed-hosts", default=None, help="comma-separated SSRF allow-list")
-    p.add_argument("--llm-routing", default=None, choices=["cache_aware", "round_robin"])
-    p.set_defaults(fn=cmd_gateway)
+    for name, help_, settings_cls, fn in (
+        ("encoder", "run one encoder service (no --model: the tiny model)", EncoderSettings, cmd_encoder),
+        ("llm", "run one LLM service (no --model: the tiny model)", LLMSettings, cmd_llm),
+        ("gateway", "run the OpenAI-compatible gateway", GatewaySettings, cmd_gateway),
+    ):
+        p = sub.add_parser(name, help=help_, description=f"{help_}; every flag is also MMSERVE_"
+                           f"{name.upper()}_<FLAG> in the environment (flags win)")
+        _add_settings_flags(p, settings_cls)
+        p.set_defaults(fn=fn)
 
     p = sub.add_parser("up", help="run gateway + encoders + LLM services as local processes")
     _add_common(p)
