@@ -9,11 +9,6 @@ with none of the fields gets vLLM's 2048.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from shared.bundle import CheckpointError
-
 LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
 SCALED_ALREADY = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
@@ -22,17 +17,8 @@ DEFAULT_CONTEXT_LEN = 2048
 _UNSET = 1 << 60  # transformers' model_max_length when tokenizer_config.json has none is ~1e30
 
 
-def context_length(lm_dir: str | Path, tokenizer_max: int | None = None) -> int:
-    """The context length of the checkpoint in ``lm_dir`` (its ``config.json``)."""
-    path = Path(lm_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from e
-    return context_length_of(raw, tokenizer_max)
-
-
-def context_length_of(raw: dict, tokenizer_max: int | None = None) -> int:
+def context_length(raw: dict, tokenizer_max: int | None = None) -> int:
+    """The context length of a checkpoint whose ``config.json`` is ``raw``."""
     text = next((raw[k] for k in TEXT_CONFIG_KEYS if isinstance(raw.get(k), dict)), raw)
     found = [v for k in LENGTH_KEYS if isinstance(v := text.get(k), int) and not isinstance(v, bool)]
     n = text["model_max_length"] if isinstance(text.get("model_max_length"), int) else min(found, default=None)

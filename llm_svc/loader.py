@@ -140,7 +140,7 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
         device=torch.device(device if weights else "cpu"),  # the front keeps media on the CPU
         dtype=tdtype,
         bound=TokenBound.of(tokenizer),
-        context_len=context_length(spec.lm_dir, tokenizer.model_max_length),
+        context_len=context_length(_config_json(spec.lm_dir)[0], tokenizer.model_max_length),
     )
 
 
@@ -155,15 +155,19 @@ def _timestamp_layout(tokenizer, ph, pad: int) -> TimestampLayout:
     return TimestampLayout(pad=pad, **ids)
 
 
+def _config_json(lm_dir: Path) -> tuple[dict, Path]:
+    """The checkpoint's ``config.json`` as written, and its path."""
+    path = Path(lm_dir) / "config.json"
+    try:
+        return json.loads(path.read_text()), path
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from e
+
+
 def _mimo_geometry(lm_dir: Path):
     from .models.geometry import mimo_geometry
 
-    path = Path(lm_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from e
-    return mimo_geometry(raw, path)
+    return mimo_geometry(*_config_json(lm_dir))
 
 
 def _gpt_oss_scheme(lm_dir: Path):
@@ -171,12 +175,8 @@ def _gpt_oss_scheme(lm_dir: Path):
     ``quantization_config.quant_method = "mxfp4"``): the scheme that dequantizes them at load."""
     from .models.quant import scheme_for
 
-    path = Path(lm_dir) / "config.json"
-    try:
-        q = json.loads(path.read_text()).get("quantization_config")
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from e
-    return scheme_for(q, path, allowed=("mxfp4",))
+    raw, path = _config_json(lm_dir)
+    return scheme_for(raw.get("quantization_config"), path, allowed=("mxfp4",))
 
 
 _GPT_OSS_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")

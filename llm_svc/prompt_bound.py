@@ -118,7 +118,9 @@ def _token_bytes(tokenizer) -> list[bytes] | None:
         return None
     if backend.normalizer is not None and type(backend.normalizer).__name__ != "NFC":
         return None
-    byte_of = {c: b for b, c in enumerate(_byte_chars())}
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character map
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
     added = {t.content for t in tokenizer.added_tokens_decoder.values()}
     out = []
     for tok in tokenizer.get_vocab():
@@ -130,18 +132,6 @@ def _token_bytes(tokenizer) -> list[bytes] | None:
         except KeyError:  # not a byte-level entry after all
             return None
     return out
-
-
-def _byte_chars() -> list[str]:
-    """GPT-2's byte -> printable character map (the byte-level alphabet), in byte order."""
-    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
 def _max_changes(tokens: list[bytes]) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_svc.context_len import DEFAULT_CONTEXT_LEN, context_length_of
+from llm_svc.context_len import DEFAULT_CONTEXT_LEN, context_length
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.unit
     ({"hidden_size": 64}, 4096, 4096),
 ])
 def test_context_length_follows_vllm(raw, tokenizer_max, expected):
-    assert context_length_of(raw, tokenizer_max) == expected
+    assert context_length(raw, tokenizer_max) == expected
 
 
 def test_the_tiny_bundles_report_their_config(mimo_bundle):
