@@ -26,7 +26,8 @@ def mel_magnitude(wave: torch.Tensor, *, sr: int, n_fft: int, win_length: int, h
     """[n] float mono samples at ``sr`` -> [n_mels, 1 + n // hop] mel of the STFT magnitude."""
     assert wave.ndim == 1, wave.shape
     x = wave.to(torch.float32)
-    return _mel(sr, n_fft, win_length, hop, n_mels, fmin, fmax, str(x.device))(x)  # [n_mels, frames]
+    # torchaudio hands back a transposed view; callers save and batch it as a plain [n_mels, frames]
+    return _mel(sr, n_fft, win_length, hop, n_mels, fmin, fmax, str(x.device))(x).contiguous()
 
 
 def log_mel(wave: torch.Tensor, **params) -> torch.Tensor:

@@ -258,3 +258,9 @@ def test_sharded_main_checkpoint_loads_the_same(tiny, tower, tmp_path):
     (d / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: shard named by"):
         load_mimo_audio(d, torch.float32, 64)
+
+
+def test_mel_magnitude_is_a_plain_contiguous_tensor():
+    """Callers save it with safetensors and stack it: never a transposed view."""
+    m = mel_magnitude(torch.randn(24000), sr=24000, n_fft=960, win_length=960, hop=240, n_mels=128)
+    assert m.shape == (128, 101) and m.is_contiguous()
