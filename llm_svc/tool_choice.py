@@ -106,15 +106,10 @@ class RequiredCallsParser:
             self._args_char(ch, out)
             return
         if self._in_str:
-            if self._esc:
-                self._esc = False
-            elif ch == "\\":
-                self._esc = True
-            elif ch == '"':
-                self._in_str = False
+            if self._string_char(ch):
                 self._string_done(out)
-                return
-            self._tok += ch
+            else:
+                self._tok += ch
             return
         if ch == '"' and self._depth == 2:
             self._in_str, self._tok = True, ""
@@ -127,6 +122,17 @@ class RequiredCallsParser:
             self._depth -= 1
         elif ch == ":" and self._depth == 2 and self._key == "parameters":
             self._args, self._args_depth = "", self._depth
+
+    def _string_char(self, ch: str) -> bool:
+        """``ch`` read inside a JSON string: the escape state advanced; True when it closed it."""
+        if self._esc:
+            self._esc = False
+        elif ch == "\\":
+            self._esc = True
+        elif ch == '"':
+            self._in_str = False
+            return True
+        return False
 
     def _string_done(self, out: ParsedDelta) -> None:
         try:
@@ -147,12 +153,7 @@ class RequiredCallsParser:
         self._args += ch
         self._held += ch
         if self._in_str:
-            if self._esc:
-                self._esc = False
-            elif ch == "\\":
-                self._esc = True
-            elif ch == '"':
-                self._in_str = False
+            self._string_char(ch)
             return
         if ch == '"':
             self._in_str = True
