@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from shared.admission import Overloaded, Ticket, deadline_from
 from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse, HealthStatus, ServiceLimits
 from shared.settings import length_bucket_range
-from shared.streaming import ClosingStreamingResponse, disconnected
+from shared.streaming import ClosingStreamingResponse, race_disconnect
 from shared.wire import WireError, unpack
 
 from .backends import BackendStats, GenOutput, RequestStream
@@ -200,17 +200,13 @@ async def _fetch_all(state: ServiceState, prep: PreparedRequest) -> JSONResponse
 async def _peek(request: Request, stream: RequestStream) -> GenOutput | None:
     """The stream's first output (its media resolved), or None if the client left first."""
     task = asyncio.ensure_future(stream.__anext__())
-    gone = asyncio.ensure_future(disconnected(request))
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        return task.result() if task.done() else None
+        return task.result() if await race_disconnect(request, task) == "done" else None
     finally:
-        gone.cancel()
         if not task.done():
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-        await asyncio.gather(gone, return_exceptions=True)
 
 
 class _Live:
@@ -382,20 +378,16 @@ async def _collect(request: Request, state: ServiceState, prep: PreparedRequest,
                 final = out
 
     task = asyncio.create_task(consume())
-    gone = asyncio.ensure_future(disconnected(request))
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():  # the client left
+        if await race_disconnect(request, task) == "gone":
             state.backend.abort(prep.request_id)
         await task  # an aborted stream ends with finish_reason=abort
     finally:
-        gone.cancel()
         if not task.done():  # our handler was cancelled
             state.backend.abort(prep.request_id)
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-        await asyncio.gather(gone, return_exceptions=True)
         expired = _expired(state, prep.request_id)
         _release(state, prep.request_id)
     assert final is not None

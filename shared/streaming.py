@@ -1,4 +1,5 @@
-"""A streaming response that always runs its cleanup, and a waiter for a client's disconnect.
+"""A streaming response that always runs its cleanup, and a waiter for a client's disconnect
+(alone, or raced against the work a request waits on).
 
 Starlette's ``StreamingResponse`` runs the body generator's ``finally`` only if the generator
 started: when the client is gone before the first byte (the ``http.response.start`` send fails,
@@ -9,7 +10,9 @@ on.  ``ClosingStreamingResponse`` calls ``on_close`` exactly once however the re
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 import anyio
 from starlette.requests import Request
@@ -23,6 +26,20 @@ async def disconnected(request: Request) -> None:
     nothing on the ones still waiting, as vLLM's ``listen_for_disconnect``)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def race_disconnect(request: Request, task: asyncio.Future,
+                          timeout: float | None = None) -> Literal["done", "gone", "timeout"]:
+    """Wait until ``task`` is done ("done"), the client has gone ("gone") or ``timeout`` s pass
+    ("timeout"), whichever comes first; ``task`` is left as it is (the caller cancels or aborts
+    it), the disconnect waiter is cleaned up either way."""
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        return "done" if task in done else "gone" if gone in done else "timeout"
+    finally:
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
 
 
 class ClosingStreamingResponse(StreamingResponse):

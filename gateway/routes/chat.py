@@ -24,7 +24,7 @@ from gateway.upstream import MediaUnavailable, UpstreamError, upstream_deadline
 from gateway.validate import check_fits, check_text
 from shared.schemas import ChatCompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse
 from shared.admission import Overloaded, Ticket
-from shared.streaming import ClosingStreamingResponse, disconnected
+from shared.streaming import ClosingStreamingResponse, race_disconnect
 
 log = logging.getLogger("mmserve.gateway.chat")
 router = APIRouter(dependencies=[ApiKeyDep])
@@ -43,18 +43,16 @@ class ClientGone(Exception):
 async def until_disconnect(request: Request, work: Awaitable[T], timeout: float) -> T:
     """``await work``, cancelling it if the client disconnects or ``timeout`` s pass first."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(disconnected(request))
     returned = False
     try:
-        done, _ = await asyncio.wait({task, gone}, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
+        first = await race_disconnect(request, task, max(0.0, timeout))
+        if first == "done":
             returned = True
             return task.result()
-        if gone in done:
+        if first == "gone":
             raise ClientGone()
         raise UpstreamError(f"request timed out after {timeout:g}s", status=504)
     finally:
-        gone.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -63,7 +61,6 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float)
             aclose = getattr(task.result(), "aclose", None)
             if aclose is not None:
                 await aclose()
-        await asyncio.gather(gone, return_exceptions=True)
 
 
 async def prepare(
