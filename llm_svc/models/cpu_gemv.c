@@ -165,12 +165,16 @@ int mmserve_gemv_f32(const float* x, int64_t ldx, const float* w, const float* b
 #include <stdlib.h>
 #include <string.h>
 
+/* e^-v for the sigmoid and SiLU: -ffast-math assumes no infinities, so expf is kept finite
+ * (1 / (1 + e^80) is 0 in float) */
+static inline float exp_neg(float v) { return expf(fminf(-v, 80.f)); }
+
 int mmserve_moe_f32(const float* x, int64_t T, int64_t H, const int64_t* idx, const float* w, int64_t K,
                     const float* gate_up, const float* down, int64_t E, int64_t I, float* out, int64_t threads) {
     const int64_t P = T * K;
     for (int64_t p = 0; p < P; p++)
         if (idx[p] < 0 || idx[p] >= E) return 1;
-    int64_t* start = calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t* start = calloc(2 * (size_t)E + 1, sizeof(int64_t)); /* E + 1 offsets, then E fill counts */
     int64_t* pair = malloc((size_t)(P ? P : 1) * sizeof(int64_t)); /* pairs grouped by expert, token order inside */
     float* xs = malloc((size_t)(P ? P : 1) * (size_t)H * sizeof(float));
     float* gu = malloc((size_t)(P ? P : 1) * (size_t)(2 * I) * sizeof(float));
@@ -181,15 +185,8 @@ int mmserve_moe_f32(const float* x, int64_t T, int64_t H, const int64_t* idx, co
     }
     for (int64_t p = 0; p < P; p++) start[idx[p] + 1]++;
     for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
-    {
-        int64_t* fill = calloc((size_t)E, sizeof(int64_t));
-        if (!fill) { free(start); free(pair); free(xs); free(gu); free(ys); return 1; }
-        for (int64_t p = 0; p < P; p++) {
-            const int64_t e = idx[p];
-            pair[start[e] + fill[e]++] = p;
-        }
-        free(fill);
-    }
+    int64_t* fill = start + E + 1;
+    for (int64_t p = 0; p < P; p++) pair[start[idx[p]] + fill[idx[p]]++] = p;
     for (int64_t r = 0; r < P; r++) memcpy(xs + r * H, x + (pair[r] / K) * H, (size_t)H * sizeof(float));
 #pragma omp parallel for num_threads((int)(threads > 1 ? threads : 1)) schedule(dynamic, 1) if (threads > 1)
     for (int64_t e = 0; e < E; e++) {
@@ -200,9 +197,7 @@ int mmserve_moe_f32(const float* x, int64_t T, int64_t H, const int64_t* idx, co
         for (int64_t j = 0; j < c; j++) { /* the activation in place over the gate half */
             float* row = g + j * 2 * I;
             for (int64_t i = 0; i < I; i++) {
-                const float v = row[i];
-                /* -ffast-math assumes no infinities: keep expf finite (silu(-80) is 0 in float) */
-                row[i] = v / (1.f + expf(fminf(-v, 80.f))) * row[I + i];
+                row[i] = row[i] / (1.f + exp_neg(row[i])) * row[I + i]; /* silu(gate) * up */
             }
         }
         ROWS(g, 2 * I, down + e * H * I, NULL, ys + r0 * H, H, c, I, 0, H);
@@ -233,7 +228,7 @@ int mmserve_route_f32(const float* x, int64_t T, int64_t H, const float* wr, con
         memset(taken, 0, sizeof taken);
         ROWS(x + t * H, H, wr, NULL, s, E, 1, H, 0, E);
         for (int64_t e = 0; e < E; e++) {
-            s[e] = 1.f / (1.f + expf(fminf(-s[e], 80.f)));
+            s[e] = 1.f / (1.f + exp_neg(s[e]));
             c[e] = s[e] + (bias ? bias[e] : 0.f);
         }
         float sum = 0.f;

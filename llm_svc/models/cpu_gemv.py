@@ -86,12 +86,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 MOE_MAX_TOKENS = 16
 
 
+def _few_tokens(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """x [T, H] CPU float32 with 1..``MOE_MAX_TOKENS`` rows (a decode step's), ``weights`` float32
+    and contiguous, and the kernel built: what ``moe`` and ``route`` both need."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 0 < x.shape[0] <= MOE_MAX_TOKENS
+            and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights) and KERNEL.available())
+
+
 def supports_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether ``moe`` runs this routed-experts call: CPU float32, at most ``MOE_MAX_TOKENS``
     tokens (a decode step's), contiguous stacked weights, and the kernel built."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 0 < x.shape[0] <= MOE_MAX_TOKENS
-            and gate_up.dtype == torch.float32 and down.dtype == torch.float32 and gate_up.is_contiguous()
-            and down.is_contiguous() and KERNEL.available())
+    return _few_tokens(x, gate_up, down)
 
 
 def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -114,14 +119,12 @@ def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tens
 def supports_route(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``route`` runs this call: as ``supports_moe`` for x, a float32 contiguous router
     weight of at most 256 experts."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 0 < x.shape[0] <= MOE_MAX_TOKENS
-            and weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[0] <= 256
-            and KERNEL.available())
+    return weight.shape[0] <= 256 and _few_tokens(x, weight)
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm: bool,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """MiMo's sigmoid router with one expert group (check ``supports_moe`` for x first): x [T, H],
+    """MiMo's sigmoid router with one expert group (check ``supports_route`` first): x [T, H],
     weight [E, H] float32 contiguous, bias [E] or None (steers the choice only) -> (idx [T, K]
     int64, descending by score + bias; w [T, K] the chosen raw scores, renormalized when
     ``norm``, times ``scale``)."""
