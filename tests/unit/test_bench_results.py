@@ -1,0 +1,81 @@
+"""Every README benchmark figure comes from a results file: the committed table is the one
+``benchmarks.table`` generates from ``benchmarks/results/``, and results files say where their
+figures came from."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import _results, table
+from benchmarks._table_rows import ROWS
+
+pytestmark = pytest.mark.unit
+
+
+def test_readme_table_is_generated_from_the_results_files():
+    text = table.README.read_text()
+    start, end = table.readme_table(text)
+    assert text[start:end] == table.render(table.load_results()), "run: python -m benchmarks.table --write"
+
+
+def test_every_results_file_names_its_provenance():
+    results = table.load_results()
+    assert set(results) <= {r.benchmark for r in ROWS}
+    for docs in results.values():
+        for d in docs:
+            assert d["kind"] in _results.KINDS, d["_file"]
+            assert d["mode"] in ("quick", "full", None), d["_file"]
+            assert d["summary"] and d["baseline"], d["_file"]
+            if d["source"] == table.TRANSCRIBED:
+                assert len(d["readme_commit"]) == 40, d["_file"]  # the README text it was copied from
+            else:
+                assert d["source"] == "measured" and d["commit"] and d["date"] and d["machine"]["cores"], d["_file"]
+
+
+def test_every_readme_row_has_a_results_file():
+    results = table.load_results()
+    assert [r.benchmark for r in ROWS if not results.get(r.benchmark)] == []
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tower", default="small")
+    ap.add_argument("--lock-timeout", type=float, default=600.0)
+    _results.add_mode_args(ap)
+    return ap
+
+
+def test_record_writes_a_file_and_prints_the_figures_last(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MMSERVE_BENCH_RESULTS", str(tmp_path))
+    ap = _parser()
+    args = ap.parse_args(["--quick", "--tower", "so400m", "--lock-timeout", "5"])
+    path = _results.record("encoder_batching", ap, args, {"speedup": 2.5, "kind": "not-a-kind"}, kind="wall-clock",
+                           baseline="batch size 1", summary="2.50x")
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == {"speedup": 2.5, "benchmark": "encoder_batching", "kind": "wall-clock", "mode": "quick"}
+    assert path == tmp_path / "encoder_batching-tower-so400m.quick.json"  # waiting options are not the config
+    doc = json.loads(path.read_text())
+    assert doc["options"] == ["--tower so400m"] and doc["source"] == "measured" and doc["summary"] == "2.50x"
+    assert {"cpu_model", "cores", "isa", "ram_gib"} <= set(doc["machine"])
+    # a measured file renders with its mode and commit
+    doc["_file"] = path.name
+    rendered = table.cell(doc)
+    assert rendered.startswith(f"`--quick --tower so400m` at `{doc['commit'][:7]}`") and rendered.endswith(": 2.50x")
+
+
+def test_smoke_results_never_land_beside_the_figures(monkeypatch):
+    monkeypatch.delenv("MMSERVE_BENCH_RESULTS", raising=False)
+    assert _results.results_dir("smoke") != _results.RESULTS_DIR
+    assert _results.results_dir("quick") == _results.RESULTS_DIR
+    with pytest.raises(ValueError):
+        _results.record("x", _parser(), _parser().parse_args([]), {}, kind="vs_vllm", baseline="b", summary="s")
+
+
+def test_a_smoke_file_in_the_results_dir_is_refused(tmp_path):
+    (tmp_path / "kv_capacity.smoke.json").write_text(json.dumps({"benchmark": "kv_capacity", "mode": "smoke"}))
+    with pytest.raises(ValueError, match="not a figure"):
+        table.load_results(tmp_path)
