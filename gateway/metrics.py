@@ -69,6 +69,17 @@ class GatewayMetrics:
         Gauge("mmserve_gateway_router_index_blocks", "prefix block keys the LLM router remembers",
               registry=self.registry).set_function(router.index_blocks)
 
+    def watch_kv_feed(self, feed) -> None:
+        """Gauges of the KV-event index: whether it is followed, its keys, events and snapshots."""
+        for name, doc, fn in (
+            ("mmserve_gateway_kv_events_connected", "1 while the LLM replicas' KV events are followed",
+             lambda: float(feed.connected)),
+            ("mmserve_gateway_kv_index_keys", "router keys the LLM replicas report they hold", lambda: feed.index.total),
+            ("mmserve_gateway_kv_events_read", "KV events folded into the index", lambda: feed.events),
+            ("mmserve_gateway_kv_snapshots", "replica KV snapshots loaded", lambda: feed.snapshots),
+        ):
+            Gauge(name, doc, registry=self.registry).set_function(fn)
+
     def watch_admission(self, admission) -> None:
         """Gauges read the gate's counters at scrape time."""
         self.admission_in_flight.set_function(lambda: admission.in_flight)

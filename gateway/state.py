@@ -13,7 +13,9 @@ from gateway.fetch import MediaFetcher
 from gateway.metrics import GatewayMetrics
 from gateway.routing.capacity import ReplicaLimits
 from gateway.routing.encoder_ring import EncoderRing
-from gateway.routing.llm_router import make_router
+from gateway.routing.kv_feed import KVEventFeed
+from gateway.routing.kv_index import KVIndex
+from gateway.routing.llm_router import EventRouter, LLMRouter, make_router
 from gateway.routing.replicas import ReplicaPool, http_prober
 from gateway.ssrf import SSRFGuard
 from gateway.upstream import EncoderClient, LLMClient
@@ -41,6 +43,7 @@ class GatewayState:
     fetcher: MediaFetcher
     llm_limits: ReplicaLimits
     admission: Admission
+    kv_feed: KVEventFeed | None = None  # the LLM replicas' KV events, with kv_events_url
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -79,7 +82,7 @@ class GatewayState:
             http, encoder_pool, ring, attempts=s.upstream_attempts, timeout=timeout,
             on_failover=metrics.encoder_retries.inc, load_factor=s.encoder_load_factor,
         )
-        router = make_router(s.llm_routing, s.router_index_blocks)
+        router, kv_feed = cls._router(s, http, llm_pool, llm_limits)
         llms = LLMClient(http, llm_pool, router, attempts=s.upstream_attempts, timeout=timeout, limits=llm_limits)
         fetcher = MediaFetcher(
             fetch_http, SSRFGuard(s.allowed_hosts),
@@ -88,14 +91,39 @@ class GatewayState:
         admission = Admission(AdmissionConfig(s.max_in_flight, s.max_queue, s.queue_timeout), "gateway")
         metrics.watch_admission(admission)
         metrics.watch_router(llms.router)
+        if kv_feed is not None:
+            metrics.watch_kv_feed(kv_feed)
         return cls(s, metrics, http, fetch_http, encoder_pool, llm_pool, encoders, llms, fetcher, llm_limits,
-                   admission)
+                   admission, kv_feed)
+
+    @staticmethod
+    def _router(s: GatewaySettings, http: httpx.AsyncClient, pool: ReplicaPool,
+                limits: ReplicaLimits) -> tuple[LLMRouter, KVEventFeed | None]:
+        """The LLM router: on the replicas' KV events when ``kv_events_url`` is set (cache-aware
+        routing only), else the policy's router on this gateway's own record."""
+        if not s.kv_events_url or s.llm_routing != "cache_aware":
+            return make_router(s.llm_routing, s.router_index_blocks), None
+
+        def replicas() -> dict[str, str]:
+            current = set(pool.replicas())
+            return {inst: url for url, inst in limits.instances.items() if url in current}
+
+        feed = KVEventFeed(s.kv_events_url, s.kv_events_stream, KVIndex(), http, replicas,
+                           timeout=min(2.0, s.connect_timeout))
+
+        def held(replica: str, blocks) -> int | None:
+            inst = limits.instances.get(replica)
+            return feed.index.match_len(inst, blocks) if feed.live(inst) else None
+
+        return EventRouter(held, s.router_recent_s, s.router_index_blocks), feed
 
     def start(self) -> None:
         """Background DNS refresh and health probes of both pools."""
         s = self.settings
         for pool in (self.encoder_pool, self.llm_pool):
             self.tasks.append(asyncio.create_task(pool.run(s.health_interval, s.dns_interval)))
+        if self.kv_feed is not None:
+            self.tasks.append(asyncio.create_task(self.kv_feed.run()))
 
     async def close(self) -> None:
         for t in self.tasks:

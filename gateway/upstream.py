@@ -36,7 +36,7 @@ from gateway.media import MediaError, MediaItem
 from gateway.routing.capacity import ReplicaLimits, estimate_prompt_tokens
 from gateway.routing.encoder_ring import EncoderRing
 from gateway.routing.llm_router import LLMRouter
-from gateway.routing.prefix import prefix_blocks
+from shared.prefix_keys import prefix_blocks
 from gateway.routing.replicas import ReplicaPool
 from shared.admission import deadline_header
 from shared.schemas import EncodeResult, GenerateChunk, GenerateRequest, GenerateResponse, PromptText

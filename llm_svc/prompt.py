@@ -6,6 +6,7 @@ import json
 
 import torch
 
+from shared.prefix_keys import key_positions, prefix_layout
 from shared.schemas import GenerateRequest, PromptMedia, PromptMessage, PromptText
 
 from .errors import InvalidRequest
@@ -212,6 +213,7 @@ def prepare_request(
             param="max_tokens",
             code="context_length_exceeded",
         )
+    system_len = system_prefix_len(lm, req, ids) if not spans or spans[0][0] > 0 else 0
     return PreparedRequest(
         request_id=req.request_id,
         prompt_ids=out,
@@ -225,7 +227,8 @@ def prepare_request(
         return_logprobs=req.return_logprobs or req.top_logprobs > 0,
         top_logprobs=req.top_logprobs,
         echo_text=(req.prompt if req.prompt is not None else lm.tokenizer.decode(req.prompt_ids or [])) if req.echo else "",
-        system_len=system_prefix_len(lm, req, ids) if not spans or spans[0][0] > 0 else 0,
+        system_len=system_len,
+        router_keys=key_positions(prefix_layout(req.messages), len(out), spans, system_len) if req.messages else [],
         shaper=build_shaper(lm, req),
     )
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from shared.admission import Overloaded, Ticket, deadline_from
+from shared.kv_events import SNAPSHOT_PATH
 from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse, HealthStatus, ServiceLimits
 from shared.settings import length_bucket_range
 from shared.streaming import ClosingStreamingResponse, race_disconnect
@@ -65,11 +66,20 @@ async def readyz(state: StateDep) -> JSONResponse:
             lo, hi = (0, None) if not state.settings.length_bucket else length_bucket_range(state.settings.length_bucket)
             limits = ServiceLimits(max_model_len=state.settings.max_model_len, max_token_bytes=state.lm.max_token_bytes,
                                    min_prompt_tokens=lo, max_prompt_tokens=hi)
-        body = HealthStatus(status="ok", service="llm", model=state.model_name, limits=limits)
+        body = HealthStatus(status="ok", service="llm", model=state.model_name, limits=limits,
+                            kv_instance=state.kv_events.instance if state.kv_events is not None else None)
         return JSONResponse(body.model_dump())
     status = "error" if state.error else "loading"
     body = HealthStatus(status=status, service="llm", model=state.model_name, detail=state.not_ready_detail)
     return JSONResponse(body.model_dump(), status_code=503)
+
+
+@router.get(SNAPSHOT_PATH)
+async def kv_snapshot(state: StateDep) -> JSONResponse:
+    """The router keys this replica's prefix tree holds, as of KV event ``seq``."""
+    if state.kv_events is None:
+        return JSONResponse(error_body("this replica publishes no KV events (kv_events_url unset)"), status_code=404)
+    return JSONResponse(state.kv_events.snapshot().model_dump())
 
 
 @router.get("/metrics")

@@ -16,6 +16,7 @@ from shared.settings import LLMSettings
 
 from .backends import Backend, backend_class
 from .loader import LoadedLM, load_lm
+from .kv_publish import KVPublisher
 from .media_fetch import EmbeddingFetcher
 from .metrics import LLMMetrics
 from .word_cache import bound_word_cache
@@ -59,6 +60,7 @@ class ServiceState:
     backend: Backend | None = None
     prep: PrepPool | None = None
     media: EmbeddingFetcher | None = None  # embeddings sent by reference, fetched from the encoders
+    kv_events: KVPublisher | None = None  # with kv_events_url and a backend that reports its tree
     error: str | None = None
     in_flight: set[str] = field(default_factory=set)
     live: dict = field(default_factory=dict)  # request id -> routes._Live (ticket, deadline timer)
@@ -102,6 +104,10 @@ class ServiceState:
             self.media = backend.media = EmbeddingFetcher(lm.hidden_size, s.media_fetch_timeout, self.metrics,
                                                           redis_url=s.media_redis_url, redis_prefix=s.media_redis_prefix,
                                                           allow=s.media_fetch_allow)
+            if s.kv_events_url and cls.publishes_kv_events and s.enable_prefix_cache:
+                self.kv_events = backend.kv_events = KVPublisher(s.kv_events_url, s.kv_events_stream,
+                                                                 s.kv_events_maxlen)
+                self.kv_events.start()
             await backend.start()
             held = backend.max_sequence_tokens()
             if derived and held is not None and held < s.max_model_len:  # at most what the KV pool holds
@@ -122,3 +128,5 @@ class ServiceState:
             self.prep.close()
         if self.media is not None:
             await self.media.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()

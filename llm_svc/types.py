@@ -85,6 +85,8 @@ class PreparedRequest:
     # positions where later prompts are likely to branch off: their SWA windows are kept for the
     # prefix cache (chosen by the backend from ``system_len`` and its retention settings)
     swa_checkpoints: list[int] = field(default_factory=list)
+    # chat: the gateway's router block keys with the prompt tokens each needs (KV events)
+    router_keys: list[tuple[int, int]] = field(default_factory=list)
     # chat: splits the text into content, reasoning and tool calls (``llm_svc.output_shape``); front only
     shaper: object | None = None
 

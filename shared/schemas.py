@@ -1365,6 +1365,8 @@ class HealthStatus(BaseModel):
     model: str | None = None
     detail: str | None = None
     limits: ServiceLimits | None = None
+    kv_instance: str | None = Field(
+        default=None, description="LLM replicas publishing KV events: the id their events carry")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1419,6 +1421,7 @@ class CoreAdd(msgspec.Struct, tag="add"):
     return_logprobs: bool = False
     swa_checkpoints: list[int] = []  # prompt positions whose SWA windows the prefix cache keeps
     top_logprobs: int = 0
+    router_keys: list[tuple[int, int]] = []  # (router block key, prompt tokens it needs): KV events
 
 
 class CoreAbort(msgspec.Struct, tag="abort"):
@@ -1494,6 +1497,9 @@ class CoreOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[CoreToken] = []
     stats: CoreStats | None = None
     needs: list[CoreNeed] = []
+    # KV events: router block keys the prefix tree now holds / no longer holds
+    kv_stored: list[int] = []
+    kv_removed: list[int] = []
 
 
 class CoreReady(msgspec.Struct, tag="ready"):

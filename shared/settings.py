@@ -30,6 +30,7 @@ def length_bucket_range(label: str) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
+KV_EVENTS_STREAM = "mmserve:kv-events"
 KEEP_ALIVE_TIMEOUT_S = 30.0  # every service's idle keep-alive timeout (uvicorn's own default: 5 s)
 UPSTREAM_KEEPALIVE_EXPIRY_S = 10.0  # the gateway's pooled connections to encoders and LLMs
 
@@ -204,6 +205,18 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "there first, then ask the encoders"
     )
     media_redis_prefix: str = Field(default="mmserve:enc:", description="the encoders' Redis key prefix")
+    kv_events_url: str | None = Field(
+        default=None, description="Redis URL to publish KV events on (router block keys the prefix tree stored and "
+        "removed), which every gateway folds into one routing index; unset: none published"
+    )
+    kv_events_stream: str = Field(default=KV_EVENTS_STREAM, min_length=1, description="Redis stream of KV events")
+    kv_events_maxlen: int = Field(
+        default=100_000, ge=100, description="events the stream keeps (approximate MAXLEN); a gateway further behind "
+        "reloads the replica's /kv/snapshot"
+    )
+    kv_events_keys: int = Field(
+        default=65536, ge=1, description="router block keys a replica tracks at most (oldest dropped, as removed)"
+    )
     media_fetch_allow: StrList = Field(
         default_factory=list, description="hosts / IP networks of the encoders the LLM may fetch embeddings from "
         "(comma-separated or JSON list); empty: any source a /v1/generate body names (keep the LLM port internal)"
@@ -250,6 +263,15 @@ class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
     router_index_blocks: int = Field(
         default=65536, ge=1, description="prefix blocks (64 chars each) the cache-aware router remembers per LLM "
         "replica; about 15 MB per replica when full"
+    )
+    kv_events_url: str | None = Field(
+        default=None, description="Redis URL of the LLM replicas' KV events: route on what they report they hold "
+        "(one view for every gateway); unset or unreachable: each gateway's own record of what it sent"
+    )
+    kv_events_stream: str = Field(default=KV_EVENTS_STREAM, min_length=1, description="Redis stream of KV events")
+    router_recent_s: float = Field(
+        default=5.0, ge=0, description="with KV events: a replica also counts as holding what this gateway sent it "
+        "in the last this many seconds (its events may not be in yet); 0: events alone"
     )
     health_interval: float = Field(
         default=5.0, ge=0, description="seconds between /readyz probes of replicas; 0 disables"

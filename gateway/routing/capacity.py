@@ -16,6 +16,7 @@ class ReplicaLimits:
     def __init__(self) -> None:
         self._by_url: dict[str, ServiceLimits] = {}
         self.models: dict[str, str] = {}  # replica URL -> the model name it serves
+        self.instances: dict[str, str] = {}  # replica URL -> the instance id of its KV events
 
     def record(self, url: str, body: object) -> None:
         try:
@@ -24,6 +25,10 @@ class ReplicaLimits:
             return
         if health.model:
             self.models[url] = health.model
+        if health.kv_instance:
+            self.instances[url] = health.kv_instance
+        else:
+            self.instances.pop(url, None)
         if health.limits is not None:
             self._by_url[url] = health.limits
 

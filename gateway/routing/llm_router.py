@@ -2,7 +2,9 @@
 
 * ``round_robin`` - the baseline,
 * ``cache_aware`` - the replica whose (approximate) prefix cache holds the longest prefix of the
-  prompt, unless it is overloaded compared with the least-loaded replica.
+  prompt, unless it is overloaded compared with the least-loaded replica;
+* ``EventRouter`` - ``cache_aware`` on what the replicas report they hold (KV events, one view
+  for every gateway), with this gateway's own recent sends on top until their events arrive.
 
 A router only does bookkeeping (in-flight counts, per-replica LRU of block keys); it never
 talks to a replica."""
@@ -10,9 +12,10 @@ talks to a replica."""
 from __future__ import annotations
 
 import itertools
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 
@@ -117,6 +120,51 @@ class CacheAwareRouter(LLMRouter):
             best = min(order, key=self.load)
         self.record(best, blocks)
         return best
+
+
+class EventRouter(CacheAwareRouter):
+    """``CacheAwareRouter`` whose match is what the replica reports it holds (``held(replica,
+    blocks)``: leading blocks, or None when its reports are not live: no Redis, a replica that
+    publishes none, a stale one), or, where longer, what this gateway sent it in the last
+    ``recent_s`` seconds (its events may not be in yet). A replica without live reports is
+    matched on this gateway's own record alone, as ``CacheAwareRouter``."""
+
+    def __init__(self, held: Callable[[str, Sequence[int]], int | None], recent_s: float = 5.0,
+                 capacity_blocks: int = 65536, load_factor: float = 2.0, load_slack: int = 4) -> None:
+        super().__init__(capacity_blocks, load_factor, load_slack)
+        self.held = held
+        self.recent_s = recent_s
+        self._sent: dict[str, dict[int, float]] = defaultdict(dict)  # replica -> block -> when sent
+
+    def match_len(self, replica: str, blocks: Sequence[int]) -> int:
+        held = self.held(replica, blocks)
+        if held is None:
+            return super().match_len(replica, blocks)
+        if self.recent_s <= 0:
+            return held
+        sent, horizon = self._sent.get(replica, {}), time.monotonic() - self.recent_s
+        n = 0
+        for b in blocks:
+            if sent.get(b, horizon) <= horizon:
+                break
+            n += 1
+        return max(held, n)
+
+    def record(self, replica: str, blocks: Sequence[int]) -> None:
+        super().record(replica, blocks)
+        if self.recent_s <= 0:
+            return
+        now = time.monotonic()
+        sent = self._sent[replica]
+        for b in blocks:
+            sent.pop(b, None)
+            sent[b] = now  # insertion order is age order: the oldest first
+        horizon = now - self.recent_s
+        while sent:
+            b = next(iter(sent))
+            if sent[b] > horizon and len(sent) <= self.capacity_blocks:
+                break
+            del sent[b]
 
 
 ROUTERS: dict[str, type[LLMRouter]] = {

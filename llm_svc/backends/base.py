@@ -22,6 +22,10 @@ class Backend(ABC):
     # cache misses (through ``media``, set before ``start``); False: the routes fetch every item
     fetches_media: bool = False
     media = None  # llm_svc.media_fetch.EmbeddingFetcher
+    # True: the backend reports its prefix tree's router keys to ``kv_events`` (a
+    # llm_svc.kv_publish.KVPublisher, set before ``start`` when the service publishes KV events)
+    publishes_kv_events: bool = False
+    kv_events = None
 
     @property
     def ready(self) -> bool:

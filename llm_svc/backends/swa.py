@@ -19,6 +19,7 @@ class SWABackend(Backend):
     name = "swa"
     needs_weights = False
     fetches_media = True
+    publishes_kv_events = True
 
     def __init__(self, settings: LLMSettings, lm: LoadedLM):
         self.settings = settings
@@ -35,11 +36,14 @@ class SWABackend(Backend):
 
     async def start(self) -> None:
         self.client.media = self.media
+        self.client.kv_events = self.kv_events
         await self.client.start()
 
     def submit(self, req: PreparedRequest) -> RequestStream:
         req.swa_checkpoints = retention_points(len(req.prompt_ids), req.system_len,
                                                self.settings.swa_retention_interval, self.settings.swa_retention_max_len)
+        if not self.settings.kv_events_url:
+            req.router_keys = []  # no KV events published: the core need not track them
         return self.client.submit(req)
 
     def abort(self, request_id: str) -> None:

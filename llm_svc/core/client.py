@@ -103,6 +103,7 @@ class EngineCoreClient:
         self.capacity: CoreReady | None = None
         self.core_stats = CoreStats()
         self.media = None  # an EmbeddingFetcher (llm_svc.media_fetch), set before requests by reference
+        self.kv_events = None  # a KVPublisher (llm_svc.kv_publish) when KV events are published
         self._refs: dict[str, tuple[int, set[int]]] = {}  # core id -> (items by reference, items needed)
         self._core_ids: dict[str, str] = {}  # client request_id -> core id, while in flight
         self._seq = itertools.count()
@@ -191,6 +192,8 @@ class EngineCoreClient:
             self._on_token(t)
         for need in msg.needs:
             self._task(self._fetch(msg.epoch, need))
+        if self.kv_events is not None and (msg.kv_stored or msg.kv_removed):
+            self.kv_events.apply(msg.kv_stored, msg.kv_removed)
 
     def _on_token(self, t: CoreToken) -> None:
         if self._reqs.process(t):
@@ -322,6 +325,8 @@ class EngineCoreClient:
         self.detail = why + ("" if first else "; restarting it")
         log.error("%s", self.detail)
         self._core = None
+        if self.kv_events is not None:
+            self.kv_events.reset()  # the next core starts with an empty prefix tree
         await asyncio.to_thread(self._stop_core, core, graceful=False)
         self._fail_all(f"{why}; the request was not completed, retry it", 503)
         if first:  # a model that does not load at all: report it, do not loop

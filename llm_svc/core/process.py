@@ -108,8 +108,9 @@ class CoreLoop:
     """One core's loop over an ``Engine``; ``run`` returns on shutdown."""
 
     def __init__(self, engine, inputs: zmq.Socket, outputs: zmq.Socket, epoch: int, parent: int,
-                 media_dtype):
+                 media_dtype, kv_keys=None):
         self.engine = engine
+        self.kv_keys = kv_keys  # llm_svc.kv.events.KVKeyTracker when KV events are published
         self.inputs, self.outputs = inputs, outputs
         self.epoch, self.parent = epoch, parent
         self._dec = msgspec.msgpack.Decoder(CoreInput)
@@ -151,6 +152,8 @@ class CoreLoop:
             elif isinstance(msg, CoreAbort):
                 for rid in msg.request_ids:
                     self.engine.abort(rid)
+                    if self.kv_keys is not None:
+                        self.kv_keys.settle(rid)
             elif isinstance(msg, CoreMedia):
                 self._media(msg, pending)
             elif isinstance(msg, CoreShutdown):
@@ -164,6 +167,11 @@ class CoreLoop:
         try:
             prep = from_core_add(msg, self._device, self._media_dtype)
             self.engine.add(prep)
+            if self.kv_keys is not None and msg.router_keys:
+                from ..types import make_prompt_keys
+
+                self.kv_keys.expect(msg.request_id, make_prompt_keys(prep.prompt_ids, prep.mm_spans, prep.mm_hashes),
+                                    [tuple(a) for a in msg.router_keys])
         except InvalidRequest as e:
             pending.append(CoreToken(msg.request_id, error=e.message, status=400))
         except Exception as e:  # a bad item never fails other requests
@@ -185,14 +193,24 @@ class CoreLoop:
         stats = None
         # stats ride along a few times a second, and with every finish: /metrics read right
         # after a response then never shows that request as running
-        finished = any(t.finish_reason is not None or t.error is not None for t in outs)
+        finished = [t.request_id for t in outs if t.finish_reason is not None or t.error is not None]
         if finished or now - self._last_stats >= STATS_EVERY_S:
             self._last_stats = now
             stats = self._stats()
-        if not outs and not needs and stats is None and now - self._last_send < HEARTBEAT_S:
+        stored, removed = self._kv_events(finished)
+        if not outs and not needs and stats is None and not stored and not removed \
+                and now - self._last_send < HEARTBEAT_S:
             return
         self._last_send = now
-        self.outputs.send(self._enc.encode(CoreOutputs(self.epoch, outs, stats, list(needs))), copy=False)
+        self.outputs.send(self._enc.encode(CoreOutputs(self.epoch, outs, stats, list(needs), stored, removed)),
+                          copy=False)
+
+    def _kv_events(self, finished: list[str]) -> tuple[list[int], list[int]]:
+        if self.kv_keys is None:
+            return [], []
+        for rid in finished:
+            self.kv_keys.settle(rid)
+        return self.kv_keys.poll()
 
     def _stats(self) -> CoreStats:
         s = self.engine.stats()
@@ -244,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         outputs.close()
         ctx.term()
         return EXIT_LOAD_FAILED
-    loop = CoreLoop(engine, inputs, outputs, args.epoch, args.parent, lm.dtype)
+    kv_keys = None
+    if settings.kv_events_url and settings.enable_prefix_cache:
+        from ..kv.events import KVKeyTracker
+
+        kv_keys = KVKeyTracker(engine.scheduler.kv.tree, settings.swa_retention_interval, settings.kv_events_keys)
+    loop = CoreLoop(engine, inputs, outputs, args.epoch, args.parent, lm.dtype, kv_keys)
     r = engine.runner
     outputs.send(enc.encode(CoreReady(args.epoch, os.getpid(), r.num_full_slots, r.num_swa_slots,
                                       engine.scheduler.config.window, r.kv_bytes())))

@@ -1,7 +1,7 @@
 import pytest
 
 from gateway.routing.llm_router import CacheAwareRouter, RoundRobinRouter, make_router
-from gateway.routing.prefix import prefix_blocks, render_prefix
+from shared.prefix_keys import prefix_blocks, render_prefix
 from shared.schemas import PromptMedia, PromptMessage, PromptText
 
 pytestmark = pytest.mark.unit
