@@ -19,6 +19,7 @@ import time
 import httpx
 import numpy as np
 
+from benchmarks import _results
 from benchmarks._enc_bundle import bench_bundle, random_images
 from benchmarks._enc_server import forward_passes, spawn_encoder
 from shared.schemas import EncodeResult
@@ -80,9 +81,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--zipf-s", type=float, default=1.1)
+    _results.add_mode_args(ap)
     args = ap.parse_args()
-    n_lat = 20 if args.quick else 60
-    n_items, n_req = (100, 200) if args.quick else (400, 1000)
+    n_lat = 2 if args.smoke else 20 if args.quick else 60
+    n_items, n_req = (4, 8) if args.smoke else (100, 200) if args.quick else (400, 1000)
     bundle = bench_bundle("small")
     cold_imgs = random_images(n_lat, seed=10)
     zipf_imgs = random_images(n_items, seed=20)
@@ -104,15 +106,17 @@ def main() -> None:
     print(f"  hit ratio {hits / n_req:.3f} (upper bound with an unbounded cache {ideal_hit_ratio:.3f})")
     print(f"  throughput cache on {rate_cached:.1f} req/s vs cache off {rate_plain:.1f} req/s "
           f"({rate_cached / rate_plain:.2f}x)")
-    print(json.dumps({
-        "benchmark": "embedding_cache", "quick": args.quick, "cores": os.cpu_count(),
+    figures = {
+        "quick": args.quick, "cores": os.cpu_count(),
         "cold_ms_median": round(cold_ms, 3), "hit_ms_median": round(hit_ms, 3), "hit_speedup": round(speedup, 2),
         "zipf_s": args.zipf_s, "zipf_requests": n_req, "zipf_items": n_items,
         "zipf_hit_ratio": round(hits / n_req, 4), "zipf_hit_ratio_bound": round(ideal_hit_ratio, 4),
         "zipf_req_per_s_cache": round(rate_cached, 2), "zipf_req_per_s_nocache": round(rate_plain, 2),
         "target_hit_speedup": 10.0, "meets_target": speedup >= 10.0,
-    }))
+    }
+    _results.record("embedding_cache", ap, args, figures, kind="wall-clock", baseline="cold encode (cache off)",
+                    summary=f"hit {speedup:.0f}x faster; {hits / n_req:.2f} hit ratio")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

@@ -21,6 +21,7 @@ import time
 
 import httpx
 
+from benchmarks import _results
 from benchmarks._enc_bundle import TOWERS, bench_bundle, random_images
 from benchmarks._enc_server import forward_passes, spawn_encoder
 
@@ -46,7 +47,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=0, help="default 3 quick / 5 full")
     ap.add_argument("--tower", default="small", choices=sorted(TOWERS))
     ap.add_argument("--max-wait-ms", type=float, default=10.0, help="batching window (both servers)")
+    _results.add_mode_args(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.rounds, args.concurrency = 4, 1, 4
     big = args.tower != "small"
     n = args.requests or ((16 if big else 48) if args.quick else (48 if big else 160))
     rounds = args.rounds or (2 if big and args.quick else 3 if args.quick else 5)
@@ -75,14 +79,17 @@ def main() -> None:
     for k in ("batched", "unbatched"):
         print(f"{k:10s} {med[k]:18.1f} {passes[k]:9.0f} {n * rounds / max(passes[k], 1):15.2f}")
     print(f"speedup {speedup:.2f}x (target >= 2x)")
-    print(json.dumps({
-        "benchmark": "encoder_batching", "kind": "wall-clock", "tower": args.tower, "quick": args.quick, "cores": os.cpu_count(),
+    figures = {
+        "tower": args.tower, "quick": args.quick, "cores": os.cpu_count(),
         "concurrency": args.concurrency, "requests_per_round": n, "rounds": rounds, "max_wait_ms": args.max_wait_ms,
         "batched_images_per_s": round(med["batched"], 2), "unbatched_images_per_s": round(med["unbatched"], 2),
         "speedup": round(speedup, 3), "avg_batch_size": round(avg_batch, 2), "target_speedup": 2.0,
         "meets_target": speedup >= 2.0,
-    }))
+    }
+    _results.record("encoder_batching", ap, args, figures, kind="wall-clock", baseline="batch size 1 (cache off)",
+                    summary=f"{args.tower} {speedup:.2f}x ({med['batched']:.2f} vs {med['unbatched']:.2f} images/s, "
+                            f"{avg_batch:.1f} images/forward)")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

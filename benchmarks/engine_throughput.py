@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import _results
 from llm_svc.types import GenOutput, RequestStream
 from llm_svc.loader import load_lm
 from llm_svc.types import PreparedRequest
@@ -103,7 +104,10 @@ def main() -> None:
     ap.add_argument("--serial-stride", type=int, default=None,
                     help="time one-at-a-time generate on every k-th request (default 2, --quick 4)")
     ap.add_argument("--model-dir", default=None, help="a bundle; default: write the tiny MiMo one")
+    _results.add_mode_args(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.repeats, args.max_tokens, args.serial_stride = 4, 1, 3, 2
     torch.set_num_threads(args.threads)
     max_tokens = args.max_tokens or (24 if args.quick else 64)
 
@@ -152,8 +156,11 @@ def main() -> None:
         }
         print(f"speedup vs one at a time: {result['speedup_vs_serial']}x (target >= 5x); "
               f"vs batched generate: {result['speedup_vs_batched']}x")
-        print(json.dumps(result))
+        _results.record("engine_throughput", ap, args, result, kind="wall-clock",
+                        baseline="transformers generate, one at a time and one batch",
+                        summary=f"{result['speedup_vs_serial']}x one-at-a-time, {result['speedup_vs_batched']}x batched "
+                                f"({args.requests} requests x {max_tokens} tokens)")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

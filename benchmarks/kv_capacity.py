@@ -37,6 +37,7 @@ import random
 import time
 from pathlib import Path
 
+from benchmarks import _results
 from llm_svc.types import Request
 from llm_svc.engine.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
@@ -131,8 +132,9 @@ def main() -> None:
     ap.add_argument("--skip-scheduler", action="store_true", help="admission count only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config", type=Path, default=CONFIG, help="a MiMo config.json (published or transformers form)")
+    _results.add_mode_args(ap)
     args = ap.parse_args()
-    k_base = args.requests_in_baseline or (16 if args.quick else 32)
+    k_base = args.requests_in_baseline or (2 if args.smoke else 16 if args.quick else 32)
     g = geometry_from_config(args.config)
     slot70 = g.full_token_bytes + g.swa_token_bytes
     kv_bytes = k_base * SEQ_LEN * slot70
@@ -181,8 +183,7 @@ def main() -> None:
               f"baseline {sb['requests']} (mean length {sb['mean_len']}), "
               f"ours {so['requests']} (mean length {so['mean_len']}): {sched_res['ratio']:.2f}x requests, "
               f"{tok_ratio:.2f}x resident tokens")
-    print(json.dumps({
-        "benchmark": "kv_capacity",
+    figures = {
         "seq_len": SEQ_LEN,
         "kv_bytes": kv_bytes,
         "ours_requests": ours["requests"],
@@ -195,8 +196,11 @@ def main() -> None:
         "ours": ours,
         "baseline": base,
         "scheduler": sched_res,
-    }))
+    }
+    _results.record("kv_capacity", ap, args, figures, kind="simulation", baseline="one full pool (every layer, every token)",
+                    summary=f"{ours['requests']} vs {base['requests']}, {ratio:.2f}x requests, {bytes_ratio:.2f}x KV bytes "
+                            f"per request (limit {geometric:.2f}x)")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

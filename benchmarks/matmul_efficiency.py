@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks import _results
+
 LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"}
 
 
@@ -88,8 +90,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--peak-n", type=int, default=2048)
     ap.add_argument("--linear", default="auto", help="linear backend of the engine (auto / onednn / torch)")
+    _results.add_mode_args(ap)
     args = ap.parse_args()
-    if args.quick:
+    if args.smoke:
+        args.prefill, args.prompt, args.decode, args.steps, args.peak_n = 1, 64, 2, 2, 256
+    elif args.quick:
         args.prefill, args.steps = 4, 24
     torch.set_num_threads(args.threads)
 
@@ -149,10 +154,14 @@ def main() -> None:
     print(f"decode-heavy ({args.decode} sequences, {args.steps} steps): {decode['gflop_s']} GFLOP/s = "
           f"{decode['of_peak']:.0%} of peak; weights streamed at {decode['weight_gb_s']} GB/s "
           f"({decode['wall_ms_per_step']} ms per step)")
-    print(json.dumps({"kind": "matmul_efficiency", "threads": args.threads, "linear": args.linear,
-                      "peak_gflop_s": peak, "peak_runs": [peak_before, peak_after],
-                      "prefill": prefill, "decode": decode, "quick": args.quick}))
+    figures = {"threads": args.threads, "linear": args.linear, "peak_gflop_s": peak,
+               "peak_runs": [peak_before, peak_after], "prefill": prefill, "decode": decode, "quick": args.quick}
+    _results.record("matmul_efficiency", ap, args, figures, kind="wall-clock",
+                    baseline="this machine's fp32 GEMM peak, measured in the run",
+                    summary=f"{args.threads} thread(s): peak {peak:.0f} GFLOP/s; prefill {prefill['gflop_s']} GFLOP/s = "
+                            f"{prefill['of_peak']:.0%} (target >= 60%: {'met' if prefill['of_peak'] >= 0.6 else '**not met**'}); "
+                            f"decode {decode['of_peak']:.0%} (weights streamed at {decode['weight_gb_s']} GB/s); ours only")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

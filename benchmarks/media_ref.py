@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import _results
 from benchmarks._stack_util import make_png, scrape, total
 from encoder_svc.app import create_app as encoder_app
 from encoder_svc.server import serve_in_thread
@@ -102,9 +103,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--convs", type=int, default=None)
     ap.add_argument("--turns", type=int, default=None)
+    _results.add_mode_args(ap)
     a = ap.parse_args()
-    convs = a.convs or (2 if a.quick else 6)
-    turns = a.turns or (4 if a.quick else 8)
+    convs = a.convs or (1 if a.smoke else 2 if a.quick else 6)
+    turns = a.turns or (2 if a.smoke else 4 if a.quick else 8)
     with tempfile.TemporaryDirectory() as d:
         bundle = write_tiny_model(Path(d) / "tiny-mimo", arch="mimo")
         enc_settings = EncoderSettings(model_dir=str(bundle), cache_bytes=64 << 20)
@@ -128,9 +130,13 @@ def main() -> None:
     ratio = base["body_bytes_per_request"] / ours["body_bytes_per_request"]
     print(f"gateway->LLM bytes per request: {ratio:.2f}x fewer by reference; "
           f"{ours['llm_skipped_prefix_hit']:.0f} of {ours['media_sent_by_ref']:.0f} items never fetched (prefix hit)")
-    print(json.dumps({"benchmark": "media_ref", "kind": "wall-clock", "convs": convs, "turns": turns, "ours": ours, "by_value": base,
-                      "body_bytes_ratio": ratio}))
+    _results.record("media_ref", ap, a, {"convs": convs, "turns": turns, "ours": ours, "by_value": base,
+                                         "body_bytes_ratio": ratio}, kind="wall-clock",
+                    baseline="media by value (every request carries the embeddings)",
+                    summary=f"{convs} chats x {turns} turns: gateway->LLM bytes/request "
+                            f"{ours['body_bytes_per_request']:.0f} vs {base['body_bytes_per_request']:.0f} ({ratio:.1f}x fewer), "
+                            f"{ours['llm_skipped_prefix_hit']:.0f} of {ours['media_sent_by_ref']:.0f} items never fetched")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

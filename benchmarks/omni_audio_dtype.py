@@ -9,6 +9,7 @@ the embeddings per clip. (In float32 both sides agree exactly: tests/integration
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import tempfile
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks import _results
 from encoder_svc.models.mimo_audio_weights import load_mimo_audio
 from encoder_svc.preprocess.mimo_mel import mel_magnitude
 from shared.tiny.mimo_omni import write_mimo_omni
@@ -27,18 +29,23 @@ CLIPS = (2.0, 0.75, 1.01, 1999 * 240 / 24000, 20.0)
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    _results.add_mode_args(ap)
+    args = ap.parse_args()
+    clips = CLIPS[1:2] if args.smoke else CLIPS  # smoke: one 0.75 s clip through both sides
     vllm_py = subprocess.run(["bash", str(REPO / "scripts" / "vllm_venv.sh")], capture_output=True, text=True,
                              check=True).stdout.strip().splitlines()[-1]
     d = Path(tempfile.mkdtemp(prefix="omni-audio-dtype-"))
     ckpt = write_mimo_omni(d / "ckpt", seed=3)
     hidden = json.loads((ckpt / "config.json").read_text())["hidden_size"]
-    waves = [chirp(s, seed=i) for i, s in enumerate(CLIPS)]
+    waves = [chirp(s, seed=i) for i, s in enumerate(clips)]
     save_file({f"mag.{i}": mel_magnitude(w, sr=24000, n_fft=960, win_length=960, hop=240, n_mels=128)
                for i, w in enumerate(waves)}, str(d / "in.safetensors"))
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1", "MMSERVE_ORACLE_AS_SERVED": "1"}
     subprocess.run([vllm_py, str(REPO / "scripts" / "vllm_mimo_audio_oracle.py"), str(ckpt), str(d / "in.safetensors"),
                     str(d / "out.safetensors")], check=True, capture_output=True, env=env)
     ref = load_file(str(d / "out.safetensors"))
+    rows = []
     for dtype in (torch.bfloat16, torch.float32):
         tower = load_mimo_audio(ckpt, dtype, hidden)
         equal = total = 0
@@ -55,9 +62,14 @@ def main() -> None:
             total += want.numel()
             r = ref[f"embeds.{i}"].float()
             rel.append(round(float((emb - r).norm() / r.norm()), 3))
-        print(json.dumps({"ours": str(dtype).removeprefix("torch."), "vllm": "as served (bf16)",
-                          "codes_equal": round(equal / total, 4), "codes": total, "embeds_rel_l2_per_clip": rel}))
+        rows.append({"ours": str(dtype).removeprefix("torch."), "vllm": "as served (bf16)",
+                     "codes_equal": round(equal / total, 4), "codes": total, "embeds_rel_l2_per_clip": rel})
+        print(json.dumps(rows[-1]), flush=True)
+    _results.record("omni_audio_dtype", ap, args, {"clips_s": list(clips), "by_dtype": rows}, kind="wall-clock",
+                    baseline="vLLM 0.32 in its serving dtypes (tower bf16, RVQ float32)",
+                    summary="; ".join(f"ours {r['ours']}: {r['codes_equal']:.2%} of codes equal, embeddings rel. L2 "
+                                      f"{max(r['embeds_rel_l2_per_clip'])} at most" for r in rows))
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

@@ -12,12 +12,14 @@ attention, window (128, 0)), and V2.5's audio_config (20 channels, vocab 1280, 6
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 
 import torch
 
+from benchmarks import _results
 from encoder_svc.models.mimo_audio import MiMoAudioTower
 from encoder_svc.models.mimo_audio_config import AudioEncoderConfig, AudioTokenizerConfig
 
@@ -39,10 +41,19 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu")
+    _results.add_mode_args(ap)
     args = ap.parse_args()
+    tokenizer, encoder, skipped = TOKENIZER, ENCODER, []
+    if args.smoke:  # the same tower code at a narrow geometry: the published one is 900 M params
+        args.seconds, args.repeat = [1.0], 1
+        tokenizer = dataclasses.replace(TOKENIZER, d_model=64, encoder_layers=4, encoder_attention_heads=4,
+                                        encoder_ffn_dim=128, encoder_skip_layer_id=1)
+        encoder = dataclasses.replace(ENCODER, input_local_layers=1, input_local_dim=64, input_local_attn_heads=4,
+                                      input_local_intermediate_size=128, out_hidden_size=64)
+        skipped.append("the published geometry (900 M params, ~30 s per forward here): a narrow tower of the same code")
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    tower = MiMoAudioTower(ENCODER, TOKENIZER).to(dtype).eval().to(args.device)
+    tower = MiMoAudioTower(encoder, tokenizer).to(dtype).eval().to(args.device)
     for b in tower.tokenizer.codebooks:
         b.embed.data = torch.randn_like(b.embed.data, dtype=torch.float32)
     params = sum(p.numel() for p in tower.parameters()) / 1e6
@@ -68,9 +79,13 @@ def main() -> None:
                      "forward_s": round(med, 3), "tokenizer_s": round(statistics.median(tok), 3),
                      "realtime_factor": round(seconds / med, 2)})
         print(json.dumps(rows[-1]), flush=True)
-    print(json.dumps({"params_M": round(params, 1), "dtype": args.dtype, "device": args.device,
-                      "threads": torch.get_num_threads(), "repeat": args.repeat}))
+    figures = {"params_M": round(params, 1), "dtype": args.dtype, "device": args.device,
+               "threads": torch.get_num_threads(), "repeat": args.repeat, "clips": rows}
+    _results.record("omni_audio_tower", ap, args, figures, kind="wall-clock",
+                    baseline="real time (seconds of audio per second of compute)", skipped=skipped,
+                    summary="; ".join(f"{r['audio_s']:g} s clip: {r['forward_s']} s, {r['realtime_factor']}x real time, "
+                                      f"tokenizer {r['tokenizer_s'] / max(r['forward_s'], 1e-9):.0%} of it" for r in rows))
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

@@ -48,6 +48,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from benchmarks import _results
 from llm_svc.types import Request
 from llm_svc.engine.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
@@ -205,8 +206,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--load", type=float, default=0.9, help="arrival rate / measured saturation throughput")
     ap.add_argument("--seed", type=int, default=0)
+    _results.add_mode_args(ap)
     args = ap.parse_args()
-    n = args.requests or (600 if args.quick else 1200)
+    n = args.requests or (24 if args.smoke else 600 if args.quick else 1200)
     trace = make_trace(args.seed, n)
     counts = {c: sum(it.kind == c for it in trace) for c in CLASSES}
     print(f"trace: {n} requests ({', '.join(f'{v} {k}' for k, v in counts.items())}), "
@@ -243,8 +245,7 @@ def main() -> None:
     met = ratios["p90"] <= 0.70 and ratios["long_p90"] <= 1.5 and ratios["max_wait"] <= 1.5
     print("compute_aware / fcfs: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
           + f"   (target: p90 <= 0.70, long_p90 and max_wait <= 1.5: {'met' if met else 'NOT met'})")
-    print(json.dumps({
-        "benchmark": "sched_ttft",
+    figures = {
         "requests": n,
         "load": args.load,
         "arrival_rate": round(rate, 3),
@@ -254,8 +255,11 @@ def main() -> None:
         "met": met,
         "fcfs": f,
         "compute_aware": a,
-    }))
+    }
+    _results.record("sched_ttft", ap, args, figures, kind="simulation", baseline="FCFS",
+                    summary=f"TTFT p90 {ratios['p90']:.2f}x, long p90 {ratios['long_p90']:.2f}x, "
+                            f"max wait {ratios['max_wait']:.2f}x (target p90 <= 0.70: {'met' if met else '**not met**'})")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

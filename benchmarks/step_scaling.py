@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import _results
+
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_REF = "d5857b8"  # llm_svc before persistent slot tables (per-step slot lists)
 CACHE = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
@@ -167,7 +169,15 @@ def main() -> None:
     ap.add_argument("--attention", default=None, help="attention backend of ours (default: auto)")
     ap.add_argument("--baseline-ref", default=BASELINE_REF, help="git ref of the 'before' llm_svc ('' to skip)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    _results.add_mode_args(ap)
     args = ap.parse_args()
+    skipped = []
+    if args.smoke:  # two short contexts, one timed step, ours only
+        args.contexts, args.batches, args.steps, args.warmup = "256,512", "2", 1, 1
+        if args.baseline_ref:
+            skipped.append(f"the {args.baseline_ref} baseline (a second interpreter and model load in an "
+                           "exported tree, ~15 s): --quick runs it")
+            args.baseline_ref = ""
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
@@ -175,7 +185,7 @@ def main() -> None:
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in (args.batches or ("16" if args.quick else "16,64")).split(",")]
     steps = args.steps or (5 if args.quick else 12)
-    warmup = 2 if args.quick else args.warmup
+    warmup = 2 if args.quick and not args.smoke else args.warmup
     base = {"model_dir": str(tiny_bundle()), "contexts": contexts, "batches": batches, "steps": steps,
             "warmup": warmup, "threads": args.threads}
     print(f"decode ms/step (median of {steps} after {warmup} warm-up), tiny MiMo, {args.threads} thread(s)")
@@ -207,10 +217,18 @@ def main() -> None:
     print("\nratios vs 256 context (targets, issue 21: 8K <= 1.3x, 32K <= 2x):")
     for k, v in ratios.items():
         print(f"  {k}: {v}x")
-    print(json.dumps({"kind": "step_scaling", "benchmark": "step_scaling", "steps": steps, "threads": args.threads,
-                      "kv_dtype": args.kv_dtype or "float32", "ms_per_step": results, "ratios": ratios,
-                      "targets": {"8192/256": 1.3, "32768/256": 2.0}}))
+    figures = {"steps": steps, "threads": args.threads, "kv_dtype": args.kv_dtype or "float32",
+               "ms_per_step": results, "ratios": ratios, "targets": {"8192/256": 1.3, "32768/256": 2.0}}
+    ours = results["ours"]
+    points = ", ".join(f"{k} {v:g} ms" for k, v in ours.items())
+    summary = f"ours: {points}; " + ", ".join(f"{k.removeprefix('ours_')} {v}x" for k, v in ratios.items()
+                                               if k.startswith("ours_"))
+    if "before" in results:
+        summary += "; before: " + ", ".join(f"{k} {v:g} ms" for k, v in results["before"].items())
+    _results.record("step_scaling", ap, args, figures, kind="wall-clock",
+                    baseline=f"llm_svc at {args.baseline_ref} (per-step slot lists)" if args.baseline_ref else "none",
+                    summary=summary, skipped=skipped)
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)
