@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from benchmarks import _results
+
 CACHE = Path(os.environ.get("MMSERVE_CACHE_DIR", Path.home() / ".cache" / "mmserve"))
 AIPERF = CACHE / "aiperf-venv" / "bin" / "aiperf"
 METRICS = {  # aiperf's export name -> our label
@@ -91,7 +93,18 @@ def main() -> None:
     ap.add_argument("--cancel-pct", type=float, default=20.0)
     ap.add_argument("--image-px", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=32)
+    _results.add_mode_args(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.output_tokens = 4, 4
+        if not AIPERF.exists():  # CI does not install aiperf: say so rather than pass unseen
+            cmd = aiperf_command("http://127.0.0.1:1", "m", "t", Path(tempfile.gettempdir()), requests=4,
+                                 concurrency=args.concurrency, cancel_pct=args.cancel_pct, image_px=args.image_px,
+                                 output_tokens=args.output_tokens)
+            _results.record("aiperf_chat", ap, args, {"aiperf": None, "command": cmd}, kind="wall-clock",
+                            baseline="none: ours only, measured by NVIDIA aiperf", summary="aiperf not installed",
+                            skipped=[f"the whole run: {AIPERF} is missing (bash scripts/load_clients.sh aiperf)"])
+            return
     if not AIPERF.exists():
         raise SystemExit(f"{AIPERF} is missing: run `bash scripts/load_clients.sh aiperf` first")
     from shared.cli import ensure_default_model
@@ -121,10 +134,17 @@ def main() -> None:
         if name in res:
             r = res[name]
             print(f"  {label:22s} " + "  ".join(f"{k} {v}" for k, v in r.items() if k != "unit") + f"  {r['unit']}")
-    print(json.dumps({"benchmark": "aiperf_chat", "kind": "wall-clock", "quick": args.quick, "requests": requests,
-                      "concurrency": args.concurrency, "cancel_pct": args.cancel_pct, "image_px": args.image_px,
-                      "output_tokens": args.output_tokens, "aiperf": res}))
+    figures = {"quick": args.quick, "requests": requests, "concurrency": args.concurrency, "cancel_pct": args.cancel_pct,
+               "image_px": args.image_px, "output_tokens": args.output_tokens, "aiperf": res}
+
+    def p(name: str, k: str) -> str:
+        return str(res.get(name, {}).get(k, "-"))
+
+    _results.record("aiperf_chat", ap, args, figures, kind="wall-clock", baseline="none: ours only, measured by NVIDIA aiperf",
+                    summary=f"TTFT p50 {p('time_to_first_token', 'p50')} ms (p90 {p('time_to_first_token', 'p90')}), "
+                            f"ITL p50 {p('inter_token_latency', 'p50')} ms, {p('output_token_throughput', 'avg')} output tok/s, "
+                            f"{p('request_throughput', 'avg')} req/s; {requests} requests, {args.cancel_pct:g}% cancelled")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

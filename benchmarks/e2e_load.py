@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import openai
 
+from benchmarks import _results
 from benchmarks._stack_util import audio_part, image_part, make_mp4, make_png, make_wav, scrape, total, user, video_part
 from shared.launcher import LocalStack, StackSpec
 
@@ -242,9 +243,12 @@ def main() -> None:
     ap.add_argument("--llms", type=int, default=2, help="LLM replicas behind the gateway")
     ap.add_argument("--repeats", type=int, default=3, help="fresh stacks per side; the order alternates")
     ap.add_argument("--model", default=None, help="bundle dir (default: the tiny mimo bundle)")
+    _results.add_mode_args(ap)
     args = ap.parse_args()
-    sessions = args.sessions or (8 if args.quick else 16)
-    turns = args.turns or (5 if args.quick else 6)
+    if args.smoke:  # one fresh stack per side, two short sessions
+        args.repeats, args.concurrency = 1, 2
+    sessions = args.sessions or (2 if args.smoke else 8 if args.quick else 16)
+    turns = args.turns or (2 if args.smoke else 5 if args.quick else 6)
 
     from shared.cli import ensure_default_model
 
@@ -297,8 +301,7 @@ def main() -> None:
         f"req/s x{ratios['requests_per_s']}; target (hit >= x{TARGET_HIT_RATIO}, p90 <= x{TARGET_TTFT_P90}) "
         f"{'met' if target_met else 'NOT met'}", flush=True,
     )  # fmt: skip
-    print(json.dumps({
-        "benchmark": "e2e_load", "kind": "wall-clock",
+    figures = {
         "quick": args.quick,
         "workload": {"sessions": sessions, "turns": turns, "concurrency": args.concurrency, "llm_replicas": args.llms,
                      "seed": args.seed, "media_items": n_media, "repeats": args.repeats},
@@ -308,8 +311,14 @@ def main() -> None:
         "prefix_hit_ratio_per_repeat": per_repeat_hit,
         "runs": runs,
         "target_met": target_met,
-    }))  # fmt: skip
+    }  # fmt: skip
+    r = ratios
+    _results.record("e2e_load", ap, args, figures, kind="wall-clock", baseline="round-robin LLM routing",
+                    summary=f"{args.llms} replicas: prefix hit {med(ca, 'prefix_cache_hit_ratio'):.3f} vs "
+                            f"{med(rr, 'prefix_cache_hit_ratio'):.3f} (x{r['prefix_cache_hit_ratio']}, per repeat "
+                            f"{per_repeat_hit}), TTFT p90 {r['ttft_p90']}x, p50 {r['ttft_p50']}x, "
+                            f"req/s {r['requests_per_s']}x (medians of {args.repeats})")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import _results
+
 from shared.schemas import GenerateRequest, PromptMessage, PromptText, SamplingParams
 from shared.wire import pack
 
@@ -145,7 +147,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--big-every", type=float, default=2.0)
     ap.add_argument("--big-mb", type=float, default=8.0)
+    _results.add_mode_args(ap)
     args = ap.parse_args()
+    if args.smoke:  # one short phase each, a big prompt every 0.5 s
+        args.seconds, args.repeats, args.big_every = 1.5, 1, 0.5
     seconds = args.seconds or (8.0 if args.quick else 20.0)
     repeats = args.repeats or (2 if args.quick else 3)
 
@@ -180,7 +185,7 @@ def main() -> None:
         big_file.write(_body("big", big_text, 8))
         big_file.close()
         big_body = big_file.name  # the sender process reads it
-        Phase(url, args.clients, 3.0, None, big_body).run()  # warm-up
+        Phase(url, args.clients, min(3.0, seconds), None, big_body).run()  # warm-up
         quiet, big = [], []
         for _ in range(repeats):
             quiet.append(Phase(url, args.clients, seconds, None, big_body).run())
@@ -233,8 +238,10 @@ def main() -> None:
           f"(median), {bp['refused_in_ms_max']:.0f} ms (max)")
     print(f"p99 big/quiet: small requests {res['ratio_small_p99']:.2f}x, /readyz {res['ratio_readyz_p99']:.2f}x "
           f"(target <= 1.2x)")
-    print(json.dumps(res))
+    _results.record("front_isolation", ap, args, res, kind="wall-clock", baseline="the same load without big prompts",
+                    summary=f"small {res['ratio_small_p99']:.2f}x, `/readyz` {res['ratio_readyz_p99']:.2f}x; "
+                            f"{args.big_mb:g} MB refused ({bp['statuses']}) in ~{bp['refused_in_ms_median'] or 0:.0f} ms")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import _results
 from llm_svc.types import GenOutput, RequestStream
 from llm_svc.loader import load_lm
 from llm_svc.types import PreparedRequest
@@ -489,7 +490,7 @@ def _print_table(r: dict) -> None:
         print(f"ERROR {k}: {v}")
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true")
@@ -507,7 +508,10 @@ def main() -> None:
     ap.add_argument("--paged-ctx", type=int, default=4096, help="paged_attention: their context (<= 4096)")
     ap.add_argument("--skip", default="",
                     help="comma-separated parts to skip: logits,sampling,throughput,paged_attention")
+    _results.add_mode_args(ap)
     args = ap.parse_args()
+    if args.smoke:  # every part at its smallest: a narrow "big" model, a few output tokens
+        args.quick, args.hidden, args.layers, args.vocab, args.max_tokens = True, 64, 4, 512, 4
     if args.kv_gib is None:
         args.kv_gib = 0.5 if args.device == "cpu" else 4.0
     skip = set(filter(None, args.skip.split(",")))
@@ -516,7 +520,7 @@ def main() -> None:
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     t_all = time.perf_counter()
-    small_out = 12 if args.quick else 24
+    small_out = 4 if args.smoke else 12 if args.quick else 24
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if "logits" not in skip:
@@ -532,8 +536,16 @@ def main() -> None:
         result["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     result["total_s"] = round(time.perf_counter() - t_all, 1)
     _print_table(result)
-    print(json.dumps(result))
+    tp, bw = result.get("throughput", {}), result.get("bandwidth", {})
+    runs = ", ".join(f"{n} seqs {x['output_tok_s']} tok/s" for n, x in tp.get("runs", {}).items())
+    of_bound = ", ".join(str(x.get("fraction_of_bound")) for x in bw.get("runs", {}).values())
+    agree = ", ".join(f"{a} {x['tokens_agree']}/{x['tokens']} greedy tokens agree"
+                      for a in ("mimo", "gemma3") if (x := result.get(f"logits_{a}")))
+    _results.record("gpu_check", ap, args, result, kind="wall-clock", baseline="transformers logits; the HBM bound",
+                    summary=f"{result['device']} ({result.get('gpu', 'no gpu')}): {agree}; {runs}; of the bound {of_bound}"
+                            + (f"; errors in {sorted(result['errors'])}" if result["errors"] else ""))
+    return 1 if args.smoke and result["errors"] else 0  # a smoke run fails on any part's error
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import _results
 from benchmarks._bench_host import bench_lock
 from shared.tiny.schemas import schema_corpus, wide_schema
 
@@ -429,7 +430,14 @@ def main() -> int:
     ap.add_argument("--large-vocab", type=int, default=32000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lock-timeout", type=float, default=600.0)
+    _results.add_mode_args(ap)
     args = ap.parse_args()
+    skipped = []
+    if args.smoke:  # both engines, every measurement, on a few schemas with the checkpoint's vocabulary
+        args.schemas, args.repeats, args.tokens = 3, 1, 4
+        if not args.no_large:
+            skipped.append(f"the {args.large_vocab}-token vocabulary (training its BPE takes minutes): --quick runs it")
+            args.no_large = True
     args.schemas = args.schemas or (40 if args.quick else 100)
     args.repeats = args.repeats or (2 if args.quick else 3)
     t0 = time.perf_counter()
@@ -451,7 +459,11 @@ def main() -> int:
     result["vocabs"] = [v["vocab"] for v in result["by_vocab"].values()]
     result["versions"] = versions()
     result["total_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(result))
+    xg, ll = (result[e] for e in ENGINES)
+    _results.record("grammar_engines", ap, args, result, kind="wall-clock", baseline="llguidance", skipped=skipped,
+                    summary=f"{result['vocab']['label']}: fill {xg['batch1']['fill_us_per_step_median']} vs "
+                            f"{ll['batch1']['fill_us_per_step_median']} us, compile {xg['compile_ms']['median']} vs "
+                            f"{ll['compile_ms']['median']} ms")
     return 0
 
 

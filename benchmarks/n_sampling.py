@@ -26,19 +26,24 @@ from pathlib import Path
 import httpx
 
 from benchmarks import _vs_vllm_servers as srv
+from benchmarks import _results
 from benchmarks._bench_host import bench_lock
 
 N = 4
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one round (about two minutes with start-up)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--words", type=int, default=600, help="prompt length in words (~2 tokens each)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--lock-timeout", type=float, default=1800)
-    return p.parse_args()
+    _results.add_mode_args(p)
+    args = p.parse_args()
+    if args.smoke:
+        args.rounds, args.words, args.max_tokens = 1, 40, 4
+    return p, args
 
 
 def _prompt(rng: random.Random, words: list[str], n: int) -> list[dict]:
@@ -80,8 +85,11 @@ def measure(side: str, url: str, metrics_url: str, model: str, messages: list[di
 
 
 def main() -> int:
-    args = parse_args()
-    if not srv.vllm_available():
+    ap, args = parse_args()
+    # a smoke run is ours alone: vLLM's start-up takes minutes on 2 cores
+    sides = ("ours",) if args.smoke else ("ours", "vllm")
+    skipped = ["the vLLM side (its start-up takes minutes on 2 cores): ours only"] if args.smoke else []
+    if "vllm" in sides and not srv.vllm_available():
         print(f"no vLLM venv at {srv.VLLM_VENV}", file=sys.stderr)
         return 2
     rounds = 1 if args.quick else args.rounds
@@ -90,20 +98,23 @@ def main() -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="mmserve-n-sampling-"))
     words = srv.word_list()
     rng = random.Random(0)
-    runs: dict[str, dict[str, list[dict]]] = {s: {"n": [], "separate": []} for s in ("ours", "vllm")}
+    runs: dict[str, dict[str, list[dict]]] = {s: {"n": [], "separate": []} for s in sides}
     with bench_lock(args.lock_timeout), contextlib.ExitStack() as stack:
-        vllm = srv.vllm_service(model_dir, log_dir, served=served)
+        ends = {}
+        if "vllm" in sides:
+            vllm = srv.vllm_service(model_dir, log_dir, served=served)
+            srv.start_vllm(vllm, 600)
+            stack.callback(vllm.stop)
+            ends["vllm"] = (vllm.url, vllm.url)
         ours = srv.our_services(model_dir, log_dir, served=served)
-        srv.start_vllm(vllm, 600)
-        stack.callback(vllm.stop)
         srv.start_ours(ours, 600)
         stack.callback(lambda: [s.stop() for s in ours])
-        ends = {"ours": (ours[1].url, ours[0].url), "vllm": (vllm.url, vllm.url)}
-        for side in ("ours", "vllm"):  # warm both (first-request compiles, allocator)
+        ends["ours"] = (ours[1].url, ours[0].url)
+        for side in sides:  # warm both (first-request compiles, allocator)
             measure(side, *ends[side], served, _prompt(rng, words, 50), "n", 4)
         for r in range(rounds):
             order = ("ours", "vllm", "vllm", "ours") if r % 2 == 0 else ("vllm", "ours", "ours", "vllm")
-            for k, side in enumerate(order):
+            for k, side in enumerate(x for x in order if x in sides):
                 for mode in (("n", "separate") if k % 2 == 0 else ("separate", "n")):
                     res = measure(side, *ends[side], served, _prompt(rng, words, args.words), mode, args.max_tokens)
                     runs[side][mode].append(res)
@@ -114,15 +125,17 @@ def main() -> int:
                                 "prompt_passes_median": statistics.median(x["prompt_passes"] for x in rs)}
                          for mode, rs in modes.items()}
     ours_passes = summary["ours"]["n"]["prompt_passes_median"]
-    print(f"\nprompt passes for n={N}: ours {ours_passes} (target 1.0), vLLM {summary['vllm']['n']['prompt_passes_median']};"
-          f" 4 separate requests: ours {summary['ours']['separate']['prompt_passes_median']}, vLLM "
-          f"{summary['vllm']['separate']['prompt_passes_median']}")
-    for side in ("ours", "vllm"):
+    vllm_passes = summary.get("vllm", {}).get("n", {}).get("prompt_passes_median")
+    print(f"\nprompt passes for n={N}: ours {ours_passes} (target 1.0), vLLM {vllm_passes}")
+    for side in sides:
         s = summary[side]
         print(f"{side}: wall n={N} {s['n']['wall_s_median']:.2f} s, {N} separate {s['separate']['wall_s_median']:.2f} s")
-    print(json.dumps({"benchmark": "n_sampling", "quick": args.quick, "n": N, "words": args.words,
-                      "max_tokens": args.max_tokens, "wall_clock": True, "summary": summary, "runs": runs,
-                      "target": {"ours_n_prompt_passes": 1.0, "met": ours_passes is not None and ours_passes <= 1.05}}))
+    met = ours_passes is not None and ours_passes <= 1.05
+    figures = {"quick": args.quick, "n": N, "words": args.words, "max_tokens": args.max_tokens, "summary": summary,
+               "runs": runs, "target": {"ours_n_prompt_passes": 1.0, "met": met}}
+    _results.record("n_sampling", ap, args, figures, kind="wall-clock", baseline=f"vLLM 0.32; {N} separate requests",
+                    skipped=skipped, summary=f"{ours_passes:.2f}x the prompt (vLLM {vllm_passes}x), target 1x "
+                                             f"{'**met**' if met else '**not met**'}")
     return 0
 
 

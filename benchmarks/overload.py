@@ -41,9 +41,11 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import _results
 from benchmarks._lean_client import LeanClient
 from benchmarks._stack_util import image_part, make_png, user
 from shared.launcher import LocalStack, Service, StackSpec, free_port, wait_ready
+from shared.settings import GatewaySettings
 from shared.tiny_model import write_tiny_model
 
 
@@ -263,7 +265,14 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--client-timeout", type=float, default=None, help="seconds (default 30; 10 with --quick)")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--admission", choices=("defaults", "tuned"), default="defaults",
+                    help="ours: the gateway's default admission settings, or a window sized in the run at the "
+                         "concurrency that reached capacity (in flight = queue = it, queue timeout 2 s)")
+    _results.add_mode_args(ap)
     args = ap.parse_args()
+    if args.smoke:  # every level and side once, 1 s runs, short saturation steps and waits
+        args.quick, args.seconds, args.client_timeout = True, 2.0, 3.0
+    settle_s = 3.0 if args.smoke else 60.0
     seconds = args.seconds or (8.0 if args.quick else 60.0)
     # --quick: the forward half of the mirrored order (one run per side and level, of seconds / 2),
     # short saturation steps, and clients that give up sooner (the unbounded side's backlog, which
@@ -271,7 +280,7 @@ def main() -> None:
     order = _FORWARD if args.quick else RUN_ORDER
     runs_per = len(order) // len(_FORWARD)
     client_timeout = args.client_timeout or (10.0 if args.quick else 30.0)
-    sat_seconds = min(seconds, 3.0) if args.quick else seconds
+    sat_seconds = min(seconds, 1.0 if args.smoke else 3.0) if args.quick else seconds
     log_dir = Path(tempfile.mkdtemp(prefix="mmserve-overload-"))
     model = args.model or str(write_tiny_model(log_dir / "tiny-mimo", arch="mimo"))
     result: dict = {"bench": "overload", "quick": args.quick, "seconds_per_level": seconds, "levels": {},
@@ -286,10 +295,15 @@ def main() -> None:
         other = base.gateway
         cap, window = asyncio.run(saturation(f"{other.url}/v1/chat/completions", base.model_name, args.clients,
                                              sat_seconds))
-        # ours: an admission window sized at the concurrency that reached capacity
-        bound = {"max_in_flight": str(window), "max_queue": str(window), "queue_timeout": "2"}
-        ours = bounded_gateway(mine, bound, mine.log_dir, name="gateway-admission")
-        ours.start()
+        if args.admission == "tuned":  # an admission window sized at the concurrency that reached capacity
+            bound = {"max_in_flight": str(window), "max_queue": str(window), "queue_timeout": "2"}
+            ours = bounded_gateway(mine, bound, mine.log_dir, name="gateway-admission")
+            ours.start()
+        else:  # the stack's own gateway, as deployed
+            d = GatewaySettings.model_fields
+            bound = {k: str(d[k].default) for k in ("max_in_flight", "max_queue", "queue_timeout")}
+            ours = mine.gateway
+        result["admission"] = {"config": args.admission, **bound}
         try:
             wait_ready([ours], 120)
             stacks = {"admission": (mine, ours), "unbounded": (base, other)}
@@ -301,11 +315,11 @@ def main() -> None:
             result["rss_mb_start"] = {side: {"gateway": rss_mb(g), "llm": rss_mb(llm)} for side, (g, llm) in pids.items()}
             result["levels"] = {f"{lv}x": {"admission": [], "unbounded": []} for lv in (1, 2, 4)}
             for i, (level, side) in enumerate(order):
-                waited = settle(llm_urls, gateway_urls, timeout=60)
-                restarted = waited >= 60
+                waited = settle(llm_urls, gateway_urls, timeout=settle_s)
+                restarted = waited >= settle_s
                 if restarted:  # the unbounded side's backlog (httpcore queues it, O(n^2)) would
                     base.restart(other)  # still be draining into the next run: start that gateway afresh
-                    waited += settle(llm_urls, gateway_urls)
+                    waited += settle(llm_urls, gateway_urls, timeout=5 * settle_s)
                 st, gw = stacks[side]
                 other_side = "unbounded" if side == "admission" else "admission"
                 meter = CpuMeter({"gateway": gw.proc.pid, "encoder": st.encoders[0].proc.pid, "llm": st.llms[0].proc.pid},
@@ -323,7 +337,8 @@ def main() -> None:
             pids = {side: (g.proc.pid, st.llms[0].proc.pid) for side, (st, g) in stacks.items()}
             result["rss_mb_end"] = {side: {"gateway": rss_mb(g), "llm": rss_mb(llm)} for side, (g, llm) in pids.items()}
         finally:
-            ours.stop()
+            if ours is not mine.gateway:
+                ours.stop()
 
     def goodput(side: str, level: str) -> float:
         runs = result["levels"][level][side]
@@ -338,8 +353,17 @@ def main() -> None:
         }
         for side in ("admission", "unbounded")
     }
-    print(json.dumps(result))
+    a, u = result["summary"]["admission"], result["summary"]["unbounded"]
+    cfg = result["admission"]
+    _results.record("overload", ap, args, result, kind="wall-clock",
+                    baseline="the same stack with unbounded gateway admission (max_in_flight 100000, max_queue 0)",
+                    summary=f"admission {cfg['config']} (max_in_flight {cfg['max_in_flight']}, max_queue {cfg['max_queue']}, "
+                            f"queue_timeout {cfg['queue_timeout']} s), {seconds / 2:g} s per side and level: capacity "
+                            f"{result['capacity_rps']:.1f} rps at {result['admission_window']} in flight; "
+                            f"**4x/1x {a['goodput_4x_over_1x']} (target 0.9)**, {a['n_5xx']} 5xx, p99 of admitted "
+                            f"{a['p99_4x_s']} s at 4x; unbounded: {u['goodput_4x_over_1x']}, p99 {u['p99_4x_s']} s, "
+                            f"{u['timeouts_4x']} client timeouts at 4x")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import _results
 from benchmarks._stack_util import image_part, make_png, scrape, total, user
 from benchmarks.overload import rss_mb
 from shared.launcher import LocalStack, StackSpec
@@ -123,9 +124,10 @@ def main() -> None:
     ap.add_argument("--router-index-blocks", type=int, default=1024, help="gateway routing index per replica")
     ap.add_argument("--service-defaults", action="store_true", help="no small bounds: the services' defaults")
     ap.add_argument("--malloc-arena-max", type=int, default=None, help="MALLOC_ARENA_MAX for every service")
+    _results.add_mode_args(ap)
     args = ap.parse_args()
-    minutes = args.minutes or (3.0 if args.quick else 30.0)
-    interval = args.interval or (5.0 if args.quick else 20.0)
+    minutes = args.minutes or (0.15 if args.smoke else 3.0 if args.quick else 30.0)
+    interval = args.interval or (2.0 if args.smoke else 5.0 if args.quick else 20.0)
     log_dir = Path(tempfile.mkdtemp(prefix="mmserve-soak-"))
     model = args.model or str(write_tiny_model(log_dir / "tiny-mimo", arch="mimo"))
     env: dict[str, str] = {}
@@ -181,8 +183,11 @@ def main() -> None:
     out["rss_mb_after_warmup"] = {name: [warm[0][name], warm[-1][name]] if warm else None for name in names}
     out["fill_after_warmup"] = {k: [warm[0].get(k), warm[-1].get(k)] for k in warm[0]
                                 if k.startswith(("llm_", "gateway_"))} if warm else {}
-    print(json.dumps(out))
+    growth = out["growth_pct_per_30min_after_warmup"]
+    _results.record("soak", ap, args, out, kind="wall-clock", baseline="none: our services' RSS over time",
+                    summary=f"{minutes:g} min, {counts.get('ok', 0)} requests: growth per 30 min after warm-up "
+                            + ", ".join(f"{k} {v}%" for k, v in growth.items()) + " (target < 1%)")
 
 
 if __name__ == "__main__":
-    main()
+    _results.run(main)

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import openai
 
+from benchmarks import _results
 from benchmarks import _vs_vllm_servers as srv
 from benchmarks._bench_host import CpuMeter, bench_lock, wait_quiet
 from benchmarks._chat_load import PromptMaker, pct
@@ -156,25 +157,26 @@ def mean(xs: list[float]) -> float | None:
 def run(args, g: Group, maker: PromptMaker) -> dict:
     rng = random.Random(args.seed)
     prompts = lambda n: [maker.text(rng, rng.randint(16, 64))[0] for _ in range(n)]  # noqa: E731
-    for side in SIDES:  # warm-up: both modes, so the schema is compiled and cached on each side
+    sides = g.sides
+    for side in sides:  # warm-up: both modes, so the schema is compiled and cached on each side
         for schema in (None, SCHEMA):
             recs, _ = asyncio.run(batch(g.url[side], g.served, prompts(4), schema))
             if any(r["error"] for r in recs):
                 raise RuntimeError(f"{side} warm-up failed: {next(r['error'] for r in recs if r['error'])}")
     meter = CpuMeter(g.roots())
-    runs = {m: {s: [] for s in SIDES} for m in ("unconstrained", "json_schema")}
-    stall = {m: {s: [] for s in SIDES} for m in ("without", "with")}
+    runs = {m: {s: [] for s in sides} for m in ("unconstrained", "json_schema")}
+    stall = {m: {s: [] for s in sides} for m in ("without", "with")}
     for k in range(args.rounds):
         for mode, schema in (("unconstrained", None), ("json_schema", SCHEMA)):
             p = prompts(CONCURRENCY)  # identical requests for every side of this round
-            for side in (*SIDES, *SIDES[::-1]) if k % 2 == 0 else (*SIDES[::-1], *SIDES):
+            for side in (*sides, *sides[::-1]) if k % 2 == 0 else (*sides[::-1], *sides):
                 st = timed(args, meter, lambda: batch_stats(*asyncio.run(batch(g.url[side], g.served, p, schema))))
                 runs[mode][side].append(st)
                 print(f"round {k} {mode:13s} {side:4s}: {st['output_tok_s']:7.1f} tok/s  TTFT p50 "
                       f"{st['ttft_p50_ms']:7.1f} ms  wall {st['wall_s']:5.2f} s  errors {st['errors']}  short "
                       f"{st['short_outputs']}  json docs {st['complete_json_docs']}  cores {st['cpu_cores']}"
                       f"{'  DISTURBED' if st['disturbed'] else ''}", flush=True)  # fmt: skip
-        for side in SIDES if k % 2 == 0 else SIDES[::-1]:
+        for side in sides if k % 2 == 0 else sides[::-1]:
             for i, mode in enumerate(("without", "with") if k % 2 == 0 else ("with", "without")):
                 p = prompts(STALL_STREAMS + 1)
                 wide = wide_schema(200, seed=1000 + 10 * k + i + (0 if side == "ours" else 500)) \
@@ -184,12 +186,12 @@ def run(args, g: Group, maker: PromptMaker) -> dict:
                 print(f"round {k} stall {mode:7s} {side:4s}: ITL p99 {st['itl_p99_ms']:6.1f} ms  p50 "
                       f"{st['itl_p50_ms']:5.1f} ms  gaps {st['gaps']}  wide {st['wide']}  cores {st['cpu_cores']}"
                       f"{'  DISTURBED' if st['disturbed'] else ''}", flush=True)  # fmt: skip
-    return summarize(runs, stall)
+    return summarize(runs, stall, sides)
 
 
-def summarize(runs: dict, stall: dict) -> dict:
+def summarize(runs: dict, stall: dict, sides: tuple[str, ...] = SIDES) -> dict:
     out = {"per_side": {}, "runs": runs, "stall_runs": stall}
-    for side in SIDES:
+    for side in sides:
         u, j = runs["unconstrained"][side], runs["json_schema"][side]
         tu, tj = mean([r["output_tok_s"] for r in u]), mean([r["output_tok_s"] for r in j])
         sw, so = mean([r["itl_p99_ms"] for r in stall["with"][side]]), mean([r["itl_p99_ms"] for r in stall["without"][side]])
@@ -204,7 +206,7 @@ def summarize(runs: dict, stall: dict) -> dict:
             "errors": sum(r["errors"] for r in u + j), "short_outputs": sum(r["short_outputs"] for r in u + j),
             "disturbed_runs": sum(r["disturbed"] for r in u + j + stall["with"][side] + stall["without"][side]),
         }  # fmt: skip
-    o, v = out["per_side"]["ours"], out["per_side"]["vllm"]
+    o, v = out["per_side"]["ours"], out["per_side"].get("vllm", {"slowdown": None})
     met = lambda c: None if c is None else bool(c)  # noqa: E731
     out["targets"] = {
         **TARGETS,
@@ -220,8 +222,7 @@ def summarize(runs: dict, stall: dict) -> dict:
 def report(s: dict) -> None:
     print(f"\n{'side':5s} {'free tok/s':>10s} {'json tok/s':>10s} {'slowdown':>8s} {'TTFT free':>10s} "
           f"{'TTFT json':>10s} {'ITL p99 w/o':>11s} {'with wide':>10s} {'stall x':>8s} {'wide e2e':>9s}")
-    for side in SIDES:
-        x = s["per_side"][side]
+    for side, x in s["per_side"].items():
         print(f"{side:5s} {x['unconstrained_tok_s']:10.1f} {x['json_schema_tok_s']:10.1f} {x['slowdown']:8.3f} "
               f"{x['unconstrained_ttft_p50_ms']:8.1f}ms {x['json_schema_ttft_p50_ms']:8.1f}ms "
               f"{x['stall_itl_p99_ms_without']:9.1f}ms {x['stall_itl_p99_ms_with_wide']:8.1f}ms "
@@ -242,10 +243,16 @@ def main() -> int:
     ap.add_argument("--lock-timeout", type=float, default=3600.0)
     ap.add_argument("--max-foreign", type=float, default=0.25)
     ap.add_argument("--quiet-timeout", type=float, default=None, help="s to wait for a quiet machine per run")
+    _results.add_mode_args(ap)
     args = ap.parse_args()
+    # a smoke run is ours alone, one round, no wait for a quiet machine: vLLM's start-up takes minutes here
+    sides = ("ours",) if args.smoke else SIDES
+    skipped = ["the vLLM side (its start-up takes minutes on 2 cores): ours only, one round"] if args.smoke else []
+    if args.smoke:
+        args.rounds, args.quiet_timeout = 1, 0.0
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.quiet_timeout = args.quiet_timeout if args.quiet_timeout is not None else (20.0 if args.quick else 120.0)
-    if not srv.vllm_available():
+    if "vllm" in sides and not srv.vllm_available():
         print(f"no vLLM venv at {srv.VLLM_VENV}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _sigterm)  # `kill` stops the servers too
@@ -267,7 +274,7 @@ def main() -> int:
         with bench_lock(args.lock_timeout) as locked, contextlib.ExitStack() as stack:
             result["bench_lock_held"] = locked
             maker = PromptMaker(AutoTokenizer.from_pretrained(model_dir), srv.word_list())
-            g = Group(args, "mimo", "structured", model_dir, srv.MAX_MODEL_LEN, kv, cfgs, Path(log_dir))
+            g = Group(args, "mimo", "structured", model_dir, srv.MAX_MODEL_LEN, kv, cfgs, Path(log_dir), sides=sides)
             g.start(stack)
             result["startup_s"] = g.startup
             result.update(run(args, g, maker))
@@ -280,7 +287,13 @@ def main() -> int:
     report(result)
     shutil.rmtree(log_dir, ignore_errors=True)
     result["total_s"] = round(time.perf_counter() - t_begin, 1)
-    print(json.dumps(result))
+    o, v = result["per_side"]["ours"], result["per_side"].get("vllm", {})
+    t = result["targets"]["summary"]
+    _results.record("structured_output", ap, args, result, kind="wall-clock", skipped=skipped,
+                    baseline="vLLM 0.32; the same 9th request unconstrained (stall baseline)",
+                    summary=f"slowdown {o['slowdown']}x (vLLM {v.get('slowdown')}x), <= 1.1x "
+                            f"{t.get('ours_slowdown_le_1.1', 'n/a')}; compile stall {o['stall_ratio']}x "
+                            f"(vLLM {v.get('stall_ratio')}x), <= 1.2x {t.get('ours_stall_ratio_le_1.2', 'n/a')}")
     return 0
 
 

@@ -129,7 +129,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -138,6 +137,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import _results
 from benchmarks import _vs_vllm_servers as srv
 from benchmarks._bench_host import CpuMeter, bench_lock, idle_cpu
 from benchmarks._chat_load import PromptMaker, make_trace, run_load, run_stats
@@ -186,8 +186,10 @@ def parse_args() -> argparse.Namespace:
                     help="before each run, wait until other work on the machine uses at most this many cores")
     ap.add_argument("--quiet-timeout", type=float, default=300.0, help="... but at most this long (s)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the server logs of a successful run")
+    _results.add_mode_args(ap)
     args = ap.parse_args()
-    q = args.quick
+    args.parser = ap
+    q = args.quick or args.smoke
     args.requests = args.requests or (12 if q else 48)
     args.concurrency = args.concurrency or (4 if q else 16)
     args.pairs = args.pairs or (1 if q else 2)
@@ -265,8 +267,50 @@ def run_model(args, model: str, model_dir: Path, log_dir: Path, result: dict) ->
                 result.setdefault("profiles", {})[model] = profile_sides(args, maker, g, meter)
 
 
+SMOKE_SKIPPED = "the vLLM side (its start-up takes minutes on 2 cores) and the A-B pairs: ours only, 4 chat requests"
+
+
+def smoke(args) -> int:
+    """Our side of the chat trace at its smallest: the servers, the warm-up, the load client and
+    its statistics of the full run, on 4 requests; vLLM is not started (``SMOKE_SKIPPED``)."""
+    from transformers import AutoTokenizer
+
+    model = args.models[0]
+    model_dir = srv.ensure_checkpoint(srv.MODELS[model])
+    log_dir = Path(tempfile.mkdtemp(prefix="mmserve-vs-vllm-smoke-"))
+    maker = PromptMaker(AutoTokenizer.from_pretrained(model_dir), srv.word_list())
+    g = Group(args, model, "main", model_dir, srv.MAX_MODEL_LEN, 256 << 20, default_cfgs(args),
+              log_dir, sides=("ours",))
+    with contextlib.ExitStack() as stack:
+        g.start(stack)
+        g.warm(maker, args.seed, long=False)
+        trace = make_trace(maker, args.seed, 4, (32, 64), (4, 8))
+        recs, wall = asyncio.run(run_load(g.url["ours"], g.served, trace, 2, None))
+    if any(r.error for r in recs):
+        print(f"FAILED: {next(r.error for r in recs if r.error)}; logs {log_dir}", file=sys.stderr)
+        return 1
+    shutil.rmtree(log_dir, ignore_errors=True)
+    st = run_stats(recs, wall)
+    _results.record("vs_vllm", args.parser, args, {"models": [model], "ours": st, "startup_s": g.startup},
+                    kind="wall-clock", baseline="vLLM 0.32 CPU (not started in a smoke run)",
+                    summary=f"ours only: {st['output_tok_s']} tok/s", skipped=[SMOKE_SKIPPED])
+    return 0
+
+
+def _summary(result: dict) -> str:
+    parts = []
+    for model, traces in result["results"].items():
+        for trace, res in traces.items():
+            for m, r in res["ratio_ours_over_vllm"].items():
+                parts.append(f"{model} {trace} ({m}) {r['output_tok_s']}x tok/s, TTFT p50 {r['ttft_p50']}x")
+    return "ours / vLLM: " + "; ".join(parts)
+
+
 def main() -> int:
     args = parse_args()
+    if args.smoke:
+        with bench_lock(args.lock_timeout):
+            return smoke(args)
     if not srv.vllm_available():
         print(f"no vLLM venv at {srv.VLLM_VENV}: see shared ENV.md, 'vLLM on the CPU'", file=sys.stderr)
         return 2
@@ -303,7 +347,8 @@ def main() -> int:
         shutil.rmtree(log_dir, ignore_errors=True)
     else:
         result["log_dir"] = str(log_dir)
-    print(json.dumps(result))
+    _results.record("vs_vllm", args.parser, args, result, kind="wall-clock",
+                    baseline=f"vLLM 0.32 CPU (bind {args.vllm_bind}, preload {args.vllm_preload})", summary=_summary(result))
     return 0
 
 
