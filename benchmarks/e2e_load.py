@@ -180,9 +180,10 @@ def encoder_hits(stack: LocalStack) -> tuple[float, float]:
     return hits, misses
 
 
-def run_side(model_dir: str, policy: str, workload, pools, concurrency: int, log_dir: str, llms: int = 2) -> dict:
+def run_side(model_dir: str, policy: str, workload, pools, concurrency: int, log_dir: str, llms: int = 2,
+             encoders: int = 2) -> dict:
     spec = StackSpec(
-        model_dir=model_dir, gateway_port=0, encoders=2, llms=llms, llm_backend="swa", llm_routing=policy
+        model_dir=model_dir, gateway_port=0, encoders=encoders, llms=llms, llm_backend="swa", llm_routing=policy
     )
     t_start = time.perf_counter()
     with LocalStack(spec, log_dir=f"{log_dir}/{policy}") as stack:
@@ -241,12 +242,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llms", type=int, default=2, help="LLM replicas behind the gateway")
+    ap.add_argument("--encoders", type=int, default=2, help="encoder replicas behind the gateway")
     ap.add_argument("--repeats", type=int, default=3, help="fresh stacks per side; the order alternates")
     ap.add_argument("--model", default=None, help="bundle dir (default: the tiny mimo bundle)")
     _results.add_mode_args(ap)
     args = ap.parse_args()
     if args.smoke:  # one fresh stack per side, two short sessions
-        args.repeats, args.concurrency = 1, 2
+        args.repeats, args.concurrency, args.encoders = 1, 2, 1
     sessions = args.sessions or (2 if args.smoke else 8 if args.quick else 16)
     turns = args.turns or (2 if args.smoke else 5 if args.quick else 6)
 
@@ -267,7 +269,7 @@ def main() -> None:
     for rep in range(args.repeats):
         order = ("round_robin", "cache_aware") if rep % 2 == 0 else ("cache_aware", "round_robin")
         for policy in order:
-            r = run_side(model_dir, policy, workload, pools, args.concurrency, f"{log_dir}/{rep}", args.llms)
+            r = run_side(model_dir, policy, workload, pools, args.concurrency, f"{log_dir}/{rep}", args.llms, args.encoders)
             runs[policy].append(r)
             print(
                 f"[{rep}] {policy:12s} req/s {r['requests_per_s']:6.2f}  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "

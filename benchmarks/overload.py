@@ -22,8 +22,14 @@ connections in O(n^2)): a draining gateway would take the cores of the next run,
 it is, so after 60 s that gateway is restarted. Targets (issue 11): goodput at 4x >= 90% of
 goodput at 1x, no 5xx, memory flat. Wall-clock. The last line is a JSON object.
 
+Ours is the gateway with its default admission settings (``--admission defaults``: what a
+deployment gets), or with a window sized in the run at the concurrency that reached capacity
+(``--admission tuned``: in flight = queue = that concurrency, queue timeout 2 s); the JSON's
+``admission`` says which and its values.
+
     python -m benchmarks.overload --quick      # ~1.5 minutes: one forward pass, 4 s per run, noisy
     python -m benchmarks.overload --seconds 30 # ~12 minutes: mirrored, two runs per side and level
+    python -m benchmarks.overload --admission tuned   # the window the README's earlier figures used
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The README's benchmark table, generated from the results files under ``benchmarks/results/``.
 
-Each row is one benchmark (``benchmarks._table_rows.ROWS``: its command and what it compares);
+Each row is one benchmark (``benchmarks/table_rows.json``: its command and what it compares);
 its kind and result come from every results file of that benchmark, oldest first, each saying
 its mode and commit (a re-run lands beside the figures it replaces until that file is removed).
 Files marked ``"source": "transcribed from README"`` hold figures measured before the results
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 from benchmarks._results import MODES, RESULTS_DIR
-from benchmarks._table_rows import ROWS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+ROWS_FILE = Path(__file__).resolve().parent / "table_rows.json"
 HEADER = "| command | kind | what it compares (baseline named) | result |\n|---|---|---|---|"
 TRANSCRIBED = "transcribed from README"
 
@@ -69,19 +69,26 @@ def cell(doc: dict) -> str:
     return f"{head} ({'; '.join(notes)}): {doc['summary']}"
 
 
+def load_rows() -> list[dict]:
+    """The README rows in order: ``benchmark``, ``command`` and ``compares`` (markdown, the
+    baseline named), optional ``kind_note`` (shown after the kind, e.g. "in-process")."""
+    return json.loads(ROWS_FILE.read_text())
+
+
 def render(results: dict[str, list[dict]]) -> str:
     """The whole table (header and one line per row), from ``results``."""
-    cited = {r.benchmark for r in ROWS}
+    rows = load_rows()
+    cited = {r["benchmark"] for r in rows}
     stray = sorted(set(results) - cited)
     if stray:
-        raise ValueError(f"results files of benchmarks without a README row: {stray} (add them to _table_rows.ROWS)")
+        raise ValueError(f"results files of benchmarks without a README row: {stray} (add them to {ROWS_FILE.name})")
     lines = [HEADER]
-    for row in ROWS:
-        docs = results.get(row.benchmark, [])
+    for row in rows:
+        docs = results.get(row["benchmark"], [])
         kinds = list(dict.fromkeys(d["kind"] for d in docs)) or ["not yet measured"]
-        kind = " / ".join(kinds) + (f" ({row.kind_note})" if row.kind_note else "")
+        kind = " / ".join(kinds) + (f" ({row['kind_note']})" if row.get("kind_note") else "")
         result = "<br>".join(cell(d) for d in docs) or "no results file yet"
-        lines.append(f"| {row.command} | {kind} | {row.compares} | {result} |")
+        lines.append(f"| {row['command']} | {kind} | {row['compares']} | {result} |")
     return "\n".join(lines)
 
 

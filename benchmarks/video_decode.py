@@ -186,13 +186,13 @@ def main() -> None:
         f"speedup_{frame_counts[0]}_vs_best_single": head["speedup_vs_best_single"], "target": TARGET,
         "meets_target": head["speedup_vs_best_single"] >= TARGET,
     }  # fmt: skip
-    secs = head["seconds"]
-    _results.record("video_decode", ap, args, figures, kind="wall-clock",
-                    baseline="the best single reader (decord / torchcodec, library-default threading)",
-                    summary=f"{head['speedup_vs_best_single']:.2f}x the best single reader ({head['best_single']}, "
-                            f"{secs[head['best_single']]:.2f} s; {head['best_chunked']} {secs[head['best_chunked']]:.2f} s), "
-                            f"{frame_counts[0]} frames; target {TARGET}x {'met' if head['speedup_vs_best_single'] >= TARGET else '**not met**'}; "
-                            f"load average {load:.1f}, parallel capacity {min(capacity):.2f}-{max(capacity):.2f} of {cores} cores")
+    secs, speedup = head["seconds"], head["speedup_vs_best_single"]
+    summary = (f"{speedup:.2f}x the best single reader ({head['best_single']}, {secs[head['best_single']]:.2f} s; "
+               f"{head['best_chunked']} {secs[head['best_chunked']]:.2f} s), {frame_counts[0]} frames; target {TARGET}x "
+               f"{'met' if speedup >= TARGET else '**not met**'}; load average {load:.1f}, parallel capacity "
+               f"{min(capacity):.2f}-{max(capacity):.2f} of {cores} cores")
+    _results.record("video_decode", ap, args, figures, kind="wall-clock", summary=summary,
+                    baseline="the best single reader (decord / torchcodec, library-default threading)")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from benchmarks import _results, table
-from benchmarks._table_rows import ROWS
+from benchmarks import _bench_host, _results, table
 
 pytestmark = pytest.mark.unit
 
@@ -23,7 +25,7 @@ def test_readme_table_is_generated_from_the_results_files():
 
 def test_every_results_file_names_its_provenance():
     results = table.load_results()
-    assert set(results) <= {r.benchmark for r in ROWS}
+    assert set(results) <= {r["benchmark"] for r in table.load_rows()}
     for docs in results.values():
         for d in docs:
             assert d["kind"] in _results.KINDS, d["_file"]
@@ -37,7 +39,7 @@ def test_every_results_file_names_its_provenance():
 
 def test_every_readme_row_has_a_results_file():
     results = table.load_results()
-    assert [r.benchmark for r in ROWS if not results.get(r.benchmark)] == []
+    assert [r["benchmark"] for r in table.load_rows() if not results.get(r["benchmark"])] == []
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,3 +81,15 @@ def test_a_smoke_file_in_the_results_dir_is_refused(tmp_path):
     (tmp_path / "kv_capacity.smoke.json").write_text(json.dumps({"benchmark": "kv_capacity", "mode": "smoke"}))
     with pytest.raises(ValueError, match="not a figure"):
         table.load_results(tmp_path)
+
+
+def test_the_benchmark_lock_is_reentrant_down_the_process_tree(tmp_path, monkeypatch):
+    monkeypatch.setattr(_bench_host, "LOCK_PATH", str(tmp_path / "bench.lock"))
+    monkeypatch.delenv(_bench_host.HELD_ENV, raising=False)
+    child = "from benchmarks._bench_host import bench_lock\nwith bench_lock(0) as held: print(held)"
+    with _bench_host.bench_lock(1) as held:
+        assert held and os.environ[_bench_host.HELD_ENV] == "1"
+        # a benchmark the holder runs takes the lock as held (it would otherwise wait on its parent)
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "True"
+    assert _bench_host.HELD_ENV not in os.environ
