@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -45,24 +46,19 @@ def mode_of(args: argparse.Namespace) -> str:
     return "quick" if getattr(args, "quick", False) else "full"
 
 
-def options_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """The command-line options of this run that differ from the parser's defaults (mode flags
-    and waiting / logging options left out), in the order the parser declares them."""
-    out = []
-    for action in ap._actions:
-        dest = action.dest
-        if dest in _NOT_CONFIG or dest == "help" or not action.option_strings or not hasattr(args, dest):
-            continue
-        value = getattr(args, dest)
-        if value == action.default:
-            continue
-        flag = action.option_strings[-1]
-        if isinstance(value, bool):
-            out.append(flag)
+def options_of(ap: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The options of this run as typed (``argv``, one entry per option with its values), less the
+    mode flags and the waiting / logging options: what was measured, not the defaults a script
+    fills in afterwards."""
+    dests = {s: a.dest for a in ap._actions for s in a.option_strings}
+    groups: list[list[str]] = []
+    for tok in argv:
+        if tok.startswith("--") or not groups:
+            groups.append([tok])
         else:
-            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-            out.append(f"{flag} {shown if shown else repr(shown)}")
-    return out
+            groups[-1].append(tok)
+    keep = [g for g in groups if dests.get(g[0].partition("=")[0]) not in _NOT_CONFIG]
+    return [" ".join(shlex.quote(x) for x in g) for g in keep]
 
 
 def machine() -> dict:
@@ -115,7 +111,7 @@ def record(name: str, ap: argparse.ArgumentParser, args: argparse.Namespace, fig
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
     mode = mode_of(args)
     commit, dirty = git_commit()
-    options = options_of(ap, args)
+    options = options_of(ap, sys.argv[1:])
     line = {**figures, "benchmark": name, "kind": kind, "mode": mode}
     if skipped:
         line["smoke_skipped"] = list(skipped)

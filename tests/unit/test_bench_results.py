@@ -54,7 +54,10 @@ def _parser() -> argparse.ArgumentParser:
 def test_record_writes_a_file_and_prints_the_figures_last(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MMSERVE_BENCH_RESULTS", str(tmp_path))
     ap = _parser()
-    args = ap.parse_args(["--quick", "--tower", "so400m", "--lock-timeout", "5"])
+    argv = ["--quick", "--tower", "so400m", "--lock-timeout", "5"]
+    monkeypatch.setattr(sys, "argv", ["encoder_batching.py", *argv])
+    args = ap.parse_args(argv)
+    args.rounds = 3  # a default the script fills in is not an option of the run
     path = _results.record("encoder_batching", ap, args, {"speedup": 2.5, "kind": "not-a-kind"}, kind="wall-clock",
                            baseline="batch size 1", summary="2.50x")
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -93,3 +96,11 @@ def test_the_benchmark_lock_is_reentrant_down_the_process_tree(tmp_path, monkeyp
         out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
         assert out.stdout.strip() == "True"
     assert _bench_host.HELD_ENV not in os.environ
+
+
+def test_options_are_what_was_typed_less_mode_and_waiting():
+    ap = _parser()
+    ap.add_argument("--seconds", type=float, nargs="+")
+    ap.add_argument("--baseline-ref", default="d5857b8")
+    got = _results.options_of(ap, ["--seconds", "10", "60", "--smoke", "--baseline-ref", "", "--lock-timeout=9"])
+    assert got == ["--seconds 10 60", "--baseline-ref ''"]
