@@ -111,12 +111,14 @@ def key_positions(
         anchors += [(c0, start), (c1, start + length)]
     anchors.append((layout.total, prompt_len))
     anchors = sorted(set(anchors))
+    media = set(layout.media)
     out: list[tuple[int, int]] = []
     j = 0
     for key, end in zip(layout.keys, layout.ends):
         while anchors[j + 1][0] < end:  # the segment (c0, c1] holding the block's end
             j += 1
         (c0, t0), (c1, t1) = anchors[j], anchors[j + 1]
-        t = t1 if c1 <= c0 else t0 + math.ceil((end - c0) * (t1 - t0) / (c1 - c0))
+        whole = c1 <= c0 or (c0, c1) in media  # a block ending inside an item needs all its rows
+        t = t1 if whole else t0 + math.ceil((end - c0) * (t1 - t0) / (c1 - c0))
         out.append((key, max(1, min(prompt_len, t))))
     return out
