@@ -205,7 +205,8 @@ class LocalStack:
             if spec.llm_backend:
                 argv += ["--backend", spec.llm_backend]
             if spec.redis_url:  # the LLMs' L3 KV tier, and the encoders' embeddings sent by reference
-                argv += ["--kv-l3-url", spec.redis_url, "--media-redis-url", spec.redis_url]
+                argv += ["--kv-l3-url", spec.redis_url, "--media-redis-url", spec.redis_url,
+                         "--kv-events-url", spec.redis_url]
             self.llms.append(self._svc(f"llm-{i}", h, port, argv, llm_env))
         gport = spec.gateway_port or free_port(h)
         argv = py + [
@@ -218,6 +219,8 @@ class LocalStack:
         ]  # fmt: skip
         if spec.llm_routing:
             argv += ["--llm-routing", spec.llm_routing]
+        if spec.redis_url:  # route on the LLMs' KV events
+            argv += ["--kv-events-url", spec.redis_url]
         if spec.api_keys:
             argv += ["--api-keys", ",".join(spec.api_keys)]
         if spec.allowed_hosts:
