@@ -20,6 +20,7 @@ from encoder_svc.preprocess.image import make_image_backend
 from encoder_svc.routes import router
 from encoder_svc.service import EncoderService
 from encoder_svc.video.decode import ChunkedVideoDecoder
+from shared.service_auth import ServiceTokenMiddleware
 from shared.bundle import load_bundle_spec
 from shared.settings import EncoderSettings
 
@@ -78,6 +79,8 @@ def create_app(settings: EncoderSettings, *, shm_dir: str | None = None, redis_p
             svc.close()
 
     app = FastAPI(title="mmserve encoder", lifespan=lifespan)
+    if settings.service_token:
+        app.add_middleware(ServiceTokenMiddleware, token=settings.service_token)
     app.state.metrics = metrics
     app.state.service = None
     app.state.load_error = None

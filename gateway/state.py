@@ -20,6 +20,7 @@ from gateway.routing.replicas import ReplicaPool, http_prober
 from gateway.ssrf import SSRFGuard
 from gateway.upstream import EncoderClient, LLMClient
 from shared.admission import Admission, AdmissionConfig
+from shared.service_auth import token_headers
 from shared.settings import GatewaySettings
 
 
@@ -62,6 +63,7 @@ class GatewayState:
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
                                 keepalive_expiry=s.upstream_keepalive_expiry),
             trust_env=False,
+            headers=token_headers(s.service_token),  # encoders and LLMs may require it
         )
         fetch_http = httpx.AsyncClient(
             timeout=httpx.Timeout(s.fetch_timeout),

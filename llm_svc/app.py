@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from shared.service_auth import ServiceTokenMiddleware
 from shared.malloc_tuning import pin_mmap_threshold
 from shared.settings import LLMSettings
 
@@ -33,6 +34,8 @@ def create_app(settings: LLMSettings) -> FastAPI:
             await state.close()
 
     app = FastAPI(title="mmserve llm", lifespan=lifespan)
+    if settings.service_token:
+        app.add_middleware(ServiceTokenMiddleware, token=settings.service_token)
     app.state.svc = state
     app.include_router(router)
     app.include_router(tokenize_router)

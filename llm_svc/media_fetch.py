@@ -89,12 +89,12 @@ class EmbeddingFetcher:
 
     def __init__(self, hidden_size: int, timeout: float, metrics=None, client: httpx.AsyncClient | None = None,
                  redis_url: str | None = None, redis_prefix: str = DEFAULT_PREFIX, redis_timeout: float = 0.5,
-                 allow: list[str] | None = None):
+                 allow: list[str] | None = None, headers: dict[str, str] | None = None):
         self.hidden_size = hidden_size
         self.allow = SourceAllowList(allow) if allow else None
         self.timeout = timeout
         self.metrics = metrics
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout), trust_env=False)
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout), trust_env=False, headers=headers)
         self._redis = aioredis.from_url(redis_url, socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout,
                                         retry_on_timeout=False) if redis_url else None
         self.redis_prefix = redis_prefix

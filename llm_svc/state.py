@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from shared.admission import Admission, AdmissionConfig
+from shared.service_auth import token_headers
 from shared.settings import LLMSettings
 
 from .backends import Backend, backend_class
@@ -103,7 +104,8 @@ class ServiceState:
             self.lm, self.prep = lm, PrepPool(lm)
             self.media = backend.media = EmbeddingFetcher(lm.hidden_size, s.media_fetch_timeout, self.metrics,
                                                           redis_url=s.media_redis_url, redis_prefix=s.media_redis_prefix,
-                                                          allow=s.media_fetch_allow)
+                                                          allow=s.media_fetch_allow,
+                                                          headers=token_headers(s.service_token))
             if s.kv_events_url and cls.publishes_kv_events and s.enable_prefix_cache:
                 self.kv_events = backend.kv_events = KVPublisher(s.kv_events_url, s.kv_events_stream,
                                                                  s.kv_events_maxlen)

@@ -39,6 +39,11 @@ class _ServiceSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     log_level: str = "info"
+    service_token: str | None = Field(
+        default=None, description="shared secret between the services (header x-mmserve-service-token): encoders and "
+        "LLMs refuse callers without it (health, readiness and metrics stay open), the gateway and LLMs send it; for "
+        "deployments without NetworkPolicies. Set the same value on every service"
+    )
     keep_alive_timeout: float = Field(
         default=KEEP_ALIVE_TIMEOUT_S, gt=0, description="seconds an idle keep-alive connection stays open (uvicorn's "
         "timeout_keep_alive). Keep it above the callers' pool expiry (httpx and the openai client: 5 s; the gateway's "

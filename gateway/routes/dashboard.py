@@ -1,6 +1,7 @@
 """``GET /dashboard`` (a page), ``GET /dashboard/data`` (the JSON it polls), and the page's
-vendored static files (uPlot, MIT, from npm: no CDN, the machines are offline). Not behind API
-keys, like ``/metrics``: it shows the same numbers."""
+vendored static files (uPlot, MIT, from npm: no CDN, the machines are offline). With API keys
+set, the page and its data need one (they show replica addresses, queues and cache figures);
+the static files (a vendored library, the page's script) do not."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from gateway.auth import DashboardKeyDep
 from gateway.dashboard import snapshot
 from gateway.errors import APIError
 from gateway.state import StateDep
@@ -19,12 +21,12 @@ _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".
 _FILES = {p.name: p for p in STATIC.iterdir() if p.suffix in _TYPES} if STATIC.is_dir() else {}
 
 
-@router.get("/dashboard")
+@router.get("/dashboard", dependencies=[DashboardKeyDep])
 async def dashboard_page() -> Response:
     return FileResponse(STATIC / "dashboard.html", media_type="text/html")
 
 
-@router.get("/dashboard/data")
+@router.get("/dashboard/data", dependencies=[DashboardKeyDep])
 async def dashboard_data(state: StateDep) -> JSONResponse:
     """Every replica's /metrics, scraped now and reduced (``gateway.dashboard``)."""
     snap = await snapshot(state.http, state.llm_pool.replicas(), state.encoder_pool.replicas(),

@@ -165,7 +165,8 @@ function render(d) {
 
 async function poll() {
   try {
-    const r = await fetch("/dashboard/data", { cache: "no-store" });
+    const key = new URLSearchParams(location.search).get("key");  // with API keys set: /dashboard?key=...
+    const r = await fetch("/dashboard/data", { cache: "no-store", headers: key ? { authorization: `Bearer ${key}` } : {} });
     if (r.ok) render(await r.json());
   } catch (e) {
     document.getElementById("updated").textContent = "gateway unreachable (" + e + ")";
