@@ -247,8 +247,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="bundle dir (default: the tiny mimo bundle)")
     _results.add_mode_args(ap)
     args = ap.parse_args()
-    if args.smoke:  # one fresh stack per side, two short sessions
-        args.repeats, args.concurrency, args.encoders = 1, 2, 1
+    if args.smoke:  # one fresh stack per side (one encoder, one LLM), two short sessions
+        args.repeats, args.concurrency, args.encoders, args.llms = 1, 2, 1, 1
     sessions = args.sessions or (2 if args.smoke else 8 if args.quick else 16)
     turns = args.turns or (2 if args.smoke else 5 if args.quick else 6)
 

@@ -511,7 +511,7 @@ def main() -> int:
     _results.add_mode_args(ap)
     args = ap.parse_args()
     if args.smoke:  # every part at its smallest: a narrow "big" model, a few output tokens
-        args.quick, args.hidden, args.layers, args.vocab, args.max_tokens = True, 64, 4, 512, 4
+        args.quick, args.vocab, args.max_tokens = True, 512, 4  # --quick's cpu model (hidden 256, 4 layers)
     if args.kv_gib is None:
         args.kv_gib = 0.5 if args.device == "cpu" else 4.0
     skip = set(filter(None, args.skip.split(",")))

@@ -276,7 +276,7 @@ def main() -> None:
                          "concurrency that reached capacity (in flight = queue = it, queue timeout 2 s)")
     _results.add_mode_args(ap)
     args = ap.parse_args()
-    if args.smoke:  # every level and side once, 1 s runs, short saturation steps and waits
+    if args.smoke:  # every level and side once, 1 s runs, one saturation step, short waits
         args.quick, args.seconds, args.client_timeout = True, 2.0, 3.0
     # a smoke run waits for nothing in flight, not for a quiet machine (CI shares it)
     settle_s = 3.0 if args.smoke else 60.0
@@ -301,7 +301,7 @@ def main() -> None:
         mine.wait_ready(timeout=300)
         other = base.gateway
         cap, window = asyncio.run(saturation(f"{other.url}/v1/chat/completions", base.model_name, args.clients,
-                                             sat_seconds))
+                                             sat_seconds, max_clients=args.clients if args.smoke else 256))
         if args.admission == "tuned":  # an admission window sized at the concurrency that reached capacity
             bound = {"max_in_flight": str(window), "max_queue": str(window), "queue_timeout": "2"}
             ours = bounded_gateway(mine, bound, mine.log_dir, name="gateway-admission")
