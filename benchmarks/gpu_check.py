@@ -234,6 +234,9 @@ def write_big_model(out: Path, hidden: int, layers: int, vocab: int, dtype: torc
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), tie_word_embeddings=False,
     )
     cfg.architectures = ["MiMoV2FlashForCausalLM"]
+    if cfg.head_dim == 64:  # MiMo's 0.334 of 64 is 21 rotary dims, odd: the loader refuses it
+        for rope in cfg.rope_parameters.values():
+            rope["partial_rotary_factor"] = 0.5
     torch.manual_seed(0)
     with torch.device(device):  # random init on the device: seconds, not minutes
         model = MiMoV2FlashForCausalLM(cfg).to(dtype).eval()

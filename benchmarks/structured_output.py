@@ -169,7 +169,8 @@ def run(args, g: Group, maker: PromptMaker) -> dict:
     for k in range(args.rounds):
         for mode, schema in (("unconstrained", None), ("json_schema", SCHEMA)):
             p = prompts(CONCURRENCY)  # identical requests for every side of this round
-            for side in (*sides, *sides[::-1]) if k % 2 == 0 else (*sides[::-1], *sides):
+            order = (*sides, *sides[::-1]) if k % 2 == 0 else (*sides[::-1], *sides)
+            for side in order if len(sides) > 1 else sides:  # A-B-B-A; one side alone runs once
                 st = timed(args, meter, lambda: batch_stats(*asyncio.run(batch(g.url[side], g.served, p, schema))))
                 runs[mode][side].append(st)
                 print(f"round {k} {mode:13s} {side:4s}: {st['output_tok_s']:7.1f} tok/s  TTFT p50 "
