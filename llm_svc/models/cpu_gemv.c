@@ -249,3 +249,16 @@ int mmserve_route_f32(const float* x, int64_t T, int64_t H, const float* wr, con
     }
     return 0;
 }
+
+/* silu(gate) * up of a gated MLP's fused projection: gu [T, 2I] (gate | up, row stride ld) ->
+ * out [T, I] (contiguous), rows over threads. */
+int mmserve_silu_mul_f32(const float* gu, int64_t ld, float* out, int64_t T, int64_t I, int64_t threads) {
+#pragma omp parallel for num_threads((int)(threads > 1 ? threads : 1)) schedule(static) if (threads > 1 && T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const float* g = gu + t * ld;
+        const float* u = g + I;
+        float* o = out + t * I;
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + exp_neg(g[i])) * u[i];
+    }
+    return 0;
+}

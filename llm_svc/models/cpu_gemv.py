@@ -44,6 +44,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mmserve_moe_f32.restype = ctypes.c_int
     lib.mmserve_route_f32.argtypes = [p, i64, i64, p, p, i64, i64, i64, ctypes.c_float, p, p]
     lib.mmserve_route_f32.restype = ctypes.c_int
+    lib.mmserve_silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
+    lib.mmserve_silu_mul_f32.restype = ctypes.c_int
 
 
 KERNEL = CKernel(SOURCE, "cpu_gemv", _bind, what="CPU small-batch linear kernel",
@@ -139,3 +141,18 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
     if rc != 0:
         raise ValueError(f"router: top_k {top_k} of {e} experts is not served by the CPU kernel")
     return idx, w
+
+
+def supports_silu_mul(gu: torch.Tensor) -> bool:
+    """Whether ``silu_mul`` runs here: CPU float32 rows ``[T, 2I]`` with unit stride inside a row."""
+    return (gu.device.type == "cpu" and gu.dtype == torch.float32 and gu.dim() == 2 and gu.stride(1) == 1
+            and gu.shape[1] % 2 == 0 and KERNEL.available())
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a gated MLP's fused projection ``gu [T, 2I]`` (gate | up; check
+    ``supports_silu_mul`` first) -> [T, I] in one pass, on torch's thread count."""
+    t, i2 = gu.shape
+    out = torch.empty(t, i2 // 2, dtype=torch.float32)
+    KERNEL.load().mmserve_silu_mul_f32(gu.data_ptr(), gu.stride(0), out.data_ptr(), t, i2 // 2, torch.get_num_threads())
+    return out

@@ -15,8 +15,9 @@ from llm_svc.attention import AttentionBackend, AttentionParams, LayerKV
 
 from . import register_model
 from .base import HF_KIND, HybridModel, LayerSpec, apply_rope
+from . import cpu_fused
 from .fused_mlp import GatedMLP, RoutedExperts
-from .linear import pack_linears
+from .linear import fuse_linears, pack_linears
 from .geometry import MiMoGeometry, mimo_geometry
 
 
@@ -44,32 +45,55 @@ class MiMoModel(HybridModel):
             self.layers.append(spec)
             self.params.append(AttentionParams(scale=a.scaling, sinks=a.sinks))
         self.mlps = [_mlp_of(layer.mlp, linear) for layer in self.inner.layers]
+        # q | k | v in one GEMM per layer ([T, (Hq + Hkv) * Dqk + Hkv * Dv])
+        self.qkv = [fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], linear)
+                    for layer in self.inner.layers]
         # only what the forward calls: the MLPs' own linears are replaced by the fused callables
-        pack_linears([getattr(layer.self_attn, p) for layer in self.inner.layers
-                      for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + [hf_model.lm_head], linear)
+        pack_linears([layer.self_attn.o_proj for layer in self.inner.layers] + [hf_model.lm_head], linear)
+        self.heads = [g.attn(i).heads for i in range(len(self.layers))]
+        self.norms = [layer.input_layernorm for layer in self.inner.layers] + [self.inner.norm]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed_tokens(ids)
 
     def forward(self, h, positions, kv: list[LayerKV], attn: AttentionBackend, meta) -> torch.Tensor:
+        """As ``HybridModel.forward``; ``h`` is the residual stream, added to in place."""
         t = h.shape[0]
         rope = self.rope_tables(self.inner.rotary_emb, h, positions, self.layer_types)
+        y = None  # the last block's output, not yet added to h
         for i, layer in enumerate(self.inner.layers):
             a = layer.self_attn
             spec = self.layers[i]
-            x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(t, -1, spec.qk_dim)  # [T, Hq, Dqk]
-            k = a.k_proj(x).view(t, -1, spec.qk_dim)  # [T, Hkv, Dqk]
-            v = a.v_proj(x).view(t, -1, spec.v_dim) * a.v_scale  # [T, Hkv, Dv]
+            h, x = _add_norm(h, y, self.norms[i])
+            hq, hk = self.heads[i], spec.kv_heads
+            qkv = self.qkv[i](x)  # [T, (Hq + Hkv) * Dqk + Hkv * Dv]
             cos, sin = rope[self.layer_types[i]]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            nq, nk = hq * spec.qk_dim, hk * spec.qk_dim
+            q = qkv[:, :nq].view(t, hq, spec.qk_dim)  # [T, Hq, Dqk]
+            k = qkv[:, nq:nq + nk].view(t, hk, spec.qk_dim)  # [T, Hkv, Dqk]
+            v = qkv[:, nq + nk:].view(t, hk, spec.v_dim)  # [T, Hkv, Dv]
+            if cpu_fused.supports_qkv(qkv, cos, sin):
+                cpu_fused.qkv_post(qkv, hq, hk, spec.qk_dim, spec.v_dim, cos, sin, a.v_scale)  # in place, exact
+            else:
+                q, k, v = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v * a.v_scale
             o = attn.forward(spec.kind, q, k, v, kv[i], meta, self.params[i])  # [T, Hq, Dv]
-            h = h + a.o_proj(o.reshape(t, -1))
-            h = h + self.mlps[i](layer.post_attention_layernorm(h))
-        return self.inner.norm(h)
+            h, x = _add_norm(h, a.o_proj(o.reshape(t, -1)), layer.post_attention_layernorm)
+            y = self.mlps[i](x)
+        return _add_norm(h, y, self.norms[-1])[1]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(h).float()
+
+
+def _add_norm(h: torch.Tensor, y: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h + y`` (y None: h) and its RMSNorm by ``norm`` (a MiMo RMSNorm module: ``weight``,
+    ``eps`` or transformers' ``variance_epsilon``): one C pass on the CPU, h updated in place."""
+    if cpu_fused.supports_norm(h, norm.weight) and (y is None or y.stride(-1) == 1):
+        eps = getattr(norm, "eps", None)
+        return h, cpu_fused.add_rmsnorm(h, y, norm.weight, norm.variance_epsilon if eps is None else eps)
+    if y is not None:
+        h = h + y
+    return h, norm(h)
 
 
 def _mlp_of(mlp, linear: str = "auto") -> Callable[[torch.Tensor], torch.Tensor]:
