@@ -5,8 +5,13 @@ reads it, writes a copy and reads the copy again. The kernel reads each K/V row 
 through the bucket's slot table. A missing compiler or a failed build leaves ``available()``
 False and the callers on the torch path.
 
-ctypes releases the GIL for the call, so a step with many work items is split over
-``torch.get_num_threads()`` Python threads, each running a range of ``(sequence, kv head)``.
+ctypes releases the GIL for the call, so a step with many work items is split over Python
+threads, each running a range of ``(sequence, kv head)``: ``torch.get_num_threads()`` of them, or
+``set_threads``' count when that is more (the engine core: every core). A decode step runs torch
+on one thread (``StepThreads``: its hundreds of small ops gain nothing from a second), but its
+attention over long contexts is one big read that a second core nearly halves: tiny MiMo, 16
+sequences x 32K context, one thread 28.5 ms a step (2-core AVX2 EPYC). Only a step with at least
+``MIN_SPLIT_KEYS`` key rows per thread splits.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ SOURCE = Path(__file__).with_name("cpu_paged.c")
 MIN_SPLIT_KEYS = 1 << 15  # below this many key rows a step runs on one thread (a thread hop costs ~50 us)
 
 _pool: ThreadPoolExecutor | None = None
+_threads = 0  # 0: torch's count
+
+
+def set_threads(n: int) -> None:
+    """Threads a long decode step may split over, even while torch runs on fewer (0: torch's)."""
+    global _threads
+    _threads = max(0, int(n))
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -85,7 +97,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: to
             None if k0 is None else k0.data_ptr(), lens.data_ptr(),
             None if sinks is None else sinks.data_ptr(), out.data_ptr(),
             b, hq, hkv, dqk, dv, num_slots, table.shape[1], float(params.scale), float(params.softcap or 0.0))
-    n = min(threads or torch.get_num_threads(), items)
+    n = min(threads or max(torch.get_num_threads(), _threads), items)
     if n > 1:  # (a small tensor's sum costs ~50 us here: only asked when a split is possible)
         n = max(1, min(n, int(lens.sum()) // MIN_SPLIT_KEYS))
     if n == 1:

@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         from ..models import cpu_gemv
 
         cpu_gemv.set_threads(settings.gemv_threads or core_threads(settings))  # few-row linears: every core
+        from ..attention import cpu_paged
+
+        cpu_paged.set_threads(core_threads(settings))  # long decode attention: every core
         lm = load_lm(settings.model_dir, settings.device, settings.dtype)
         engine = build_engine(settings, lm, threads=step_threads(settings))
     except Exception as e:

@@ -100,6 +100,30 @@ def test_split_over_threads_equals_one_thread(monkeypatch):
     torch.testing.assert_close(one, _reference(q, cache, table, trows, k0, lens_t, params), rtol=1e-4, atol=1e-5)
 
 
+def test_set_threads_splits_a_long_decode_while_torch_runs_on_one(monkeypatch):
+    """The engine core's setting: a decode step (torch on one thread) with enough keys still
+    splits its attention over ``set_threads`` Python threads, with the same result."""
+    monkeypatch.setattr(cpu_paged, "MIN_SPLIT_KEYS", 64)
+    monkeypatch.setattr(cpu_paged, "_threads", 0)
+    calls = []
+    real = cpu_paged._executor
+    monkeypatch.setattr(cpu_paged, "_executor", lambda n: calls.append(n) or real(n))
+    g = torch.Generator().manual_seed(6)
+    q, cache, table, trows, k0, lens_t = _case(g, 4, 4, 2, 16, 16, [400, 90, 513, 70], sliding=False, scattered=True)
+    params = AttentionParams(scale=0.25)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = cpu_paged.paged_decode(q, cache, table, trows, k0, lens_t, params)
+        assert calls == []  # torch's one thread and no setting: no split
+        cpu_paged.set_threads(2)
+        two = cpu_paged.paged_decode(q, cache, table, trows, k0, lens_t, params)
+    finally:
+        torch.set_num_threads(n)
+    assert set(calls) == {2}  # split over two threads
+    torch.testing.assert_close(two, one, rtol=0, atol=0)
+
+
 def test_supports_only_cpu_float32_contiguous():
     cache = LayerKV.empty(16, 2, 8, 8, torch.float32)
     q = torch.randn(1, 2, 8)
