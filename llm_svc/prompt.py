@@ -205,7 +205,7 @@ def prepare_request(
         ids = _tokenize(lm, text, specials)
     if not ids:
         raise InvalidRequest("the prompt renders to no tokens; send some text", param="prompt")
-    out, spans, mm_items, mm_refs, mm_hashes = _expand_media(lm, ids, media, items, refs)
+    out, spans, mm_items, mm_refs, mm_hashes, item_spans = _expand_media(lm, ids, media, items, refs)
     if len(out) + s.max_tokens > max_model_len:
         raise InvalidRequest(
             f"the prompt has {len(out)} tokens and max_tokens is {s.max_tokens}: together they exceed "
@@ -228,7 +228,7 @@ def prepare_request(
         top_logprobs=req.top_logprobs,
         echo_text=(req.prompt if req.prompt is not None else lm.tokenizer.decode(req.prompt_ids or [])) if req.echo else "",
         system_len=system_len,
-        router_keys=key_positions(prefix_layout(req.messages), len(out), spans, system_len) if req.messages else [],
+        router_keys=key_positions(prefix_layout(req.messages), len(out), item_spans, system_len) if req.messages else [],
         shaper=build_shaper(lm, req),
     )
 
@@ -238,13 +238,15 @@ def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items:
     """Each media pad -> ``num_tokens`` pads (or the item's timestamped layout). Returns the ids,
     the spans ``(start, length, sub_item)``, the sub-items (one per pad run: a timestamped video
     has one per temporal group; None for an item by reference), their references (the rows of
-    the item each stands for) and their prefix-cache hashes."""
+    the item each stands for), their prefix-cache hashes, and one span ``(start, length, item)``
+    per media item (a timestamped video's whole layout: what the router keys see as one item)."""
     pad_set = set(lm.pad_ids.values())
     out: list[int] = []
     spans: list[tuple[int, int, int]] = []
     mm_items: list[torch.Tensor | None] = []
     mm_refs: list[EmbeddingRef | None] = []
     mm_hashes: list[str] = []
+    item_spans: list[tuple[int, int, int]] = []
     k, i = 0, 0
     while i < len(ids):
         tid = ids[i]
@@ -261,6 +263,7 @@ def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items:
         layout = lm.layouts.get(part.modality)
         if layout is None:
             spans.append((len(out), part.num_tokens, len(mm_items)))
+            item_spans.append((len(out), part.num_tokens, part.index))
             out.extend([tid] * part.num_tokens)
             mm_items.append(items[part.index])
             mm_refs.append(refs.get(part.index))
@@ -283,12 +286,13 @@ def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items:
             mm_refs.append(None if ref is None else ref.part(row, n))
             mm_hashes.append(f"{base}/t{j}")
             row += n
+        item_spans.append((len(out), len(rendered), part.index))
         out.extend(rendered)
     if k != len(media):
         raise InvalidRequest(
             f"the chat template placed {k} media placeholders for {len(media)} media parts", param="messages"
         )
-    return out, spans, mm_items, mm_refs, mm_hashes
+    return out, spans, mm_items, mm_refs, mm_hashes, item_spans
 
 
 def input_embeds(lm: LoadedLM, prep: PreparedRequest) -> torch.Tensor:
