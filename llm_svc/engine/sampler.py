@@ -77,6 +77,47 @@ def suppress(logits: torch.Tensor, banned: dict[int, list[int]]) -> torch.Tensor
     return out
 
 
+def filtered_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """x [R, V] float logits of sampled rows (temperature > 0), ``params`` one per row -> [R, V]
+    log-weights: shifted so each row's max is 0, divided by the temperature, then min-p, top-k
+    and top-p (in vLLM's order), dropped tokens at -inf. ``exp`` of a row is its distribution
+    up to normalisation; each row depends only on its own logits and parameters."""
+    assert x.dim() == 2 and x.shape[0] == len(params), (x.shape, len(params))
+    V, dev = x.shape[1], x.device
+    temps = torch.tensor([sp.temperature for sp in params], device=dev).unsqueeze(1)  # [R, 1]
+    # shift by the row max first: tiny temperatures give -inf for the rest, never inf - inf
+    x = (x - x.amax(dim=-1, keepdim=True)) / temps
+    if any(sp.min_p > 0.0 for sp in params):
+        # min_p (vLLM's order: after the temperature, before top-k / top-p): the row max is 0 here,
+        # so p >= min_p * p_max is x >= log(min_p)
+        floor = torch.tensor([math.log(sp.min_p) if sp.min_p > 0.0 else float("-inf") for sp in params],
+                             device=dev).unsqueeze(1)  # [R, 1]
+        x = x.masked_fill(x < floor, float("-inf"))
+    ks = [sp.top_k if 0 < sp.top_k < V else V for sp in params]
+    # two groups, so a top-p-only row (a full sort) does not make the top-k rows sort too
+    with_k = [r for r in range(len(params)) if ks[r] < V]
+    p_only = [r for r in range(len(params)) if ks[r] == V and params[r].top_p < 1.0]
+    if with_k or p_only:
+        cut = torch.full((len(params), 1), float("-inf"), device=dev)  # [R, 1]
+        for group in (with_k, p_only):
+            if group:
+                idx = torch.tensor(group, device=dev)
+                cut.index_copy_(0, idx, _cutoffs(x.index_select(0, idx), [ks[r] for r in group],
+                                                 [params[r].top_p for r in group]))
+        x = x.masked_fill(x < cut, float("-inf"))
+    return x
+
+
+def inverse_cdf(cum: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """cum [R, V] float64 running mass of each row's weights, u [R, 1] uniforms in [0, 1) -> [R]
+    the first token whose running mass exceeds ``u * total`` (never a token of mass 0 when the
+    row's total is > 0; V when the total is 0)."""
+    total = cum[:, -1:]  # [R, 1]
+    # strictly below the total, so the token found always has mass > 0 (u * total can round up)
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, target, right=True).squeeze(1)  # [R]
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits [B, V] -> one token per row. Greedy rows (temperature 0) take the argmax (ties:
     lowest id) and never touch a generator; sampled rows use their own generator, or one
@@ -86,34 +127,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     rows = [i for i, sp in enumerate(params) if sp.temperature > 0.0]  # the sampled rows, R of them
     if not rows:
         return greedy_ids.tolist()
-    V, dev = logits.shape[1], logits.device
+    dev = logits.device
     sps = [params[i] for i in rows]
     gens = [generators[i] for i in rows]
     every_row = len(rows) == len(params)
     rows_t = None if every_row else torch.tensor(rows, device=dev)
-    x = (logits if every_row else logits.index_select(0, rows_t)).float()  # [R, V]
-
-    temps = torch.tensor([sp.temperature for sp in sps], device=dev).unsqueeze(1)  # [R, 1]
-    # shift by the row max first: tiny temperatures give -inf for the rest, never inf - inf
-    x = (x - x.amax(dim=-1, keepdim=True)) / temps
-    if any(sp.min_p > 0.0 for sp in sps):
-        # min_p (vLLM's order: after the temperature, before top-k / top-p): the row max is 0 here,
-        # so p >= min_p * p_max is x >= log(min_p)
-        floor = torch.tensor([math.log(sp.min_p) if sp.min_p > 0.0 else float("-inf") for sp in sps],
-                             device=dev).unsqueeze(1)  # [R, 1]
-        x = x.masked_fill(x < floor, float("-inf"))
-    ks = [sp.top_k if 0 < sp.top_k < V else V for sp in sps]
-    # two groups, so a top-p-only row (a full sort) does not make the top-k rows sort too
-    with_k = [r for r in range(len(sps)) if ks[r] < V]
-    p_only = [r for r in range(len(sps)) if ks[r] == V and sps[r].top_p < 1.0]
-    if with_k or p_only:
-        cut = torch.full((len(sps), 1), float("-inf"), device=dev)  # [R, 1]
-        for group in (with_k, p_only):
-            if group:
-                idx = torch.tensor(group, device=dev)
-                cut.index_copy_(0, idx, _cutoffs(x.index_select(0, idx), [ks[r] for r in group],
-                                                 [sps[r].top_p for r in group]))
-        x = x.masked_fill(x < cut, float("-inf"))
+    x = filtered_logits((logits if every_row else logits.index_select(0, rows_t)).float(), sps)  # [R, V]
     # inverse-CDF draw, one uniform per row: token = the first whose running mass exceeds u * total.
     # The running sum is float64: in float32 a token under half an ulp of the sum so far (~6e-8
     # of the total) would add nothing, and the far tail of a 150k vocabulary would never be drawn.
@@ -124,10 +143,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for r, g in enumerate(gens):
         if g is not None:
             _uniform_row(u[r], g)
-    total = cum[:, -1:]  # [R, 1]
-    # strictly below the total, so the token found always has mass > 0 (u * total can round up)
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    drawn = torch.searchsorted(cum, target, right=True).squeeze(1)  # [R]
+    drawn = inverse_cdf(cum, u)  # [R]
     if every_row:
         return drawn.tolist()
     return greedy_ids.index_copy(0, rows_t, drawn).tolist()
