@@ -69,6 +69,17 @@ class LLMMetrics:
         self.l3_events = Gauge("mmserve_llm_kv_l3_events", "L3 (Redis) lookups, hits, misses, corrupt values, "
                                "errors, skipped and dropped operations", ["event"], registry=r)
         self.l3_up = Gauge("mmserve_llm_kv_l3_up", "1 if the L3 KV store answered its last command", registry=r)
+        # speculative decoding (vLLM's meanings; cumulative since the engine core started)
+        self.spec_drafts = Gauge("mmserve_llm_spec_decode_num_drafts", "Drafts verified (a decode step of a request "
+                                 "with at least one draft token)", registry=r)
+        self.spec_draft_tokens = Gauge("mmserve_llm_spec_decode_num_draft_tokens", "Draft tokens verified",
+                                       registry=r)
+        self.spec_accepted = Gauge("mmserve_llm_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                   registry=r)
+        self.spec_accepted_pos = Gauge("mmserve_llm_spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted at each draft position", ["position"], registry=r)
+        self.spec_mean_len = Gauge("mmserve_llm_spec_decode_mean_acceptance_length", "1 + accepted / drafts: tokens "
+                                   "emitted per verified draft (0 before the first)", registry=r)
 
     def watch_admission(self, admission) -> None:
         self.admitted.set_function(lambda: admission.in_flight)
@@ -99,6 +110,13 @@ class LLMMetrics:
                 for ev in ("lookups", "hits", "misses", "corrupt", "errors", "skipped", "dropped_writes",
                            "touches", "pages_written", "windows_written"):
                     self.l3_events.labels(event=ev).set(t.get(f"l3_{ev}", 0))
+        if "spec_num_drafts" in t:
+            self.spec_drafts.set(t["spec_num_drafts"])
+            self.spec_draft_tokens.set(t.get("spec_num_draft_tokens", 0))
+            self.spec_accepted.set(t.get("spec_num_accepted_tokens", 0))
+            self.spec_mean_len.set(t.get("spec_mean_acceptance_length", 0))
+            for j in range(int(t.get("spec_num_spec_tokens", 0))):
+                self.spec_accepted_pos.labels(position=str(j)).set(t.get(f"spec_num_accepted_tokens_per_pos_{j}", 0))
         return generate_latest(self.registry)
 
 

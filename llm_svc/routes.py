@@ -67,7 +67,8 @@ async def readyz(state: StateDep) -> JSONResponse:
             limits = ServiceLimits(max_model_len=state.settings.max_model_len, max_token_bytes=state.lm.max_token_bytes,
                                    min_prompt_tokens=lo, max_prompt_tokens=hi)
         body = HealthStatus(status="ok", service="llm", model=state.model_name, limits=limits,
-                            kv_instance=state.kv_events.instance if state.kv_events is not None else None)
+                            kv_instance=state.kv_events.instance if state.kv_events is not None else None,
+                            speculative_config=state.spec.to_dict() if state.spec is not None else None)
         return JSONResponse(body.model_dump())
     status = "error" if state.error else "loading"
     body = HealthStatus(status=status, service="llm", model=state.model_name, detail=state.not_ready_detail)

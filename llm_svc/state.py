@@ -19,6 +19,7 @@ from .backends import Backend, backend_class
 from .loader import LoadedLM, load_lm
 from .kv_publish import KVPublisher
 from .media_fetch import EmbeddingFetcher
+from .spec import SpeculativeConfig
 from .metrics import LLMMetrics
 from .word_cache import bound_word_cache
 
@@ -63,6 +64,7 @@ class ServiceState:
     media: EmbeddingFetcher | None = None  # embeddings sent by reference, fetched from the encoders
     kv_events: KVPublisher | None = None  # with kv_events_url and a backend that reports its tree
     error: str | None = None
+    spec: SpeculativeConfig | None = None  # speculative decoding in force (None: off)
     in_flight: set[str] = field(default_factory=set)
     live: dict = field(default_factory=dict)  # request id -> routes._Live (ticket, deadline timer)
     admission: Admission = field(init=False)
@@ -100,6 +102,9 @@ class ServiceState:
             derived = s.max_model_len is None
             if derived:  # the checkpoint's context length, as vLLM; the engine core sizes its pools by it
                 s = self.settings = s.model_copy(update={"max_model_len": lm.context_len})
+            self.spec = SpeculativeConfig.parse(s.speculative_config)  # a bad value fails the start, named
+            if self.spec is not None and s.backend != "swa":
+                raise ValueError("speculative_config needs the swa backend (--backend swa)")
             backend = await asyncio.to_thread(cls, s, lm)
             self.lm, self.prep = lm, PrepPool(lm)
             self.media = backend.media = EmbeddingFetcher(lm.hidden_size, s.media_fetch_timeout, self.metrics,

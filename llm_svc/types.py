@@ -174,6 +174,9 @@ class Request:
     prompt_scored: int = 0
     # its admission needs embeddings it has by reference only: not admitted until they arrive
     awaiting_media: bool = False
+    # speculative decoding: draft tokens proposed for the next step (set by the engine between
+    # steps; the scheduler sends them for verification with the next decode, or drops them)
+    spec_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.req_id:
@@ -254,10 +257,14 @@ class SeqForward:
     mm_items: list[Any] = field(default_factory=list)  # torch tensors [num_tokens, hidden], owned by the request
     # Gemma 3: tokens of one image attend to each other bidirectionally; spans in absolute positions
     bidirectional_spans: list[tuple[int, int]] = field(default_factory=list)
+    # speculative decoding: the last ``num_drafts`` tokens are drafts to verify; the runner returns
+    # the logits of the last ``num_drafts + 1`` rows (a decode with need_logits)
+    num_drafts: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         assert n >= 1 and self.start >= 0
+        assert 0 <= self.num_drafts < n and (not self.num_drafts or (self.need_logits and not self.all_logits))
         assert len(self.out_full_slots) == len(self.out_swa_slots) == n
         assert 0 <= self.swa_ctx_start <= self.start
         assert (self.reset_full is None) == (self.reset_swa is None)
@@ -280,10 +287,13 @@ class ForwardBatch:
 
     ``dropped``: requests whose views ended since the previous batch (finished, aborted,
     preempted); the runner frees their tables before applying ``seqs`` (a dropped request may
-    come back in ``seqs`` with a reset, e.g. re-admitted after a preemption)."""
+    come back in ``seqs`` with a reset, e.g. re-admitted after a preemption).
+    ``truncated``: requests whose views were cut back since the previous batch (rejected draft
+    positions), with the positions they keep: the runner's tables shrink to that length."""
 
     seqs: list[SeqForward]
     dropped: list[str] = field(default_factory=list)
+    truncated: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

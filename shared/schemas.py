@@ -1365,6 +1365,7 @@ class HealthStatus(BaseModel):
     model: str | None = None
     detail: str | None = None
     limits: ServiceLimits | None = None
+    speculative_config: dict | None = None  # LLM: the speculative decoding in force (vLLM's JSON keys)
     kv_instance: str | None = Field(
         default=None, description="LLM replicas publishing KV events: the id their events carry")
 

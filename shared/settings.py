@@ -159,6 +159,10 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     small_step_threads: int = Field(
         default=1, ge=0, description="CPU: torch threads of a small engine step; 0: the same as threads"
     )
+    speculative_config: str = Field(
+        default="", description="speculative decoding as vLLM's --speculative-config JSON, e.g. "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; empty: off (the default)",
+    )
     grammar_threads: int = Field(
         default=1, ge=1, description="threads compiling structured-output grammars, off the engine loop",
     )

@@ -88,9 +88,13 @@ class DeviceSlotTables:
             self._free.append(row)
 
     def apply(self, batch: ForwardBatch) -> StepTables:
-        """Drop ``batch.dropped``, apply resets, append every seq's out slots."""
+        """Drop ``batch.dropped``, cut ``batch.truncated``, apply resets, append every seq's out slots."""
         for rid in batch.dropped:
             self.drop(rid)
+        for rid, n in batch.truncated.items():
+            row = self.row_of.get(rid)
+            if row is not None:
+                self.length[row] = min(self.length[row], n)
         need = max(sf.end for sf in batch.seqs)
         if need > self.capacity:
             self._grow(0, max(need, 2 * self.capacity))
@@ -134,6 +138,10 @@ class HostSlotTables:
         for rid in batch.dropped:
             self.full.pop(rid, None)
             self.swa.pop(rid, None)
+        for rid, n in batch.truncated.items():
+            if rid in self.full:
+                del self.full[rid][n:]
+                del self.swa[rid][n:]
         for sf in batch.seqs:
             full = self.full.get(sf.req_id)
             _check_continues(sf, None if full is None else len(full))

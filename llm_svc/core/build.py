@@ -17,9 +17,11 @@ from ..engine.grammar import GrammarCache
 from ..engine.model_runner import ModelRunner
 from ..engine.step_threads import StepThreads
 from ..engine.scheduler import Scheduler, SchedulerConfig
+from ..engine.speculate import Speculator
 from ..kv.budget import size_pools
 from ..loader import DTYPES, LoadedLM
 from ..models import build_model
+from ..spec import SpeculativeConfig
 
 
 def kv_budget_bytes(settings: LLMSettings, device: torch.device) -> int:
@@ -86,8 +88,10 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     # the front tries each source within media_fetch_timeout; this is the core's backstop
     grammars = GrammarCache(lm.tokenizer, lm.vocab_size, lm.eos_token_ids, threads=settings.grammar_threads,
                             any_whitespace=settings.structured_any_whitespace)
+    spec = SpeculativeConfig.parse(settings.speculative_config)
+    speculator = Speculator(spec, lm.eos_token_ids) if spec is not None else None
     return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1,
-                  grammars=grammars)
+                  grammars=grammars, speculator=speculator)
 
 
 def model_identity(model_dir: str | Path) -> str:

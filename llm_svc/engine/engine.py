@@ -23,6 +23,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from llm_svc.errors import InvalidRequest
 from llm_svc.textproc import min_tokens_banned
 from llm_svc.types import PreparedRequest, Request, StepOutput, make_prompt_keys
 from shared.schemas import CoreNeed, CoreToken
+
+if TYPE_CHECKING:
+    from llm_svc.engine.speculate import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +73,14 @@ class _Prefetch:
 class Engine:
     """``tiers`` (``llm_svc.offload.tiers.KVTiers``): host and L3 KV tiers, or None for the
     device pools alone. ``grammars``: the structured-output compiler, or None (such requests are
-    then refused)."""
+    then refused). ``speculator``: drafts and their verification (speculative decoding), or None."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_token_ids: list[int], tiers=None,
-                 media_timeout: float = 30.0, grammars: GrammarCache | None = None):
+                 media_timeout: float = 30.0, grammars: GrammarCache | None = None,
+                 speculator: Speculator | None = None):
         self.runner = runner
         self.scheduler = scheduler
+        self.speculator = speculator
         self.tiers = tiers
         self.grammars = grammars
         self._compiling: dict[str, _Compiling] = {}
@@ -275,10 +281,12 @@ class Engine:
         self._affected = [sf.req_id for sf in batch.seqs]
         logits = self.runner.run(batch)
         self._score_prompts(batch, logits)
-        ids = [rid for rid in logits if self._live[rid].prep.sampling.max_tokens > 0]  # 0: the prompt alone
-        tokens: dict[str, int] = {}
+        drafts = {sf.req_id: sf.token_ids[-sf.num_drafts:] for sf in batch.seqs if sf.num_drafts}
+        # 0 max_tokens: the prompt alone
+        ids = [rid for rid in logits if rid not in drafts and self._live[rid].prep.sampling.max_tokens > 0]
+        tokens: dict[str, int | list[int]] = {}
         stop_now: set[str] = set()
-        logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
+        logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}  # per emitted token, in order
         if ids:
             lives = [self._live[i] for i in ids]
             rows = torch.stack([logits[i] for i in ids])  # [N, vocab]: the raw model, for logprobs
@@ -319,14 +327,35 @@ class Engine:
                 sel = torch.tensor(want, device=rows.device)
                 got = top_logprobs(rows.index_select(0, sel), [sampled[n] for n in want],
                                    [lives[n].prep.top_logprobs for n in want])
-                logprobs = {ids[n]: v for n, v in zip(want, got)}
+                logprobs = {ids[n]: [v] for n, v in zip(want, got)}
+        for rid, dr in drafts.items():
+            lv, req = self._live[rid], self.scheduler.requests[rid]
+            toks = self.speculator.verify(logits[rid], dr, lv.prep.sampling, len(req.output_ids), lv.generator)
+            tokens[rid] = toks
+            if lv.prep.return_logprobs:
+                logprobs[rid] = top_logprobs(logits[rid][:len(toks)], toks, [lv.prep.top_logprobs] * len(toks))
         for o in self.scheduler.postprocess(batch, tokens, stop=stop_now):
             lv = self._live.get(o.req_id)
             if lv is not None and lv.history is not None and o.token_id is not None:
                 lv.history.add(o.token_id)
-            self._emit(o, *logprobs.get(o.req_id, (None, None)))
+            lp = logprobs.get(o.req_id)
+            self._emit(o, *(lp.pop(0) if lp else (None, None)))
+        if self.speculator is not None:
+            self._propose(batch)
         if tiers is not None:
             tiers.write_notes()
+
+    def _propose(self, batch) -> None:
+        """Drafts for the next step of every request of this batch now decoding."""
+        spec = self.speculator
+        for sf in batch.seqs:
+            req = self.scheduler.requests.get(sf.req_id)
+            lv = self._live.get(sf.req_id)
+            if (req is None or lv is None or req.num_tokens - req.num_computed != 1
+                    or not spec.eligible(lv.prep.sampling, lv.matcher is not None)):
+                continue
+            req.spec_tokens = spec.propose(req)
+        spec.retain(self._live)
 
     def _score_prompts(self, batch, logits: dict[str, torch.Tensor]) -> None:
         """The prompt rows of ``all_logits`` seqs go to their requests' ``PromptScores``; ``logits``
@@ -414,4 +443,10 @@ class Engine:
                "grammar_compiling": len(self._compiling)}
         if self.tiers is not None:
             out.update(self.tiers.metrics())
+        if self.speculator is not None:
+            for k, v in self.speculator.stats.as_dict().items():  # flat numbers (per position: _j)
+                if isinstance(v, list):
+                    out.update({f"spec_{k}_{j}": x for j, x in enumerate(v)})
+                elif v is not None:
+                    out[f"spec_{k}"] = v
         return out

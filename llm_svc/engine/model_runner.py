@@ -3,7 +3,8 @@ one ``ForwardBatch``. No policy.
 
 Input: the scheduler's batch (prefill chunks and decodes mixed, in any order; only the slots
 that changed, see ``llm_svc.types.ForwardBatch``). Output: logits of the last token of every
-sequence with ``need_logits``, and of every token of a sequence with ``all_logits``.
+sequence with ``need_logits``, of every token of a sequence with ``all_logits``, and of the
+input token and each draft of a decode verifying drafts.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class ModelRunner:
     def run(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
         """Execute the batch; returns ``{req_id: logits float32}``: ``[vocab]`` (its last token's)
         for a ``need_logits`` seq, ``[n, vocab]`` (each of its n tokens', the last included) for an
-        ``all_logits`` seq."""
+        ``all_logits`` seq, ``[d + 1, vocab]`` (its last d + 1 tokens') for a seq verifying d drafts."""
         assert batch.seqs, "empty batch"
         if self.threads is not None:
             self.threads.apply(batch.num_tokens)
@@ -81,9 +82,9 @@ class ModelRunner:
         for sf in batch.seqs:
             n = len(sf.token_ids)
             if sf.all_logits or sf.need_logits:
-                take = range(row, row + n) if sf.all_logits else range(row + n - 1, row + n)
-                spans.append((sf.req_id, len(rows), len(take), sf.all_logits))
-                rows.extend(take)
+                k = n if sf.all_logits else sf.num_drafts + 1
+                spans.append((sf.req_id, len(rows), k, sf.all_logits or sf.num_drafts > 0))
+                rows.extend(range(row + n - k, row + n))
             row += n
         if not rows:
             return {}

@@ -74,6 +74,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: oldest first
         self.requests: dict[str, Request] = {}
         self._dropped: list[str] = []  # views ended since the last batch (the runner frees their tables)
+        self._truncated: dict[str, int] = {}  # views cut back since the last batch (rejected drafts)
         self.media_needs: list[tuple[str, list[int]]] = []  # (req_id, item indices) to fetch
         self.num_preemptions = 0
         self.prompt_tokens = 0
@@ -149,6 +150,7 @@ class Scheduler:
                 if not batch.seqs:
                     return None
                 batch.dropped, self._dropped = self._dropped, []
+                batch.truncated, self._truncated = self._truncated, {}
                 return batch
             # running requests exist but none could get slots: make room and retry
             if len(self.running) == 1:
@@ -163,22 +165,20 @@ class Scheduler:
         seqs: list[SeqForward] = []
         in_batch: set[str] = set()
         preempted_before = self.num_preemptions
-        for req in list(self.running):  # decodes
+        for req in list(self.running):  # decodes, each with its drafts if it has room for them
             if budget < 1:
                 break
             if req.status != RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
                 continue
-            while not self._reserve_chunk(req, req.num_computed, req.num_tokens):
-                victim = next((r for r in reversed(self.running) if r.req_id not in in_batch), None)
-                if victim is None:
-                    break
-                self._preempt(victim)
-                if victim is req:
-                    break
-            else:
-                seqs.append(self._build(req, req.num_computed, req.num_tokens))
-                in_batch.add(req.req_id)
-                budget -= 1
+            drafts, req.spec_tokens = req.spec_tokens[:budget - 1], []
+            end = req.num_tokens + len(drafts)
+            if drafts and not self._reserve_chunk(req, req.num_computed, end):
+                drafts, end = [], req.num_tokens  # drafts never preempt anyone: a plain decode
+            if not drafts and not self._reserve_decode(req, in_batch):
+                continue
+            seqs.append(self._build(req, req.num_computed, end, drafts))
+            in_batch.add(req.req_id)
+            budget -= end - req.num_computed
         for req in list(self.running):  # prefill chunks
             if budget < 1:
                 break
@@ -250,6 +250,18 @@ class Scheduler:
     def _reserve_chunk(self, req: Request, start: int, end: int) -> bool:
         return self.kv.reserve(req.kv, max(end, len(req.kv.full)), start, end)
 
+    def _reserve_decode(self, req: Request, in_batch: set[str]) -> bool:
+        """A slot for ``req``'s next token, preempting the newest requests not in this step's
+        batch until it fits; False when it cannot (``req`` itself may have been preempted)."""
+        while not self._reserve_chunk(req, req.num_computed, req.num_tokens):
+            victim = next((r for r in reversed(self.running) if r.req_id not in in_batch), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
     def _admit(self, req: Request, budget: int, fallback: bool):
         """The first chunk of ``req`` (now running), None (no room), or ``AWAIT_MEDIA``."""
         keys = req.all_keys
@@ -298,8 +310,9 @@ class Scheduler:
         self.running.append(req)
         return self._build(req, start, end)
 
-    def _build(self, req: Request, start: int, end: int) -> SeqForward:
-        """O(end - start + W) unless the view needs a table reset (then O(start), once)."""
+    def _build(self, req: Request, start: int, end: int, drafts: list[int] = ()) -> SeqForward:
+        """O(end - start + W) unless the view needs a table reset (then O(start), once).
+        ``drafts``: tokens after the request's last one to verify (``end`` counts them)."""
         w = self.config.window
         kv = req.kv
         swa_start = max(0, start - w + 1)
@@ -317,32 +330,41 @@ class Scheduler:
                 bidi.append((s, s + n))
         return SeqForward(
             req_id=req.req_id,
-            token_ids=req.token_slice(start, end),
+            token_ids=req.token_slice(start, end - len(drafts)) + list(drafts),
             start=start,
             out_full_slots=kv.full[start:end],
             out_swa_slots=kv.swa[start:end],
             swa_ctx_start=swa_start,
-            need_logits=end == req.num_tokens,
+            need_logits=end == req.num_tokens + len(drafts),
             all_logits=self._scores(req, end),
             reset_full=reset_full,
             reset_swa=reset_swa,
             mm_rows=mm_rows,
             mm_items=req.mm_items if mm_rows else [],
             bidirectional_spans=bidi,
+            num_drafts=len(drafts),
         )
 
-    def postprocess(self, batch: ForwardBatch, next_tokens: dict[str, int],
+    def postprocess(self, batch: ForwardBatch, next_tokens: dict[str, int | list[int]],
                     stop: set[str] | frozenset[str] = frozenset()) -> list[StepOutput]:
         """Mark the batch's KV written, append sampled tokens (``next_tokens[req_id]`` for every
         seq with ``need_logits``, but a request with ``max_tokens == 0``: it finishes with its
         prefill, "length", without a token), finish requests (and those in ``stop`` with "stop", e.g. a
-        completed grammar), and release out-of-window SWA slots."""
+        completed grammar), and release out-of-window SWA slots.
+
+        A seq that verified d drafts gets a list: the a accepted drafts and one more token. Its KV
+        stays written for the input token and the accepted drafts only; the slots of the rejected
+        positions go back to the pools (the runner's tables are cut in the next batch). Tokens
+        after one that finishes the request are dropped."""
         outs: list[StepOutput] = []
         for sf in batch.seqs:
             req = self.requests.get(sf.req_id)
             if req is None or req.status != RequestStatus.RUNNING or sf.start != req.num_computed:
                 continue  # aborted or finished while the step ran (or an id reused since)
-            end = sf.end
+            toks = next_tokens.get(sf.req_id) if sf.need_logits else None
+            toks = [] if toks is None else [int(t) for t in toks] if isinstance(toks, list) else [int(toks)]
+            assert len(toks) <= sf.num_drafts + 1, f"{sf.req_id}: {len(toks)} tokens for {sf.num_drafts} drafts"
+            end = sf.start + len(toks) if sf.num_drafts else sf.end  # KV that holds kept tokens
             req.num_computed = end
             if sf.all_logits:
                 req.prompt_scored = max(req.prompt_scored, min(end, len(req.prompt_ids) - 1))
@@ -364,20 +386,31 @@ class Scheduler:
                 outs.append(StepOutput(req.req_id, None, True, "length", req.num_cached_tokens))
                 continue
             if sf.need_logits:
-                tok = int(next_tokens[sf.req_id])
-                req.output_ids.append(tok)
-                reason = self._stop_reason(req, tok) or ("stop" if sf.req_id in stop else None)
-                if reason is not None:
-                    self._finish(req, reason)
-                    outs.append(StepOutput(req.req_id, tok, True, reason, req.num_cached_tokens))
-                    continue
-                outs.append(StepOutput(req.req_id, tok, False, None, req.num_cached_tokens))
-            if len(sf.token_ids) == 1:
-                req.decodes_since_release += 1
+                if self._take_tokens(req, toks, sf.req_id in stop, outs):
+                    continue  # finished
+                if sf.num_drafts and len(req.kv.full) > req.num_computed:
+                    self.kv.truncate(req.kv, req.num_computed)  # the rejected drafts' slots
+                    self._truncated[req.req_id] = req.num_computed
+            if len(sf.token_ids) == 1 or sf.num_drafts:
+                req.decodes_since_release += len(toks)
                 if req.decodes_since_release < self.config.decode_release_interval:
                     continue
             self._release(req)
         return outs
+
+    def _take_tokens(self, req: Request, toks: list[int], stop: bool, outs: list[StepOutput]) -> bool:
+        """Append ``toks`` one by one until one finishes ``req`` (``stop``: the last one does);
+        True when it finished. Its computed KV then covers its tokens but the last."""
+        for n, tok in enumerate(toks):
+            req.output_ids.append(tok)
+            reason = self._stop_reason(req, tok) or ("stop" if stop and n == len(toks) - 1 else None)
+            if reason is not None:
+                req.num_computed = min(req.num_computed, req.num_tokens - 1)
+                self._finish(req, reason)
+                outs.append(StepOutput(req.req_id, tok, True, reason, req.num_cached_tokens))
+                return True
+            outs.append(StepOutput(req.req_id, tok, False, None, req.num_cached_tokens))
+        return False
 
     @staticmethod
     def _stop_reason(req: Request, tok: int) -> str | None:
@@ -401,6 +434,7 @@ class Scheduler:
         self.running.remove(req)
         self._dropped.append(req.req_id)
         req.kv = None
+        req.spec_tokens = []
         req.num_computed = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -408,6 +442,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _finish(self, req: Request, reason: str) -> None:
+        req.spec_tokens = []
         if req.status == RequestStatus.RUNNING:
             self._note_leaving(req)
             self._release(req)

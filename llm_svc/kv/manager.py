@@ -173,6 +173,15 @@ class KVManager:
         if keep_from >= seq.cached_len and seq.handle is not None:
             self.tree.unlock_swa(seq.handle)
 
+    def truncate(self, seq: SeqKV, n: int) -> None:
+        """Give back the slots of positions ``>= n`` (rejected draft positions): the view then
+        covers ``[0, n)``. Only positions the request owns (``n >= cached_len``)."""
+        assert seq.cached_len <= n <= len(seq.full)
+        self.full_pool.free(seq.full[n:])
+        self.swa_pool.free([s for s in seq.swa[n:] if s != NO_SLOT])
+        del seq.full[n:]
+        del seq.swa[n:]
+
     def cache_prefix(self, seq: SeqKV, keys: list[int], upto: int) -> int:
         """Hand the KV of positions ``< upto`` (computed, keys ``keys[:upto]``) to the tree while
         the request keeps running (SGLang's cache_unfinished_req): concurrent requests sharing

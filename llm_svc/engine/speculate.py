@@ -1,0 +1,95 @@
+"""Speculative decoding, the engine's side: drafts for running decodes between steps, and the
+verification of a step's drafts against the target model's logits.
+
+The scheduler sends a decode's drafts with its input token (one chunk of ``1 + d`` tokens,
+causal inside, mixed with prefill chunks and plain decodes in the same forward); the runner
+returns the logits of those ``1 + d`` rows; ``verify`` picks the accepted drafts and one more
+token; the scheduler keeps the KV of the kept tokens and frees the rest.
+
+What a row's distribution is, at every draft position: the raw logits, the request's
+``logit_bias``, ``min_tokens``' EOS ban for that position's output index, then the sampler's
+temperature / min-p / top-k / top-p (inside ``llm_svc.spec.verify``). Requests with penalties or
+a grammar do not speculate (their processors depend on the tokens before each position): they
+decode one token per step as without speculation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llm_svc.engine.logits_procs import apply_bias_and_penalties, penalised
+from llm_svc.engine.sampler import suppress
+from llm_svc.spec import NgramProposer, SpecStats, SpeculativeConfig, verify
+from llm_svc.textproc import min_tokens_banned
+from llm_svc.types import Request
+from shared.schemas import SamplingParams
+
+
+class _Context:
+    """A request's tokens as a growing int64 array (the proposer reads it every step)."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(256, dtype=np.int64)
+        self.n = 0
+
+    def sync(self, req: Request) -> np.ndarray:
+        total = req.num_tokens
+        if total < self.n:  # never expected (outputs only grow): start over
+            self.n = 0
+        if total > self.buf.shape[0]:
+            grown = np.empty(max(total, 2 * self.buf.shape[0]), dtype=np.int64)
+            grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        if self.n < total:
+            self.buf[self.n:total] = req.token_slice(self.n, total)
+            self.n = total
+        return self.buf[:total]
+
+
+class Speculator:
+    """Proposes drafts (n-gram prompt lookup) and verifies them; counts what was accepted."""
+
+    def __init__(self, config: SpeculativeConfig, eos_token_ids: list[int]):
+        if config.method != "ngram":
+            raise ValueError(f"speculative method {config.method!r} is not served yet; use \"ngram\"")
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
+        self.eos_token_ids = list(eos_token_ids)
+        self.stats = SpecStats(self.k)
+        self._ctx: dict[str, _Context] = {}
+
+    @staticmethod
+    def eligible(sampling: SamplingParams, constrained: bool) -> bool:
+        """Whether a request may speculate (see the module doc)."""
+        return not constrained and not penalised(sampling)
+
+    def propose(self, req: Request) -> list[int]:
+        """Drafts for ``req``'s next step: at most ``k``, and never past ``max_tokens``."""
+        room = min(self.k, req.sampling.max_tokens - len(req.output_ids) - 1)
+        if room < 1:
+            return []
+        ctx = self._ctx.get(req.req_id)
+        if ctx is None:
+            ctx = self._ctx[req.req_id] = _Context()
+        return [int(t) for t in self.proposer.propose(ctx.sync(req), max_new=room)]
+
+    def retain(self, live) -> None:
+        """Forget the contexts of requests no longer in ``live`` (checked now and then)."""
+        if len(self._ctx) > 2 * len(live) + 16:
+            self._ctx = {rid: c for rid, c in self._ctx.items() if rid in live}
+
+    def verify(self, logits: torch.Tensor, drafts: list[int], sampling: SamplingParams, num_outputs: int,
+               generator: torch.Generator | None) -> list[int]:
+        """``logits [d + 1, V]`` raw rows of one request (row j: the position of ``drafts[j]``,
+        row d: the one after the last draft) -> the accepted drafts and one more token.
+        ``num_outputs``: the request's output tokens before this step (for ``min_tokens``)."""
+        d = len(drafts)
+        x = apply_bias_and_penalties(logits, [sampling] * (d + 1), [None] * (d + 1))
+        if sampling.min_tokens:
+            banned = {j: min_tokens_banned(sampling, num_outputs + j, self.eos_token_ids) for j in range(d + 1)}
+            x = suppress(x, banned)
+        out = verify(x, drafts, sampling, generator)
+        self.stats.observe(d, len(out) - 1)
+        return out

@@ -1,0 +1,202 @@
+"""Speculative decoding (n-gram drafts) in the swa engine: greedy outputs token for token the same
+as without it, across chunked prefill, tight pools (evictions, preemption), the prefix cache on
+and off, stop strings, stop tokens, ``min_tokens``, exact ``max_tokens`` and aborts in the middle
+of a speculation; ``check_integrity()`` after every step; drafts really accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_svc.core.local import InProcessEngine
+from llm_svc.engine.engine import Engine
+from llm_svc.engine.model_runner import ModelRunner
+from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
+from llm_svc.engine.speculate import Speculator
+from llm_svc.models import build_model
+from llm_svc.spec import SpeculativeConfig
+from llm_svc.types import PreparedRequest
+from shared.schemas import SamplingParams
+from tests.conftest import SMALL_W
+from tests.integration.test_llm_engine import ListStream, conversation_trace, run_to_end
+
+pytestmark = pytest.mark.integration
+W = SMALL_W
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def make_engine(lm, spec: dict | None, num_full=4096, num_swa=None, **cfg) -> InProcessEngine:
+    cfg.setdefault("max_batch_tokens", 64)
+    config = SchedulerConfig(window=W, **cfg)
+    num_swa = num_swa or config.min_swa_slots() * 4
+    model = build_model(lm.arch, lm.model)
+    sc = SpeculativeConfig.parse(spec)
+    engine = Engine(ModelRunner(model, num_full, num_swa), Scheduler(config, num_full, num_swa), lm.eos_token_ids,
+                    speculator=Speculator(sc, lm.eos_token_ids) if sc is not None else None)
+    return InProcessEngine(engine, lm.tokenizer)
+
+
+def looping_prep(lm, rid: str, n: int, pseed: int, max_tokens: int = 40, **sampling) -> PreparedRequest:
+    """A prompt of a few random phrases repeated (text an n-gram lookup can draft from)."""
+    g = torch.Generator().manual_seed(pseed)
+    phrases = [torch.randint(20, lm.vocab_size, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(4)]
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += phrases[int(torch.randint(0, 4, (1,), generator=g))]
+    sampling.setdefault("ignore_eos", True)
+    return PreparedRequest(request_id=rid, prompt_ids=ids[:n], sampling=SamplingParams(max_tokens=max_tokens, **sampling))
+
+
+def workload(lm) -> list[PreparedRequest]:
+    return [looping_prep(lm, f"r{i}", 12 + 23 * i, pseed=i, max_tokens=30 + 5 * (i % 3)) for i in range(6)]
+
+
+def accepted(engine: InProcessEngine) -> int:
+    return int(engine.engine.stats()["spec_num_accepted_tokens"])
+
+
+@pytest.mark.parametrize("arch", ["mimo", "gemma3"])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_greedy_tokens_equal_without_speculation(arch, chunk, mimo16, gemma16):
+    lm = mimo16 if arch == "mimo" else gemma16
+    off = run_to_end(make_engine(lm, None, max_batch_tokens=chunk), workload(lm))
+    eng = make_engine(lm, NGRAM, max_batch_tokens=chunk)
+    on = run_to_end(eng, workload(lm))
+    for rid in off:
+        assert on[rid].tokens == off[rid].tokens, rid
+        assert on[rid].outs[-1].completion_tokens == len(off[rid].tokens)
+        assert "".join(o.text for o in on[rid].outs) == "".join(o.text for o in off[rid].outs)
+    st = eng.engine.stats()
+    assert st["spec_num_drafts"] > 0 and st["spec_num_accepted_tokens"] > 0, st
+    assert st["spec_num_accepted_tokens"] <= st["spec_num_draft_tokens"]
+    # a step emitted several tokens of one request: fewer steps than tokens
+    assert eng.engine.steps < sum(len(s.tokens) for s in on.values())
+    u = eng.scheduler.stats()
+    assert u["running"] == u["waiting"] == 0 and u["full_free"] + u["full_cached"] == u["full_total"]
+
+
+@pytest.mark.parametrize("enable_prefix_cache", [True, False])
+def test_tight_pools_preempt_and_evict_with_the_same_tokens(mimo16, enable_prefix_cache):
+    lm = mimo16
+    cfg = SchedulerConfig(window=W, max_batch_tokens=32)
+    kw = dict(num_full=900, num_swa=cfg.min_swa_slots() + 10, max_batch_tokens=32, max_running=8,
+              enable_prefix_cache=enable_prefix_cache)
+    preps = lambda: [looping_prep(lm, f"p{i}", 20 + 9 * i, pseed=40 + i, max_tokens=48) for i in range(8)]  # noqa: E731
+    off = run_to_end(make_engine(lm, None, **kw), preps())
+    eng = make_engine(lm, NGRAM, **kw)
+    on = run_to_end(eng, preps())
+    assert eng.scheduler.stats()["preemptions"] > 0
+    assert accepted(eng) > 0
+    for rid in off:
+        assert on[rid].tokens == off[rid].tokens, rid
+
+
+def test_prefix_cache_on_off_identical_with_speculation(mimo16):
+    """A multi-turn trace under eviction pressure, speculation on in both runs."""
+    lm = mimo16
+
+    def run(enable_prefix_cache: bool):
+        engine = make_engine(lm, NGRAM, num_full=700, num_swa=SchedulerConfig(window=W, max_batch_tokens=48)
+                             .min_swa_slots() + 40, max_batch_tokens=48, max_running=6,
+                             enable_prefix_cache=enable_prefix_cache)
+        rounds, sessions = conversation_trace(lm)
+        out = {}
+        for batch in rounds:
+            streams = run_to_end(engine, batch)
+            for p in batch:
+                out[p.request_id] = streams[p.request_id]
+                i = int(p.request_id[1:p.request_id.index("-")])
+                sessions[i]["ids"] += streams[p.request_id].tokens
+        return out, engine
+
+    on, eng_on = run(True)
+    off, _ = run(False)
+    for rid in on:
+        assert on[rid].tokens == off[rid].tokens, rid
+    assert sum(s.outs[-1].cached_tokens for s in on.values()) > 0
+    assert accepted(eng_on) > 0
+    st = eng_on.scheduler.kv.tree.stats
+    assert st["node_evictions"] > 0, st
+
+
+def test_stops_inside_a_burst_are_exact(mimo16):
+    """Stop strings, stop token ids and max_tokens cut a burst of accepted drafts exactly where
+    one token at a time would; min_tokens holds EOS-like stops back at every draft position."""
+    lm = mimo16
+    base = looping_prep(lm, "free", 40, pseed=10, max_tokens=40)
+    free = run_to_end(make_engine(lm, None), [base])["free"]
+    text = "".join(o.text for o in free.outs)
+    toks = free.tokens
+    cut = text[len(text) // 2:len(text) // 2 + 3]
+    cases = {
+        "stop_str": dict(stop=[cut]),
+        "stop_tok": dict(stop_token_ids=[toks[25]]),
+        "min_tok": dict(stop_token_ids=[toks[1], toks[2]], min_tokens=6),
+        "len7": dict(),
+    }
+
+    def preps():
+        return [looping_prep(lm, name, 40, pseed=10, max_tokens=7 if name == "len7" else 40, **kw)
+                for name, kw in cases.items()]
+
+    off = run_to_end(make_engine(lm, None), preps())
+    eng = make_engine(lm, NGRAM)
+    on = run_to_end(eng, preps())
+    for rid in cases:
+        assert on[rid].tokens == off[rid].tokens, rid
+        assert on[rid].outs[-1].finish_reason == off[rid].outs[-1].finish_reason, rid
+        assert "".join(o.text for o in on[rid].outs) == "".join(o.text for o in off[rid].outs), rid
+    assert "".join(o.text for o in on["stop_str"].outs) == text[:text.index(cut)]
+    assert len(on["len7"].tokens) == 7 and on["len7"].outs[-1].finish_reason == "length"
+    assert accepted(eng) > 0
+
+
+def test_abort_mid_speculation_frees_everything(mimo16):
+    lm = mimo16
+    eng = make_engine(lm, NGRAM, max_batch_tokens=32)
+    preps = [looping_prep(lm, f"a{i}", 30 + 10 * i, pseed=60 + i, max_tokens=200) for i in range(4)]
+    streams = {p.request_id: ListStream(p.request_id) for p in preps}
+    for p in preps:
+        eng.submit(p, streams[p.request_id])
+    steps = 0
+    while accepted(eng) < 8 and steps < 400:
+        eng.step()
+        eng.scheduler.check_integrity()
+        steps += 1
+    assert any(r.spec_tokens for r in eng.scheduler.running), "no request holds drafts to abort"
+    for p in preps[:2]:
+        eng.abort(p.request_id)
+    while not all(s.done for s in streams.values()):
+        eng.step()
+        eng.scheduler.check_integrity()
+    assert [streams[p.request_id].outs[-1].finish_reason for p in preps] == ["abort", "abort", "length", "length"]
+    u = eng.scheduler.stats()
+    assert u["running"] == u["waiting"] == 0 and u["full_free"] + u["full_cached"] == u["full_total"]
+    assert u["swa_free"] + u["swa_cached"] == u["swa_total"]
+
+
+def test_logprobs_and_seeded_sampling_with_speculation(mimo16):
+    """Greedy logprobs equal the plain run's at every position; a seeded sampled request with
+    top-p runs to its exact length and reproduces itself."""
+    lm = mimo16
+    g = looping_prep(lm, "lp", 40, pseed=3, max_tokens=24)
+    g.return_logprobs, g.top_logprobs = True, 2
+    off = run_to_end(make_engine(lm, None), [g])["lp"]
+    g2 = looping_prep(lm, "lp", 40, pseed=3, max_tokens=24)
+    g2.return_logprobs, g2.top_logprobs = True, 2
+    eng = make_engine(lm, NGRAM)
+    on = run_to_end(eng, [g2])["lp"]
+    assert on.tokens == off.tokens and accepted(eng) > 0
+    lp_on = [x for o in on.outs for x in o.logprobs]
+    lp_off = [x for o in off.outs for x in o.logprobs]
+    assert len(lp_on) == len(lp_off) == 24
+    assert lp_on == pytest.approx(lp_off, abs=1e-4)
+    assert [[t for t, _ in e] for e in on.top] == [[t for t, _ in e] for e in off.top]
+
+    def sampled():
+        p = looping_prep(lm, "s", 40, pseed=5, max_tokens=30, temperature=1.0, top_p=0.9, seed=1234)
+        return run_to_end(make_engine(lm, NGRAM), [p])["s"].tokens
+
+    a, b = sampled(), sampled()
+    assert len(a) == 30 and a == b
