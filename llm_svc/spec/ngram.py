@@ -11,6 +11,12 @@ come down to:
   (a shorter n is never tried instead: n is the longest match, min_n only a floor);
 - of that n-gram's occurrences, the EARLIEST one;
 - the drafts: the up to k tokens that follow it (fewer when the context ends sooner).
+
+vLLM's scheduler then trims what it verifies so that every position fits: 1 + drafts <=
+max_model_len - (len(context) - 1), i.e. at most ``max_model_len - len(context) - 1`` drafts
+(the token after the last draft must fit too). That is the caller's ``max_new`` here, with
+whatever ``max_tokens`` leaves; vLLM also drafts nothing for a request whose last step sampled
+no token (a prefill chunk short of the prompt's end).
 """
 
 from __future__ import annotations
@@ -53,21 +59,26 @@ class NgramProposer:
 def longest_earliest_match(t: np.ndarray, max_n: int) -> tuple[int, int]:
     """t [N] tokens -> (n, e): n = the longest length <= max_n such that t[e-n:e] == t[N-n:]
     for some e <= N-1, and e the smallest such end; (0, 0) when the last token never occurred
-    before. O(N) for the first comparison, then O(candidates) per extra length."""
+    before. Candidate ends are narrowed one length at a time (the ends that match n + 1 tokens
+    are among those that match n): as a dense mask over the context while many remain (a
+    repetitive context), then as a list of positions; O(N * levels) at worst, O(N) typically."""
     total = t.shape[0]
-    # candidate ends e (as e - 1, the position matched against the last token), e - 1 in [0, N-2]
-    cand = np.flatnonzero(t[:total - 1] == t[total - 1])
+    # m[p]: the window ending at e = p + 1 matches the last n tokens; p in [0, N-2]
+    m = t[:total - 1] == t[total - 1]
+    n = 1
+    while n < max_n and np.count_nonzero(m) * 8 > total:
+        nxt = np.zeros_like(m)
+        nxt[n:] = m[n:] & (t[:total - 1 - n] == t[total - 1 - n])
+        if not nxt.any():
+            break
+        m, n = nxt, n + 1
+    cand = np.flatnonzero(m)
     if cand.shape[0] == 0:
         return 0, 0
-    n = 1
-    # extend every candidate's backward match one token at a time; the survivors of length n + 1
-    # are a subset of those of length n, so the earliest survivor of the longest length wins
     while n < max_n:
-        ok = cand >= n  # room for one more token before the candidate's window
-        nxt = cand[ok]
+        nxt = cand[cand >= n]  # room for one more token before the window
         nxt = nxt[t[nxt - n] == t[total - 1 - n]]
         if nxt.shape[0] == 0:
             break
-        cand = nxt
-        n += 1
+        cand, n = nxt, n + 1
     return n, int(cand[0]) + 1

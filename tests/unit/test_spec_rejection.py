@@ -19,6 +19,7 @@ from tests.unit.test_llm_sampler import _expected
 pytestmark = pytest.mark.unit
 
 GREEDY = SamplingParams()
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 # --- greedy ----------------------------------------------------------------------------------
@@ -69,10 +70,13 @@ def test_greedy_never_touches_the_generator():
 
 # --- sampled: the same as the sampler, and batch independence --------------------------------
 
-def test_without_drafts_it_is_the_sampler():
-    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0)) * 3
+@pytest.mark.parametrize("device", DEVICES)
+def test_without_drafts_it_is_the_sampler(device):
+    x = (torch.randn(1, 64, generator=torch.Generator().manual_seed(0)) * 3).to(device)
     for seed in range(40):
         sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=seed)
+        assert verify(x, [], sp, make_generator(sp, device)) == sample(x, [sp], [make_generator(sp, device)])
+        # a cpu generator with logits elsewhere: the same draw as the sampler's
         assert verify(x, [], sp, make_generator(sp)) == sample(x, [sp], [make_generator(sp)])
         unseeded = sp.model_copy(update={"seed": None})
         torch.manual_seed(seed)
@@ -81,7 +85,8 @@ def test_without_drafts_it_is_the_sampler():
         assert verify(x, [], unseeded, None) == want
 
 
-def test_batch_equals_one_request_at_a_time():
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_equals_one_request_at_a_time(device):
     V = 40
     rng = random.Random(0)
     drafts = [[rng.randrange(4) for _ in range(rng.randint(0, 4))] for _ in range(12)]
@@ -89,10 +94,11 @@ def test_batch_equals_one_request_at_a_time():
                              top_k=rng.choice([-1, 5]), seed=i) for i in range(12)]
     logits = torch.randn(sum(len(d) + 1 for d in drafts), V, generator=torch.Generator().manual_seed(1))
     logits[:, :4] += 4.0  # the drafts (ids < 4) are often accepted
-    batched = verify_batch(logits, drafts, params, [make_generator(sp) for sp in params])
+    logits = logits.to(device)
+    batched = verify_batch(logits, drafts, params, [make_generator(sp, device) for sp in params])
     one_by_one, r = [], 0
     for d, sp in zip(drafts, params):
-        one_by_one.append(verify(logits[r:r + len(d) + 1], d, sp, make_generator(sp)))
+        one_by_one.append(verify(logits[r:r + len(d) + 1], d, sp, make_generator(sp, device)))
         r += len(d) + 1
     assert batched == one_by_one
     assert any(len(o) > 1 for o in batched)  # some drafts were accepted
