@@ -38,7 +38,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shared.tiny.mimo_published import V25, published_config, published_shapes, random_tensors
+from shared.tiny.mimo_published import V25, mtp_shapes, published_config, published_shapes, random_tensors
 from shared.tiny.tokenizer import chatml_template
 
 OMNI_SPECIALS = [
@@ -116,7 +116,6 @@ def write_mimo_omni(out: Path, seed: int = 0, sliding_window: int | None = None,
                     drop_tensors: tuple[str, ...] = ()) -> Path:
     """Write the tiny omni checkpoint to ``out``. ``vision_extra`` adds/overrides
     ``vision_config`` keys and ``drop_tensors`` leaves tensors out (tests of bad checkpoints)."""
-    import torch
     from safetensors.torch import save_file
 
     from shared.tiny.mimo_omni_audio import audio_part
@@ -149,13 +148,9 @@ def write_mimo_omni(out: Path, seed: int = 0, sliding_window: int | None = None,
         **media_ids, "video_start_token_id": ids["<|mimo_video_start|>"],
         "video_end_token_id": ids["<|mimo_video_end|>"],
     }
-    state = random_tensors({**published_shapes(spec, vocab), **vision_shapes(vision, spec.hidden)}, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    for i in range(spec.mtp_layers):
-        p = f"model.mtp.layers.{i}."
-        state[p + "eh_proj.weight"] = torch.randn(spec.hidden, 2 * spec.hidden, generator=g) * 0.05
-        state[p + "enorm.weight"] = torch.ones(spec.hidden)
-        state[p + "hnorm.weight"] = torch.ones(spec.hidden)
+    lm, mtp = published_shapes(spec, vocab), mtp_shapes(spec)
+    lm = {k: v for k, v in lm.items() if k not in mtp}
+    state = random_tensors({**lm, **vision_shapes(vision, spec.hidden), **mtp}, seed)  # MTP last: towers as before
     audio = audio_part(spec.hidden, seed + 2)
     if audio is not None:
         cfg.update(audio.config)

@@ -6,8 +6,10 @@ transformers' ``convert_mimo_v2_flash_weights_to_hf.py``; values as in Megatron-
 ``mimo_v2_flash_bridge.megatron_to_hf_config``: ``sliding_window`` = ``sliding_window_size`` =
 ``attention_chunk_size``, sinks on sliding layers only, ``topk_method: noaux_tc``,
 ``routed_scaling_factor: null``), ``model.safetensors`` with per-expert weights and
-``self_attn.attention_sink_bias`` (vLLM's ``load_weights`` names), MTP heads under
-``model.mtp.layers.N`` (``eh_proj``, ``enorm``, ``hnorm``, as the bridge maps them),
+``self_attn.attention_sink_bias`` (vLLM's ``load_weights`` names), ``num_nextn_predict_layers``
+MTP layers under ``model.mtp.layers.M`` (3 as on the hub: ``enorm``, ``hnorm``, ``eh_proj``, a
+sliding-attention block with ``pre_mlp_layernorm`` and a dense MLP, ``final_layernorm``; the
+names vLLM's ``mimo_v2_mtp.py`` and SGLang's ``mimo_v2_flash_nextn.py`` load),
 ``generation_config.json`` and a ChatML tokenizer (``tokenizer.json``, ``tokenizer_config.json``
 with the chat template). The hub's V2.5 weights use ``attention_projection_layout: fused_qkv``
 and block FP8; ``layout="fused_qkv"`` / ``quant="fp8"`` write those forms of the same random
@@ -51,7 +53,7 @@ class TinyMiMoSpec:
     value_scale: float = 0.707
     full_sinks: bool = False
     swa_sinks: bool = True
-    mtp_layers: int = 1
+    mtp_layers: int = 3  # num_nextn_predict_layers (3 on MiMo-V2-Flash and MiMo-V2.5)
     eps: float = 1e-5
     extra: dict = field(default_factory=dict)  # more config keys (tests: an unknown field)
 
@@ -106,21 +108,44 @@ def published_config(s: TinyMiMoSpec, vocab_size: int, eos_id: int, pad_id: int)
     return cfg
 
 
+def _attention(out: dict, p: str, s: TinyMiMoSpec, sliding: bool) -> None:
+    heads, kv = (s.swa_heads, s.swa_kv_heads) if sliding else (s.heads, s.kv_heads)
+    out[p + "self_attn.q_proj.weight"] = (heads * s.head_dim, s.hidden)
+    out[p + "self_attn.k_proj.weight"] = (kv * s.head_dim, s.hidden)
+    out[p + "self_attn.v_proj.weight"] = (kv * s.v_head_dim, s.hidden)
+    out[p + "self_attn.o_proj.weight"] = (s.hidden, heads * s.v_head_dim)
+    if (s.swa_sinks if sliding else s.full_sinks):
+        out[p + "self_attn.attention_sink_bias"] = (heads,)
+
+
+def mtp_shapes(s: TinyMiMoSpec) -> dict[str, tuple[int, ...]]:
+    """The MTP layers' tensors (vLLM ``mimo_v2_mtp.py`` ``MiMoV2MTPLayer``): enorm / hnorm /
+    eh_proj, one block of the sliding attention kind with a dense MLP, final_layernorm."""
+    h, out = s.hidden, {}
+    for m in range(s.mtp_layers):
+        p = f"model.mtp.layers.{m}."
+        out[p + "enorm.weight"] = (h,)
+        out[p + "hnorm.weight"] = (h,)
+        out[p + "eh_proj.weight"] = (h, 2 * h)
+        out[p + "input_layernorm.weight"] = (h,)
+        _attention(out, p, s, sliding=True)
+        out[p + "pre_mlp_layernorm.weight"] = (h,)
+        out[p + "mlp.gate_proj.weight"] = (s.intermediate, h)
+        out[p + "mlp.up_proj.weight"] = (s.intermediate, h)
+        out[p + "mlp.down_proj.weight"] = (h, s.intermediate)
+        out[p + "final_layernorm.weight"] = (h,)
+    return out
+
+
 def published_shapes(s: TinyMiMoSpec, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """Every LM tensor of the published layout (names as in vLLM's ``mimo_v2.py``
-    ``load_weights``), in module order, with its shape: derived from the spec alone, so the
-    writers need none of mmserve's model code (``shared`` never imports ``llm_svc``)."""
+    ``load_weights``, then the MTP layers'), in module order, with its shape: derived from the
+    spec alone, so the writers need none of mmserve's model code (``shared`` never imports ``llm_svc``)."""
     h = s.hidden
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
     for i, (kind, moe) in enumerate(zip(s.pattern, s.moe)):
         p = f"model.layers.{i}."
-        heads, kv = (s.swa_heads, s.swa_kv_heads) if kind else (s.heads, s.kv_heads)
-        out[p + "self_attn.q_proj.weight"] = (heads * s.head_dim, h)
-        out[p + "self_attn.k_proj.weight"] = (kv * s.head_dim, h)
-        out[p + "self_attn.v_proj.weight"] = (kv * s.v_head_dim, h)
-        out[p + "self_attn.o_proj.weight"] = (h, heads * s.v_head_dim)
-        if (s.swa_sinks if kind else s.full_sinks):
-            out[p + "self_attn.attention_sink_bias"] = (heads,)
+        _attention(out, p, s, sliding=bool(kind))
         if moe:
             out[p + "mlp.gate.weight"] = (s.experts, h)
             out[p + "mlp.gate.e_score_correction_bias"] = (s.experts,)
@@ -137,7 +162,7 @@ def published_shapes(s: TinyMiMoSpec, vocab_size: int) -> dict[str, tuple[int, .
         out[p + "post_attention_layernorm.weight"] = (h,)
     out["model.norm.weight"] = (h,)
     out["lm_head.weight"] = (vocab_size, h)
-    return out
+    return {**out, **mtp_shapes(s)}  # drawn last: the LM's random weights do not depend on them
 
 
 def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:
@@ -171,17 +196,21 @@ def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:
 LAYOUTS = ("split", "fused_qkv")
 QUANTS = (None, "fp8")
 # FP8 linears of MiMo-V2.5 (the hub's model.safetensors.index.json, as a public converter lists
-# them): mlp / experts gate|up|down and self_attn.qkv_proj; o_proj, router, norms, embeddings stay bf16
-_FP8_LINEAR = re.compile(r"model\.layers\.\d+\.(mlp(\.experts\.\d+)?\.(gate|up|down)_proj|self_attn\.(qkv|q|k|v)_proj)\.weight")
+# them): mlp / experts gate|up|down and self_attn.qkv_proj; o_proj, router, norms, embeddings stay bf16;
+# the MTP layers' likewise (their o_proj and eh_proj stay bf16: vLLM ``mimo_v2.py`` leaves a
+# ``mtp.layers`` o_proj unquantized)
+_FP8_LINEAR = re.compile(r"model\.(mtp\.)?layers\.\d+\.(mlp(\.experts\.\d+)?\.(gate|up|down)_proj"
+                         r"|self_attn\.(qkv|q|k|v)_proj)\.weight")
 
 
-_LM_ATTN = re.compile(r"model\.layers\.\d+\.self_attn\.")
+_LM_ATTN = re.compile(r"model\.(mtp\.)?layers\.\d+\.self_attn\.")
 
 
 def fuse_qkv(state: dict, s: TinyMiMoSpec) -> dict:
     """``q/k/v_proj`` -> one ``qkv_proj`` per layer, in ``num_key_value_heads`` chunks
     [Q_c | K_c | V_c] (Xiaomi's TP-pre-sharded rows; vLLM ``mimo_v2.py`` ``_shard_fp8_qkv_proj``:
-    chunk count = the full layers' KV heads, also for sliding layers)."""
+    chunk count = the full layers' KV heads, also for sliding and MTP layers, whose FP8
+    ``qkv_proj`` vLLM's ``mimo_v2_mtp.py`` shards the same way)."""
     import torch
 
     out, chunks = {}, s.kv_heads
@@ -237,12 +266,6 @@ def write_mimo_published(out: Path, spec: TinyMiMoSpec = FLASH, seed: int = 0, s
 
         state = quantize_fp8(state, spec)
         cfg["quantization_config"] = dict(FP8_QUANT_CONFIG)
-    g = torch.Generator().manual_seed(seed + 1)
-    for i in range(spec.mtp_layers):  # MTP heads: present in the file, read past by mmserve and vLLM
-        p = f"model.mtp.layers.{i}."
-        state[p + "eh_proj.weight"] = torch.randn(spec.hidden, 2 * spec.hidden, generator=g) * 0.05
-        state[p + "enorm.weight"] = torch.ones(spec.hidden)
-        state[p + "hnorm.weight"] = torch.ones(spec.hidden)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

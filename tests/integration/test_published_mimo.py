@@ -44,7 +44,7 @@ def test_both_dialects_give_one_geometry(flash_dirs):
     assert (a.dialect, b.dialect) == ("published", "transformers")
     fields = [f for f in a.__dataclass_fields__ if f not in ("dialect", "mtp_layers")]
     assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}
-    assert a.mtp_layers == 1
+    assert a.mtp_layers == 3
     assert a.layer_types[0] != SLIDING_T and a.layer_types[5] != SLIDING_T and a.layer_types[1] == SLIDING_T
     assert (a.full.kv_heads, a.sliding.kv_heads, a.full.sinks, a.sliding.sinks) == (1, 2, False, True)
 
