@@ -101,7 +101,7 @@ class MiMoGeometry:
     value_scale: float
     rms_eps: float
     attention_bias: bool = False
-    mtp_layers: int = 0  # MTP heads in the file (read past: mmserve does not speculate)
+    mtp_layers: int = 0  # num_nextn_predict_layers (mimo_mtp.py; transformers' dialect drops them)
     # ``fused_qkv``: one ``qkv_proj`` per layer, rows in ``qkv_chunks`` chunks [Q_c | K_c | V_c]
     # (pre-sharded for that many TP ranks; vLLM ``mimo_v2.py`` ``_shard_fp8_qkv_proj``)
     layout: str = "split"
@@ -116,6 +116,8 @@ class MiMoGeometry:
             raise ValueError("MoE needs n_experts >= top_k >= 1 and n_experts divisible by n_group")
         if self.window < 1:
             raise ValueError("the sliding window must be >= 1")
+        if self.mtp_layers < 0:
+            raise ValueError(f"num_nextn_predict_layers must be >= 0, got {self.mtp_layers}")
         if self.layout not in ("split", "fused_qkv") or self.qkv_chunks < 1:
             raise ValueError(f"bad attention projection layout {self.layout!r} / {self.qkv_chunks} chunks")
 

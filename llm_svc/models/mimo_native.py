@@ -11,7 +11,7 @@ of Xiaomi's published checkpoints (the names transformers also writes, and vLLM'
     model.layers.N.mlp.{gate,up,down}_proj.weight          (dense layers)
     model.layers.N.mlp.gate.weight, mlp.gate.e_score_correction_bias,
     model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight (MoE layers)
-    model.mtp.layers.M.*                                    (MTP heads: read past)
+    model.mtp.layers.M.*                                    (MTP layers: ``mimo_mtp.py``)
 
 Attribute names follow transformers' ``MiMoV2Flash*`` modules, so the engine's ``MiMoModel``
 drives either one. Per-kind heads / head dims / rope theta / sinks come from the geometry, so a
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_gemv
-from .geometry import FULL_T, SLIDING_T, MiMoGeometry
+from .geometry import FULL_T, SLIDING_T, AttnGeometry, MiMoGeometry
 from .quant import scheme_for
-from .weights import load_strict
+from .weights import load_strict, tensor_files
 
 
 class RMSNorm(nn.Module):
@@ -50,9 +50,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, g: MiMoGeometry, layer: int):
+    """q/k/v/o projections (+ sinks) of one attention kind ``a`` (a layer's, or the MTP layers' sliding one)."""
+
+    def __init__(self, g: MiMoGeometry, a: AttnGeometry):
         super().__init__()
-        a = g.attn(layer)
         self.head_dim, self.v_head_dim = a.qk_dim, a.v_dim
         self.scaling = a.qk_dim ** -0.5
         self.v_scale = g.value_scale
@@ -129,7 +130,7 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, g: MiMoGeometry, layer: int):
         super().__init__()
-        self.self_attn = Attention(g, layer)
+        self.self_attn = Attention(g, g.attn(layer))
         self.mlp = MoE(g) if g.moe_layers[layer] else MLP(g.hidden_size, g.intermediate_size)
         self.input_layernorm = RMSNorm(g.hidden_size, g.rms_eps)
         self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_eps)
@@ -159,6 +160,10 @@ class Inner(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(g, i) for i in range(g.num_layers))
         self.norm = RMSNorm(g.hidden_size, g.rms_eps)
         self.rotary_emb = Rotary(g)
+        if g.mtp_layers:
+            from .mimo_mtp import MTPStack  # builds on this module's blocks
+
+            self.mtp = MTPStack(g)
 
 
 class MiMoForCausalLM(nn.Module):
@@ -178,6 +183,13 @@ class MiMoForCausalLM(nn.Module):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
+    @property
+    def mtp(self) -> list[nn.Module]:
+        """The checkpoint's MTP layers (``mimo_mtp.MTPLayer``, in chain order; empty if none).
+        They share ``model.embed_tokens`` and ``lm_head``; the LM's forward never runs them."""
+        stack = getattr(self.model, "mtp", None)
+        return list(stack.layers) if stack is not None else []
+
 
 # MiMo-V2.5 omni (``MiMoV2OmniForCausalLM``) keeps its towers in the same files; vLLM's
 # ``mimo_v2_omni.py`` ``hf_to_vllm_mapper`` names them: ``model.visual.`` / ``visual.`` (ViT),
@@ -188,15 +200,15 @@ _TOWER_PREFIXES = ("model.visual.", "visual.", "speech_embeddings.", "audio_enco
 
 
 def _published_name(name: str) -> str | None:
-    if name.startswith("model.mtp.") or name.startswith(_TOWER_PREFIXES):
-        return None  # MTP draft heads (mmserve does not speculate) and media towers
+    if name.startswith(_TOWER_PREFIXES):
+        return None  # media towers
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model."):]
     return name
 
 
-_QKV = re.compile(r"model\.layers\.(\d+)\.self_attn\.qkv_proj\.(weight|bias)")
-_SPLIT = re.compile(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.(weight|bias)")
+_QKV = re.compile(r"model\.(mtp\.)?layers\.(\d+)\.self_attn\.qkv_proj\.(weight|bias)")
+_SPLIT = re.compile(r"model\.(mtp\.)?layers\.\d+\.self_attn\.[qkv]_proj\.(weight|bias)")
 
 
 def split_fused_qkv(t: torch.Tensor, heads: int, kv_heads: int, qk_dim: int, v_dim: int,
@@ -223,10 +235,11 @@ def _convert(g: MiMoGeometry):
             return [(target, t)]
         if g.layout != "fused_qkv":
             raise ValueError("is fused but attention_projection_layout is 'split'")
-        a = g.attn(int(m.group(1))) if int(m.group(1)) < g.num_layers else g.full
+        mtp, layer, kind = m.group(1), int(m.group(2)), m.group(3)
+        a = g.sliding if mtp else g.attn(layer) if layer < g.num_layers else g.full  # MTP: the sliding kind
         parts = split_fused_qkv(t, a.heads, a.kv_heads, a.qk_dim, a.v_dim, g.qkv_chunks)
-        stem = target[: -len("qkv_proj." + m.group(2))]
-        return [(f"{stem}{p}_proj.{m.group(2)}", x) for p, x in zip("qkv", parts, strict=True)]
+        stem = target[: -len("qkv_proj." + kind)]
+        return [(f"{stem}{p}_proj.{kind}", x) for p, x in zip("qkv", parts, strict=True)]
 
     return convert
 
@@ -234,14 +247,18 @@ def _convert(g: MiMoGeometry):
 def load_mimo(model_dir: str | Path, g: MiMoGeometry, config, dtype: torch.dtype,
               device: str | torch.device = "cpu", tie_word_embeddings: bool = False,
               quantization_config: dict | None = None, config_path: str | Path = "config.json") -> MiMoForCausalLM:
-    """Build the LM of ``g`` and load its weights from ``model_dir`` strictly (dequantized to the
-    serving dtype when ``quantization_config`` says so; fused ``qkv_proj`` split per the layout)."""
+    """Build the LM of ``g`` and its MTP layers and load their weights from ``model_dir`` strictly
+    (dequantized to the serving dtype when ``quantization_config`` says so; fused ``qkv_proj``
+    split per the layout)."""
     m = MiMoForCausalLM(g, config)
     derived = frozenset()
     if tie_word_embeddings:
         m.lm_head.weight = m.model.embed_tokens.weight
         derived = frozenset({"lm_head.weight"})
     scheme = scheme_for(quantization_config, config_path, allowed=("fp8",))
+    from .mimo_mtp import check_mtp_layers  # imports this module
+
+    check_mtp_layers({n: f for name, f in tensor_files(model_dir).items() if (n := _published_name(name))}, g)
     chunks = g.qkv_chunks if g.layout == "fused_qkv" else 1
     load_strict(m, model_dir, dtype, _published_name, derived, scheme=scheme, convert=_convert(g),
                 row_groups=lambda n: chunks if n.endswith("qkv_proj.weight") else 1)

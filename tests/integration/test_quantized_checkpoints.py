@@ -75,9 +75,9 @@ def _dequantize_reference(src: Path, dst: Path, chunks: int) -> Path:
             srow = (r // rows) * per + (r % rows) // block[0]
             t = t.float() * s[srow][:, torch.arange(t.shape[1]) // block[1]]
         out[name] = t
-    for name in [n for n in out if n.startswith("model.layers.") and ".qkv_proj." in n]:
-        layer = int(name.split(".")[2])
-        sw = cfg["hybrid_layer_pattern"][layer]
+    for name in [n for n in out if n.startswith(("model.layers.", "model.mtp.layers.")) and ".qkv_proj." in n]:
+        mtp = name.startswith("model.mtp.")  # MTP layers are of the sliding kind
+        sw = 1 if mtp else cfg["hybrid_layer_pattern"][int(name.split(".")[2])]
         heads = cfg["swa_num_attention_heads" if sw else "num_attention_heads"]
         kv = cfg["swa_num_key_value_heads" if sw else "num_key_value_heads"]
         dq, dv = cfg["swa_head_dim" if sw else "head_dim"], cfg["swa_v_head_dim" if sw else "v_head_dim"]
