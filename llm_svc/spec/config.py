@@ -117,7 +117,8 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"speculative config: expected a JSON object, got {type(value).__name__}")
         d = dict(value)
-        if isinstance(d.get("model"), str) and d["model"] in _NGRAM_ALIASES and d.get("method") in (None, *_NGRAM_ALIASES):
+        model, method = d.get("model"), d.get("method")
+        if isinstance(model, str) and model in _NGRAM_ALIASES and method in (None, *_NGRAM_ALIASES):
             d["method"] = "ngram"  # vLLM infers the method from model="ngram"
             del d["model"]
         unknown = sorted(k for k in d if k not in _FIELDS and k not in IGNORED_KEYS and k not in DEFAULT_ONLY_KEYS)

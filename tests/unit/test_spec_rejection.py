@@ -186,7 +186,8 @@ def test_config_ngram_defaults_follow_vllm():
 def test_config_method_spellings():
     assert SpeculativeConfig.parse({"model": "ngram", "num_speculative_tokens": 1}).method == "ngram"
     assert SpeculativeConfig.parse({"method": "[ngram]", "num_speculative_tokens": 1}).method == "ngram"
-    assert SpeculativeConfig.parse({"method": "ngram", "model": "[ngram]", "num_speculative_tokens": 1}).method == "ngram"
+    c = SpeculativeConfig.parse({"method": "ngram", "model": "[ngram]", "num_speculative_tokens": 1})
+    assert c.method == "ngram"
     c = SpeculativeConfig.parse({"method": "mimo_mtp", "num_speculative_tokens": 1})
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("mtp", 0, 0)
 
