@@ -140,6 +140,8 @@ def split_queries(sf: SeqForward, row: int, trow: int, kind: str, window: int, q
     k0, end = ctx_range(sf, kind)
     n, qs = len(sf.token_ids), sf.start
     step = q_block if q_block > 0 else n
+    if sf.num_drafts and not sf.bidirectional_spans:
+        step = 1  # a decode verifying drafts: each query a decode of its own (the paged decode kernel's)
     out = []
     for a in range(0, n, step):
         qa, qb = qs + a, qs + min(n, a + step)
