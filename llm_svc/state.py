@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from shared.admission import Admission, AdmissionConfig
 from shared.service_auth import token_headers
@@ -22,6 +24,16 @@ from .media_fetch import EmbeddingFetcher
 from .spec import SpeculativeConfig
 from .metrics import LLMMetrics
 from .word_cache import bound_word_cache
+
+def mtp_layers_of(lm_dir) -> int:
+    """``num_nextn_predict_layers`` of the checkpoint's config.json (0: none, or not a MiMo)."""
+    try:
+        cfg = json.loads((Path(lm_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    n = cfg.get("num_nextn_predict_layers", 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0
+
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +117,8 @@ class ServiceState:
             self.spec = SpeculativeConfig.parse(s.speculative_config)  # a bad value fails the start, named
             if self.spec is not None and s.backend != "swa":
                 raise ValueError("speculative_config needs the swa backend (--backend swa)")
+            if self.spec is not None and self.spec.method == "mtp":
+                self.spec = self.spec.with_mtp_layers(mtp_layers_of(lm.spec.lm_dir))
             backend = await asyncio.to_thread(cls, s, lm)
             self.lm, self.prep = lm, PrepPool(lm)
             self.media = backend.media = EmbeddingFetcher(lm.hidden_size, s.media_fetch_timeout, self.metrics,

@@ -17,6 +17,7 @@ from ..engine.grammar import GrammarCache
 from ..engine.model_runner import ModelRunner
 from ..engine.step_threads import StepThreads
 from ..engine.scheduler import Scheduler, SchedulerConfig
+from ..engine.mtp_runner import MTPRunner
 from ..engine.speculate import Speculator
 from ..kv.budget import size_pools
 from ..loader import DTYPES, LoadedLM
@@ -89,7 +90,15 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     grammars = GrammarCache(lm.tokenizer, lm.vocab_size, lm.eos_token_ids, threads=settings.grammar_threads,
                             any_whitespace=settings.structured_any_whitespace)
     spec = SpeculativeConfig.parse(settings.speculative_config)
-    speculator = Speculator(spec, lm.eos_token_ids) if spec is not None else None
+    speculator = None
+    if spec is not None:
+        mtp = None
+        if spec.method == "mtp":
+            layers = list(getattr(lm.model, "mtp", None) or [])
+            spec = spec.with_mtp_layers(len(layers))
+            mtp = MTPRunner(runner, layers[:spec.num_speculative_tokens], lm.model.get_input_embeddings(),
+                            lm.model.get_output_embeddings(), model.window)
+        speculator = Speculator(spec, lm.eos_token_ids, mtp)
     return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1,
                   grammars=grammars, speculator=speculator)
 

@@ -334,25 +334,37 @@ class Engine:
             tokens[rid] = toks
             if lv.prep.return_logprobs:
                 logprobs[rid] = top_logprobs(logits[rid][:len(toks)], toks, [lv.prep.top_logprobs] * len(toks))
+        spec = self.speculator
+        mtp_drafts = None
+        if spec is not None and spec.mtp is not None:  # before postprocess: the window's slots are still held
+            inputs = spec.mtp_inputs(batch, tokens, self.scheduler.requests, self._may_speculate)
+            mtp_drafts = spec.mtp.step(batch, self.runner.last_hidden, inputs)
         for o in self.scheduler.postprocess(batch, tokens, stop=stop_now):
             lv = self._live.get(o.req_id)
             if lv is not None and lv.history is not None and o.token_id is not None:
                 lv.history.add(o.token_id)
             lp = logprobs.get(o.req_id)
             self._emit(o, *(lp.pop(0) if lp else (None, None)))
-        if self.speculator is not None:
+        if mtp_drafts is not None:
+            for rid, d in mtp_drafts.items():
+                req = self.scheduler.requests.get(rid)
+                if req is not None and req.num_tokens - req.num_computed == 1:
+                    req.spec_tokens = d[:spec.room(req)]
+        elif spec is not None:
             self._propose(batch)
         if tiers is not None:
             tiers.write_notes()
 
+    def _may_speculate(self, req_id: str) -> bool:
+        lv = self._live.get(req_id)
+        return lv is not None and self.speculator.eligible(lv.prep.sampling, lv.matcher is not None)
+
     def _propose(self, batch) -> None:
-        """Drafts for the next step of every request of this batch now decoding."""
+        """n-gram drafts for the next step of every request of this batch now decoding."""
         spec = self.speculator
         for sf in batch.seqs:
             req = self.scheduler.requests.get(sf.req_id)
-            lv = self._live.get(sf.req_id)
-            if (req is None or lv is None or req.num_tokens - req.num_computed != 1
-                    or not spec.eligible(lv.prep.sampling, lv.matcher is not None)):
+            if req is None or req.num_tokens - req.num_computed != 1 or not self._may_speculate(sf.req_id):
                 continue
             req.spec_tokens = spec.propose(req)
         spec.retain(self._live)

@@ -76,6 +76,7 @@ class ModelRunner:
                                  device=self.device)
         meta = self.attn.prepare(batch, tables, self.model.window, self.device)
         h = self.model.forward(self._input_embeds(batch), positions, self.kv, self.attn, meta)
+        self.last_hidden = h  # [T, H] final-normed: the MTP layers' input (valid until the next run)
         rows: list[int] = []
         spans: list[tuple[str, int, int, bool]] = []  # (req_id, first row in ``rows``, count, all rows)
         row = 0

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from llm_svc.engine.logits_procs import apply_bias_and_penalties, penalised
+from llm_svc.engine.mtp_runner import MTPInput, MTPRunner
 from llm_svc.engine.sampler import suppress
 from llm_svc.spec import NgramProposer, SpecStats, SpeculativeConfig, verify
 from llm_svc.textproc import min_tokens_banned
@@ -48,14 +49,22 @@ class _Context:
 
 
 class Speculator:
-    """Proposes drafts (n-gram prompt lookup) and verifies them; counts what was accepted."""
+    """Proposes drafts and verifies them; counts what was accepted. Drafts come from n-gram
+    prompt lookup (``propose``, between steps) or from the checkpoint's MTP layers (``mtp``, an
+    ``MTPRunner`` the engine drives after each step's sampling)."""
 
-    def __init__(self, config: SpeculativeConfig, eos_token_ids: list[int]):
-        if config.method != "ngram":
-            raise ValueError(f"speculative method {config.method!r} is not served yet; use \"ngram\"")
+    def __init__(self, config: SpeculativeConfig, eos_token_ids: list[int], mtp: MTPRunner | None = None):
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
+        self.mtp = mtp
+        if config.method == "mtp":
+            if mtp is None:
+                raise ValueError("speculative method \"mtp\" needs a checkpoint with MTP layers")
+            if self.k > mtp.k:
+                raise ValueError(f"speculative config: num_speculative_tokens={self.k} must be at most the "
+                                 f"checkpoint's {mtp.k} MTP layers (one draft token per layer)")
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
+                         if config.method == "ngram" else None)
         self.eos_token_ids = list(eos_token_ids)
         self.stats = SpecStats(self.k)
         self._ctx: dict[str, _Context] = {}
@@ -65,10 +74,33 @@ class Speculator:
         """Whether a request may speculate (see the module doc)."""
         return not constrained and not penalised(sampling)
 
+    def room(self, req: Request, pending: int = 0) -> int:
+        """Drafts ``req`` may verify next: at most ``k``, never past ``max_tokens`` (``pending``:
+        tokens of this step not yet appended)."""
+        return max(0, min(self.k, req.sampling.max_tokens - len(req.output_ids) - pending - 1))
+
+    def mtp_inputs(self, batch, tokens: dict, requests: dict, wants) -> dict[str, MTPInput]:
+        """What the MTP layers take of this step, per sequence: its kept rows (a verifying decode:
+        the input and the accepted drafts), the committed tokens from K-1 positions before it on
+        (with the step's new ones), and whether it wants drafts (``wants(req_id)``)."""
+        out = {}
+        span = self.mtp.k
+        for sf in batch.seqs:
+            req = requests.get(sf.req_id)
+            if req is None or not wants(sf.req_id):
+                continue
+            got = tokens.get(sf.req_id)
+            new = [] if got is None else list(got) if isinstance(got, list) else [int(got)]
+            rows = len(new) if sf.num_drafts else len(sf.token_ids)
+            first = max(0, sf.start - span + 1)
+            ids = req.token_slice(first, min(req.num_tokens, sf.end + span)) + new
+            out[sf.req_id] = MTPInput(rows, first, ids, bool(new) and self.room(req, len(new)) > 0)
+        return out
+
     def propose(self, req: Request) -> list[int]:
-        """Drafts for ``req``'s next step: at most ``k``, and never past ``max_tokens``."""
-        room = min(self.k, req.sampling.max_tokens - len(req.output_ids) - 1)
-        if room < 1:
+        """n-gram drafts for ``req``'s next step (at most ``room``)."""
+        room = self.room(req)
+        if room < 1 or self.proposer is None:
             return []
         ctx = self._ctx.get(req.req_id)
         if ctx is None:

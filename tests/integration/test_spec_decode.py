@@ -200,3 +200,87 @@ def test_logprobs_and_seeded_sampling_with_speculation(mimo16):
 
     a, b = sampled(), sampled()
     assert len(a) == 30 and a == b
+
+
+# ---------------------------------------------------------------------------- MTP drafts
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def mimo_mtp(tmp_path_factory):
+    """The tiny published-layout MiMo-V2.5 (3 MTP layers), window 32: loaded with its MTP layers."""
+    from llm_svc.loader import load_lm
+    from shared.tiny_model import write_tiny_model
+
+    lm = load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "v25", arch="mimo-v2.5", sliding_window=32)))
+    assert len(lm.model.mtp) == 3
+    return lm
+
+
+def make_mtp_engine(lm, spec, window, num_full=4096, num_swa=None, **cfg) -> InProcessEngine:
+    from llm_svc.engine.mtp_runner import MTPRunner
+
+    cfg.setdefault("max_batch_tokens", 64)
+    config = SchedulerConfig(window=window, **cfg)
+    num_swa = num_swa or config.min_swa_slots() * 4
+    model = build_model(lm.arch, lm.model)
+    runner = ModelRunner(model, num_full, num_swa)
+    sc = SpeculativeConfig.parse(spec)
+    speculator = None
+    if sc is not None:
+        sc = sc.with_mtp_layers(len(lm.model.mtp))
+        mtp = MTPRunner(runner, lm.model.mtp[:sc.num_speculative_tokens], lm.model.get_input_embeddings(),
+                        lm.model.get_output_embeddings(), model.window) if sc.method == "mtp" else None
+        speculator = Speculator(sc, lm.eos_token_ids, mtp)
+    engine = Engine(runner, Scheduler(config, num_full, num_swa), lm.eos_token_ids, speculator=speculator)
+    return InProcessEngine(engine, lm.tokenizer)
+
+
+def test_mtp_drafts_equal_the_dense_chain(mimo_mtp):
+    """While a sequence is shorter than the window, the MTP layers' paged KV gives exactly the
+    drafts of the dense teacher-forced chain (``mimo_mtp.chain``) over its committed tokens and
+    the drafts before each: layer k's last row -> draft k + 1, at every step (chunked prefill
+    with chunk ends mid-prompt, verified bursts, rejected drafts recomputed)."""
+    from llm_svc.models.mimo_dense import lm_hidden
+    from llm_svc.models.mimo_mtp import chain
+
+    lm = mimo_mtp
+    eng = make_mtp_engine(lm, MTP, 32, max_batch_tokens=7)
+    p = looping_prep(lm, "m", 15, pseed=2, max_tokens=14)
+    s = ListStream("m")
+    eng.submit(p, s)
+    checked = 0
+    m = lm.model
+    while not s.done:
+        eng.step()
+        eng.scheduler.check_integrity()
+        req = eng.scheduler.requests.get("m")
+        if req is None or not req.spec_tokens:
+            continue
+        ids = torch.tensor(req.all_ids + req.spec_tokens[:-1])
+        with torch.no_grad():
+            outs = chain(m.mtp, m.get_input_embeddings(), lm_hidden(m, ids), ids)
+            n = req.num_tokens
+            want = [int(m.lm_head(outs[k][n - 2]).argmax()) for k in range(len(req.spec_tokens))]
+        assert req.spec_tokens == want, (n, req.spec_tokens, want)
+        checked += 1
+    assert checked >= 3
+    assert eng.engine.stats()["spec_num_drafts"] >= 3
+
+
+@pytest.mark.parametrize("enable_prefix_cache", [True, False])
+def test_mtp_greedy_tokens_equal_without_speculation(mimo_mtp, enable_prefix_cache):
+    """Random MTP weights draft badly: whatever they draft, the tokens are the plain engine's,
+    through chunked prefill, a window shorter than the contexts and tight pools."""
+    lm = mimo_mtp
+    cfg = SchedulerConfig(window=32, max_batch_tokens=24)
+    kw = dict(num_full=1200, num_swa=cfg.min_swa_slots() + 24, max_batch_tokens=24, max_running=6,
+              enable_prefix_cache=enable_prefix_cache)
+    preps = lambda: [looping_prep(lm, f"q{i}", 20 + 17 * i, pseed=80 + i, max_tokens=40) for i in range(6)]  # noqa: E731
+    off = run_to_end(make_mtp_engine(lm, None, 32, **kw), preps())
+    eng = make_mtp_engine(lm, MTP, 32, **kw)
+    on = run_to_end(eng, preps())
+    for rid in off:
+        assert on[rid].tokens == off[rid].tokens, rid
+    st = eng.engine.stats()
+    assert st["spec_num_drafts"] > 0 and st["spec_num_draft_tokens"] >= 2 * st["spec_num_drafts"]
