@@ -330,7 +330,24 @@ class Engine:
                 logprobs = {ids[n]: [v] for n, v in zip(want, got)}
         for rid, dr in drafts.items():
             lv, req = self._live[rid], self.scheduler.requests[rid]
-            toks = self.speculator.verify(logits[rid], dr, lv.prep.sampling, len(req.output_ids), lv.generator)
+            sp = lv.prep.sampling
+            if lv.history is None and penalised(sp):
+                lv.history = TokenHistory.start(req.prompt_ids, req.output_ids, logits[rid].shape[-1],
+                                                logits[rid].device)
+            toks = self.speculator.verify(logits[rid], dr, sp, len(req.output_ids), lv.generator, lv.history,
+                                          lv.matcher)
+            if toks is None:
+                self._fail([rid], "the structured output cannot continue: its grammar allows no token of this "
+                                  "model's vocabulary here (e.g. a character the tokenizer cannot write)", status=400)
+                continue
+            if lv.matcher is not None:
+                toks, done, ok = self._advance_grammar(lv.matcher, toks)
+                if done:
+                    stop_now.add(rid)
+                if not ok:
+                    log.error("request %s: a verified token breaks its grammar", rid)
+                    self._fail([rid], "the sampled token broke the request's grammar; retry it")
+                    continue
             tokens[rid] = toks
             if lv.prep.return_logprobs:
                 logprobs[rid] = top_logprobs(logits[rid][:len(toks)], toks, [lv.prep.top_logprobs] * len(toks))
@@ -381,6 +398,17 @@ class Engine:
                 lv.prompt.add(rows, sf.start)
             if sf.need_logits:
                 logits[sf.req_id] = rows[-1]
+
+    @staticmethod
+    def _advance_grammar(m: Matcher, toks: list[int]) -> tuple[list[int], bool, bool]:
+        """A verified burst through one request's grammar: (the tokens up to the one that
+        completes it, completed, every token accepted)."""
+        for n, t in enumerate(toks):
+            if not m.accept(t):
+                return toks[:n], False, False
+            if m.terminated:
+                return toks[:n + 1], True, True
+        return toks, False, True
 
     @staticmethod
     def _advance_grammars(ids: list[str], lives: list[_Live], sampled: list[int],

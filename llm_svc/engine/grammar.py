@@ -177,7 +177,7 @@ class GrammarCache:
         return out
 
     def matcher(self, compiled) -> "Matcher":
-        return Matcher(_xgr().GrammarMatcher(compiled))
+        return Matcher(_xgr().GrammarMatcher(compiled))  # rollback is unlimited (speculative decoding's drafts)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -188,6 +188,11 @@ class Matcher:
 
     def __init__(self, m) -> None:
         self._m = m
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens."""
+        if n:
+            self._m.rollback(n)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
@@ -200,6 +205,27 @@ class Matcher:
     def terminated(self) -> bool:
         """The grammar is complete and took its stop token: nothing more may follow."""
         return bool(self._m.is_terminated())
+
+
+def draft_masks(x: torch.Tensor, matcher: Matcher, drafts: list[int]) -> tuple[torch.Tensor, int]:
+    """One request's rows ``x [d + 1, V]`` (row j after ``drafts[:j]``) -> the rows with the
+    grammar's forbidden tokens at -inf, and how many drafts the grammar takes (rows past the first
+    draft it refuses, or past its end, are not masked and must not be used). The matcher is left
+    as it was."""
+    xgr = _xgr()
+    bitmask = xgr.allocate_token_bitmask(x.shape[0], x.shape[1])
+    taken = 0
+    for j in range(x.shape[0]):
+        if matcher.terminated:  # drafts[j - 1] ended it: row j is never used (left unmasked)
+            break
+        matcher.fill(bitmask, j)
+        if j == len(drafts) or not matcher.accept(drafts[j]):
+            break
+        taken += 1
+    matcher.rollback(taken)
+    x = x[:taken + 1].float().contiguous().clone()
+    xgr.apply_token_bitmask_inplace(x, bitmask[:taken + 1].to(x.device))
+    return x, taken
 
 
 def apply_grammars(x: torch.Tensor, matchers: list[Matcher | None]) -> torch.Tensor:

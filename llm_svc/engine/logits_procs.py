@@ -46,6 +46,12 @@ class TokenHistory:
             seen[torch.tensor([t for t in prompt_ids if 0 <= t < vocab], dtype=torch.long, device=device)] = True
         return cls(counts, seen)
 
+    def plus(self, token_id: int) -> "TokenHistory":
+        """A copy with ``token_id`` added (the state at the next draft position)."""
+        h = TokenHistory(self.counts.clone(), self.seen.clone())
+        h.add(token_id)
+        return h
+
     def add(self, token_id: int) -> None:
         if 0 <= token_id < self.counts.shape[0]:
             self.counts[token_id] += 1.0

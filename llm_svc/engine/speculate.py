@@ -7,10 +7,11 @@ returns the logits of those ``1 + d`` rows; ``verify`` picks the accepted drafts
 token; the scheduler keeps the KV of the kept tokens and frees the rest.
 
 What a row's distribution is, at every draft position: the raw logits, the request's
-``logit_bias``, ``min_tokens``' EOS ban for that position's output index, then the sampler's
-temperature / min-p / top-k / top-p (inside ``llm_svc.spec.verify``). Requests with penalties or
-a grammar do not speculate (their processors depend on the tokens before each position): they
-decode one token per step as without speculation.
+``logit_bias``, its penalties over its tokens and the drafts before that position, its grammar's
+mask in the state after those drafts (drafts past the first one the grammar refuses are not
+verified), ``min_tokens``' EOS ban for that position's output index, then the sampler's
+temperature / min-p / top-k / top-p (inside ``llm_svc.spec.verify``): the distribution a
+one-token step would have used at that position.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llm_svc.engine.logits_procs import apply_bias_and_penalties, penalised
+from llm_svc.engine.grammar import Matcher, draft_masks
+from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised
 from llm_svc.engine.mtp_runner import MTPInput, MTPRunner
 from llm_svc.engine.sampler import suppress
 from llm_svc.spec import NgramProposer, SpecStats, SpeculativeConfig, verify
@@ -71,8 +73,8 @@ class Speculator:
 
     @staticmethod
     def eligible(sampling: SamplingParams, constrained: bool) -> bool:
-        """Whether a request may speculate (see the module doc)."""
-        return not constrained and not penalised(sampling)
+        """Whether a request may speculate: every request may (see the module doc)."""
+        return True
 
     def room(self, req: Request, pending: int = 0) -> int:
         """Drafts ``req`` may verify next: at most ``k``, never past ``max_tokens`` (``pending``:
@@ -113,15 +115,33 @@ class Speculator:
             self._ctx = {rid: c for rid, c in self._ctx.items() if rid in live}
 
     def verify(self, logits: torch.Tensor, drafts: list[int], sampling: SamplingParams, num_outputs: int,
-               generator: torch.Generator | None) -> list[int]:
+               generator: torch.Generator | None, history: TokenHistory | None = None,
+               matcher: Matcher | None = None) -> list[int] | None:
         """``logits [d + 1, V]`` raw rows of one request (row j: the position of ``drafts[j]``,
-        row d: the one after the last draft) -> the accepted drafts and one more token.
-        ``num_outputs``: the request's output tokens before this step (for ``min_tokens``)."""
+        row d: the one after the last draft) -> the accepted drafts and one more token; None when
+        its grammar allows no token at all at the first position. ``num_outputs``: the request's
+        output tokens before this step (for ``min_tokens``); ``history``: its penalties' state
+        (penalised requests); ``matcher``: its grammar's (left unchanged here)."""
         d = len(drafts)
-        x = apply_bias_and_penalties(logits, [sampling] * (d + 1), [None] * (d + 1))
+        x = logits
+        if matcher is not None:  # masked before the bias: rows past the refused draft are cut
+            x, d = draft_masks(x, matcher, drafts)
+            drafts = drafts[:d]
+            if torch.isneginf(x[0]).all():
+                return None
+        hist = None
+        if history is not None and penalised(sampling):
+            hist = [history]
+            for t in drafts:
+                hist.append(hist[-1].plus(t))
+        x = apply_bias_and_penalties(x, [sampling] * (d + 1), hist or [None] * (d + 1))
         if sampling.min_tokens:
             banned = {j: min_tokens_banned(sampling, num_outputs + j, self.eos_token_ids) for j in range(d + 1)}
-            x = suppress(x, banned)
+            y = suppress(x, banned)
+            if matcher is not None:  # the grammar can only end here: it wins over min_tokens (as one token at a time)
+                dead = torch.isneginf(y).all(dim=-1) & ~torch.isneginf(x).all(dim=-1)
+                y[dead] = x[dead]
+            x = y
         out = verify(x, drafts, sampling, generator)
-        self.stats.observe(d, len(out) - 1)
+        self.stats.observe(len(drafts), len(out) - 1)
         return out

@@ -202,6 +202,45 @@ def test_logprobs_and_seeded_sampling_with_speculation(mimo16):
     assert len(a) == 30 and a == b
 
 
+
+def test_penalties_bias_and_grammars_at_every_draft_position(mimo16):
+    """Penalties over the tokens before each draft position, logit_bias, and a grammar's mask in
+    the state after the drafts before it: the same tokens as one at a time, greedy; a grammar
+    that completes inside a burst ends the request there."""
+    import json
+
+    from llm_svc.engine.grammar import GrammarCache
+    from shared.schemas import StructuredSpec
+
+    lm = mimo16
+    regex = StructuredSpec(kind="regex", spec=r"(ab|cd){3,12}x")
+    schema = StructuredSpec(kind="json", spec=json.dumps({"type": "object", "properties": {
+        "k": {"type": "array", "items": {"enum": ["aa", "bb"]}, "maxItems": 6}}, "required": ["k"],
+        "additionalProperties": False}), any_whitespace=False)
+    cases = {
+        "pen": dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.2),
+        "bias": dict(logit_bias={"30": 3.0, "31": 2.5}),
+        "regex": dict(structured=regex, ignore_eos=False),
+        "json": dict(structured=schema, ignore_eos=False),
+    }
+
+    def run(spec):
+        eng = make_engine(lm, spec)
+        eng.engine.grammars = GrammarCache(lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+        preps = [looping_prep(lm, name, 40, pseed=10, max_tokens=60, **kw) for name, kw in cases.items()]
+        return run_to_end(eng, preps), eng
+
+    off, _ = run(None)
+    on, eng = run(NGRAM)
+    for rid in cases:
+        assert on[rid].tokens == off[rid].tokens, rid
+        assert on[rid].outs[-1].finish_reason == off[rid].outs[-1].finish_reason, rid
+    text = {rid: "".join(o.text for o in on[rid].outs) for rid in ("regex", "json")}
+    assert on["regex"].outs[-1].finish_reason == "stop" and text["regex"].endswith("x")
+    assert set(json.loads(text["json"])) == {"k"}
+    assert accepted(eng) > 0
+
+
 # ---------------------------------------------------------------------------- MTP drafts
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
