@@ -47,12 +47,19 @@ class MeasuredGeometry:
     window: int
 
     @classmethod
-    def of(cls, model, dtype: torch.dtype) -> "MeasuredGeometry":
+    def of(cls, model, dtype: torch.dtype, extra_sliding: int = 0) -> "MeasuredGeometry":
+        """``extra_sliding``: bytes per SWA slot of other sliding layers on the same slots (MTP)."""
         size = torch.finfo(dtype).bits // 8
         per = {FULL: 0, SLIDING: 0}
         for spec in model.layers:
             per[spec.kind] += spec.kv_heads * (spec.qk_dim + spec.v_dim) * size
-        return cls(per[FULL], per[SLIDING], model.window)
+        return cls(per[FULL], per[SLIDING] + extra_sliding, model.window)
+
+
+def mtp_kv_token_bytes(layer, dtype: torch.dtype) -> int:
+    """KV bytes per position of one MTP layer (``mimo_mtp.MTPLayer``)."""
+    a = layer.self_attn
+    return (a.k_proj.out_features + a.v_proj.out_features) * (torch.finfo(dtype).bits // 8)
 
 
 def kv_dtype_of(settings: LLMSettings, lm: LoadedLM) -> torch.dtype:
@@ -74,7 +81,14 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
         **{"policy": settings.schedule_policy, **(scheduler_overrides or {})},
     )
     kv_dtype = kv_dtype_of(settings, lm)
-    geometry = MeasuredGeometry.of(model, kv_dtype)
+    spec = SpeculativeConfig.parse(settings.speculative_config)
+    mtp_layers = []
+    if spec is not None and spec.method == "mtp":
+        mtp_layers = list(getattr(lm.model, "mtp", None) or [])
+        spec = spec.with_mtp_layers(len(mtp_layers))
+        mtp_layers = mtp_layers[:spec.num_speculative_tokens]
+    # the MTP layers' KV sits on the SWA pool's slots: counted in each slot's bytes
+    geometry = MeasuredGeometry.of(model, kv_dtype, sum(mtp_kv_token_bytes(m, kv_dtype) for m in mtp_layers))
     num_full, num_swa = size_pools(kv_budget_bytes(settings, lm.device), geometry, settings.swa_fraction,
                                    max_chunk=settings.max_batch_tokens,
                                    expected_seq_len=settings.max_model_len or lm.context_len,
@@ -89,15 +103,10 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     # the front tries each source within media_fetch_timeout; this is the core's backstop
     grammars = GrammarCache(lm.tokenizer, lm.vocab_size, lm.eos_token_ids, threads=settings.grammar_threads,
                             any_whitespace=settings.structured_any_whitespace)
-    spec = SpeculativeConfig.parse(settings.speculative_config)
     speculator = None
     if spec is not None:
-        mtp = None
-        if spec.method == "mtp":
-            layers = list(getattr(lm.model, "mtp", None) or [])
-            spec = spec.with_mtp_layers(len(layers))
-            mtp = MTPRunner(runner, layers[:spec.num_speculative_tokens], lm.model.get_input_embeddings(),
-                            lm.model.get_output_embeddings(), model.window)
+        mtp = MTPRunner(runner, mtp_layers, lm.model.get_input_embeddings(), lm.model.get_output_embeddings(),
+                        model.window) if mtp_layers else None
         speculator = Speculator(spec, lm.eos_token_ids, mtp)
     return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1,
                   grammars=grammars, speculator=speculator)

@@ -1,8 +1,9 @@
 """Speculative decoding served through the whole stack: an LLM service started with vLLM's
-``--speculative-config`` JSON (n-gram drafts) behind the gateway answers greedy completions,
+``--speculative-config`` JSON behind the gateway (n-gram drafts on the default tiny MiMo; MTP
+drafts from every MTP layer of a published-layout MiMo-V2.5) answers greedy completions,
 streamed and not, with exactly the text the engine writes without speculation; /readyz shows the
-config in force and /metrics the accepted drafts; a bad config is refused at start-up with a
-message that names the field."""
+config in force and /metrics the drafts; a bad config is refused at start-up with a message that
+names the field."""
 
 from __future__ import annotations
 
@@ -26,7 +27,11 @@ from shared.settings import LLMSettings
 from tests.integration.test_llm_engine import run_to_end
 
 pytestmark = pytest.mark.e2e
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+MTP = {"method": "mtp"}
+# (bundle, config as sent, config as /readyz shows it)
+CASES = {"ngram": (NGRAM, NGRAM), "mtp": (MTP, {"method": "mtp", "num_speculative_tokens": 3,
+                                             "prompt_lookup_min": 0, "prompt_lookup_max": 0})}
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -42,20 +47,31 @@ def prompts(vocab: int) -> list[list[int]]:
     return out
 
 
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, mimo_bundle, tmp_path_factory):
+    if request.param == "ngram":
+        return request.param, mimo_bundle
+    from shared.tiny_model import write_tiny_model
+
+    return request.param, write_tiny_model(tmp_path_factory.mktemp("b") / "tiny-v25", arch="mimo-v2.5")
+
+
 @pytest.fixture(scope="module")
-def stack(mimo_bundle, tmp_path_factory):
-    spec = StackSpec(model_dir=str(mimo_bundle), gateway_port=0, encoders=0,
-                     extra_env={"MMSERVE_LLM_SPECULATIVE_CONFIG": json.dumps(SPEC)})
+def stack(case, tmp_path_factory):
+    name, bundle = case
+    spec = StackSpec(model_dir=str(bundle), gateway_port=0, encoders=0,
+                     extra_env={"MMSERVE_LLM_SPECULATIVE_CONFIG": json.dumps(CASES[name][0])})
     with LocalStack(spec, log_dir=tmp_path_factory.mktemp("stack-logs")) as s:
         s.wait_ready(timeout=240)
         yield s
 
 
 @pytest.fixture(scope="module")
-def plain_texts(mimo_bundle):
+def plain_texts(case):
     """The same prompts on the engine without speculation (the service's default settings)."""
-    lm = load_lm(str(mimo_bundle))
-    engine = InProcessEngine(build_engine(LLMSettings(model_dir=str(mimo_bundle)), lm), lm.tokenizer)
+    bundle = case[1]
+    lm = load_lm(str(bundle))
+    engine = InProcessEngine(build_engine(LLMSettings(model_dir=str(bundle)), lm), lm.tokenizer)
     assert engine.engine.speculator is None
     preps = [PreparedRequest(request_id=f"p{i}", prompt_ids=ids,
                              sampling=SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
@@ -64,7 +80,7 @@ def plain_texts(mimo_bundle):
     return [("".join(o.text for o in streams[p.request_id].outs), lm.vocab_size) for p in preps]
 
 
-def test_completions_equal_the_plain_engine_streamed_and_not(stack, plain_texts):
+def test_completions_equal_the_plain_engine_streamed_and_not(case, stack, plain_texts):
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=120, max_retries=0)
     vocab = plain_texts[0][1]
     for ids, (want, _) in zip(prompts(vocab), plain_texts):
@@ -76,11 +92,17 @@ def test_completions_equal_the_plain_engine_streamed_and_not(stack, plain_texts)
         assert "".join(pieces) == want
     llm = stack.llms[0].url
     ready = httpx.get(f"{llm}/readyz").json()
-    assert ready["speculative_config"] == {**SPEC, "method": "ngram"}
+    assert ready["speculative_config"] == CASES[case[0]][1]
     metrics = httpx.get(f"{llm}/metrics").text
-    accepted = [float(line.split()[-1]) for line in metrics.splitlines()
-                if line.startswith("mmserve_llm_spec_decode_num_accepted_tokens ")]
-    assert accepted and accepted[0] > 0, metrics[-3000:]
+
+    def value(name: str) -> float:
+        got = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " ")]
+        assert got, (name, metrics[-3000:])
+        return got[0]
+
+    assert value("mmserve_llm_spec_decode_num_drafts") > 0
+    if case[0] == "ngram":  # (random MTP layers draft what they draft: only n-gram must hit here)
+        assert value("mmserve_llm_spec_decode_num_accepted_tokens") > 0
     assert 'mmserve_llm_spec_decode_num_accepted_tokens_per_pos{position="0"}' in metrics
 
 
