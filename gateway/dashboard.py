@@ -7,7 +7,8 @@ shows can be checked against ``/metrics`` directly:
 
 * LLM replica: KV pool use (``mmserve_llm_kv_pool_usage{pool=full|swa}``), running / waiting
   requests, prefix hit rate (``prefix_hit_tokens / prompt_tokens``), TTFT and inter-token
-  latency histograms;
+  latency histograms; with speculative decoding, draft acceptance (``num_accepted_tokens /
+  num_draft_tokens``) and mean acceptance length (``1 + accepted / drafts``, vLLM's);
 * encoder replica: embedding cache hit rate (hits / lookups over every tier), mean fused batch
   size (``forward_items / forward_passes``) and the batch-size histogram, queue wait;
 * gateway: requests in flight, TTFT histogram.
@@ -85,12 +86,19 @@ class LLMReplica:
     prefix_hit_tokens: float = 0.0
     prefix_hit_rate: float | None = None
     generation_tokens: float = 0.0
+    spec_drafts: float = 0.0
+    spec_draft_tokens: float = 0.0
+    spec_accepted_tokens: float = 0.0
+    spec_acceptance_rate: float | None = None  # None: no speculation (or no draft yet)
+    spec_mean_acceptance_length: float | None = None
     ttft: Histogram = field(default_factory=Histogram)
     itl: Histogram = field(default_factory=Histogram)
 
     @classmethod
     def from_samples(cls, url: str, s: Samples) -> "LLMReplica":
         prompt, hits = total(s, "mmserve_llm_prompt_tokens_total"), total(s, "mmserve_llm_prefix_hit_tokens_total")
+        drafts, drafted = total(s, "mmserve_llm_spec_decode_num_drafts"), total(s, "mmserve_llm_spec_decode_num_draft_tokens")
+        accepted = total(s, "mmserve_llm_spec_decode_num_accepted_tokens")
         return cls(
             url=url, up=True,
             kv_full_usage=total(s, "mmserve_llm_kv_pool_usage", pool="full"),
@@ -99,6 +107,9 @@ class LLMReplica:
             waiting=total(s, "mmserve_llm_waiting_requests"),
             prompt_tokens=prompt, prefix_hit_tokens=hits, prefix_hit_rate=_rate(hits, prompt),
             generation_tokens=total(s, "mmserve_llm_generation_tokens_total"),
+            spec_drafts=drafts, spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
+            spec_acceptance_rate=_rate(accepted, drafted),
+            spec_mean_acceptance_length=1.0 + accepted / drafts if drafts > 0 else None,
             ttft=histogram(s, "mmserve_llm_time_to_first_token_seconds"),
             itl=histogram(s, "mmserve_llm_inter_token_latency_seconds"),
         )  # fmt: skip

@@ -50,6 +50,8 @@ const LLM_COLS = [
   ["prefix_hit_tokens", (r) => fmt.int(r.prefix_hit_tokens)],
   ["prefix_hit_rate", (r) => fmt.pct(r.prefix_hit_rate)],
   ["generation_tokens", (r) => fmt.int(r.generation_tokens)],
+  ["spec_acceptance_rate", (r) => fmt.pct(r.spec_acceptance_rate)],
+  ["spec_mean_acceptance_length", (r) => (r.spec_mean_acceptance_length == null ? "-" : r.spec_mean_acceptance_length.toFixed(2))],
   ["ttft_p50", (r) => fmt.ms(quantile(r.ttft, 0.5))],
   ["itl_p50", (r) => fmt.ms(quantile(r.itl, 0.5))],
 ];
