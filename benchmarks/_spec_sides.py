@@ -143,7 +143,8 @@ def refusal(side: Side, err: Exception) -> str:
             if detail:
                 return detail
     tail = side.services[0].log_tail(20000).splitlines()
-    errs = [re.sub(r"\x1b\[[0-9;]*m", "", x).strip() for x in tail if re.search(r"Error|error:|refuse|not supported", x)]
+    errs = [re.sub(r"\x1b\[[0-9;]*m", "", x).strip() for x in tail
+            if re.search(r"Error|error:|refuse|not supported", x)]
     return (errs[-1] if errs else f"{type(err).__name__}: {str(err).splitlines()[0]}")[:600]
 
 
@@ -171,9 +172,18 @@ def spec_counters(engine: str, metrics: dict[str, float]) -> dict:
 
 
 def spec_delta(before: dict, after: dict) -> dict:
-    per = [x - (before["per_pos"][j] if j < len(before["per_pos"]) else 0.0) for j, x in enumerate(after["per_pos"])]
-    return {"drafts": after["drafts"] - before["drafts"], "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
-            "accepted": after["accepted"] - before["accepted"], "per_pos": per}  # fmt: skip
+    """``after`` - ``before`` (a position missing before counts from 0)."""
+    b = before["per_pos"]
+    return {**{k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")},
+            "per_pos": [x - (b[j] if j < len(b) else 0.0) for j, x in enumerate(after["per_pos"])]}
+
+
+def spec_sum(deltas: list[dict]) -> dict:
+    """The counters of several runs added (per position: up to the longest)."""
+    n = max((len(d["per_pos"]) for d in deltas), default=0)
+    return {"drafts": sum(d["drafts"] for d in deltas), "draft_tokens": sum(d["draft_tokens"] for d in deltas),
+            "accepted": sum(d["accepted"] for d in deltas),
+            "per_pos": [sum(d["per_pos"][j] for d in deltas if j < len(d["per_pos"])) for j in range(n)]}
 
 
 def acceptance(c: dict) -> dict:

@@ -96,7 +96,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lock-timeout", type=float, default=3600.0)
     ap.add_argument("--max-foreign", type=float, default=0.25,
                     help="before each run, wait until other work on the machine uses at most this many cores")
-    ap.add_argument("--quiet-timeout", type=float, default=30.0, help="... but at most this long (s)")
+    ap.add_argument("--quiet-timeout", type=float, default=None, help="... but at most this long (s; 30, 10 quick)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the server logs of a successful run")
     _results.add_mode_args(ap)
     args = ap.parse_args()
@@ -108,6 +108,7 @@ def parse_args() -> argparse.Namespace:
         args.requests, args.quiet_timeout = {1: 1, 2: 2}, 0.0  # one 1-s probe per run, no waiting
     else:
         args.concurrency = args.concurrency or [1, 4, 16]
+        args.quiet_timeout = args.quiet_timeout if args.quiet_timeout is not None else (10.0 if q else 30.0)
         args.rounds = args.rounds or (1 if q else 2)
         args.chat_prompt, args.chat_out = (48, 160), 64 if q else 128
         args.agent_context, args.agent_out = (512, 128) if q else (1024, 256)
@@ -185,14 +186,7 @@ def run_cell(args, live: list, meter: CpuMeter, tok, trace: str, conc: int) -> d
                 same[name][1] += len(r)
     out = {}
     for name, rs in runs.items():
-        total = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
-        for r in rs:
-            d = r["spec"]
-            for k in ("drafts", "draft_tokens", "accepted"):
-                total[k] += d[k]
-            total["per_pos"] = [a + b for a, b in zip(total["per_pos"] + [0.0] * len(d["per_pos"]),
-                                                      d["per_pos"] + [0.0] * len(total["per_pos"]))]
-        out[name] = {**side_summary(rs), **sides_mod.acceptance(total),
+        out[name] = {**side_summary(rs), **sides_mod.acceptance(sides_mod.spec_sum([r["spec"] for r in rs])),
                      "identical_to_ours_off": f"{same[name][0]}/{same[name][1]}" if same[name][1] else None,
                      "runs_detail": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rs]}  # fmt: skip
     return {"requests": args.requests[conc], "passes": passes, "sides": out}
@@ -250,11 +244,12 @@ def report(results: dict, live: list) -> None:
                 pos = ",".join(f"{a:.2f}" for a in x["acceptance_per_pos"] or []) or "-"
                 print(f"{trace:6s} {c:>4s} {s.name:12s} {x['output_tok_s']:9.1f} {rel or '':>6} "
                       f"{x['ttft_p50_ms']:7.0f}ms {x['tpot_p50_ms']:7.1f}ms {x['itl_p50_ms']:6.1f}ms "
-                      f"{x['mean_acceptance_length'] or '-':>7} {pos:>22s} {x['identical_to_ours_off'] or '-':>6s} "
-                      f"{x['disturbed_runs']}/{x['runs']:<2d}")  # fmt: skip
+                      f"{x['mean_acceptance_length'] or '-':>7} {pos:>22s} "
+                      f"{x['identical_to_ours_off'] or '-':>6s} {x['disturbed_runs']}/{x['runs']:<2d}")  # fmt: skip
             r = cell["ratios"]
-            print(f"{'':11s} ours best {r['ours_best']} / vLLM best {r['vllm_best']}: x{r['ours_best_over_vllm_best']}; "
-                  f"speculating: {r['ours_best_spec']} / {r['vllm_best_spec']}: x{r['ours_best_spec_over_vllm_best_spec']}")
+            print(f"{'':11s} ours best {r['ours_best']} / vLLM best {r['vllm_best']}: "
+                  f"x{r['ours_best_over_vllm_best']}; speculating: {r['ours_best_spec']} / {r['vllm_best_spec']}: "
+                  f"x{r['ours_best_spec_over_vllm_best_spec']}")
 
 
 def summary_line(results: dict, stops: dict) -> str:
