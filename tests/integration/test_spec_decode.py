@@ -307,19 +307,39 @@ def test_mtp_drafts_equal_the_dense_chain(mimo_mtp):
     assert eng.engine.stats()["spec_num_drafts"] >= 3
 
 
-@pytest.mark.parametrize("enable_prefix_cache", [True, False])
-def test_mtp_greedy_tokens_equal_without_speculation(mimo_mtp, enable_prefix_cache):
-    """Random MTP weights draft badly: whatever they draft, the tokens are the plain engine's,
-    through chunked prefill, a window shorter than the contexts and tight pools."""
+@pytest.mark.parametrize("spec,enable_prefix_cache", [(MTP, True), (MTP, False), (NGRAM, True)])
+def test_published_mimo_greedy_tokens_equal_without_speculation(mimo_mtp, spec, enable_prefix_cache):
+    """The published-layout MiMo-V2.5: random MTP weights draft badly, n-gram drafts hit;
+    whatever they draft, the tokens are the plain engine's, through chunked prefill, a window
+    shorter than the contexts and tight pools."""
     lm = mimo_mtp
     cfg = SchedulerConfig(window=32, max_batch_tokens=24)
     kw = dict(num_full=1200, num_swa=cfg.min_swa_slots() + 24, max_batch_tokens=24, max_running=6,
               enable_prefix_cache=enable_prefix_cache)
     preps = lambda: [looping_prep(lm, f"q{i}", 20 + 17 * i, pseed=80 + i, max_tokens=40) for i in range(6)]  # noqa: E731
     off = run_to_end(make_mtp_engine(lm, None, 32, **kw), preps())
-    eng = make_mtp_engine(lm, MTP, 32, **kw)
+    eng = make_mtp_engine(lm, spec, 32, **kw)
     on = run_to_end(eng, preps())
     for rid in off:
         assert on[rid].tokens == off[rid].tokens, rid
     st = eng.engine.stats()
-    assert st["spec_num_drafts"] > 0 and st["spec_num_draft_tokens"] >= 2 * st["spec_num_drafts"]
+    assert st["spec_num_drafts"] > 0
+    if spec is MTP:  # three layers: three drafts whenever max_tokens leaves room
+        assert st["spec_num_draft_tokens"] >= 2 * st["spec_num_drafts"]
+    else:
+        assert st["spec_num_accepted_tokens"] > 0
+
+
+def test_gpt_oss_greedy_tokens_equal_with_ngram(tmp_path):
+    """gpt-oss (sinks, alternating sliding layers, MoE): n-gram speculation, same tokens."""
+    from llm_svc.loader import load_lm
+    from shared.tiny_model import write_tiny_model
+
+    lm = load_lm(str(write_tiny_model(tmp_path / "oss", arch="gpt-oss", sliding_window=W)))
+    preps = lambda: [looping_prep(lm, f"o{i}", 18 + 21 * i, pseed=120 + i, max_tokens=36) for i in range(4)]  # noqa: E731
+    off = run_to_end(make_engine(lm, None, max_batch_tokens=24), preps())
+    eng = make_engine(lm, NGRAM, max_batch_tokens=24)
+    on = run_to_end(eng, preps())
+    for rid in off:
+        assert on[rid].tokens == off[rid].tokens, rid
+    assert accepted(eng) > 0
