@@ -117,34 +117,44 @@ class SideResult:
     wall_s: float = 0.0
 
 
+async def stream_turn(client, model: str, messages: list[dict], max_tokens: int, result: SideResult,
+                      turn: int) -> str | None:
+    """One streamed greedy chat turn: its ``Record`` (TTFT, prompt and cached tokens) goes to
+    ``result``; returns the answer's text, or None after recording the error."""
+    t0 = time.perf_counter()
+    ttft, pieces, usage = None, [], None
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                if c.delta.content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    pieces.append(c.delta.content)
+    except openai.APIError as e:
+        result.errors.append(f"{type(e).__name__}: {e}")
+        return None
+    if usage is None:
+        result.errors.append("stream ended without a usage chunk")
+        return None
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    result.records.append(Record(turn, ttft, usage.prompt_tokens, cached or 0))
+    return "".join(pieces)
+
+
 async def run_session(client, model: str, session: Session, pools, result: SideResult) -> None:
     messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPTS[session.system]}]
     for k, turn in enumerate(session.turns):
         messages.append(user(turn.text, *(pools[m][i] for m, i in turn.media)))
-        t0 = time.perf_counter()
-        ttft, pieces, usage = None, [], None
-        try:
-            stream = await client.chat.completions.create(
-                model=model, messages=messages, max_tokens=turn.max_tokens, temperature=0,
-                stream=True, stream_options={"include_usage": True},
-            )  # fmt: skip
-            async for chunk in stream:
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                for c in chunk.choices:
-                    if c.delta.content:
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
-                        pieces.append(c.delta.content)
-        except openai.APIError as e:
-            result.errors.append(f"{type(e).__name__}: {e}")
+        text = await stream_turn(client, model, messages, turn.max_tokens, result, k)
+        if text is None:
             return
-        if usage is None:
-            result.errors.append("stream ended without a usage chunk")
-            return
-        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        result.records.append(Record(k, ttft, usage.prompt_tokens, cached or 0))
-        messages.append({"role": "assistant", "content": "".join(pieces)})
+        messages.append({"role": "assistant", "content": text})
 
 
 async def run_workload(url: str, model: str, workload: list[Session], pools, concurrency: int) -> SideResult:

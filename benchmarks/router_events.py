@@ -29,7 +29,7 @@ import uuid
 import openai
 
 from benchmarks import _results
-from benchmarks.e2e_load import SYSTEM_PROMPTS, Record, SideResult, make_workload, media_pools, pct
+from benchmarks.e2e_load import SYSTEM_PROMPTS, SideResult, make_workload, media_pools, pct, stream_turn
 from benchmarks._stack_util import user
 from shared.launcher import LocalStack, Service, StackSpec, free_port, wait_ready
 
@@ -45,27 +45,10 @@ async def run_session(clients, model: str, session, pools, result: SideResult, t
     for k, turn in enumerate(session.turns):
         messages.append(user(f"[{tag}] {turn.text}", *(pools[m][i] for m, i in turn.media)))
         client = clients[(first + k) % len(clients)]  # turns alternate between the gateways
-        t0 = time.perf_counter()
-        ttft, pieces, usage = None, [], None
-        try:
-            stream = await client.chat.completions.create(
-                model=model, messages=messages, max_tokens=turn.max_tokens, temperature=0,
-                stream=True, stream_options={"include_usage": True})
-            async for chunk in stream:
-                usage = chunk.usage or usage
-                for c in chunk.choices:
-                    if c.delta.content:
-                        ttft = ttft if ttft is not None else time.perf_counter() - t0
-                        pieces.append(c.delta.content)
-        except openai.APIError as e:
-            result.errors.append(f"{type(e).__name__}: {e}")
+        text = await stream_turn(client, model, messages, turn.max_tokens, result, k)
+        if text is None:
             return
-        if usage is None:
-            result.errors.append("stream ended without a usage chunk")
-            return
-        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        result.records.append(Record(k, ttft, usage.prompt_tokens, cached or 0))
-        messages.append({"role": "assistant", "content": "".join(pieces)})
+        messages.append({"role": "assistant", "content": text})
 
 
 async def run_workload(urls: list[str], model: str, workload, pools, concurrency: int, tag: str) -> SideResult:

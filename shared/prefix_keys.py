@@ -12,7 +12,7 @@ media spans and the system message's end are exact anchors, text between them is
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -122,3 +122,15 @@ def key_positions(
         t = t1 if whole else t0 + math.ceil((end - c0) * (t1 - t0) / (c1 - c0))
         out.append((key, max(1, min(prompt_len, t))))
     return out
+
+
+def leading_held(held: Container[int] | None, blocks: Sequence[int]) -> int:
+    """How many of ``blocks``, from the first, are in ``held`` (a replica's block keys)."""
+    if not held:
+        return 0
+    n = 0
+    for b in blocks:
+        if b not in held:
+            break
+        n += 1
+    return n

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from shared.kv_events import KVEvent, KVSnapshot
+from shared.prefix_keys import leading_held
 
 
 class KVIndex:
@@ -36,15 +37,7 @@ class KVIndex:
 
     def match_len(self, instance: str, blocks: Sequence[int]) -> int:
         """Leading ``blocks`` the instance holds."""
-        keys = self._keys.get(instance)
-        if not keys:
-            return 0
-        n = 0
-        for b in blocks:
-            if b not in keys:
-                break
-            n += 1
-        return n
+        return leading_held(self._keys.get(instance), blocks)
 
     def apply(self, ev: KVEvent) -> bool:
         """Fold one event; False when it cannot be (the instance is then stale: load a snapshot)."""

@@ -18,6 +18,8 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+from shared.prefix_keys import leading_held
+
 
 class LLMRouter(ABC):
     """Chooses a replica for a prompt; callers wrap the call in ``track(replica)``."""
@@ -84,15 +86,7 @@ class CacheAwareRouter(LLMRouter):
 
     def match_len(self, replica: str, blocks: Sequence[int]) -> int:
         """How many leading blocks of the prompt the replica has (probably) cached."""
-        index = self._index.get(replica)
-        if not index:
-            return 0
-        n = 0
-        for b in blocks:
-            if b not in index:
-                break
-            n += 1
-        return n
+        return leading_held(self._index.get(replica), blocks)
 
     def index_blocks(self) -> int:
         return sum(len(v) for v in self._index.values())
