@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_gemv
-from .linear import Linear, make_linear
+from .linear import Linear, make_linear, stack_linears
 
 
 def _is_silu(act) -> bool:
@@ -66,13 +66,9 @@ class GatedMLP:
     @classmethod
     def pack(cls, mlp: nn.Module, act: Callable | None = None, backend: str = "auto") -> "GatedMLP":
         """From a module with ``gate_proj`` / ``up_proj`` / ``down_proj`` linears (no biases)."""
-        g, u = mlp.gate_proj.weight, mlp.up_proj.weight
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
             raise ValueError("GatedMLP packs bias-free projections only")
-        gu = torch.cat([g.detach(), u.detach()], 0).contiguous()
-        i = g.shape[0]
-        _rebind(mlp.gate_proj, "weight", gu[:i])
-        _rebind(mlp.up_proj, "weight", gu[i:])
+        gu, _ = stack_linears([mlp.gate_proj, mlp.up_proj])
         return cls(gu, mlp.down_proj.weight, act or getattr(mlp, "act_fn", F.silu), backend)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

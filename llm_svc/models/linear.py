@@ -109,16 +109,14 @@ def pack_linears(linears: Iterable[nn.Module], backend: str = "auto") -> int:
     return n
 
 
-def fuse_linears(linears: list[nn.Linear], backend: str = "auto") -> Linear:
-    """One callable computing every one of ``linears`` (same input size) side by side: ``x ->
-    [..., sum of out_features]`` in one GEMM over their stacked weights (and biases). Keeps one
-    copy: each module's ``weight`` / ``bias`` is rebound as a view of the stacked tensor, so the
-    modules and ``state_dict`` are unchanged. Used for q | k | v: one read of x and one call
-    instead of three."""
+def stack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``linears`` (same input size) stacked: weight ``[sum of out_features, in]`` and bias (or
+    None). Keeps one copy: each module's ``weight`` / ``bias`` is rebound as a view of the stacked
+    tensor, so the modules and ``state_dict`` are unchanged."""
     if not linears or any(not isinstance(m, nn.Linear) for m in linears):
-        raise TypeError("fuse_linears stacks nn.Linear modules")
+        raise TypeError("stack_linears stacks nn.Linear modules")
     if len({m.in_features for m in linears}) != 1 or len({m.bias is None for m in linears}) != 1:
-        raise ValueError("fused linears need one input size and all or none with a bias")
+        raise ValueError("stacked linears need one input size and all or none with a bias")
     w = torch.cat([m.weight.detach() for m in linears], 0).contiguous()
     b = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears], 0).contiguous()
     row = 0
@@ -128,4 +126,11 @@ def fuse_linears(linears: list[nn.Linear], backend: str = "auto") -> Linear:
         if b is not None:
             m.bias = nn.Parameter(b[row:row + n], requires_grad=False)
         row += n
-    return make_linear(w, b, backend)
+    return w, b
+
+
+def fuse_linears(linears: list[nn.Linear], backend: str = "auto") -> Linear:
+    """One callable computing every one of ``linears`` side by side: ``x -> [..., sum of
+    out_features]`` in one GEMM over their stacked weights (``stack_linears``). Used for
+    q | k | v: one read of x and one call instead of three."""
+    return make_linear(*stack_linears(linears), backend)
