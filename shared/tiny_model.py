@@ -18,8 +18,12 @@ Architectures (``--arch``):
 * ``gpt-oss``: ``GptOssForCausalLM`` in openai/gpt-oss' config layout, experts unpacked;
   ``--quant mxfp4`` packs them as the hub does (``*_blocks`` / ``*_scales``); see
   ``shared/tiny/gpt_oss.py``.
+* ``mimo-trained``: the ``mimo-v2-flash`` checkpoint (LM + 3 MTP layers) *trained* on the Python
+  standard library by ``scripts/train_tiny_mimo.py``, committed in ``shared/tiny/trained_mimo``
+  (its ``training.json`` says how and what it reached): text-like greedy output, MTP drafts that
+  get accepted.
 
-Weights are random but seeded, so two runs write identical bundles.
+Weights are random but seeded, so two runs write identical bundles (``mimo-trained``: a copy).
 """
 
 from __future__ import annotations
@@ -227,6 +231,22 @@ def _mimo_published(preset: str):
     return write
 
 
+TRAINED_MIMO = Path(__file__).resolve().parent / "tiny" / "trained_mimo"
+
+
+def write_trained_mimo(out: Path, sliding_window: int = 128, seed: int = 0) -> Path:
+    """Copy the committed trained checkpoint to ``out`` (its window and weights are what it was
+    trained with: another ``sliding_window`` or ``seed`` is refused)."""
+    import shutil
+
+    window = json.loads((TRAINED_MIMO / "config.json").read_text())["sliding_window_size"]
+    if sliding_window != window or seed != 0:
+        raise ValueError(f"--arch mimo-trained is trained with sliding window {window} and fixed weights "
+                         f"(no --sliding-window {sliding_window} / --seed {seed})")
+    shutil.copytree(TRAINED_MIMO, out, dirs_exist_ok=True)
+    return out
+
+
 def _gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, quant: str | None = None) -> Path:
     from shared.tiny.gpt_oss import write_gpt_oss
 
@@ -241,6 +261,7 @@ ARCHS = {
     "mimo-v2.5-omni": lambda out, sliding_window=128, seed=0: __import__(  # LM + ViT (+ audio), shared/tiny/mimo_omni.py
         "shared.tiny.mimo_omni", fromlist=["write_mimo_omni"]).write_mimo_omni(out, seed, sliding_window),
     "gpt-oss": _gpt_oss,
+    "mimo-trained": write_trained_mimo,  # scripts/train_tiny_mimo.py's checkpoint, committed
 }
 # the published variants each arch can write (``--layout`` / ``--quant``)
 VARIANTS = {"mimo-v2-flash": {"layout": ("split", "fused_qkv"), "quant": (None, "fp8")},
