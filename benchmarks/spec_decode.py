@@ -41,7 +41,9 @@ lock from the first server start; before each run the benchmark waits (up to
 ``--quiet-timeout``) for other work to use at most ``--max-foreign`` cores; a run with more than
 0.3 foreign cores is marked DISTURBED.
 
-Cost on the 2-core box: ``--quick`` about 8-10 min (vLLM start-ups 1.5-3 min, the runs ~5);
+Cost on the 2-core box: ``--quick`` about 6 min on a quiet machine (all servers up together in
+~1.5 min, 60 runs of 1-10 s), 12 min when others' work keeps it busy (each run first waits up to
+5 s for quiet); the full run about 3x the runs;
 ``--smoke`` (CI): ``ours-off`` and ``ours-ngram2`` only, tiny prompts, concurrency 1 and 2, one
 A-B pass, ~30 s.
 
@@ -96,7 +98,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lock-timeout", type=float, default=3600.0)
     ap.add_argument("--max-foreign", type=float, default=0.25,
                     help="before each run, wait until other work on the machine uses at most this many cores")
-    ap.add_argument("--quiet-timeout", type=float, default=None, help="... but at most this long (s; 30, 10 quick)")
+    ap.add_argument("--quiet-timeout", type=float, default=None, help="... but at most this long (s; 30, 5 quick)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the server logs of a successful run")
     _results.add_mode_args(ap)
     args = ap.parse_args()
@@ -108,7 +110,7 @@ def parse_args() -> argparse.Namespace:
         args.requests, args.quiet_timeout = {1: 1, 2: 2}, 0.0  # one 1-s probe per run, no waiting
     else:
         args.concurrency = args.concurrency or [1, 4, 16]
-        args.quiet_timeout = args.quiet_timeout if args.quiet_timeout is not None else (10.0 if q else 30.0)
+        args.quiet_timeout = args.quiet_timeout if args.quiet_timeout is not None else (5.0 if q else 30.0)
         args.rounds = args.rounds or (1 if q else 2)
         args.chat_prompt, args.chat_out = (48, 160), 64 if q else 128
         args.agent_context, args.agent_out = (512, 128) if q else (1024, 256)
