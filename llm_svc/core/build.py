@@ -106,7 +106,7 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     speculator = None
     if spec is not None:
         mtp = MTPRunner(runner, mtp_layers, lm.model.get_input_embeddings(), lm.model.get_output_embeddings(),
-                        model.window) if mtp_layers else None
+                        model.window, linear=settings.linear_backend) if mtp_layers else None
         speculator = Speculator(spec, lm.eos_token_ids, mtp)
     return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1,
                   grammars=grammars, speculator=speculator)

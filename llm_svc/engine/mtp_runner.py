@@ -33,6 +33,8 @@ from llm_svc.attention import SLIDING, AttentionParams, LayerKV
 from llm_svc.attention.slot_tables import StepTables
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.models.base import apply_rope
+from llm_svc.models.fused_mlp import GatedMLP
+from llm_svc.models.linear import fuse_linears, pack_linears
 from llm_svc.types import ForwardBatch, SeqForward
 
 
@@ -52,7 +54,7 @@ class MTPRunner:
     """MTP layers over their own KV pools, driven after each step of ``runner``."""
 
     def __init__(self, runner: ModelRunner, layers: list, embed: torch.nn.Module, lm_head: torch.nn.Module,
-                 window: int):
+                 window: int, linear: str = "auto"):
         assert layers, "no MTP layers"
         self.runner, self.layers, self.embed, self.lm_head = runner, list(layers), embed, lm_head
         self.window = window
@@ -63,9 +65,15 @@ class MTPRunner:
                                  runner.device) for _ in self.layers]
         self.params = [AttentionParams(scale=layer.self_attn.scaling, sinks=layer.self_attn.sinks)
                        for layer in self.layers]
+        # the forward's GEMMs as the LM's: q | k | v in one, the MLP's gate | up in one, packed
+        self.qkv = [fuse_linears([x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj], linear)
+                    for x in self.layers]
+        self.mlps = [GatedMLP.pack(x.mlp, backend=linear) for x in self.layers]
+        pack_linears([m for x in self.layers for m in (x.eh_proj, x.self_attn.o_proj)], linear)
         # per request: the LM's hidden states of its last K-1 kept positions, ending at ``_end``
         self._hid: dict[str, torch.Tensor] = {}
         self._end: dict[str, int] = {}
+        self._metas: dict = {}  # this step's attention metadata by layout
 
     def kv_bytes(self) -> int:
         return sum(t.k.numel() * t.k.element_size() + t.v.numel() * t.v.element_size() for t in self.kv)
@@ -99,6 +107,7 @@ class MTPRunner:
             row += n
         if not seqs:
             return {}
+        self._metas = {}
         drafts: dict[str, list[int]] = {sf.req_id: [] for sf, _, _, x, _ in seqs if x.draft}
         prev = {sf.req_id: h for sf, _, _, _, h in seqs}  # each layer's input hidden rows, from lo on
         for k, layer in enumerate(self.layers):
@@ -125,42 +134,57 @@ class MTPRunner:
     def _argmax(self, h: torch.Tensor) -> int:
         return int(self.lm_head(h).float().argmax(dim=-1)[0])
 
+    def _meta(self, parts):
+        """The attention metadata of one layer's parts (the same for every layer over the same
+        positions: built once per layout and step)."""
+        key = tuple((sf.req_id, lo, stop) for sf, lo, stop, _ in parts)
+        hit = self._metas.get(key)
+        if hit is not None:
+            return hit
+        tables = self.runner.tables
+        w = self.window
+        sfs: list[SeqForward] = []
+        rows: list[int] = []
+        for sf, lo, stop, _ in parts:
+            trow = tables.row_of[sf.req_id]
+            slots = tables.swa[trow, lo:stop].tolist()
+            ctx = max(sf.swa_ctx_start, lo - w + 1)
+            # each query attends as a decode of its own (its causal window), as a verifying decode's do
+            sfs.append(SeqForward(sf.req_id, [0] * (stop - lo), lo, slots, slots, ctx, need_logits=True,
+                                  num_drafts=stop - lo - 1))
+            rows.append(trow)
+        meta = self._metas[key] = self.runner.attn.prepare(ForwardBatch(sfs), StepTables(tables.full, tables.swa, rows),
+                                                           w, self.runner.device)
+        return meta
+
     def _layer(self, k: int, layer, parts, prev: dict[str, torch.Tensor], drafts: dict[str, list[int]]):
         """Layer ``k`` over each part's positions ``[lo, stop)`` -> {req_id: output rows}."""
         dev = self.runner.device
         ids: list[int] = []
         pos: list[int] = []
         hs = []
-        sfs: list[SeqForward] = []
-        rows: list[int] = []
-        tables = self.runner.tables
-        w = self.window
         for sf, lo, stop, x in parts:
             toks = x.tokens + drafts.get(sf.req_id, [])
             ids.extend(toks[p + k + 1 - x.first] for p in range(lo, stop))
             pos.extend(range(lo, stop))
             hs.append(prev[sf.req_id][:stop - lo])
-            trow = tables.row_of[sf.req_id]
-            slots = tables.swa[trow, lo:stop].tolist()
-            ctx = max(sf.swa_ctx_start, lo - w + 1)
-            sfs.append(SeqForward(sf.req_id, [0] * (stop - lo), lo, slots, slots, ctx, need_logits=False))
-            rows.append(trow)
         h_prev = torch.cat(hs)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         e = self.embed(torch.tensor(ids, dtype=torch.long, device=dev))
-        mb = ForwardBatch(sfs)
-        meta = self.runner.attn.prepare(mb, StepTables(tables.full, tables.swa, rows), w, dev)
+        meta = self._meta(parts)
         x = layer.fuse(h_prev, e)  # [T, H]
         a = layer.self_attn
         t = x.shape[0]
         y = layer.input_layernorm(x)
         cos, sin = self._rope(layer, y, positions)
-        q = apply_rope(a.q_proj(y).view(t, -1, a.head_dim), cos, sin)
-        kk = apply_rope(a.k_proj(y).view(t, -1, a.head_dim), cos, sin)
-        v = a.v_proj(y).view(t, -1, a.v_head_dim) * a.v_scale
+        qkv = self.qkv[k](y)  # [T, (Hq + Hkv) * Dqk + Hkv * Dv]
+        nq, nk = a.q_proj.out_features, a.k_proj.out_features
+        q = apply_rope(qkv[:, :nq].view(t, -1, a.head_dim), cos, sin)
+        kk = apply_rope(qkv[:, nq:nq + nk].view(t, -1, a.head_dim), cos, sin)
+        v = qkv[:, nq + nk:].reshape(t, -1, a.v_head_dim) * a.v_scale
         o = self.runner.attn.forward(SLIDING, q, kk, v, self.kv[k], meta, self.params[k])  # [T, Hq, Dv]
         x = x + a.o_proj(o.reshape(t, -1))
-        x = x + layer.mlp(layer.pre_mlp_layernorm(x))
+        x = x + self.mlps[k](layer.pre_mlp_layernorm(x))
         x = layer.final_layernorm(x)
         out, i = {}, 0
         for sf, lo, stop, _ in parts:
