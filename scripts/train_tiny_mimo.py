@@ -62,7 +62,7 @@ def batches(stream: torch.Tensor, n: int, seq: int, batch: int, seed: int):
 
 def losses(model, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """LM loss and each MTP layer's loss on ids [B, T] (layer i predicts ids[t+i+2] at t)."""
-    from llm_svc.models.mimo_dense import lm_hidden
+    from llm_svc.models.mimo_reference import lm_hidden
     from llm_svc.models.mimo_mtp import chain
 
     h = lm_hidden(model, ids)
@@ -170,7 +170,7 @@ def evaluate(model, held: torch.Tensor, seq: int, rows: int, seed: int, prompts:
       ``agreement_greedy[i]`` (layer i alone), ``acceptance_per_position[j]`` (drafts at
       position j accepted per verify step, vLLM's meaning), ``mean_acceptance_length``
       (tokens per verify step: 1 + accepted drafts)."""
-    from llm_svc.models.mimo_dense import lm_hidden
+    from llm_svc.models.mimo_reference import lm_hidden
     from llm_svc.models.mimo_mtp import chain
 
     model.eval()

@@ -1,5 +1,5 @@
-"""A dense forward of the published MiMo module tree (``mimo_native``) over whole sequences, no
-KV pools: the reference the MTP layers are trained and tested with.
+"""Dense attention over whole sequences, no KV pools, for the published MiMo blocks
+(``mimo_blocks``): what the MTP layers' reference forward and the LM's (``mimo_reference``) use.
 
 Attention is causal over the T positions of each row, keys of a sliding layer in ``(t - W, t]``,
 per-head sinks as one extra softmax logit with no value (as ``llm_svc.attention``). Leading
@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import apply_rope
-from .geometry import SLIDING_T
-from .mimo_native import Attention, DecoderLayer, MiMoForCausalLM, Rotary
+from .mimo_blocks import Attention, Rotary
 
 
 def visible(t: int, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -55,23 +54,3 @@ def rope(rotary: Rotary, x: torch.Tensor, positions: torch.Tensor, layer_type: s
     """cos, sin [T, R] of ``positions [T]`` for one layer type."""
     cos, sin = rotary(x, positions[None], layer_type)
     return cos[0], sin[0]
-
-
-def decoder_layer(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  window: int | None) -> torch.Tensor:
-    """Pre-norm block: h + attn(norm(h)), then + mlp(norm(.)); h [..., T, H]."""
-    h = h + self_attention(layer.self_attn, layer.input_layernorm(h), cos, sin, window)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-def lm_hidden(m: MiMoForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """ids [..., T] at positions 0..T-1 -> final-normed hidden states [..., T, H] (the input of
-    ``lm_head``, and of MTP layer 0)."""
-    g, inner = m.geometry, m.model
-    h = inner.embed_tokens(ids)
-    positions = torch.arange(ids.shape[-1], device=ids.device)
-    tables = {t: rope(inner.rotary_emb, h, positions, t) for t in set(g.layer_types)}
-    for i, layer in enumerate(inner.layers):
-        kind = g.layer_types[i]
-        h = decoder_layer(layer, h, *tables[kind], g.window if kind == SLIDING_T else None)
-    return inner.norm(h)

@@ -31,7 +31,7 @@ from shared.bundle import CheckpointError
 
 from .geometry import SLIDING_T, MiMoGeometry
 from .mimo_dense import rope, self_attention
-from .mimo_native import MLP, Attention, RMSNorm, Rotary
+from .mimo_blocks import MLP, Attention, RMSNorm, Rotary
 
 MTP_PREFIX = "model.mtp.layers."
 _LAYER = re.compile(r"model\.mtp\.layers\.(\d+)\.")

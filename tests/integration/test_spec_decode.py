@@ -280,7 +280,7 @@ def test_mtp_drafts_equal_the_dense_chain(mimo_mtp):
     drafts of the dense teacher-forced chain (``mimo_mtp.chain``) over its committed tokens and
     the drafts before each: layer k's last row -> draft k + 1, at every step (chunked prefill
     with chunk ends mid-prompt, verified bursts, rejected drafts recomputed)."""
-    from llm_svc.models.mimo_dense import lm_hidden
+    from llm_svc.models.mimo_reference import lm_hidden
     from llm_svc.models.mimo_mtp import chain
 
     lm = mimo_mtp

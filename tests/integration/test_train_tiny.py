@@ -74,7 +74,7 @@ def test_committed_checkpoint_loads_with_its_mtp_layers_and_is_trained():
     assert len(lm.model.mtp) == lm.model.geometry.mtp_layers == 3
     assert report["held_out"]["mean_acceptance_length"] > 1.5 and report["held_out"]["lm_loss"] < 3.0
     ids = lm.tokenizer("def __init__(self, name, value=None):\n        self.", return_tensors="pt")["input_ids"]
-    from llm_svc.models.mimo_dense import lm_hidden
+    from llm_svc.models.mimo_reference import lm_hidden
     from llm_svc.models.mimo_mtp import chain
 
     with torch.no_grad():

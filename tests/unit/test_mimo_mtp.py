@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from llm_svc.loader import load_lm
 from llm_svc.models import mimo_mtp
-from llm_svc.models.mimo_dense import lm_hidden
+from llm_svc.models.mimo_reference import lm_hidden
 from shared.bundle import CheckpointError
 from shared.tiny import mimo_published as mp
 from tests.conftest import SMALL_W
