@@ -163,6 +163,10 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         default="", description="speculative decoding as vLLM's --speculative-config JSON, e.g. "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; empty: off (the default)",
     )
+    max_draft_tokens: int = Field(
+        default=32, ge=1, description="speculative decoding: draft tokens one engine step verifies, shared by its "
+        "decodes (each at least one, at most num_speculative_tokens)",
+    )
     grammar_threads: int = Field(
         default=1, ge=1, description="threads compiling structured-output grammars, off the engine loop",
     )

@@ -78,6 +78,7 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
         window=model.window,
         enable_prefix_cache=settings.enable_prefix_cache,
         l3_page_tokens=settings.kv_l3_page_tokens if settings.kv_l3_url else 0,
+        max_draft_tokens=settings.max_draft_tokens,
         **{"policy": settings.schedule_policy, **(scheduler_overrides or {})},
     )
     kv_dtype = kv_dtype_of(settings, lm)

@@ -165,12 +165,14 @@ class Scheduler:
         seqs: list[SeqForward] = []
         in_batch: set[str] = set()
         preempted_before = self.num_preemptions
+        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed == 1)
+        per_decode = max(1, cfg.max_draft_tokens // max(1, decoding))  # drafts each decode may verify
         for req in list(self.running):  # decodes, each with its drafts if it has room for them
             if budget < 1:
                 break
             if req.status != RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
                 continue
-            drafts, req.spec_tokens = req.spec_tokens[:budget - 1], []
+            drafts, req.spec_tokens = req.spec_tokens[:min(budget - 1, per_decode)], []
             end = req.num_tokens + len(drafts)
             if drafts and not self._reserve_chunk(req, req.num_computed, end):
                 drafts, end = [], req.num_tokens  # drafts never preempt anyone: a plain decode

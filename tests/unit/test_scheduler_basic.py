@@ -387,3 +387,33 @@ def test_identical_prompts_share_one_prefill(cache):
     assert prefill == (len(prompt) + 3 * 1 if cache else 4 * len(prompt)), prefill
     toks = {i: [o.token_id for o in outs if o.req_id == f"c{i}"] for i in range(4)}
     assert all(t == toks[0] for t in toks.values()) and len(toks[0]) == 3
+
+
+def test_drafts_share_the_steps_draft_budget():
+    """Speculative decoding: 16 decodes with 4 drafts each under a budget of 32 draft tokens
+    verify 2 each; one decode alone verifies all 4."""
+    from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
+    from llm_svc.types import Request
+    from shared.schemas import SamplingParams
+
+    cfg = SchedulerConfig(max_batch_tokens=512, window=16, max_draft_tokens=32)
+    s = Scheduler(cfg, 4096, cfg.min_swa_slots() * 4)
+    reqs = [Request(f"r{i}", list(range(5 + i, 15 + i)), SamplingParams(max_tokens=50)) for i in range(16)]
+    for r in reqs:
+        s.add(r)
+    batch = s.schedule()
+    s.postprocess(batch, {sf.req_id: 7 for sf in batch.seqs})
+    for r in reqs:
+        r.spec_tokens = [1, 2, 3, 4]
+    batch = s.schedule()
+    assert [sf.num_drafts for sf in batch.seqs] == [2] * 16
+    s.postprocess(batch, {sf.req_id: [1, 2, 9] for sf in batch.seqs})
+    s.check_integrity()
+    for r in reqs[1:]:
+        s.abort(r.req_id)
+    reqs[0].spec_tokens = [1, 2, 3, 4]
+    batch = s.schedule()
+    assert [sf.num_drafts for sf in batch.seqs] == [4]
+    s.postprocess(batch, {"r0": [1, 5]})  # one draft kept: the other three positions' slots go back
+    s.check_integrity()
+    assert len(reqs[0].kv.full) == reqs[0].num_computed == reqs[0].num_tokens - 1
