@@ -9,12 +9,26 @@ from __future__ import annotations
 
 import json
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 from typing import Annotated, Literal
 
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 StrList = Annotated[list[str], NoDecode]
+
+
+def _redis_url(url: str) -> str:
+    """``redis://...`` (one Redis) or ``redis+cluster://h1:p1,h2:p2`` (a Redis Cluster): every
+    service builds its clients in ``shared.redis_client``; a malformed cluster URL fails here."""
+    from shared.redis_client import is_cluster, parse_cluster_url
+
+    if is_cluster(url):
+        parse_cluster_url(url)
+    return url
+
+
+# a Redis setting: redis://host:port/db, or redis+cluster://host:port[,host:port...] for a Redis Cluster
+RedisURL = Annotated[str, AfterValidator(_redis_url)]
 
 
 LENGTH_BUCKETS = {"short": (0, 64 * 1024), "medium": (64 * 1024, 256 * 1024), "long": (256 * 1024, 1024 * 1024)}
@@ -89,7 +103,10 @@ class EncoderSettings(_ServiceSettings):
     # cache
     cache_bytes: int = Field(default=512 * 1024 * 1024, ge=0)
     shm_cache_bytes: int = Field(default=0, ge=0)
-    redis_url: str | None = None
+    redis_url: RedisURL | None = Field(
+        default=None, description="Redis embedding tier shared by the encoders: redis://host:port/db, or "
+        "redis+cluster://host:port[,host:port...] for a Redis Cluster (same form for every Redis URL setting)"
+    )
     redis_ttl_s: int = Field(default=3600, ge=1)
     redis_max_bytes: int = Field(
         default=1024 * 1024 * 1024, ge=0,
@@ -195,7 +212,7 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         default=512 * 1024 * 1024, ge=0, description="host (L2) pool for full-layer KV; 0 turns the host tier off"
     )
     host_kv_swa_bytes: int = Field(default=64 * 1024 * 1024, ge=0, description="host (L2) pool for SWA-layer KV")
-    kv_l3_url: str | None = Field(
+    kv_l3_url: RedisURL | None = Field(
         default=None, description="Redis URL of the L3 KV tier shared by every LLM replica (needs the host tier)"
     )
     kv_l3_page_tokens: int = Field(default=32, ge=1, description="tokens per L3 page; SWA windows at page boundaries")
@@ -213,12 +230,12 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     media_fetch_timeout: float = Field(
         default=10.0, gt=0, description="seconds to fetch one item's embeddings from its encoders by key"
     )
-    media_redis_url: str | None = Field(
+    media_redis_url: RedisURL | None = Field(
         default=None, description="the encoders' Redis embedding tier (their MMSERVE_ENCODER_REDIS_URL): read "
         "there first, then ask the encoders"
     )
     media_redis_prefix: str = Field(default="mmserve:enc:", description="the encoders' Redis key prefix")
-    kv_events_url: str | None = Field(
+    kv_events_url: RedisURL | None = Field(
         default=None, description="Redis URL to publish KV events on (router block keys the prefix tree stored and "
         "removed), which every gateway folds into one routing index; unset: none published"
     )
@@ -277,7 +294,7 @@ class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
         default=65536, ge=1, description="prefix blocks (64 chars each) the cache-aware router remembers per LLM "
         "replica; about 15 MB per replica when full"
     )
-    kv_events_url: str | None = Field(
+    kv_events_url: RedisURL | None = Field(
         default=None, description="Redis URL of the LLM replicas' KV events: route on what they report they hold "
         "(one view for every gateway); unset or unreachable: each gateway's own record of what it sent"
     )
