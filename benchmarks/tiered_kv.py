@@ -33,9 +33,8 @@ import statistics
 import time
 from pathlib import Path
 
-import redis
-
 from benchmarks import _results
+from shared.redis_client import sync_client
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +61,7 @@ def make_engine(lm, settings, num_full: int, num_swa: int, host_full: int = 0, h
                                         "host_kv_full_bytes": 1, "host_kv_swa_bytes": 1})
         tiers = build_tiers(s, lm, model, runner, sched, runner.kv_dtype)
         if tiers.l3 is not None:
-            r = redis.Redis.from_url(l3_url)
+            r = sync_client(l3_url)  # one Redis or a cluster (scan_iter walks every primary)
             for k in r.scan_iter(match=f"mmkv:{{{tiers.l3.fp}:*", count=1000):
                 r.delete(k)
     return InProcessEngine(Engine(runner, sched, lm.eos_token_ids, tiers=tiers), lm.tokenizer)

@@ -2,7 +2,11 @@
 prefix tree stored and removed; the publisher keeps the held set (served as ``/kv/snapshot``)
 and appends each change to the Redis stream, from a background task (never on the caller's
 path). Redis being down or slow costs events, not requests: a bounded backlog drops its oldest
-and readers see the gap and reload the snapshot."""
+and readers see the gap and reload the snapshot.
+
+Every replica appends to the one stream key, so on a Redis Cluster (``redis+cluster://``) the
+stream lives on the node owning its slot and a gateway reads every replica's events with one
+single-key XREAD; the pipeline of XADDs names that one key, never a transaction."""
 
 from __future__ import annotations
 
@@ -11,9 +15,8 @@ import logging
 import secrets
 from collections import deque
 
-import redis.asyncio as aioredis
-
 from shared.kv_events import KVEvent, KVSnapshot
+from shared.redis_client import ERRORS, async_client
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,7 @@ class KVPublisher:
         self.published = self.dropped = 0
         self._backlog: deque[KVEvent] = deque(maxlen=BACKLOG)
         self._wake = asyncio.Event()
-        self._redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._redis = async_client(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -78,7 +81,7 @@ class KVPublisher:
                         for ev in batch:
                             pipe.xadd(self.stream, ev.fields(), maxlen=self.maxlen, approximate=True)
                         await pipe.execute()
-                except (aioredis.RedisError, OSError) as e:
+                except ERRORS as e:
                     log.warning("KV events: Redis unavailable (%s); retrying", e)
                     await asyncio.sleep(RETRY_S)
                     continue

@@ -23,11 +23,10 @@ import logging
 from urllib.parse import quote, urlsplit
 
 import httpx
-import redis.asyncio as aioredis
 import torch
-from redis.exceptions import RedisError
 
 from shared.embedding_store import DEFAULT_PREFIX, entry_key, from_bytes
+from shared.redis_client import ERRORS, async_client
 from shared.schemas import EncodeResult
 from shared.wire import WireError, unpack
 
@@ -95,8 +94,8 @@ class EmbeddingFetcher:
         self.timeout = timeout
         self.metrics = metrics
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout), trust_env=False, headers=headers)
-        self._redis = aioredis.from_url(redis_url, socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout,
-                                        retry_on_timeout=False) if redis_url else None
+        self._redis = async_client(redis_url, socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout,
+                                   retry_on_timeout=False) if redis_url else None
         self.redis_prefix = redis_prefix
         self.redis_hits = 0
         self._inflight: dict[str, asyncio.Task] = {}
@@ -151,7 +150,7 @@ class EmbeddingFetcher:
     async def _from_redis(self, ref: EmbeddingRef, why: list[str]) -> torch.Tensor | None:
         try:
             data = await self._redis.get(entry_key(self.redis_prefix, ref.key))
-        except (RedisError, OSError) as e:
+        except ERRORS as e:
             why.append(f"redis: {type(e).__name__}")
             return None
         t = from_bytes(ref.key, data) if data else None
@@ -225,5 +224,5 @@ class EmbeddingFetcher:
         if self._redis is not None:
             try:
                 await self._redis.aclose()
-            except (RedisError, OSError):
+            except ERRORS:
                 pass

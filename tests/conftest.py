@@ -91,3 +91,22 @@ def gemma16(tmp_path_factory):
     from shared.tiny_model import write_tiny_model
 
     return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "gemma16", arch="gemma3", sliding_window=SMALL_W)))
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real 3-primary Redis Cluster of this session (tests/redis_cluster.py): ``.url`` is the
+    services' ``redis+cluster://`` form, ``.node_of(key)`` / ``.keys_by_node(match)`` show
+    where keys landed."""
+    from tests.redis_cluster import running_cluster
+
+    with running_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def any_redis_url(request) -> str:
+    """Runs the test twice: against the single Redis and against the Redis Cluster."""
+    if request.param == "redis":
+        return request.getfixturevalue("redis_url")
+    return request.getfixturevalue("redis_cluster").url

@@ -2,8 +2,9 @@
 
 One key per entry, ``{prefix}e:{<media key>}`` (safetensors bytes, ``SET ... EX ttl``), and
 every command touches one key: no Lua script, no sorted set or counter to keep in step, so it
-is safe on Redis Cluster (the braces are a hash tag: anything ever stored beside an entry
-under the same tag lands in its slot) and Redis's own eviction owns the budget: run Redis with
+is safe on Redis Cluster (``redis+cluster://``, ``shared.redis_client``; the braces are a hash
+tag: anything ever stored beside an entry under the same tag lands in its slot, while entries
+spread over the nodes) and Redis's own eviction owns the budget: run Redis with
 ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (compose.yaml does), where bookkeeping keys
 would be evicted independently of the entries they describe. ``max_bytes`` caps one entry.
 
@@ -16,12 +17,11 @@ from __future__ import annotations
 import logging
 import time
 
-import redis.asyncio as aioredis
 import torch
-from redis.exceptions import RedisError
 
 from encoder_svc.cache.base import CacheTier, from_bytes, to_bytes
 from shared.embedding_store import entry_key
+from shared.redis_client import ERRORS, async_client
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class RedisTier(CacheTier):
         self.url, self.ttl_s, self.max_bytes, self.prefix = url, ttl_s, max_bytes, prefix
         self.retry_after = retry_after
         self._on_error = on_error
-        self._client = aioredis.from_url(
+        self._client = async_client(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
         )
         self._down_until = 0.0
@@ -61,7 +61,7 @@ class RedisTier(CacheTier):
             return None
         try:
             data = await self._client.get(self.entry_key(key))  # a read refreshes its LRU clock
-        except (RedisError, OSError) as e:
+        except ERRORS as e:
             self._failed("get", e)
             return None
         return from_bytes(key, data) if data else None
@@ -75,7 +75,7 @@ class RedisTier(CacheTier):
         try:
             await self._client.set(self.entry_key(key), data, ex=self.ttl_s)
             self._bytes += len(data)
-        except (RedisError, OSError) as e:
+        except ERRORS as e:
             self._failed("put", e)
             return False
         return True
@@ -84,7 +84,8 @@ class RedisTier(CacheTier):
         return self._bytes
 
     async def clear(self) -> None:
-        """Delete every key under this tier's prefix (tests, operators)."""
+        """Delete every key under this tier's prefix (tests, operators; on a cluster the scan
+        walks every primary)."""
         async for k in self._client.scan_iter(match=f"{self.prefix}*", count=500):
             await self._client.delete(k)
         self._bytes = 0
@@ -99,5 +100,5 @@ class RedisTier(CacheTier):
     async def close(self) -> None:
         try:
             await self._client.aclose()
-        except (RedisError, OSError):
+        except ERRORS:
             pass

@@ -15,10 +15,10 @@ import logging
 from collections.abc import Callable
 
 import httpx
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from shared.kv_events import SNAPSHOT_PATH, KVEvent, KVSnapshot
+from shared.redis_client import ERRORS, async_client
 
 from .kv_index import KVIndex
 
@@ -47,10 +47,10 @@ class KVEventFeed:
 
     async def run(self) -> None:
         while True:
-            r = aioredis.from_url(self.url, socket_connect_timeout=2.0, socket_timeout=BLOCK_MS / 1000 + 2.0)
+            r = async_client(self.url, socket_connect_timeout=2.0, socket_timeout=BLOCK_MS / 1000 + 2.0)
             try:
                 await self._follow(r)
-            except (aioredis.RedisError, OSError) as e:
+            except ERRORS as e:
                 if self.connected:
                     log.warning("KV events: lost Redis (%s); routing on this gateway's own record", e)
                 self.connected = False
@@ -59,7 +59,8 @@ class KVEventFeed:
                 self.connected = False
                 await r.aclose()
 
-    async def _follow(self, r: aioredis.Redis) -> None:
+    async def _follow(self, r) -> None:
+        # one stream key: on a Redis Cluster every read goes to the node owning its slot
         last = await r.xrevrange(self.stream, count=1)
         last_id = last[0][0] if last else b"0-0"
         self.index.mark_stale()

@@ -1,7 +1,8 @@
 """The shared L3 KV tier in Redis: pages of full KV and SWA windows, keyed by content.
 
 Keys (``{...}`` is a Redis Cluster hash tag: a conversation's pages share its first page's tag,
-so one pipeline reaches one node)::
+so a lookup's pipelines -- every page and window of one chain -- reach one node, and different
+conversations spread over the cluster's nodes)::
 
     mmkv:{<fp>:<h1>}:p:<h_j>   full-layer KV of tokens [(j-1)P, jP)         (page j)
     mmkv:{<fp>:<h1>}:w:<h_j>   SWA-layer KV of tokens [jP - W, jP)          (window at jP)
@@ -17,6 +18,9 @@ Redis outages: every command has short timeouts; after a failure the store is *d
 backoff (0.5 s doubling to 30 s) during which it is skipped (serving goes on with device +
 host), then the next command reconnects. Writes and touches run on one background thread with
 a bounded queue (dropped, and counted, when it is full).
+
+``url`` may name a Redis Cluster (``redis+cluster://``, ``shared.redis_client``): pipelines are
+never transactions, so a touch whose keys span conversations (slots) is split by node.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+
+from shared.redis_client import ERRORS, sync_client
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +95,10 @@ class L3Store:
 
     def __init__(self, url: str, fp: str, page: int, window: int, full_token_bytes: int, swa_token_bytes: int,
                  ttl_s: int = 86400, timeout_s: float = 0.5, max_queue: int = 256) -> None:
-        import redis
-
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                           retry_on_timeout=False)
+        self.url = url
+        self._client_opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False)
+        self._client = None
+        self._client_lock = threading.Lock()
         self.fp, self.page, self.window, self.ttl = fp, page, window, ttl_s
         self.full_token_bytes, self.swa_token_bytes = full_token_bytes, swa_token_bytes
         self._down_until = 0.0
@@ -109,6 +115,15 @@ class L3Store:
         self._stop = False
         self._thread = threading.Thread(target=self._writer, name="l3-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def client(self):
+        """The Redis client, made on first use: a cluster's client connects to learn the slots when
+        it is made, so a cluster down at start-up is an outage like any other (``ERRORS``)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = sync_client(self.url, **self._client_opts)
+            return self._client
 
     # ------------------------------------------------------------------ keys
     def _tag(self, hashes: list[bytes]) -> str:
@@ -153,8 +168,6 @@ class L3Store:
         if not self.up:
             self._count("l3_skipped")
             return None
-        import redis
-
         hashes = chain_hashes(keys, self.page)
         if len(hashes) * self.page <= local:
             return None
@@ -182,7 +195,7 @@ class L3Store:
             pipe.get(self.window_key(hashes, best))
             values = pipe.execute()
             self._ok()
-        except redis.RedisError as e:
+        except ERRORS as e:
             self._failed(e)
             return None
         pages = []
@@ -238,7 +251,7 @@ class L3Store:
         self._submit(None)
 
     def _writer(self) -> None:
-        import redis
+        from redis.exceptions import ClusterError, RedisClusterException, ResponseError
 
         while True:
             job = self._q.get()
@@ -263,10 +276,12 @@ class L3Store:
                     pipe.execute()
                     self._count("l3_touches", len(job[1]))
                 self._ok()
-            except redis.ResponseError as e:  # e.g. OOM under maxmemory + noeviction: full, not down
+            except (ClusterError, RedisClusterException) as e:  # CLUSTERDOWN is a ResponseError too
+                self._failed(e)
+            except ResponseError as e:  # e.g. OOM under maxmemory + noeviction: full, not down
                 self._count("l3_rejected_writes")
                 log.debug("L3 refused a write: %s", e)
-            except redis.RedisError as e:
+            except ERRORS as e:
                 self._failed(e)
             except Exception:  # never let the writer die
                 log.exception("L3 writer job failed")

@@ -1,6 +1,7 @@
 """KV events end to end: two LLM services (tiny model, engine cores in their own processes)
-publish what their prefix trees hold on a real Redis; two gateways fold the events and route a
-conversation alike, before and after the replica holding it evicts it (real HTTP throughout)."""
+publish what their prefix trees hold on a real Redis (one server, then a Redis Cluster); two
+gateways fold the events and route a conversation alike, before and after the replica holding it
+evicts it (real HTTP throughout)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import uuid
 
 import httpx
 import pytest
-import redis
 
 from gateway.app import create_app as gateway_app
 from gateway.testing import ServerThread, free_port_url
 from llm_svc.app import create_app as llm_app
 from shared.prefix_keys import prefix_blocks
+from shared.redis_client import sync_client
 from shared.schemas import GenerateRequest, PromptMessage, PromptText, SamplingParams
 from shared.settings import GatewaySettings, LLMSettings
 from tests.integration.test_llm_service import _metric, post
@@ -57,7 +58,8 @@ def requests_served(svc: ServerThread) -> float:
     return _metric(svc, "mmserve_llm_requests_total")
 
 
-def test_two_gateways_route_alike_on_kv_events_after_an_eviction(mimo_bundle, redis_url):
+def test_two_gateways_route_alike_on_kv_events_after_an_eviction(mimo_bundle, any_redis_url):
+    redis_url = any_redis_url
     stream = f"test:kv-events:{uuid.uuid4().hex}"
     # a small device pool and no host tier: a few prompts evict everything unlocked
     llm_settings = LLMSettings(model_dir=str(mimo_bundle), max_model_len=512, kv_bytes=2 * 1024 * 1024,
@@ -82,7 +84,7 @@ def test_two_gateways_route_alike_on_kv_events_after_an_eviction(mimo_bundle, re
                                       kv_events_url=redis_url, kv_events_stream=stream, router_recent_s=0)
         gws = [ServerThread(gateway_app(gw_settings)).start() for _ in range(2)]
         feeds = [gw.server.config.app.state.gateway.kv_feed for gw in gws]
-        r = redis.Redis.from_url(redis_url)
+        r = sync_client(redis_url)
 
         def caught_up() -> bool:  # every gateway has loaded both replicas and read every event
             return all(f.connected and len(f.index.instances()) == 2 and not f.index.stale()
