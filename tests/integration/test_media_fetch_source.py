@@ -1,7 +1,7 @@
 """Where the LLM front read each media item sent by reference is on its /metrics: an item in the
 encoders' real Redis tier counts as ``source="redis"`` (no encoder is asked), one only an encoder
 holds (over real HTTP) as ``source="http"``; ``mmserve_llm_media_refs_total{outcome}`` counts both
-as fetched, as before."""
+as fetched, as before; on one Redis and on a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import asyncio
 import uuid
 
 import pytest
-import redis as sync_redis
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,6 +17,7 @@ from gateway.testing import ServerThread, fake_encoder_app, filled
 from llm_svc.media_fetch import EmbeddingFetcher
 from llm_svc.metrics import LLMMetrics
 from llm_svc.types import BackendStats, EmbeddingRef
+from shared.redis_client import sync_client
 
 pytestmark = pytest.mark.integration
 HIDDEN = 8
@@ -29,7 +29,8 @@ def samples(metrics: LLMMetrics) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def test_each_fetched_item_is_counted_by_its_source(redis_url):
+def test_each_fetched_item_is_counted_by_its_source(any_redis_url):
+    redis_url = any_redis_url
     prefix = f"mmserve:test:src:{uuid.uuid4().hex[:8]}:"
     in_redis = torch.arange(3 * HIDDEN, dtype=torch.float32).reshape(3, HIDDEN)
     app = fake_encoder_app("e0", hidden=HIDDEN)
@@ -52,7 +53,7 @@ def test_each_fetched_item_is_counted_by_its_source(redis_url):
         with ServerThread(app) as enc:
             got = asyncio.run(go(enc.url))
     finally:
-        client = sync_redis.Redis.from_url(redis_url)
+        client = sync_client(redis_url)
         for k in client.scan_iter(match=f"{prefix}*"):
             client.delete(k)
         client.close()

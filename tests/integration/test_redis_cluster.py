@@ -264,3 +264,32 @@ def test_kv_events_of_two_replicas_reach_a_gateway_index_through_the_cluster(red
     owner = redis_cluster.node_of(stream)
     assert {p for p, keys in redis_cluster.keys_by_node(stream).items() if keys} == {owner}
     drop(url, stream)
+
+
+# ------------------------------------------------------------------ LLM media fetch
+def test_llm_media_fetch_reads_every_item_from_the_cluster_tier(redis_cluster, prefix):
+    """Items an encoder stored on the cluster (on several nodes) are read there: the encoder URL
+    named in the refs answers nothing, so an item not found in Redis would fail the fetch."""
+    from llm_svc.media_fetch import EmbeddingFetcher
+    from llm_svc.types import EmbeddingRef
+
+    hidden = 8
+    items = {f"m@1:image:s:f{i}": torch.full((i + 1, hidden), float(i)) for i in range(9)}
+    dead = "http://127.0.0.1:9"
+
+    async def go():
+        tier = RedisTier(redis_cluster.url, ttl_s=60, max_bytes=1 << 20, prefix=prefix)
+        for k, v in items.items():
+            assert await tier.put(k, v)
+        await tier.close()
+        f = EmbeddingFetcher(hidden, timeout=2, redis_url=redis_cluster.url, redis_prefix=prefix)
+        try:
+            got = await f.fetch_many({i: EmbeddingRef(k, (dead,), v.shape[0]) for i, (k, v) in enumerate(items.items())})
+            return got, f.redis_hits, f.gets
+        finally:
+            await f.close()
+
+    got, hits, gets = asyncio.run(go())
+    assert all(torch.equal(got[i], v) for i, v in enumerate(items.values()))
+    assert (hits, gets) == (len(items), 0)
+    assert spread(redis_cluster.keys_by_node(f"{prefix}*")) >= 2
