@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -79,6 +80,32 @@ class GatewayMetrics:
             ("mmserve_gateway_kv_snapshots", "replica KV snapshots loaded", lambda: feed.snapshots),
         ):
             Gauge(name, doc, registry=self.registry).set_function(fn)
+
+    def watch_replicas(self, **services) -> None:
+        """Per service (``name=(pool, client)``), read at scrape time: each replica's state
+        (``mmserve_gateway_replica_up``: 1 routable, 0 out of rotation; ``lost`` 1 when it gives no
+        answer at all) and the waits on replicas ended because they were lost."""
+
+        class _Replicas:
+            def collect(self):
+                up = GaugeMetricFamily("mmserve_gateway_replica_up", "1 while a replica is in rotation",
+                                       labels=["service", "replica"])
+                lost = GaugeMetricFamily("mmserve_gateway_replica_lost", "1 while a replica answers no probe at all",
+                                         labels=["service", "replica"])
+                ended = CounterMetricFamily("mmserve_gateway_upstream_lost",
+                                            "requests' waits on a replica ended because it stopped answering: "
+                                            "before_answer (retried elsewhere), mid_answer (answered with an error)",
+                                            labels=["service", "when"])
+                for name, (pool, client) in services.items():
+                    healthy, gone = set(pool.healthy()), set(pool.lost())
+                    for r in pool.replicas():
+                        up.add_metric([name, r], float(r in healthy))
+                        lost.add_metric([name, r], float(r in gone))
+                    for when, n in client.waits.lost.items():
+                        ended.add_metric([name, when], n)
+                yield from (up, lost, ended)
+
+        self.registry.register(_Replicas())
 
     def watch_admission(self, admission) -> None:
         """Gauges read the gate's counters at scrape time."""

@@ -93,6 +93,7 @@ class GatewayState:
         admission = Admission(AdmissionConfig(s.max_in_flight, s.max_queue, s.queue_timeout), "gateway")
         metrics.watch_admission(admission)
         metrics.watch_router(llms.router)
+        metrics.watch_replicas(encoder=(encoder_pool, encoders), llm=(llm_pool, llms))
         if kv_feed is not None:
             metrics.watch_kv_feed(kv_feed)
         return cls(s, metrics, http, fetch_http, encoder_pool, llm_pool, encoders, llms, fetcher, llm_limits,

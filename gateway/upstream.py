@@ -12,6 +12,9 @@ Failure policy (the protocol in ``shared.schemas``):
   distinct replica after a jittered backoff; any other 5xx or a timeout is answered at once
   (retrying work that failed or timed out multiplies load on an overloaded stack);
   when every attempt fails -> ``UpstreamError`` (502, or 503 when no replica exists);
+* a replica the pool finds unreachable (silent probes: a host cut off) ends every wait on it:
+  a request it had not answered yet is retried on another replica, a generation already
+  streaming ends with an error (``gateway.routing.inflight``);
 * a pooled connection that drops before any answer (reset, or closed by the server's keep-alive
   timer as the request went out) is retried once more on the same replica: that replica is
   fine, and with a single replica there is no other to try.
@@ -35,6 +38,7 @@ from gateway.aio import gather_or_cancel
 from gateway.media import MediaError, MediaItem
 from gateway.routing.capacity import ReplicaLimits, estimate_prompt_tokens
 from gateway.routing.encoder_ring import EncoderRing
+from gateway.routing.inflight import InFlightWaits, ReplicaLost
 from gateway.routing.llm_router import LLMRouter
 from shared.prefix_keys import prefix_blocks
 from gateway.routing.replicas import ReplicaPool
@@ -47,6 +51,8 @@ log = logging.getLogger("mmserve.gateway.upstream")
 # the monotonic deadline of the client request being served (set by the chat route)
 upstream_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("upstream_deadline", default=None)
 RETRY_BASE_S = 0.025  # first retry waits U(0, 25 ms), then U(0, 50 ms), ...
+LOST_MID_GENERATION = ("the LLM replica serving this request stopped answering mid-generation (it was found "
+                       "unreachable); the output so far is incomplete: retry the request")
 # the connection failed, or broke before a response: another replica may well serve it
 _CONNECTION_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.NetworkError)
 # ... of those, the ones where the replica was reached: the connection dropped before an answer
@@ -172,6 +178,8 @@ class EncoderClient:
         self._on_failover = on_failover
         self.load_factor = load_factor
         self._in_flight: dict[str, int] = {}  # node -> encodes sent and not answered
+        self.waits = InFlightWaits()
+        pool.on_lost(self.waits.lose)
 
     def load(self, node: str) -> int:
         return self._in_flight.get(node, 0)
@@ -226,16 +234,19 @@ class EncoderClient:
         if by_ref:
             params["by_ref"] = "true"
         try:
-            r = await self._client.post(
-                f"{node}/v1/encode",
-                params=params,
-                content=item.data,
-                headers={"content-type": "application/octet-stream", **deadline_header(upstream_deadline.get())},
-                timeout=self.timeout,
-            )
-        except httpx.ConnectError as e:
+            with self.waits.waiting(node):
+                r = await self._client.post(
+                    f"{node}/v1/encode",
+                    params=params,
+                    content=item.data,
+                    headers={"content-type": "application/octet-stream", **deadline_header(upstream_deadline.get())},
+                    timeout=self.timeout,
+                )
+        except ReplicaLost as e:  # encoding is idempotent: the next node along the ring
+            raise _Retry(str(e)) from e
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             self._pool.report_failure(node)
-            raise _Retry(f"connection failed: {e}") from e
+            raise _Retry(f"connection failed: {type(e).__name__}: {e}") from e
         except _CONNECTION_ERRORS as e:
             raise _dropped(e) from e
         except httpx.TimeoutException as e:
@@ -278,17 +289,27 @@ class EncoderClient:
 class LLMStream:
     """An open NDJSON generation stream; iterate for chunks, always ``aclose()``."""
 
-    def __init__(self, response: httpx.Response, replica: str, router: LLMRouter) -> None:
+    def __init__(self, response: httpx.Response, replica: str, router: LLMRouter, waits: InFlightWaits) -> None:
         self.response = response
         self.replica = replica
         self._router = router
+        self._waits = waits
         self._closed = False
 
     async def chunks(self) -> AsyncIterator[GenerateChunk]:
+        lines = self.response.aiter_lines()
         try:
-            async for line in self.response.aiter_lines():
+            while True:
+                # one await at a time: a cancel scope never spans the yield
+                with self._waits.waiting(self.replica, answering=True):
+                    try:
+                        line = await anext(lines)
+                    except StopAsyncIteration:
+                        return
                 if line.strip():
                     yield GenerateChunk.model_validate_json(line)
+        except ReplicaLost as e:
+            raise UpstreamError(LOST_MID_GENERATION) from e
         except httpx.HTTPError as e:
             raise UpstreamError(f"LLM stream from {self.replica} broke: {type(e).__name__}: {e}") from e
         except ValueError as e:
@@ -325,6 +346,8 @@ class LLMClient:
         self.attempts = attempts
         self.timeout = timeout
         self.limits = limits or ReplicaLimits()
+        self.waits = InFlightWaits()
+        pool.on_lost(self.waits.lose)
 
     async def generate(self, req: GenerateRequest, body: bytes, prefer: str | None = None) -> GenerateResponse:
         return await self.read(await self._send(req, body, prefer))
@@ -332,11 +355,14 @@ class LLMClient:
     async def read(self, stream: "LLMStream") -> GenerateResponse:
         """The whole (non-streamed) answer of an open generation; closes it."""
         try:
-            await stream.response.aread()
+            with self.waits.waiting(stream.replica, answering=True):
+                await stream.response.aread()
             try:
                 return GenerateResponse.model_validate_json(stream.response.content)
             except ValueError as e:
                 raise UpstreamError(f"LLM {stream.replica} sent a bad response: {e}") from e
+        except ReplicaLost as e:
+            raise UpstreamError(LOST_MID_GENERATION) from e
         except httpx.HTTPError as e:
             raise UpstreamError(f"LLM {stream.replica} failed: {type(e).__name__}: {e}") from e
         finally:
@@ -412,11 +438,15 @@ class LLMClient:
         )
         self.router.begin(replica)
         try:
-            response = await self._client.send(request, stream=True)
-        except httpx.ConnectError as e:
+            with self.waits.waiting(replica):
+                response = await self._client.send(request, stream=True)
+        except ReplicaLost as e:  # nothing answered yet: safe on another replica
+            self.router.end(replica)
+            raise _Retry(str(e)) from e
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             self.router.end(replica)
             self._pool.report_failure(replica)
-            raise _Retry(f"connection failed: {e}") from e
+            raise _Retry(f"connection failed: {type(e).__name__}: {e}") from e
         except _CONNECTION_ERRORS as e:
             self.router.end(replica)
             raise _dropped(e) from e
@@ -426,7 +456,7 @@ class LLMClient:
         except BaseException:
             self.router.end(replica)
             raise
-        stream = LLMStream(response, replica, self.router)
+        stream = LLMStream(response, replica, self.router, self.waits)
         if response.status_code == 200:
             return stream
         try:

@@ -1,10 +1,16 @@
 """A pool of replicas behind configured base URLs: hostnames expanded to one replica per DNS
 A record (re-resolved periodically) and a background /readyz prober that marks replicas down
-and up again.  Routing policies read ``routable()``; they never probe."""
+and up again.  Routing policies read ``routable()``; they never probe.
+
+A replica that answers "not ready" or refuses connections is down: its host is up, so its open
+streams still flow (a draining replica finishes what it holds).  One that does not answer at all
+(timeouts, no route: a host cut off, a hung process) for ``fail_threshold`` probes in a row is
+also *lost*: ``on_lost`` listeners hear of it, so that callers stop waiting on it."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import socket
@@ -16,7 +22,9 @@ import httpx
 log = logging.getLogger("mmserve.gateway.replicas")
 
 HostResolver = Callable[[str, int], Awaitable[list[str]]]
-Prober = Callable[[str], Awaitable[bool]]
+# True: ready; False: answered, not ready (or refused the connection); None: no answer at all
+Prober = Callable[[str], Awaitable[bool | None]]
+_SILENT_ERRNOS = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ETIMEDOUT})
 
 
 async def resolve_ipv4(host: str, port: int) -> list[str]:
@@ -27,11 +35,28 @@ async def resolve_ipv4(host: str, port: int) -> list[str]:
     return sorted({info[4][0] for info in infos})
 
 
+def unreachable(e: BaseException) -> bool:
+    """``e`` (an httpx error) says the peer never answered: a timeout, or no route to its host.
+    A refused connection is an answer (the host is up, nothing listens there)."""
+    if isinstance(e, httpx.TimeoutException):
+        return True
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in _SILENT_ERRNOS:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    text = str(e)
+    return "No route to host" in text or "Network is unreachable" in text
+
+
 def http_prober(
     client: httpx.AsyncClient, timeout: float = 2.0, on_ready: Callable[[str, object], None] | None = None
 ) -> Prober:
-    """A prober that calls ``GET {url}/readyz`` and wants a 200; ``on_ready(url, json_body)``
-    sees each ready answer (replicas report their limits there)."""
+    """A prober that calls ``GET {url}/readyz`` and wants a 200 (None when nothing answered:
+    see ``unreachable``); ``on_ready(url, json_body)`` sees each ready answer (replicas report
+    their limits there)."""
 
     async def probe(url: str) -> bool:
         try:
@@ -42,8 +67,8 @@ def http_prober(
                 except ValueError:
                     pass
             return r.status_code == 200
-        except httpx.HTTPError:
-            return False
+        except httpx.HTTPError as e:
+            return None if unreachable(e) else False
 
     return probe
 
@@ -81,7 +106,9 @@ class ReplicaPool:
         # reshuffle the ring (and every encoder cache behind it)
         self.fail_threshold = fail_threshold
         self._fails: dict[str, int] = {}
+        self._silent: dict[str, int] = {}  # consecutive probes that got no answer at all
         self._listeners: list[Callable[[], None]] = []
+        self._lost_listeners: list[Callable[[str], None]] = []
         self._probing = False  # True while run() probes, so a marked-down replica can come back
 
     # ---- views ----------------------------------------------------------------------------
@@ -98,6 +125,14 @@ class ReplicaPool:
         """``callback()`` runs whenever the replica list or the health of one changes."""
         self._listeners.append(callback)
         callback()
+
+    def lost(self) -> list[str]:
+        """Replicas that gave no answer at all to the last ``fail_threshold`` probes."""
+        return [r for r in self._replicas if self._silent.get(r, 0) >= self.fail_threshold]
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """``callback(replica)`` runs after every probe round that finds ``replica`` lost."""
+        self._lost_listeners.append(callback)
 
     def _changed(self) -> None:
         for cb in self._listeners:
@@ -128,6 +163,8 @@ class ReplicaPool:
             log.info("%s replicas: %s", self.name, new)
             self._replicas = new
             self._down &= set(new)
+            for gone in set(self._silent) - set(new):
+                del self._silent[gone]
             self._changed()
 
     async def expand(self, url: str) -> list[str]:
@@ -156,11 +193,19 @@ class ReplicaPool:
         for r, ok in zip(replicas, results):
             if ok:
                 self._fails.pop(r, None)
+                self._silent.pop(r, None)
                 self.mark_up(r)
                 continue
             self._fails[r] = self._fails.get(r, 0) + 1
+            if ok is None:
+                self._silent[r] = self._silent.get(r, 0) + 1
+            else:
+                self._silent.pop(r, None)
             if self._fails[r] >= self.fail_threshold:
                 self.mark_down(r)
+            if self._silent.get(r, 0) >= self.fail_threshold:
+                for cb in self._lost_listeners:
+                    cb(r)
 
     async def any_ready(self) -> bool:
         """Probe now: does at least one replica answer ready?"""

@@ -125,3 +125,77 @@ def test_a_replica_leaves_rotation_only_after_consecutive_failed_probes():
     assert pool.healthy() == urls[:1]
     with pytest.raises(ValueError):
         ReplicaPool("encoder", urls, fail_threshold=0)
+
+
+def test_silent_probes_make_a_replica_lost_refusals_only_down():
+    urls = ["http://10.0.0.1:1", "http://10.0.0.2:1", "http://10.0.0.3:1"]
+    answers = {urls[0]: True, urls[1]: False, urls[2]: None}  # ready, refused / not ready, no answer
+
+    async def probe(url):
+        return answers[url]
+
+    lost: list[str] = []
+    pool = ReplicaPool("llm", urls, prober=probe, fail_threshold=2)
+    pool.on_lost(lost.append)
+    asyncio.run(pool.probe_all())
+    assert pool.lost() == [] and lost == [] and pool.healthy() == urls
+    asyncio.run(pool.probe_all())
+    assert pool.healthy() == [urls[0]] and pool.lost() == [urls[2]] and lost == [urls[2]]
+    answers[urls[2]] = True  # it answers again: neither lost nor down
+    asyncio.run(pool.probe_all())
+    assert pool.lost() == [] and pool.healthy() == [urls[0], urls[2]]
+
+
+def test_unreachable_tells_silence_from_refusal():
+    import errno
+
+    import httpx
+
+    from gateway.routing.replicas import unreachable
+
+    def connect_error(code):
+        try:
+            try:
+                raise OSError(code, "x")
+            except OSError as e:
+                raise httpx.ConnectError(str(e)) from e
+        except httpx.ConnectError as e:
+            return e
+
+    assert unreachable(httpx.ConnectTimeout("t")) and unreachable(httpx.ReadTimeout("t"))
+    assert unreachable(connect_error(errno.EHOSTUNREACH)) and unreachable(connect_error(errno.ENETUNREACH))
+    assert not unreachable(connect_error(errno.ECONNREFUSED))
+    assert not unreachable(httpx.RemoteProtocolError("closed"))
+
+
+def test_lose_ends_the_waits_on_that_replica_only():
+    import anyio
+
+    from gateway.routing.inflight import InFlightWaits, ReplicaLost
+
+    waits = InFlightWaits()
+    results: dict[str, str] = {}
+
+    async def wait_on(name: str, replica: str, answering: bool) -> None:
+        try:
+            with waits.waiting(replica, answering=answering):
+                await anyio.sleep(5)
+            results[name] = "finished"
+        except ReplicaLost as e:
+            results[name] = f"lost {e.replica}"
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_on, "a", "r1", False)
+            tg.start_soon(wait_on, "b", "r1", True)
+            tg.start_soon(wait_on, "c", "r2", True)
+            await anyio.sleep(0.05)
+            assert waits.open("r1") == 2 and waits.open("r2") == 1
+            assert waits.lose("r1") == 2
+            await anyio.sleep(0.05)
+            assert waits.open("r1") == 0 and waits.open("r2") == 1
+            tg.cancel_scope.cancel()
+
+    asyncio.run(main())
+    assert results == {"a": "lost r1", "b": "lost r1"}  # c was cancelled with the group, not lost
+    assert waits.lost == {"before_answer": 1, "mid_answer": 1} and waits.open("r2") == 0
