@@ -293,3 +293,19 @@ def test_llm_media_fetch_reads_every_item_from_the_cluster_tier(redis_cluster, p
     assert all(torch.equal(got[i], v) for i, v in enumerate(items.values()))
     assert (hits, gets) == (len(items), 0)
     assert spread(redis_cluster.keys_by_node(f"{prefix}*")) >= 2
+
+
+def test_l3_with_its_cluster_down_at_start_is_an_outage_not_a_crash():
+    """A cluster's blocking client connects when it is made: the store makes it on first use,
+    inside its error handling, so a cluster unreachable at start-up is an outage like any other."""
+    from tests.integration.test_kv_tiers import free_port
+
+    store = L3Store(f"redis+cluster://127.0.0.1:{free_port()}", fingerprint({"t": 1}), PAGE_TOKENS, W, 1, 1,
+                    timeout_s=0.2)
+    try:
+        assert store.lookup(list(range(4 * PAGE_TOKENS)), 0, 0) is None
+        assert store.stats["l3_errors"] == 1 and store.stats["l3_up"] == 0 and not store.up
+        store.put([("k", b"v")], 1, 0)  # skipped while down
+        assert store.stats["l3_skipped"] == 1
+    finally:
+        store.close()
