@@ -36,6 +36,17 @@ def unavailable() -> str | None:
     return None
 
 
+def _free_subnet(tag: int) -> str:
+    """A 10.x.y.0/24 no interface here is on (two fabrics at once never share one)."""
+    taken = _ip("-4", "-o", "addr", check=False).stdout
+    for i in range(12500):
+        k = (tag + i) % 12500
+        subnet = f"10.{200 + k // 250}.{k % 250}"
+        if f" {subnet}." not in taken:
+            return subnet
+    raise RuntimeError("no free 10.200-249.x.0/24 subnet")
+
+
 @dataclass
 class Host:
     name: str
@@ -52,7 +63,7 @@ class Fabric:
     def __init__(self, subnet: str | None = None) -> None:
         tag = os.getpid() % 100000
         self.tag = tag
-        self.subnet = subnet or f"10.{200 + tag % 50}.{tag % 250}"
+        self.subnet = subnet or _free_subnet(tag)
         self.bridge = f"mmbr{tag}"
         self.gateway_ip = f"{self.subnet}.1"
         self.hosts: dict[str, Host] = {}

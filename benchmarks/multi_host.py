@@ -54,6 +54,13 @@ class Plan:
     warm_s: float = 6.0  # load before the cut, once every replica took traffic
     after_s: float = 4.0  # load after each change is seen
     scale_encoders: bool = True
+    gateways: int = 2
+    encoders: int = 2
+    llms: int = 3  # the last one is cut off
+
+    def __post_init__(self) -> None:
+        if self.llms < 2 or self.gateways < 1 or self.encoders < 1:
+            raise ValueError("the scenario needs >= 2 LLMs (one is cut), >= 1 gateway and >= 1 encoder")
 
 
 @dataclass
@@ -271,13 +278,13 @@ def run_scenario(model_dir: str, log_dir: Path, plan: Plan, progress=print) -> R
     with Fabric() as f:
         c = Cluster(f, model_dir, log_dir, plan)
         c.start_redis()
-        for i in (1, 2):
+        for i in range(1, plan.encoders + 1):
             c.start_encoder(f"enc{i}")
-        for i in (1, 2, 3):
+        for i in range(1, plan.llms + 1):
             c.start_llm(f"llm{i}")
         f.set_name("encoder", [h.ip for h in c.encoders])
         f.set_name("llm", [h.ip for h in c.llms])
-        for i in (1, 2):
+        for i in range(1, plan.gateways + 1):
             c.start_gateway(f"gw{i}")
         t0 = time.monotonic()
         c.wait_ready(c.encoders, ENCODER_PORT)
@@ -308,7 +315,7 @@ def _phases(c: Cluster, plan: Plan, rec: Record, progress) -> None:
         raise RuntimeError(f"not every LLM replica took traffic: {[_llm_served(c, h) for h in c.llms]}")
     time.sleep(plan.warm_s)
     # 2. cut one LLM host
-    cut = c.llms[2]
+    cut = c.llms[-1]
     cut_url = c.url(cut, LLM_PORT)
     served_at_cut = _llm_served(c, cut) or 0.0
 
@@ -327,7 +334,7 @@ def _phases(c: Cluster, plan: Plan, rec: Record, progress) -> None:
     progress(f"gateways took it out of rotation after {rec.detect_s} s")
     time.sleep(plan.after_s)
     # 3. a new LLM host under the same name, new address; the cut host leaves the name
-    new = c.start_llm("llm4")
+    new = c.start_llm(f"llm{len(c.llms) + 1}")
     c.wait_ready([new], LLM_PORT)
     f.set_name("llm", [h.ip for h in c.llms if h is not cut])
     ev["new_llm_named"] = time.monotonic()
@@ -357,7 +364,7 @@ def _scale_encoders(c: Cluster, plan: Plan, rec: Record, progress) -> None:
     def images(h: Host) -> float:
         return c.counter(h, ENCODER_PORT, "encoder_requests_total", modality="image") or 0.0
 
-    third = c.start_encoder("enc3")
+    third = c.start_encoder(f"enc{len(c.encoders) + 1}")
     c.wait_ready([third], ENCODER_PORT)
     f.set_name("encoder", [h.ip for h in c.encoders])
     ev["encoders_3"] = time.monotonic()
@@ -365,7 +372,7 @@ def _scale_encoders(c: Cluster, plan: Plan, rec: Record, progress) -> None:
     rec.new_encoder_traffic_s = None if s is None else round(s, 2)
     progress(f"encoders 2 -> 3: {third.name} took traffic after {rec.new_encoder_traffic_s} s")
     time.sleep(plan.after_s)
-    keep, gone = c.encoders[0], c.encoders[1:]
+    keep, gone = c.encoders[0], c.encoders[1:]  # -> 1
     for h in gone:
         rec.encoder_requests[h.name] = images(h)
     f.set_name("encoder", [keep.ip])
@@ -425,8 +432,10 @@ def main() -> int:
     from shared.cli import ensure_default_model
 
     model_dir = ensure_default_model(args.model)
-    plan = Plan(clients=args.clients, warm_s=2.0 if args.smoke else 6.0, after_s=1.0 if args.smoke else 4.0,
-                scale_encoders=not args.smoke)
+    if args.smoke:  # the cut and the new replica only, on the fewest hosts
+        plan = Plan(clients=args.clients, warm_s=1.0, after_s=1.0, scale_encoders=False, gateways=1, encoders=1, llms=2)
+    else:
+        plan = Plan(clients=args.clients)
     log_dir = Path(tempfile.mkdtemp(prefix="mmserve-multi-host-"))
     rec = run_scenario(model_dir, log_dir, plan, progress=lambda m: print(m, flush=True))
     figs = summarize(rec)

@@ -35,9 +35,11 @@ def test_no_request_hangs_and_only_the_cut_hosts_streams_fail(seen):
     assert s["requests"] > 50, s
     assert s["hangs"] == 0, s  # every request was answered within the client's timeout
     assert s["errors_beyond_in_flight"] == 0, (s, rec.logs)
-    # the cut host had work in hand: each of its streams ended with an error event, none hung
+    # the cut host had work in hand: each request it had not answered went to another replica,
+    # each of its streams under way ended with an error event; none hung
     assert s["cut_host_admitted"] >= 1, s
-    assert 1 <= s["errors"] == sum(s["lost_mid_answer"]), s
+    assert sum(s["lost_mid_answer"]) + sum(s["lost_before_answer_retried"]) >= 1, s
+    assert s["errors"] == sum(s["lost_mid_answer"]), s
     for o in rec.outcomes:
         if not o.ok:
             assert o.status == 200 and LOST_MID_GENERATION in (o.error or ""), o
