@@ -48,11 +48,25 @@ def mtp_layers(model_dir: Path) -> int:
     return int(cfg.get("num_nextn_predict_layers") or 0)
 
 
+# the default checkpoint when MTP sides run: vs_vllm's MiMo (qk head dim = v head dim, which vLLM's
+# CPU build needs) with 3 random MTP layers (as the hub's), the LM's weights unchanged
+MTP_LAYERS = 3
+
+
+def default_checkpoint(args) -> Path:
+    """The checkpoint without ``--model``: ``srv.MiMoSpec()``'s, with ``MTP_LAYERS`` MTP layers
+    when the MTP sides run (``vllm-mtp1`` on vLLM 0.32 CPU's ``mimo_v2_mtp``, which reads
+    ``model.mtp.layers.0``; ``tests/integration/test_spec_vllm_mtp.py`` checks that it drafts
+    and accepts as ours does), written on first use."""
+    return srv.ensure_checkpoint(srv.MiMoSpec(mtp_layers=MTP_LAYERS if args.mtp else 0))
+
+
 def side_list(args, model_dir: Path) -> list[SideSpec]:
     """Every configuration, in A-B order: ours off, ours n-gram per k, ours MTP with one layer
     and with all (the service refuses what it does not serve: recorded), vLLM off, vLLM n-gram
     per k, vLLM MTP with one layer (its ``mimo_v2_mtp`` runs only the first MTP layer) when the
-    checkpoint has MTP layers (a vLLM start-up costs minutes here; a start it must refuse is not tried)."""
+    checkpoint has MTP layers (``default_checkpoint`` has; a vLLM start-up costs minutes here, so a
+    start it must refuse is not tried)."""
     lo, hi = args.ngram_min, args.ngram_max
     out = [SideSpec("ours-off", "ours")]
     out += [SideSpec(f"ours-ngram{k}", "ours", ngram(k, lo, hi)) for k in args.ngram_k]

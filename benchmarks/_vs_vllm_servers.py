@@ -94,12 +94,15 @@ class MiMoSpec:
     top_k: int = 2
     vocab: int = 4096
     seed: int = 0
+    # MTP layers (random, in Xiaomi's ``model.mtp.layers.M`` layout, drawn after the LM's tensors:
+    # the LM's weights are the same with or without them); 0 for every benchmark but spec_decode
+    mtp_layers: int = 0
 
     @property
     def dirname(self) -> str:
         s = self
         return (f"mimo-v2-flash-h{s.hidden}-l{len(s.pattern)}-w{s.window}-e{s.experts}k{s.top_k}-d{s.head_dim}"
-                f"-v{s.vocab}-s{s.seed}")  # fmt: skip
+                f"-v{s.vocab}-s{s.seed}" + (f"-mtp{s.mtp_layers}" if s.mtp_layers else ""))  # fmt: skip
 
     served_name = "mimo-bench"
 
@@ -193,7 +196,8 @@ def _write_gemma(spec: CheckpointSpec, tmp: Path) -> None:
 
 def _write_mimo(spec: MiMoSpec, tmp: Path) -> None:
     """``shared.tiny.mimo_published``'s config and tensor layout at the benchmark's sizes,
-    float32 safetensors, no MTP heads (both servers read past them anyway)."""
+    float32 safetensors, ``spec.mtp_layers`` MTP layers (0: none; either server reads past them
+    unless it drafts with them)."""
     from safetensors.torch import save_file
 
     from shared.tiny import mimo_published as mp
@@ -204,7 +208,7 @@ def _write_mimo(spec: MiMoSpec, tmp: Path) -> None:
         heads=spec.heads, kv_heads=spec.kv_heads, swa_heads=spec.heads, swa_kv_heads=spec.swa_kv_heads,
         head_dim=spec.head_dim, v_head_dim=spec.head_dim, partial_rotary=spec.partial_rotary,
         window=spec.window, intermediate=spec.intermediate, moe_intermediate=spec.moe_intermediate,
-        experts=spec.experts, top_k=spec.top_k, mtp_layers=0,
+        experts=spec.experts, top_k=spec.top_k, mtp_layers=spec.mtp_layers,
     )  # fmt: skip
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     vocab = -(-len(tok) // 64) * 64

@@ -4,20 +4,22 @@ drafts where served, on a chat trace and on a copy-heavy agent trace, at 1, 4 an
 flight, and the acceptance each speculating side reaches. Wall-clock, not a simulation.
 
 Checkpoint: ``--model DIR`` (default: the random-weight MiMo-V2-Flash-form checkpoint of
-``benchmarks.vs_vllm``, ``~/.cache/mmserve/bench/mimo-v2-flash-...``; with random weights the
-acceptance says how often a weak model repeats its context or itself, nothing more). Every side
-serves that directory, float32, greedy (temperature 0), ``ignore_eos``, the same ``max_tokens``
-and the same prompts; streamed ``/v1/chat/completions`` through our gateway (as ``vs_vllm``) and
-vLLM's OpenAI server.
+``benchmarks.vs_vllm``, ``~/.cache/mmserve/bench/mimo-v2-flash-...``, with 3 random MTP layers
+added unless ``--no-mtp`` (``_spec_sides.default_checkpoint``: the LM's weights are vs_vllm's);
+with random weights the acceptance says how often a weak model repeats its context or itself,
+and the MTP sides' little more than their cost). Every side serves that directory, float32,
+greedy (temperature 0), ``ignore_eos``, the same ``max_tokens`` and the same prompts; streamed
+``/v1/chat/completions`` through our gateway (as ``vs_vllm``) and vLLM's OpenAI server.
 
 Sides (``benchmarks._spec_sides.side_list``, one list entry each, all up at once):
 ``ours-off``, ``ours-ngram{k}`` per ``--ngram-k`` (2, 4), ``ours-mtp1`` and ``ours-mtp`` (MTP with
 one layer, with all the checkpoint's layers: a service that refuses a configuration is recorded
 with its reason and skipped), ``vllm-off``, ``vllm-ngram{k}`` per ``--vllm-ngram-k`` (4; a refusal
 is recorded the same way), ``vllm-mtp1`` only for a checkpoint with MTP layers (vLLM's
-``mimo_v2_mtp`` runs one MTP layer). n-gram bounds ``--ngram-min`` / ``--ngram-max`` (1 / 3) on
-both engines. vLLM runs with ``vs_vllm``'s defaults (``VLLM_CPU_OMP_THREADS_BIND=auto``: one
-OpenMP thread bound to core 0; tcmalloc + Intel OpenMP preloaded); ours with the service's.
+``mimo_v2_mtp`` runs one MTP layer; the default checkpoint has them). n-gram bounds
+``--ngram-min`` / ``--ngram-max`` (1 / 3) on both engines. vLLM runs with ``vs_vllm``'s defaults
+(``VLLM_CPU_OMP_THREADS_BIND=auto``: one OpenMP thread bound to core 0; tcmalloc + Intel OpenMP
+preloaded); ours with the service's.
 
 Traces (``benchmarks._spec_traces``; seeded, fresh prompts for every run so no run hits an
 earlier one's prefix cache): ``chat``, a question about one standard-library function with its
@@ -296,7 +298,7 @@ def main() -> int:
         return 2
     from transformers import AutoTokenizer
 
-    model_dir = Path(args.model) if args.model else srv.ensure_checkpoint(srv.MiMoSpec())
+    model_dir = Path(args.model) if args.model else sides_mod.default_checkpoint(args)
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     max_len = min(srv.MAX_MODEL_LEN, int(cfg.get("max_position_embeddings") or srv.MAX_MODEL_LEN))
