@@ -157,6 +157,8 @@ class Request:
     # message): the SWA window before each is kept for the prefix cache
     swa_checkpoints: list[int] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
+    return_logprobs: bool = False  # log-probability of each sampled token (raw model distribution)
+    top_logprobs: int = 0  # and of its most likely alternatives (with return_logprobs)
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0

@@ -1470,6 +1470,7 @@ class CoreToken(msgspec.Struct, array_like=True):
     status: int = 0
     top: list[tuple[int, float]] | None = None  # (token id, logprob) of the top_logprobs alternatives
     prompt_logprobs: list[CorePromptLogprob] | None = None
+    code: str | None = None  # with ``error``: its machine-readable code (e.g. ``context_length_exceeded``)
 
 
 class CoreStats(msgspec.Struct):

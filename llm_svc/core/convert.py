@@ -1,4 +1,7 @@
-"""``PreparedRequest`` <-> ``CoreAdd`` (the engine-core protocol), tensors as raw bytes."""
+"""``PreparedRequest`` -> ``CoreAdd`` (the engine-core protocol, tensors as raw bytes) -> the
+engine's ``Request``: the one way into an engine, for the engine-core process and the in-process
+engine alike. Nothing is checked here: the front validated the request (token counts, ids, the
+seed's range) and the scheduler checks what only it knows (that it can ever fit the KV pools)."""
 
 from __future__ import annotations
 
@@ -6,9 +9,7 @@ import torch
 
 from shared.schemas import CoreAdd, CoreSampling, CoreTensor, SamplingParams, StructuredSpec
 
-from ..types import PreparedRequest
-
-_SEED_RANGE = 1 << 63  # msgpack and torch generators take 64-bit seeds; any int maps into range
+from ..types import PreparedRequest, Request, make_prompt_keys
 
 
 def tensor_to_wire(t: torch.Tensor) -> CoreTensor:
@@ -33,7 +34,7 @@ def to_core_add(prep: PreparedRequest, epoch: int, request_id: str | None = None
     s = prep.sampling
     sampling = CoreSampling(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        seed=None if s.seed is None else s.seed % _SEED_RANGE, stop_token_ids=list(s.stop_token_ids),
+        seed=s.seed, stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, priority=s.priority,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_p=s.min_p,
@@ -50,7 +51,10 @@ def to_core_add(prep: PreparedRequest, epoch: int, request_id: str | None = None
     )
 
 
-def from_core_add(msg: CoreAdd, device: torch.device, dtype: torch.dtype) -> PreparedRequest:
+def request_from_core(msg: CoreAdd, device: torch.device, dtype: torch.dtype | None,
+                      eos_token_ids: list[int]) -> Request:
+    """The engine's ``Request`` for ``msg``: media moved to ``device`` (cast to ``dtype``, the
+    model's; None keeps the sender's), swa checkpoints past the prompt dropped."""
     s = msg.sampling
     sampling = SamplingParams.model_construct(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
@@ -62,10 +66,13 @@ def from_core_add(msg: CoreAdd, device: torch.device, dtype: torch.dtype) -> Pre
             kind=s.structured[0], spec=s.structured[1], any_whitespace=s.structured[2]),
         prompt_logprobs=s.prompt_logprobs,
     )
-    return PreparedRequest(
-        request_id=msg.request_id, prompt_ids=list(msg.prompt_ids), sampling=sampling,
+    prompt_ids = list(msg.prompt_ids)
+    spans = [tuple(x) for x in msg.mm_spans]
+    return Request(
+        req_id=msg.request_id, prompt_ids=prompt_ids, sampling=sampling,
+        prompt_keys=make_prompt_keys(prompt_ids, spans, msg.mm_hashes),
         mm_items=[None if t is None else tensor_from_wire(t).to(device=device, dtype=dtype) for t in msg.mm_items],
-        mm_spans=[tuple(x) for x in msg.mm_spans], mm_hashes=list(msg.mm_hashes),
-        bidirectional=msg.bidirectional, return_logprobs=msg.return_logprobs, top_logprobs=msg.top_logprobs,
-        swa_checkpoints=list(msg.swa_checkpoints),
+        mm_spans=spans, bidirectional=msg.bidirectional,
+        swa_checkpoints=[c for c in msg.swa_checkpoints if 0 < c <= len(prompt_ids)],
+        eos_token_ids=eos_token_ids, return_logprobs=msg.return_logprobs, top_logprobs=msg.top_logprobs,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..engine.engine import Engine
 from ..types import PreparedRequest
+from .convert import request_from_core, to_core_add
 from .output import OutputProcessor
 
 
@@ -26,8 +27,10 @@ class InProcessEngine:
         return self.engine.runner
 
     def submit(self, prep: PreparedRequest, sink) -> None:
-        """Queue ``prep``; its ``GenOutput``s go to ``sink.put``. Raises ``InvalidRequest``."""
-        self.engine.add(prep)
+        """Queue ``prep``; its ``GenOutput``s go to ``sink.put``. Raises ``InvalidRequest``.
+        It reaches the engine as the core process's requests do: as a ``CoreAdd``."""
+        e = self.engine
+        e.add(request_from_core(to_core_add(prep, epoch=0), e.runner.device, None, e.eos_token_ids))
         self.outputs.add(prep, sink)
 
     def abort(self, request_id: str) -> None:

@@ -59,7 +59,7 @@ class OutputProcessor:
             return False  # finished here already (stop string, or failed)
         if t.error is not None:
             del self._reqs[t.request_id]
-            p.sink.put(GenOutput(error=t.error, error_status=t.status or 500,
+            p.sink.put(GenOutput(error=t.error, error_status=t.status or 500, error_code=t.code,
                                  prompt_tokens=len(p.prep.prompt_ids), completion_tokens=p.num_out))
             return False
         out = GenOutput()

@@ -162,18 +162,15 @@ class CoreLoop:
             self._send(pending)
 
     def _add(self, msg: CoreAdd, pending: list[CoreToken]) -> None:
-        from .convert import from_core_add
+        from .convert import request_from_core
 
         try:
-            prep = from_core_add(msg, self._device, self._media_dtype)
-            self.engine.add(prep)
+            req = request_from_core(msg, self._device, self._media_dtype, self.engine.eos_token_ids)
+            self.engine.add(req)
             if self.kv_keys is not None and msg.router_keys:
-                from ..types import make_prompt_keys
-
-                self.kv_keys.expect(msg.request_id, make_prompt_keys(prep.prompt_ids, prep.mm_spans, prep.mm_hashes),
-                                    [tuple(a) for a in msg.router_keys])
+                self.kv_keys.expect(msg.request_id, req.prompt_keys, [tuple(a) for a in msg.router_keys])
         except InvalidRequest as e:
-            pending.append(CoreToken(msg.request_id, error=e.message, status=400))
+            pending.append(CoreToken(msg.request_id, error=e.message, status=400, code=e.code))
         except Exception as e:  # a bad item never fails other requests
             log.exception("could not add request %s", msg.request_id)
             pending.append(CoreToken(msg.request_id, error=f"the request could not be started: {e}", status=400))

@@ -35,7 +35,7 @@ from llm_svc.engine.sampler import make_generator, sample, suppress
 from llm_svc.engine.scheduler import Scheduler
 from llm_svc.errors import InvalidRequest
 from llm_svc.textproc import min_tokens_banned
-from llm_svc.types import PreparedRequest, Request, StepOutput, make_prompt_keys
+from llm_svc.types import Request, StepOutput
 from shared.schemas import CoreNeed, CoreToken
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class EngineBroken(RuntimeError):
 
 @dataclass
 class _Live:
-    prep: PreparedRequest
+    req: Request
     generator: torch.Generator | None
     history: TokenHistory | None = None  # penalised requests: prompt tokens and output counts
     matcher: Matcher | None = None  # structured outputs: the grammar's state
@@ -97,36 +97,25 @@ class Engine:
         self.failures = 0
 
     # ------------------------------------------------------------------ requests in and out
-    def add(self, prep: PreparedRequest) -> None:
-        """Queue a request; raises ``InvalidRequest`` if it can never run (e.g. too big for the pool)."""
-        if prep.request_id in self._live:
-            raise InvalidRequest(f"request_id {prep.request_id!r} is already running; use a unique id",
-                                 param="request_id")
-        req = Request(
-            req_id=prep.request_id,
-            prompt_ids=prep.prompt_ids,
-            sampling=prep.sampling,
-            prompt_keys=make_prompt_keys(prep.prompt_ids, prep.mm_spans, prep.mm_hashes),
-            mm_items=prep.mm_items,
-            mm_spans=prep.mm_spans,
-            bidirectional=prep.bidirectional,
-            swa_checkpoints=[c for c in prep.swa_checkpoints if 0 < c <= len(prep.prompt_ids)],
-            eos_token_ids=self.eos_token_ids,
-        )
+    def add(self, req: Request) -> None:
+        """Queue ``req`` (built from the core's message by ``llm_svc.core.convert.request_from_core``;
+        its id unique among live requests, which the front ensures). Raises ``InvalidRequest`` if it
+        can never run: too big for the KV pools, or structured with no grammar compiler."""
         try:
             self.scheduler.check_fits(req)
         except ValueError as e:
-            raise InvalidRequest(str(e), param="max_tokens") from e
-        gen = make_generator(prep.sampling, self.runner.device)
-        if prep.sampling.structured is not None:
+            raise InvalidRequest(str(e), param="max_tokens", code="context_length_exceeded") from e
+        sp = req.sampling
+        gen = make_generator(sp, self.runner.device)
+        if sp.structured is not None:
             if self.grammars is None:
                 raise InvalidRequest("structured outputs are not served by this engine", param="response_format")
             # queued once its grammar is compiled (see _admit_compiled): never on the step's path
-            self._compiling[req.req_id] = _Compiling(req, self.grammars.submit(prep.sampling.structured))
+            self._compiling[req.req_id] = _Compiling(req, self.grammars.submit(sp.structured))
         else:
             self._queue(req)
-        k = prep.sampling.prompt_logprobs
-        self._live[req.req_id] = _Live(prep, gen, prompt=PromptScores(prep.prompt_ids, k) if k is not None else None)
+        k = sp.prompt_logprobs
+        self._live[req.req_id] = _Live(req, gen, prompt=PromptScores(req.prompt_ids, k) if k is not None else None)
 
     def _queue(self, req: Request) -> None:
         # a request scoring its prompt takes no cached prefix: nothing to fetch for it
@@ -283,19 +272,19 @@ class Engine:
         self._score_prompts(batch, logits)
         drafts = {sf.req_id: sf.token_ids[-sf.num_drafts:] for sf in batch.seqs if sf.num_drafts}
         # 0 max_tokens: the prompt alone
-        ids = [rid for rid in logits if rid not in drafts and self._live[rid].prep.sampling.max_tokens > 0]
+        ids = [rid for rid in logits if rid not in drafts and self._live[rid].req.sampling.max_tokens > 0]
         tokens: dict[str, int | list[int]] = {}
         stop_now: set[str] = set()
         logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}  # per emitted token, in order
         if ids:
             lives = [self._live[i] for i in ids]
             rows = torch.stack([logits[i] for i in ids])  # [N, vocab]: the raw model, for logprobs
-            params = [lv.prep.sampling for lv in lives]
-            banned = {n: min_tokens_banned(lv.prep.sampling, len(self.scheduler.requests[rid].output_ids),
+            params = [lv.req.sampling for lv in lives]
+            banned = {n: min_tokens_banned(lv.req.sampling, len(self.scheduler.requests[rid].output_ids),
                                            self.eos_token_ids)
-                      for n, (rid, lv) in enumerate(zip(ids, lives)) if lv.prep.sampling.min_tokens}
+                      for n, (rid, lv) in enumerate(zip(ids, lives)) if lv.req.sampling.min_tokens}
             for rid, lv in zip(ids, lives):
-                if lv.history is None and penalised(lv.prep.sampling):
+                if lv.history is None and penalised(lv.req.sampling):
                     r = self.scheduler.requests[rid]
                     lv.history = TokenHistory.start(r.prompt_ids, r.output_ids, rows.shape[1], rows.device)
             x = apply_bias_and_penalties(rows, params, [lv.history for lv in lives])
@@ -322,15 +311,15 @@ class Engine:
                                status=400)
                 if broken:
                     self._fail(broken, "the sampled token broke the request's grammar; retry it")
-            want = [n for n, lv in enumerate(lives) if lv.prep.return_logprobs]
+            want = [n for n, lv in enumerate(lives) if lv.req.return_logprobs]
             if want:
                 sel = torch.tensor(want, device=rows.device)
                 got = top_logprobs(rows.index_select(0, sel), [sampled[n] for n in want],
-                                   [lives[n].prep.top_logprobs for n in want])
+                                   [lives[n].req.top_logprobs for n in want])
                 logprobs = {ids[n]: [v] for n, v in zip(want, got)}
         for rid, dr in drafts.items():
             lv, req = self._live[rid], self.scheduler.requests[rid]
-            sp = lv.prep.sampling
+            sp = lv.req.sampling
             if lv.history is None and penalised(sp):
                 lv.history = TokenHistory.start(req.prompt_ids, req.output_ids, logits[rid].shape[-1],
                                                 logits[rid].device)
@@ -349,8 +338,8 @@ class Engine:
                     self._fail([rid], "the sampled token broke the request's grammar; retry it")
                     continue
             tokens[rid] = toks
-            if lv.prep.return_logprobs:
-                logprobs[rid] = top_logprobs(logits[rid][:len(toks)], toks, [lv.prep.top_logprobs] * len(toks))
+            if lv.req.return_logprobs:
+                logprobs[rid] = top_logprobs(logits[rid][:len(toks)], toks, [lv.req.top_logprobs] * len(toks))
         spec = self.speculator
         mtp_drafts = None
         if spec is not None and spec.mtp is not None:  # before postprocess: the window's slots are still held
@@ -374,7 +363,7 @@ class Engine:
 
     def _may_speculate(self, req_id: str) -> bool:
         lv = self._live.get(req_id)
-        return lv is not None and self.speculator.eligible(lv.prep.sampling, lv.matcher is not None)
+        return lv is not None and self.speculator.eligible(lv.req.sampling, lv.matcher is not None)
 
     def _propose(self, batch) -> None:
         """n-gram drafts for the next step of every request of this batch now decoding."""

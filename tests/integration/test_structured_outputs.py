@@ -144,4 +144,4 @@ def test_no_grammar_engine_refuses_structured_requests(mimo16):
 
     eng = make_engine(mimo16)
     with pytest.raises(InvalidRequest, match="structured outputs"):
-        eng.engine.add(_prep(mimo16, "x", 0, StructuredSpec(kind="json_object")))
+        eng.submit(_prep(mimo16, "x", 0, StructuredSpec(kind="json_object")), None)

@@ -226,9 +226,9 @@ def test_vllm_priority_orders_admission_lower_first(policy):
 
 
 def test_priority_crosses_the_engine_core_protocol():
-    from llm_svc.core.convert import from_core_add, to_core_add
+    from llm_svc.core.convert import request_from_core, to_core_add
     from llm_svc.types import PreparedRequest
 
     prep = PreparedRequest(request_id="p", prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=3, priority=-7))
-    back = from_core_add(to_core_add(prep, epoch=1), "cpu", torch.float32)
+    back = request_from_core(to_core_add(prep, epoch=1), "cpu", torch.float32, [0])
     assert back.sampling.priority == -7
