@@ -4,7 +4,8 @@
   which Python keeps in a ``str`` but nothing downstream can serialize;
 * a prompt that cannot fit any LLM replica's context is refused before media are fetched or
   encoded and before anything is sent: its text alone is at least ``bytes / max_token_bytes``
-  tokens (the replicas report both numbers on ``/readyz``).
+  tokens (the replicas report both numbers on ``/readyz``); the gateway's one such check, for
+  chat and completions alike (the replica counts exactly).
 """
 
 from __future__ import annotations
@@ -68,11 +69,19 @@ def check_fits(req: ChatCompletionRequest, default_max_tokens: int, limits: Serv
     if limits is None:
         return
     n_bytes = text_bytes(req)
-    at_least = n_bytes // limits.max_token_bytes
-    max_tokens = req.effective_max_tokens(default_max_tokens)
-    if at_least + max_tokens > limits.max_model_len:
-        raise APIError(
-            400, f"the prompt has at least {at_least} tokens ({n_bytes} bytes of text) and max_tokens is "
-            f"{max_tokens}: together they exceed the model's context of {limits.max_model_len} tokens; "
-            "shorten the prompt or lower max_tokens", param="messages", code="context_length_exceeded",
-        )
+    check_context(n_bytes // limits.max_token_bytes, req.effective_max_tokens(default_max_tokens), limits,
+                  "messages", n_bytes)
+
+
+def check_context(at_least: int, max_tokens: int, limits: ServiceLimits | None, param: str,
+                  n_bytes: int | None = None) -> None:
+    """400 ``context_length_exceeded`` when a prompt of ``at_least`` tokens (a lower bound: the
+    LLM replica counts exactly) and ``max_tokens`` exceed the replicas' context (None: unknown)."""
+    if limits is None or at_least + max_tokens <= limits.max_model_len:
+        return
+    of_text = f" ({n_bytes} bytes of text)" if n_bytes is not None else ""
+    raise APIError(
+        400, f"the prompt has at least {at_least} tokens{of_text} and max_tokens is {max_tokens}: together they "
+        f"exceed the model's context of {limits.max_model_len} tokens; shorten the prompt or lower max_tokens",
+        param=param, code="context_length_exceeded",
+    )

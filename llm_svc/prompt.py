@@ -16,7 +16,7 @@ from .prompt_bound import tokens_past
 from .tool_choice import forced_spec
 from .types import EmbeddingRef, PreparedRequest
 
-SEED_RANGE = 1 << 63  # every backend's generator takes it; the engine core reduces the same way
+SEED_RANGE = 1 << 63  # every backend's generator takes it (and msgpack, to the engine core)
 
 
 def render_prompt_ids(lm: LoadedLM, req: GenerateRequest) -> list[int]:
@@ -137,6 +137,22 @@ def _check_tensor(lm: LoadedLM, part: PromptMedia, tensors: dict[str, torch.Tens
     return t.to(device=lm.device, dtype=lm.dtype)
 
 
+def check_length(tokens: int, max_tokens: int, max_model_len: int, param: str, at_least: bool = False,
+                 text_bytes: int | None = None) -> None:
+    """400 ``context_length_exceeded`` when the prompt's ``tokens`` (a lower bound when
+    ``at_least``) and ``max_tokens`` exceed ``max_model_len``: the front's one rule of a request's
+    length, applied as soon as each count is known (from the text's bytes, while tokenizing, and
+    exactly once media are expanded). What the KV pools can hold is the scheduler's check."""
+    if tokens + max_tokens <= max_model_len:
+        return
+    count = f"at least {tokens}" if at_least else str(tokens)
+    of_text = f" ({text_bytes} bytes of text)" if text_bytes is not None else ""
+    raise InvalidRequest(
+        f"the prompt has {count} tokens{of_text} and max_tokens is {max_tokens}: together they exceed "
+        f"max_model_len={max_model_len}; shorten the prompt or lower max_tokens", param=param,
+        code="context_length_exceeded")
+
+
 def prepare_request(
     lm: LoadedLM, req: GenerateRequest, tensors: dict[str, torch.Tensor], max_model_len: int
 ) -> PreparedRequest:
@@ -150,12 +166,8 @@ def prepare_request(
     # refuse what cannot fit before rendering and tokenizing it (an 8 MB prompt takes seconds)
     text_bytes = sum(len(p.text.encode("utf-8", "replace")) for m in req.messages for p in m.content
                      if isinstance(p, PromptText)) + len((req.prompt or "").encode("utf-8", "replace"))
-    at_least = lm.min_tokens(text_bytes) + len(req.prompt_ids or ())
-    if at_least + s.max_tokens > max_model_len:
-        raise InvalidRequest(
-            f"the prompt has at least {at_least} tokens ({text_bytes} bytes of text) and max_tokens is "
-            f"{s.max_tokens}: together they exceed max_model_len={max_model_len}; shorten the prompt or "
-            "lower max_tokens", param="messages", code="context_length_exceeded")
+    check_length(lm.min_tokens(text_bytes) + len(req.prompt_ids or ()), s.max_tokens, max_model_len, "messages",
+                 at_least=True, text_bytes=text_bytes)
     if req.tools is not None:
         forced = forced_spec(req.tools)
         if forced is not None:
@@ -198,21 +210,12 @@ def prepare_request(
         # a text that cannot fit is refused once that is certain, not after tokenizing all of it
         at_least = tokens_past(lm.tokenizer, lm.bound, text, max_model_len - s.max_tokens, specials)
         if at_least is not None:
-            raise InvalidRequest(
-                f"the prompt has at least {at_least} tokens and max_tokens is {s.max_tokens}: together they exceed "
-                f"max_model_len={max_model_len}; shorten the prompt or lower max_tokens",
-                param="prompt" if specials else "messages", code="context_length_exceeded")
+            check_length(at_least, s.max_tokens, max_model_len, "prompt" if specials else "messages", at_least=True)
         ids = _tokenize(lm, text, specials)
     if not ids:
         raise InvalidRequest("the prompt renders to no tokens; send some text", param="prompt")
     out, spans, mm_items, mm_refs, mm_hashes, item_spans = _expand_media(lm, ids, media, items, refs)
-    if len(out) + s.max_tokens > max_model_len:
-        raise InvalidRequest(
-            f"the prompt has {len(out)} tokens and max_tokens is {s.max_tokens}: together they exceed "
-            f"max_model_len={max_model_len}; shorten the prompt or lower max_tokens",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    check_length(len(out), s.max_tokens, max_model_len, "max_tokens")
     system_len = system_prefix_len(lm, req, ids) if not spans or spans[0][0] > 0 else 0
     return PreparedRequest(
         request_id=req.request_id,

@@ -17,6 +17,7 @@ from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
 from gateway.routes.chat import ABORTED, answer
 from gateway.state import GatewayState, StateDep
 from gateway.upstream import UpstreamError
+from gateway.validate import check_context
 from shared.rawwire import pack_raw
 from shared.schemas import CompletionRequest, GenerateRequest, GenerateResponse
 
@@ -28,10 +29,7 @@ def _generate_request(state: GatewayState, body: CompletionRequest, prompt: str 
     sp = sampling_params(body, state.settings.default_max_tokens)
     if limits is not None:  # refuse what cannot fit before anything is sent (the replica checks exactly)
         at_least = len(prompt) if isinstance(prompt, list) else len(prompt.encode("utf-8")) // limits.max_token_bytes
-        if at_least + sp.max_tokens > limits.max_model_len:
-            raise APIError(400, f"the prompt has at least {at_least} tokens and max_tokens is {sp.max_tokens}: together "
-                           f"they exceed the model's context of {limits.max_model_len} tokens; shorten the prompt or "
-                           "lower max_tokens", param="prompt", code="context_length_exceeded")
+        check_context(at_least, sp.max_tokens, limits, "prompt")
     return GenerateRequest(
         request_id=rid, sampling=sp, stream=body.stream, echo=body.echo,
         prompt=prompt if isinstance(prompt, str) else None, prompt_ids=prompt if isinstance(prompt, list) else None,
