@@ -176,8 +176,9 @@ async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadl
     state.live[prep.request_id] = _Live(ticket, _deadline_timer(state, prep.request_id, deadline))
     if prep.stream:
         out = _NdjsonStream(state, prep, stream)
-        # media to fetch, or a grammar to compile: either can still fail as a 4xx, before any byte
-        if prep.unresolved() or prep.sampling.structured is not None:
+        # media to fetch, a grammar to compile, a KV pool smaller than max_model_len (the engine's
+        # capacity check): each can still fail as a 4xx, before any byte
+        if prep.unresolved() or prep.sampling.structured is not None or _pool_below_context(state):
             try:
                 first = await _peek(request, stream)
             except BaseException:
@@ -195,6 +196,13 @@ async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadl
         # on_close: a client gone before the first byte never starts the generator
         return ClosingStreamingResponse(out.lines(), on_close=out.close, media_type=NDJSON)
     return await _collect(request, state, prep, stream)
+
+
+def _pool_below_context(state: ServiceState) -> bool:
+    """The backend's KV pool holds fewer tokens than ``max_model_len`` (a setting above it): a
+    request that passed the length check may still be refused by the engine."""
+    held = state.backend.max_sequence_tokens()
+    return held is not None and held < state.settings.max_model_len
 
 
 async def _fetch_all(state: ServiceState, prep: PreparedRequest) -> JSONResponse | None:

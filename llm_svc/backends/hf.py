@@ -198,9 +198,10 @@ class HFBackend(Backend):
             raise InvalidRequest("the hf backend scores no prompts; use the swa backend for prompt_logprobs, echo "
                                  "with logprobs and max_tokens=0", param="prompt_logprobs" if s.max_tokens else "max_tokens")
         stream = RequestStream(req.request_id, asyncio.get_running_loop())
+        ev = threading.Event()
         with self._lock:
-            self._aborted[req.request_id] = threading.Event()
-        self._q.put((req, stream))
+            self._aborted[req.request_id] = ev
+        self._q.put((req, stream, ev))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -223,9 +224,7 @@ class HFBackend(Backend):
             item = self._q.get()
             if item is None:
                 return
-            prep, stream = item
-            with self._lock:
-                ev = self._aborted[prep.request_id]
+            prep, stream, ev = item
             self._running = 1
             try:
                 self._run_one(prep, stream, ev)
@@ -234,8 +233,9 @@ class HFBackend(Backend):
                 stream.put(GenOutput(error=f"generation failed: {e}", prompt_tokens=len(prep.prompt_ids)))
             finally:
                 self._running = 0
-                with self._lock:
-                    self._aborted.pop(prep.request_id, None)
+                with self._lock:  # the id may be in use again already (the stream ended first)
+                    if self._aborted.get(prep.request_id) is ev:
+                        del self._aborted[prep.request_id]
 
     @torch.inference_mode()
     def _run_one(self, prep: PreparedRequest, stream: RequestStream, aborted: threading.Event) -> None:

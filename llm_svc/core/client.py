@@ -139,19 +139,11 @@ class EngineCoreClient:
 
     # ------------------------------------------------------------------ requests
     def submit(self, prep: PreparedRequest) -> RequestStream:
-        """Send a request to the core; raises ``InvalidRequest`` if it can never fit the KV pool."""
+        """Send a request to the core (its id not in flight: the routes refuse a duplicate); raises
+        ``InvalidRequest`` while the core restarts. What the core refuses (a request that can never
+        fit its KV pools) ends the stream with that error."""
         if not self.ready or self._core is None:
             raise InvalidRequest("the engine core is restarting; retry shortly", code="engine_unavailable")
-        cap = self.capacity
-        need = len(prep.prompt_ids) + prep.sampling.max_tokens
-        if cap is not None and need > cap.num_full_slots:
-            raise InvalidRequest(
-                f"the request needs {need} KV slots (prompt + max_tokens) but the KV pool holds "
-                f"{cap.num_full_slots}; shorten the prompt or max_tokens", param="max_tokens",
-                code="context_length_exceeded")
-        if prep.request_id in self._core_ids:
-            raise InvalidRequest(f"request_id {prep.request_id!r} is already in flight; use a unique id",
-                                 param="request_id")
         stream = RequestStream(prep.request_id, asyncio.get_running_loop())
         core_id = f"{prep.request_id}@{next(self._seq)}"
         self._core_ids[prep.request_id] = core_id

@@ -82,19 +82,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def check_fits(self, req: Request) -> None:
-        """Raise ValueError if ``req`` can never fit in the full pool."""
+        """Raise ValueError if ``req`` can never fit in the full pool (prompt + max_tokens slots)."""
         need = len(req.prompt_ids) + req.sampling.max_tokens
         if need > self.kv.full_pool.num_slots:
             raise ValueError(
-                f"request {req.req_id} needs {need} KV slots (prompt + max_tokens) but the KV pool "
-                f"holds {self.kv.full_pool.num_slots}; shorten the prompt or max_tokens"
+                f"the request needs {need} KV slots (prompt + max_tokens) but the KV pool holds "
+                f"{self.kv.full_pool.num_slots}; shorten the prompt or max_tokens"
             )
 
     def add(self, req: Request) -> None:
-        """Queue a request. Raises ValueError if it can never fit in the full pool."""
+        """Queue a request. Raises ValueError if it can never fit in the full pool. Its id must
+        be unique among the scheduler's requests (the front refuses a duplicate)."""
         self.check_fits(req)
-        if req.req_id in self.requests:
-            raise ValueError(f"duplicate request id {req.req_id}")
+        assert req.req_id not in self.requests, f"duplicate request id {req.req_id}"
         req.status = RequestStatus.WAITING
         self.requests[req.req_id] = req
         self.waiting.append(req)

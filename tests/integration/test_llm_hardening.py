@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import pytest
@@ -27,6 +28,18 @@ def scope(body: bytes, spec: str = "2.4") -> dict:
         "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
         "headers": [(b"content-type", SAFETENSORS_MIME.encode()), (b"content-length", str(len(body)).encode())],
     }
+
+
+@contextlib.asynccontextmanager
+async def served(app):
+    """``app``'s state loaded on this event loop, and a client over ASGI; closed after."""
+    state = app.state.svc
+    await state.load()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            yield state, c
+    finally:
+        await state.close()
 
 
 @pytest.fixture(scope="module")
@@ -120,32 +133,51 @@ def test_deadline_stops_generation_and_admission_bound_is_a_429(mimo_bundle):
     headers = {"content-type": SAFETENSORS_MIME}
 
     async def go() -> None:
-        state = app.state.svc
-        await state.load()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                         timeout=120) as c:
-                body = request("late", False, max_tokens=400, ignore_eos=True)
-                r = await c.post("/v1/generate", content=body, headers={**headers, "x-mmserve-deadline-ms": "0"})
-                assert r.status_code == 504  # dead on arrival: never started
-                t0 = asyncio.get_running_loop().time()
-                r = await c.post("/v1/generate", content=request("slow", False, max_tokens=400, ignore_eos=True),
-                                 headers={**headers, "x-mmserve-deadline-ms": "300"})
-                assert r.status_code == 504 and "deadline" in r.json()["error"]["message"], r.text
-                assert asyncio.get_running_loop().time() - t0 < 20
-                # one in flight (max_in_flight=1): a second request is refused at once
-                first = asyncio.create_task(c.post("/v1/generate", headers=headers,
-                                                   content=request("busy", False, max_tokens=300, ignore_eos=True)))
-                while state.admission.in_flight == 0:
-                    await asyncio.sleep(0.01)
-                r = await c.post("/v1/generate", content=request("second", False, 2), headers=headers)
-                assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
-                assert (await first).status_code == 200
-                assert state.admission.in_flight == 0 and state.live == {} and state.in_flight == set()
-                state.admission.check_integrity()
-                text = (await c.get("/metrics")).text
-                assert "mmserve_llm_deadline_drops_total 2.0" in text
-        finally:
-            await state.close()
+        async with served(app) as (state, c):
+            body = request("late", False, max_tokens=400, ignore_eos=True)
+            r = await c.post("/v1/generate", content=body, headers={**headers, "x-mmserve-deadline-ms": "0"})
+            assert r.status_code == 504  # dead on arrival: never started
+            t0 = asyncio.get_running_loop().time()
+            r = await c.post("/v1/generate", content=request("slow", False, max_tokens=400, ignore_eos=True),
+                             headers={**headers, "x-mmserve-deadline-ms": "300"})
+            assert r.status_code == 504 and "deadline" in r.json()["error"]["message"], r.text
+            assert asyncio.get_running_loop().time() - t0 < 20
+            # one in flight (max_in_flight=1): a second request is refused at once
+            first = asyncio.create_task(c.post("/v1/generate", headers=headers,
+                                               content=request("busy", False, max_tokens=300, ignore_eos=True)))
+            while state.admission.in_flight == 0:
+                await asyncio.sleep(0.01)
+            r = await c.post("/v1/generate", content=request("second", False, 2), headers=headers)
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert (await first).status_code == 200
+            assert state.admission.in_flight == 0 and state.live == {} and state.in_flight == set()
+            state.admission.check_integrity()
+            text = (await c.get("/metrics")).text
+            assert "mmserve_llm_deadline_drops_total 2.0" in text
+
+    asyncio.run(go())
+
+
+def test_a_request_id_in_flight_is_refused_and_free_again_once_it_ended(mimo_bundle):
+    """The front's one check of duplicate ids (the engine core keys requests by ids of its own)."""
+    from llm_svc.app import create_app
+
+    app = create_app(LLMSettings(model_dir=str(mimo_bundle), backend="hf", max_model_len=512))
+    headers = {"content-type": SAFETENSORS_MIME}
+
+    async def go() -> None:
+        async with served(app) as (state, c):
+            first = asyncio.create_task(c.post("/v1/generate", headers=headers,
+                                               content=request("dup", False, max_tokens=300, ignore_eos=True)))
+            while "dup" not in state.in_flight:
+                await asyncio.sleep(0.01)
+            r = await c.post("/v1/generate", content=request("dup", False, 2), headers=headers)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert "already in flight" in err["message"] and err["param"] == "request_id"
+            assert (await first).status_code == 200
+            assert state.in_flight == set()
+            r = await c.post("/v1/generate", content=request("dup", False, 2), headers=headers)
+            assert r.status_code == 200, r.text  # free again once it ended
 
     asyncio.run(go())
