@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote_to_bytes
 
 from gateway.errors import APIError
+from gateway.openai_api.requests import ChatCompletionRequest
 from shared.hashing import content_hash
-from shared.schemas import AudioPart, ChatCompletionRequest, ImagePart, Modality, VideoPart
+from shared.schemas import AudioPart, ImagePart, Modality, VideoPart
 
 # Declared mime types accepted per modality besides "<modality>/*" (checked loosely: a client
 # that says application/octet-stream is trusted, the encoder decides).

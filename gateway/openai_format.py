@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from shared.schemas import (
+from gateway.openai_api.answers import (
     AssistantMessage,
     ChatCompletion,
     ChatTokenLogprob,
@@ -16,7 +16,6 @@ from shared.schemas import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
-    SampledLogprob,
     TopLogprob,
     ChatCompletionChunk,
     Choice,
@@ -24,16 +23,19 @@ from shared.schemas import (
     DeltaFunction,
     DeltaMessage,
     DeltaToolCall,
-    FinishReason,
-    FunctionCall,
     ToolCallOut,
-    ToolCallWire,
-    GenerateResponse,
     PromptLogprobs,
-    PromptTokenLogprob,
     PromptTokensDetails,
     RankedLogprob,
     Usage,
+)
+from shared.schemas import (
+    SampledLogprob,
+    FinishReason,
+    FunctionCall,
+    ToolCallWire,
+    GenerateResponse,
+    PromptTokenLogprob,
 )
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gateway.openai_api.requests import ChatCompletionRequest, GenerationFields, NamedToolChoice
 from gateway.upstream import Encoded
 from shared.schemas import (
-    ChatCompletionRequest,
     GenerateRequest,
-    GenerationFields,
-    NamedToolChoice,
     ToolSpec,
     PromptMedia,
     PromptMessage,

@@ -11,7 +11,7 @@ Input items: ``{"role", "content"}`` messages (``content`` a string or ``input_t
 (assistant tool calls, merged into one assistant turn), ``function_call_output`` items (tool turns;
 ``output`` a string or parts) and ``reasoning`` items (their text is the next assistant turn's
 ``reasoning_content``). Any other item, part or field is a 400 naming it (``input[2].content[0].file_id``),
-but for the no-ops of ``shared.schemas.RESPONSES_ITEM_NOOP_FIELDS``.
+but for the no-ops of ``gateway.openai_api.responses_api.RESPONSES_ITEM_NOOP_FIELDS``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import json
 import uuid
 from typing import Any
 
+from gateway.openai_api.requests import ChatCompletionRequest
+from gateway.openai_api.responses_api import RESPONSES_ITEM_NOOP_FIELDS, RESPONSES_ITEM_UNSUPPORTED, ResponsesRequest
 from gateway.openai_format import assistant_message
-from shared.schemas import (RESPONSES_ITEM_NOOP_FIELDS, RESPONSES_ITEM_UNSUPPORTED, ChatCompletionRequest,
-                            GenerateResponse, ResponsesRequest, SampledLogprob, ToolCallWire)
+from shared.schemas import GenerateResponse, SampledLogprob, ToolCallWire
 
 
 class InputError(ValueError):

@@ -15,7 +15,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from gateway.errors import APIError
-from shared.schemas import ChatCompletionRequest, ServiceLimits, TextPart
+from gateway.openai_api.requests import ChatCompletionRequest
+from shared.schemas import ServiceLimits, TextPart
 
 
 def _bad_string(value: Any, path: str) -> str | None:

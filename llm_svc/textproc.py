@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from shared.schemas import CorePromptLogprob, PromptTokenLogprob, SampledLogprob, SamplingParams, TokenLogprob
+from llm_svc.core.messages import CorePromptLogprob
+from shared.schemas import PromptTokenLogprob, SampledLogprob, SamplingParams, TokenLogprob
 
 
 class IncrementalDetokenizer:

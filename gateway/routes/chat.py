@@ -20,9 +20,10 @@ from gateway.openai_format import SSE_DONE, ChunkWriter, CompletionChunkWriter, 
 from gateway.prompt import build_generate_request, pack_generate
 from gateway.state import GatewayState, StateDep
 from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
+from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.upstream import MediaUnavailable, UpstreamError, upstream_deadline
 from gateway.validate import check_fits, check_text
-from shared.schemas import ChatCompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse
+from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse
 from shared.admission import Overloaded, Ticket
 from shared.streaming import ClosingStreamingResponse, race_disconnect
 

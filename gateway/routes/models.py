@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from gateway.auth import ApiKeyDep
+from gateway.openai_api.answers import ModelCard, ModelList
 from gateway.state import StateDep
-from shared.schemas import ModelCard, ModelList
 
 router = APIRouter(dependencies=[ApiKeyDep])
 

@@ -12,12 +12,12 @@ from pydantic import ValidationError
 
 from gateway.auth import ApiKeyDep
 from gateway.errors import APIError
+from gateway.openai_api.responses_api import ResponsesRequest
 from gateway.openai_format import completion_id, now
 from gateway.responses_format import InputError, ResponsesEventWriter, ResponseShell, response_object, to_chat
 from gateway.routes.chat import _generate, _open, answer
 from gateway.state import StateDep
 from gateway.validate import check_text
-from shared.schemas import ResponsesRequest
 
 router = APIRouter(dependencies=[ApiKeyDep])
 

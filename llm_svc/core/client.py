@@ -45,7 +45,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shared.schemas import (
+from llm_svc.core.messages import (
     CoreAbort, CoreFailed, CoreMedia, CoreNeed, CoreOutput, CoreOutputs, CoreReady, CoreShutdown, CoreStats, CoreToken,
 )
 from shared.settings import LLMSettings

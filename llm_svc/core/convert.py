@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.schemas import CoreAdd, CoreSampling, CoreTensor, SamplingParams, StructuredSpec
+from llm_svc.core.messages import CoreAdd, CoreSampling, CoreTensor
+from shared.schemas import SamplingParams, StructuredSpec
 
 from ..types import PreparedRequest, Request, make_prompt_keys
 

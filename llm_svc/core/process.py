@@ -23,7 +23,7 @@ import time
 import msgspec
 import zmq
 
-from shared.schemas import (
+from llm_svc.core.messages import (
     CoreAbort, CoreAdd, CoreFailed, CoreInput, CoreMedia, CoreNeed, CoreOutputs, CoreReady, CoreShutdown, CoreStats,
     CoreToken,
 )

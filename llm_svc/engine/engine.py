@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llm_svc.core.messages import CoreNeed, CoreToken
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
 from llm_svc.engine.grammar import GrammarCache, GrammarError, Matcher, apply_grammars
@@ -36,7 +37,6 @@ from llm_svc.engine.scheduler import Scheduler
 from llm_svc.errors import InvalidRequest
 from llm_svc.textproc import min_tokens_banned
 from llm_svc.types import Request, StepOutput
-from shared.schemas import CoreNeed, CoreToken
 
 if TYPE_CHECKING:
     from llm_svc.engine.speculate import Speculator

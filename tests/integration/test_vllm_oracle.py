@@ -189,7 +189,7 @@ def test_structured_outputs_match_vllm(kind, checkpoints, vllm_results):
     """Greedy under a json schema, a regex, a choice and an EBNF grammar (vLLM's default
     whitespace, stopping at EOS): the engine's tokens equal vLLM's 0.32 (xgrammar) on each prompt."""
     from llm_svc.engine.grammar import GrammarCache
-    from shared.schemas import StructuredOutputs
+    from gateway.openai_api.requests import StructuredOutputs
 
     lm = load_lm(str(checkpoints[VARIANT_MODEL]))
     ref = vllm_results[f"{VARIANT_MODEL}/so-{kind}"]

@@ -12,9 +12,10 @@ import zmq
 from transformers import AutoTokenizer
 
 from llm_svc.core.client import EngineCoreClient, _Core
+from llm_svc.core.messages import CoreAbort, CoreAdd, CoreInput, CoreToken
 from llm_svc.media_fetch import MEDIA_UNAVAILABLE
 from llm_svc.types import PreparedRequest
-from shared.schemas import CoreAbort, CoreAdd, CoreInput, CoreToken, SamplingParams
+from shared.schemas import SamplingParams
 from shared.settings import LLMSettings
 
 

@@ -5,8 +5,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from gateway.errors import APIError, loc_to_param, validation_message
+from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.upstream import UpstreamError, error_text
-from shared.schemas import ChatCompletionRequest
 
 pytestmark = pytest.mark.unit
 

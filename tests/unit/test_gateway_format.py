@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from gateway.media import MediaItem
+from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion
 from gateway.prompt import build_generate_request, pack_generate, sampling_params
 from gateway.testing import filled
 from gateway.upstream import Encoded
-from shared.schemas import ChatCompletionRequest, EncodeResult, GenerateRequest, GenerateResponse, PromptMedia
+from shared.schemas import EncodeResult, GenerateRequest, GenerateResponse, PromptMedia
 from shared.wire import unpack
 
 pytestmark = pytest.mark.unit
@@ -156,7 +157,7 @@ def test_echo_with_logprobs_leads_with_the_prompt_and_vllm_prompt_logprobs():
 
 
 def test_prompt_logprobs_reach_the_sampling_params():
-    from shared.schemas import CompletionRequest
+    from gateway.openai_api.requests import CompletionRequest
 
     def k(**kw):
         return sampling_params(CompletionRequest(model="m", prompt="x", **kw), 16).prompt_logprobs
@@ -176,7 +177,8 @@ def test_responses_logprobs_ride_on_text_deltas_and_concatenate_to_done():
     """A token that adds no text rides on the next delta; what is left goes on a last empty delta;
     the deltas' logprobs concatenate to the done event's and the item's (which has bytes)."""
     from gateway.responses_format import ResponsesEventWriter, ResponseShell
-    from shared.schemas import ResponsesRequest, SampledLogprob, TokenLogprob
+    from gateway.openai_api.responses_api import ResponsesRequest
+    from shared.schemas import SampledLogprob, TokenLogprob
 
     def e(tok: str, lp: float) -> SampledLogprob:
         return SampledLogprob(token_id=1, token=tok, logprob=lp, top=[TokenLogprob(token_id=2, token=tok, logprob=lp)])

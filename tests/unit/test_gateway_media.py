@@ -14,8 +14,8 @@ from gateway.media import (
     make_item,
     mime_matches,
 )
+from gateway.openai_api.requests import ChatCompletionRequest
 from shared.hashing import content_hash
-from shared.schemas import ChatCompletionRequest
 
 pytestmark = pytest.mark.unit
 

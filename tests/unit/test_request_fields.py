@@ -17,8 +17,8 @@ from openai.types.chat import chat_completion_tool_message_param as tool_param
 from openai.types.chat import completion_create_params as chat_params
 
 from gateway.errors import validation_message
-from shared.schemas import (NOOP_FIELDS, PART_NOOP_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest, ChatMessage,
-                            CompletionRequest)
+from gateway.openai_api.requests import NOOP_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from shared.schemas import PART_NOOP_FIELDS, ChatMessage
 
 pytestmark = pytest.mark.unit
 

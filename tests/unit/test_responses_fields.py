@@ -23,11 +23,13 @@ from openai.types.responses import tool_param
 from openai.types.shared_params import reasoning as reasoning_param
 
 from gateway.errors import validation_message
+from gateway.openai_api.requests import ChatCompletionRequest
+from gateway.openai_api.responses_api import (
+    RESPONSES_INCLUDABLE, RESPONSES_INCLUDE_NOOP, RESPONSES_ITEM_NOOP_FIELDS, RESPONSES_ITEM_UNSUPPORTED,
+    RESPONSES_NOOP_FIELDS, RESPONSES_UNSUPPORTED, ResponsesReasoning, ResponsesRequest, ResponsesStreamOptions,
+    ResponsesText, ResponsesTool,
+)
 from gateway.responses_format import InputError, to_chat
-from shared.schemas import (RESPONSES_INCLUDABLE, RESPONSES_INCLUDE_NOOP, RESPONSES_ITEM_NOOP_FIELDS,
-                            RESPONSES_ITEM_UNSUPPORTED, RESPONSES_NOOP_FIELDS, RESPONSES_UNSUPPORTED,
-                            ChatCompletionRequest, ResponsesReasoning, ResponsesRequest, ResponsesStreamOptions,
-                            ResponsesText, ResponsesTool)
 from tests.unit.test_request_fields import PROBE, _with, field_paths
 
 pytestmark = pytest.mark.unit

@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 
+from gateway.openai_api.requests import ChatCompletionRequest
 from shared.bundle import BundleError, load_bundle_spec
 from shared.compose_local import interpolate
 from shared.hashing import HASH_NAME, content_hash, hash_to_int
 from shared.projector import PoolProjector, ProjectorConfig
-from shared.schemas import ChatCompletionRequest, EncodeResult, GenerateRequest, PromptMedia, PromptMessage, PromptText
+from shared.schemas import EncodeResult, GenerateRequest, PromptMedia, PromptMessage, PromptText
 from shared.settings import GatewaySettings
 from shared.wire import WireError, pack, unpack
 
