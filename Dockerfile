@@ -11,6 +11,7 @@ COPY shared ./shared
 COPY gateway ./gateway
 COPY encoder_svc ./encoder_svc
 COPY llm_svc ./llm_svc
+COPY mmserve ./mmserve
 COPY benchmarks ./benchmarks
 RUN pip install --no-cache-dir .
 

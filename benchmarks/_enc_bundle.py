@@ -25,7 +25,7 @@ BENCH_VISION = dict(image_size=64, patch_size=16, hidden_size=128, intermediate_
 SO400M_VISION = dict(image_size=112, patch_size=14, hidden_size=1152, intermediate_size=4304,
                      num_hidden_layers=27, num_attention_heads=16)
 # the MiMo-V2.5 omni ViT (GQA, row/column band windows with sinks, merge 2), random, 16 blocks of
-# width 128, written as a whole omni checkpoint (shared/tiny/mimo_omni.py); a 96 px image = 36 patches
+# width 128, written as a whole omni checkpoint (mmserve/tiny/mimo_omni.py); a 96 px image = 36 patches
 MIMO_VISION = dict(depth=16, hidden=128, intermediate=512, heads=4, kv_heads=2, head_dim=32,
                    window_types=(-1,) + (0, 1) * 7 + (-1,), full_blocks=(0, 15))
 TOWERS = {"small": ("enc-bench-siglip-p16-l24", BENCH_VISION), "so400m": ("enc-bench-siglip-so400m-112", SO400M_VISION),
@@ -37,7 +37,7 @@ def bench_bundle(tower: str = "small") -> Path:
     out = CACHE_DIR / name
     if tower == "mimo-omni":
         if not (out / "config.json").exists():
-            from shared.tiny.mimo_omni import TinyVisionSpec, write_mimo_omni
+            from mmserve.tiny.mimo_omni import TinyVisionSpec, write_mimo_omni
 
             write_mimo_omni(out.with_name(out.name + ".tmp"), vision=TinyVisionSpec(**vision)).rename(out)
         return out

@@ -15,7 +15,7 @@ import httpx
 
 from shared.schemas import GenerateRequest, PromptMessage, PromptText, SamplingParams
 from shared.settings import LLMSettings
-from shared.tiny_model import write_tiny_model
+from mmserve.tiny_model import write_tiny_model
 from shared.wire import SAFETENSORS_MIME, pack
 
 

@@ -21,7 +21,7 @@ import httpx
 
 from benchmarks import _vs_vllm_servers as srv
 from benchmarks._vs_vllm_runs import resolve_preload
-from shared.launcher import wait_ready
+from mmserve.launcher import wait_ready
 
 
 @dataclass(frozen=True)

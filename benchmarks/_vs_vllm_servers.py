@@ -4,7 +4,7 @@ under ``~/.cache/mmserve/bench/``), vLLM's OpenAI server from its own venv, and 
 
 * ``gemma3``: text-only ``Gemma3ForCausalLM`` in the plain HF layout (``CheckpointSpec``);
 * ``mimo``: ``MiMoV2FlashForCausalLM`` in Xiaomi's published config form (``hybrid_layer_pattern``,
-  ``swa_*``, ``moe_layer_freq``, ``n_routed_experts`` ... as ``shared.tiny.mimo_published`` writes
+  ``swa_*``, ``moe_layer_freq``, ``n_routed_experts`` ... as ``mmserve.tiny.mimo_published`` writes
   it and both vLLM's ``mimo_v2_flash.py`` and our ``llm_svc/models/geometry.py`` read it;
   ``MiMoSpec``).
 
@@ -13,7 +13,7 @@ ChatML). Special tokens (and MiMo's padded vocab rows) get zero embeddings and z
 so their logit is 0 and greedy decoding never picks one: no early EOS and no token one
 detokenizer prints and the other skips.
 
-Every server is a ``shared.launcher.Service`` (its own process session), so stopping it kills
+Every server is a ``mmserve.launcher.Service`` (its own process session), so stopping it kills
 its whole process group (vLLM's engine-core child, our front; our engine core stops with its
 front) and leaves no orphans.
 """
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import httpx
 
-from shared.cli import CACHE_DIR
-from shared.launcher import Service, free_port, wait_ready
-from shared.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE, GEMMA_SPECIALS, GEMMA_TEMPLATE
+from mmserve.cli import CACHE_DIR
+from mmserve.launcher import Service, free_port, wait_ready
+from mmserve.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE, GEMMA_SPECIALS, GEMMA_TEMPLATE
 
 VLLM_VENV = CACHE_DIR / "vllm-venv"
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
@@ -131,7 +131,7 @@ def build_tokenizer(vocab: int, seed: int = 0, specials: list[str] = GEMMA_SPECI
                     names: dict[str, str] = _GEMMA_NAMES):  # fmt: skip
     """A byte-level BPE with about ``vocab`` tokens, trained on random pseudo-word text.
 
-    Not ``shared.tiny_model.build_tokenizer``: its fixed ~70-word corpus stops well below a few
+    Not ``mmserve.tiny_model.build_tokenizer``: its fixed ~70-word corpus stops well below a few
     thousand tokens, and its full byte alphabet holds tokens that are not valid UTF-8 alone
     (streamed text would then differ by detokenizer, not by model)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -195,12 +195,12 @@ def _write_gemma(spec: CheckpointSpec, tmp: Path) -> None:
 
 
 def _write_mimo(spec: MiMoSpec, tmp: Path) -> None:
-    """``shared.tiny.mimo_published``'s config and tensor layout at the benchmark's sizes,
+    """``mmserve.tiny.mimo_published``'s config and tensor layout at the benchmark's sizes,
     float32 safetensors, ``spec.mtp_layers`` MTP layers (0: none; either server reads past them
     unless it drafts with them)."""
     from safetensors.torch import save_file
 
-    from shared.tiny import mimo_published as mp
+    from mmserve.tiny import mimo_published as mp
 
     tok = build_tokenizer(spec.vocab, spec.seed, CHATML_SPECIALS, CHATML_TEMPLATE, _CHATML_NAMES)
     tiny = mp.TinyMiMoSpec(
@@ -348,7 +348,7 @@ def our_services(model_dir: Path, log_dir: Path, llm_env: dict[str, str] | None 
                  max_model_len: int = MAX_MODEL_LEN, kv_bytes: int = KV_GIB << 30, tag: str = "ours") -> list[Service]:
     """LLM service (swa, float32) and a gateway; the gateway's encoder URL is a closed port (a
     text-only request never calls an encoder). ``llm_env`` goes to the LLM service only."""
-    py = [sys.executable, "-m", "shared.cli"]
+    py = [sys.executable, "-m", "mmserve.cli"]
     env = _clean_env({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     lport, gport, dead = free_port(), free_port(), free_port()
     llm_env = {"MMSERVE_LLM_DTYPE": "float32", "MMSERVE_LLM_MAX_MODEL_LEN": str(max_model_len), **(llm_env or {})}

@@ -107,8 +107,8 @@ def main() -> None:
             return
     if not AIPERF.exists():
         raise SystemExit(f"{AIPERF} is missing: run `bash scripts/load_clients.sh aiperf` first")
-    from shared.cli import ensure_default_model
-    from shared.launcher import LocalStack, StackSpec
+    from mmserve.cli import ensure_default_model
+    from mmserve.launcher import LocalStack, StackSpec
 
     model_dir = ensure_default_model(None)
     model = Path(model_dir).name

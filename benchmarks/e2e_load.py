@@ -45,7 +45,7 @@ import openai
 
 from benchmarks import _results
 from benchmarks._stack_util import audio_part, image_part, make_mp4, make_png, make_wav, scrape, total, user, video_part
-from shared.launcher import LocalStack, StackSpec
+from mmserve.launcher import LocalStack, StackSpec
 
 WORDS = (
     "please explain the picture again with more detail about colors shapes edges light shadow "
@@ -262,7 +262,7 @@ def main() -> None:
     sessions = args.sessions or (2 if args.smoke else 8 if args.quick else 16)
     turns = args.turns or (2 if args.smoke else 5 if args.quick else 6)
 
-    from shared.cli import ensure_default_model
+    from mmserve.cli import ensure_default_model
 
     model_dir = ensure_default_model(args.model)
     workload = make_workload(args.seed, sessions, turns)

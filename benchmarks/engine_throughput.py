@@ -114,7 +114,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir
         if model_dir is None:
-            from shared.tiny_model import write_tiny_model
+            from mmserve.tiny_model import write_tiny_model
 
             model_dir = str(write_tiny_model(Path(tmp) / "tiny-mimo"))
         lm = load_lm(model_dir)

@@ -156,7 +156,7 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        from shared.tiny_model import write_tiny_model
+        from mmserve.tiny_model import write_tiny_model
 
         cache = Path(os.environ.get("MMSERVE_CACHE_DIR", Path.home() / ".cache" / "mmserve")) / "bench-tiny-mimo"
         if not (cache / "mmserve_bundle.json").exists():
@@ -165,7 +165,7 @@ def main() -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "llm", "--model", model, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "llm", "--model", model, "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300

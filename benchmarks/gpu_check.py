@@ -4,7 +4,7 @@
 
 Parts (each in its own try/except; an error is recorded in the JSON and the next part runs):
 
-* ``logits``: the tiny MiMo and the tiny Gemma 3 (``shared.tiny_model``), float32 on the device.
+* ``logits``: the tiny MiMo and the tiny Gemma 3 (``mmserve.tiny_model``), float32 on the device.
   Three greedy requests (prompts 40/150/300 tokens, past the window of 128) run together
   through ``build_engine`` + ``submit``/``step``; every step's logits (captured around
   ``engine.runner.run``) are compared with one teacher-forced transformers forward of
@@ -123,7 +123,7 @@ def _prompts(n: int, lengths: list[int] | int, vocab: int, seed: int) -> list[li
 
 # ------------------------------------------------------------------ (a) logits vs transformers
 def check_logits(arch: str, device: str, tmp: Path, max_tokens: int, dtype: str) -> dict:
-    from shared.tiny_model import write_tiny_model
+    from mmserve.tiny_model import write_tiny_model
 
     lm = load_lm(str(write_tiny_model(tmp / f"tiny-{arch}", arch=arch)), device=device, dtype=dtype)
     engine = _make_engine(lm, device, max_running=8, kv_bytes=64 * 1024 * 1024)
@@ -188,7 +188,7 @@ def check_sampling(device: str, tmp: Path, max_tokens: int) -> dict:
 
     path = tmp / "tiny-mimo"
     if not path.exists():
-        from shared.tiny_model import write_tiny_model
+        from mmserve.tiny_model import write_tiny_model
 
         write_tiny_model(path, arch="mimo")
     lm = load_lm(str(path), device=device, dtype="float32")
@@ -217,7 +217,7 @@ def write_big_model(out: Path, hidden: int, layers: int, vocab: int, dtype: torc
     """A random text-only MiMo (plain HF layout): (1 full + 7 sliding) blocks, dense MLPs."""
     from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
-    from shared.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE, build_tokenizer
+    from mmserve.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE, build_tokenizer
 
     tok = build_tokenizer(CHATML_SPECIALS, 640, CHATML_TEMPLATE, eos="<|im_end|>", pad_token="<|endoftext|>")
     tok.add_tokens([f"<x{i}>" for i in range(vocab - len(tok))])  # a realistic lm_head size
@@ -330,7 +330,7 @@ def _set_attention(engine, name: str, device: str) -> None:
 
 def _paged_logits(arch: str, device: str, tmp: Path, max_tokens: int) -> dict:
     """Every step's logits of ``triton_paged`` vs ``sdpa`` on a tiny model (float32)."""
-    from shared.tiny_model import write_tiny_model
+    from mmserve.tiny_model import write_tiny_model
 
     path = tmp / f"tiny-{arch}"
     if not path.exists():

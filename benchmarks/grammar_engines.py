@@ -51,7 +51,7 @@ import torch
 
 from benchmarks import _results
 from benchmarks._bench_host import bench_lock
-from shared.tiny.schemas import schema_corpus, wide_schema
+from mmserve.tiny.schemas import schema_corpus, wide_schema
 
 ENGINES = ("xgrammar", "llguidance")
 
@@ -137,7 +137,7 @@ def json_bpe(vocab: int, seed: int = 0, full_bytes: bool = False):
     from transformers import PreTrainedTokenizerFast
 
     from benchmarks._vs_vllm_servers import _CHATML_NAMES, word_list
-    from shared.tiny_model import CHATML_SPECIALS
+    from mmserve.tiny_model import CHATML_SPECIALS
 
     rng = random.Random(seed)
     words = word_list(60000 if vocab > 8000 else 6000, seed)
@@ -186,8 +186,8 @@ def json_checkpoint() -> Path:
     4096-token tokenizer: the weights are linked, not copied; the specials keep ids 0-9, whose
     embedding / LM-head rows are zero (greedy never picks one)."""
     from benchmarks._vs_vllm_servers import MiMoSpec, ensure_checkpoint
-    from shared.cli import CACHE_DIR
-    from shared.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE
+    from mmserve.cli import CACHE_DIR
+    from mmserve.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE
 
     src = ensure_checkpoint(MiMoSpec())
     out = CACHE_DIR / "bench" / (src.name + "-jsontok")
@@ -222,7 +222,7 @@ def large_tokenizer(target: int, seed: int = 0):
     """A full-byte BPE of ``target`` tokens on the same synthetic text (cached)."""
     from transformers import PreTrainedTokenizerFast
 
-    from shared.cli import CACHE_DIR
+    from mmserve.cli import CACHE_DIR
 
     d = CACHE_DIR / "bench" / f"bpe-json-{target}-s{seed}"
     if not (d / "tokenizer.json").exists():

@@ -41,7 +41,7 @@ from gateway.app import create_app as gateway_app
 from gateway.testing import ServerThread
 from llm_svc.app import create_app as llm_app
 from shared.settings import EncoderSettings, GatewaySettings, LLMSettings
-from shared.tiny_model import write_tiny_model
+from mmserve.tiny_model import write_tiny_model
 
 MODEL = "mmserve-tiny"
 

@@ -93,7 +93,7 @@ class Record:
 
 
 def _py() -> list[str]:
-    return [sys.executable, "-m", "shared.cli"]
+    return [sys.executable, "-m", "mmserve.cli"]
 
 
 class Cluster:
@@ -429,7 +429,7 @@ def main() -> int:
     if why:
         print(f"cannot run: {why}", file=sys.stderr)
         return 2
-    from shared.cli import ensure_default_model
+    from mmserve.cli import ensure_default_model
 
     model_dir = ensure_default_model(args.model)
     if args.smoke:  # the cut and the new replica only, on the fewest hosts

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from benchmarks import _results
 from encoder_svc.models.mimo_audio_weights import load_mimo_audio
 from encoder_svc.preprocess.mimo_mel import mel_magnitude
-from shared.tiny.mimo_omni import write_mimo_omni
+from mmserve.tiny.mimo_omni import write_mimo_omni
 from tests.unit.test_omni_audio import chirp
 
 REPO = Path(__file__).resolve().parents[1]

@@ -50,9 +50,9 @@ import httpx
 from benchmarks import _results
 from benchmarks._lean_client import LeanClient
 from benchmarks._stack_util import image_part, make_png, user
-from shared.launcher import LocalStack, Service, StackSpec, free_port, wait_ready
+from mmserve.launcher import LocalStack, Service, StackSpec, free_port, wait_ready
 from shared.settings import GatewaySettings
-from shared.tiny_model import write_tiny_model
+from mmserve.tiny_model import write_tiny_model
 
 
 def rss_mb(pid: int) -> float:
@@ -250,7 +250,7 @@ RUN_ORDER = _FORWARD + _FORWARD[::-1]  # --quick runs only the forward half
 def bounded_gateway(stack: LocalStack, env: dict[str, str], log_dir: Path, name: str) -> Service:
     """A second gateway on ``stack``'s encoder and LLM, with its own admission settings."""
     port = free_port()
-    argv = [sys.executable, "-m", "shared.cli", "gateway", "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", "mmserve.cli", "gateway", "--host", "127.0.0.1", "--port", str(port),
             "--model-name", stack.model_name, "--encoder-urls", ",".join(s.url for s in stack.encoders),
             "--llm-urls", ",".join(s.url for s in stack.llms)]
     genv = {**stack.gateway.env, **{f"MMSERVE_GATEWAY_{k.upper()}": v for k, v in env.items()}}

@@ -34,7 +34,7 @@ import openai
 from benchmarks import _results
 from benchmarks.e2e_load import SYSTEM_PROMPTS, SideResult, make_workload, media_pools, pct, stream_turn
 from benchmarks._stack_util import user
-from shared.launcher import LocalStack, Service, StackSpec, free_port, wait_ready
+from mmserve.launcher import LocalStack, Service, StackSpec, free_port, wait_ready
 
 REDIS = "redis://127.0.0.1:6379/0"
 LLMS = 4
@@ -143,7 +143,7 @@ def main() -> int:
     turns = args.turns or (2 if args.smoke else 4 if args.quick else 6)
     repeats = args.repeats or (1 if args.smoke else 2 if args.quick else 3)
 
-    from shared.cli import ensure_default_model
+    from mmserve.cli import ensure_default_model
 
     model_dir = ensure_default_model(args.model)
     workload = make_workload(args.seed, sessions, turns)

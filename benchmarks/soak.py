@@ -36,8 +36,8 @@ import httpx
 from benchmarks import _results
 from benchmarks._stack_util import image_part, make_png, scrape, total, user
 from benchmarks.overload import rss_mb
-from shared.launcher import LocalStack, StackSpec
-from shared.tiny_model import write_tiny_model
+from mmserve.launcher import LocalStack, StackSpec
+from mmserve.tiny_model import write_tiny_model
 
 FULL_AT = 0.97  # a pool this much in use counts as full (the tree evicts just ahead of demand)
 

@@ -41,7 +41,7 @@ def tiny_bundle() -> Path:
     """The tiny MiMo bundle with ``max_position_embeddings`` raised to ``MAX_POS`` (cached)."""
     out = CACHE / "step-scaling-mimo"
     if not (out / ".done").exists():
-        from shared.tiny_model import write_tiny_model
+        from mmserve.tiny_model import write_tiny_model
 
         path = write_tiny_model(out)
         for cfg in Path(path).rglob("config.json"):
@@ -143,11 +143,11 @@ def worker(spec: dict) -> dict:
 
 # ---------------------------------------------------------------------------------- driver
 def export_baseline(ref: str, dest: Path) -> Path:
-    """``llm_svc`` at ``ref`` in ``dest``, with this tree's ``shared`` and ``benchmarks`` linked."""
+    """``llm_svc`` at ``ref`` in ``dest``, with this tree's ``shared``, ``mmserve`` and ``benchmarks`` linked."""
     dest.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "llm_svc"], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
-    for name in ("shared", "benchmarks"):
+    for name in ("shared", "mmserve", "benchmarks"):
         (dest / name).symlink_to(REPO / name)
     return dest
 

@@ -52,7 +52,7 @@ from benchmarks._bench_host import CpuMeter, bench_lock, wait_quiet
 from benchmarks._chat_load import PromptMaker, pct
 from benchmarks._vs_vllm_runs import DISTURBED, SIDES, Group, resolve_preload
 from benchmarks.grammar_engines import json_checkpoint
-from shared.tiny.schemas import wide_schema
+from mmserve.tiny.schemas import wide_schema
 
 SCHEMA = {"type": "array", "minItems": 8, "maxItems": 8, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "name", "ok", "score"],

@@ -278,7 +278,7 @@ def main() -> None:
     from benchmarks._vs_vllm_servers import CheckpointSpec, ensure_checkpoint
     from llm_svc.loader import load_lm
     from shared.settings import LLMSettings
-    from shared.tiny_model import write_tiny_model
+    from mmserve.tiny_model import write_tiny_model
 
     torch.set_num_threads(args.threads)
     cache = Path.home() / ".cache" / "mmserve" / "bench"

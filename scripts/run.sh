@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
-exec "$PY" -m shared.cli up "$@"
+exec "$PY" -m mmserve.cli up "$@"

@@ -34,7 +34,7 @@ fi
 mkdir -p .mmserve
 stamp=".mmserve/installed${extras}.stamp"
 want=$( (cat pyproject.toml; "$PY" --version) | sha256sum | cut -c1-16)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "import shared.cli" 2>/dev/null; then
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "import mmserve.cli" 2>/dev/null; then
   echo "[setup] pip install -e .${extras}" >&2
   "$PY" -m pip install -q --disable-pip-version-check -e ".${extras}"
   echo "$want" > "$stamp"

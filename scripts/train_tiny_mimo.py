@@ -104,7 +104,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def train(args) -> dict:
     from llm_svc.loader import load_lm
-    from shared.tiny import mimo_published as mp
+    from mmserve.tiny import mimo_published as mp
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)

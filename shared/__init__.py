@@ -1,1 +1,1 @@
-"""mmserve's common package: schemas, settings, hashing, wire formats, model bundles."""
+"""What the services share, below them all: schemas, settings, hashing, wire formats, model bundles."""

@@ -31,7 +31,7 @@ REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 @pytest.fixture(scope="session")
 def mimo_bundle(tmp_path_factory) -> Path:
     """A tiny MiMo-V2-Flash bundle (vision + audio), sliding window 128."""
-    from shared.tiny_model import write_tiny_model
+    from mmserve.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("bundles") / "tiny-mimo", arch="mimo")
 
@@ -39,7 +39,7 @@ def mimo_bundle(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_bundle(tmp_path_factory) -> Path:
     """A tiny plain-HF Gemma3ForConditionalGeneration checkpoint directory, window 128."""
-    from shared.tiny_model import write_tiny_model
+    from mmserve.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("bundles") / "tiny-gemma3", arch="gemma3")
 
@@ -79,7 +79,7 @@ SMALL_W = 16  # a window small enough that a few hundred tokens span several win
 def mimo16(tmp_path_factory):
     """The tiny MiMo bundle with sliding window 16, loaded by llm_svc.loader."""
     from llm_svc.loader import load_lm
-    from shared.tiny_model import write_tiny_model
+    from mmserve.tiny_model import write_tiny_model
 
     return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "mimo16", sliding_window=SMALL_W)))
 
@@ -88,7 +88,7 @@ def mimo16(tmp_path_factory):
 def gemma16(tmp_path_factory):
     """The tiny Gemma 3 checkpoint with sliding window 16, loaded by llm_svc.loader."""
     from llm_svc.loader import load_lm
-    from shared.tiny_model import write_tiny_model
+    from mmserve.tiny_model import write_tiny_model
 
     return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "gemma16", arch="gemma3", sliding_window=SMALL_W)))
 

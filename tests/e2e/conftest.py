@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.launcher import LocalStack, StackSpec
+from mmserve.launcher import LocalStack, StackSpec
 
 
 @pytest.fixture(scope="module")

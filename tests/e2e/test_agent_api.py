@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from shared.launcher import LocalStack, StackSpec
+from mmserve.launcher import LocalStack, StackSpec
 
 pytestmark = pytest.mark.e2e
 

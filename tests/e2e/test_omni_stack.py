@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from benchmarks._stack_util import audio_part, image_part, make_mp4, make_png, make_wav, user, video_part
-from shared.launcher import LocalStack, StackSpec
-from shared.tiny_model import write_tiny_model
+from mmserve.launcher import LocalStack, StackSpec
+from mmserve.tiny_model import write_tiny_model
 from tests.e2e.conftest import stream_chat
 
 pytestmark = pytest.mark.e2e

@@ -7,8 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from shared.launcher import LocalStack, StackSpec
-from shared.tiny_model import write_tiny_model
+from mmserve.launcher import LocalStack, StackSpec
+from mmserve.tiny_model import write_tiny_model
 from tests.e2e.conftest import stream_chat
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.launcher import free_port
+from mmserve.launcher import free_port
 
 pytestmark = pytest.mark.e2e
 

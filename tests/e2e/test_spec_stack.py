@@ -21,7 +21,7 @@ from llm_svc.core.build import build_engine
 from llm_svc.core.local import InProcessEngine
 from llm_svc.loader import load_lm
 from llm_svc.types import PreparedRequest
-from shared.launcher import LocalStack, Service, StackSpec, free_port
+from mmserve.launcher import LocalStack, Service, StackSpec, free_port
 from shared.schemas import SamplingParams
 from shared.settings import LLMSettings
 from tests.integration.test_llm_engine import run_to_end
@@ -51,7 +51,7 @@ def prompts(vocab: int) -> list[list[int]]:
 def case(request, mimo_bundle, tmp_path_factory):
     if request.param == "ngram":
         return request.param, mimo_bundle
-    from shared.tiny_model import write_tiny_model
+    from mmserve.tiny_model import write_tiny_model
 
     return request.param, write_tiny_model(tmp_path_factory.mktemp("b") / "tiny-v25", arch="mimo-v2.5")
 
@@ -109,7 +109,7 @@ def test_completions_equal_the_plain_engine_streamed_and_not(case, stack, plain_
 def test_bad_speculative_config_is_refused_at_start(mimo_bundle, tmp_path):
     port = free_port()
     svc = Service("llm", f"http://127.0.0.1:{port}",
-                  [sys.executable, "-m", "shared.cli", "llm", "--model", str(mimo_bundle), "--port", str(port),
+                  [sys.executable, "-m", "mmserve.cli", "llm", "--model", str(mimo_bundle), "--port", str(port),
                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
                   dict(os.environ), tmp_path / "llm.log")
     svc.start()

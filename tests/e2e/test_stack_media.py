@@ -24,7 +24,7 @@ from benchmarks._stack_util import (
     user,
     video_part,
 )
-from shared.launcher import LocalStack, StackSpec, free_port
+from mmserve.launcher import LocalStack, StackSpec, free_port
 from tests.e2e.conftest import stream_chat
 
 pytestmark = pytest.mark.e2e

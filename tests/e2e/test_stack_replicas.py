@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from benchmarks._stack_util import image_part, make_png, scrape, total, totals, user
-from shared.launcher import LocalStack, StackSpec
+from mmserve.launcher import LocalStack, StackSpec
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ import redis as sync_redis
 
 from benchmarks._stack_util import image_part, make_png, scrape, total, user
 from shared.embedding_store import DEFAULT_PREFIX
-from shared.launcher import LocalStack, StackSpec
+from mmserve.launcher import LocalStack, StackSpec
 from tests.conftest import REDIS_HOST, REDIS_PORT
 
 pytestmark = pytest.mark.e2e

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from benchmarks._stack_util import image_part, make_png, user
-from shared.launcher import free_port
+from mmserve.launcher import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -63,7 +63,7 @@ def test_sigkill_of_an_encoder_under_up_loses_no_request(mimo_bundle):
     port = free_port()
     env = {**os.environ, "MMSERVE_GATEWAY_HEALTH_INTERVAL": "0.5", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "up", "--model", str(mimo_bundle), "--port", str(port),
+        [sys.executable, "-m", "mmserve.cli", "up", "--model", str(mimo_bundle), "--port", str(port),
          "--encoders", "2", "--llms", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )

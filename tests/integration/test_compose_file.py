@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.compose_local import load_compose, local_services, redis_already_running
-from shared.launcher import wait_ready
+from mmserve.compose_local import load_compose, local_services, redis_already_running
+from mmserve.launcher import wait_ready
 from tests.conftest import make_png
 
 pytestmark = pytest.mark.integration
@@ -95,7 +95,7 @@ def test_launcher_fails_fast_when_a_service_cannot_load(tmp_path):
     instead of polling /readyz until the timeout."""
     import time
 
-    from shared.launcher import LocalStack, StackSpec
+    from mmserve.launcher import LocalStack, StackSpec
 
     bad = tmp_path / "bad-bundle"
     bad.mkdir()

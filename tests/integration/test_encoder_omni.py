@@ -20,7 +20,7 @@ from encoder_svc.video.backends import get_backend
 from shared.bundle import CheckpointError, load_bundle_spec
 from shared.schemas import EncodeResult
 from shared.settings import EncoderSettings
-from shared.tiny.mimo_omni import write_mimo_omni
+from mmserve.tiny.mimo_omni import write_mimo_omni
 from shared.wire import unpack
 from tests.integration.test_encoder_image import image_bytes
 

@@ -22,7 +22,7 @@ from encoder_svc.preprocess.audio_decode import decode_audio
 from encoder_svc.server import serve_in_thread
 from shared.schemas import EncodeResult
 from shared.settings import EncoderSettings
-from shared.tiny.mimo_omni import write_mimo_omni
+from mmserve.tiny.mimo_omni import write_mimo_omni
 from shared.wire import unpack
 from tests.integration.test_encoder_media import reference_decode
 from tests.unit.test_omni_audio import chirp, vllm_token_len

@@ -138,7 +138,7 @@ def start_front(mimo_bundle, **popen) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    front = subprocess.Popen([sys.executable, "-m", "shared.cli", "llm", "--model", str(mimo_bundle), "--port",
+    front = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "llm", "--model", str(mimo_bundle), "--port",
                               str(port)], **popen)
     try:
         wait_ready(f"http://127.0.0.1:{port}")

@@ -186,7 +186,7 @@ def test_every_service_is_served_with_its_keep_alive_timeout(monkeypatch):
     import uvicorn
 
     import gateway.app
-    from shared import cli
+    from mmserve import cli
 
     seen = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.append(kw["timeout_keep_alive"]))

@@ -15,7 +15,7 @@ from llm_svc.models import build_model
 from llm_svc.types import PreparedRequest
 from shared.bundle import CheckpointError
 from shared.schemas import SamplingParams
-from shared.tiny.gpt_oss import write_gpt_oss
+from mmserve.tiny.gpt_oss import write_gpt_oss
 from tests.conftest import SMALL_W
 from tests.integration.test_llm_engine import make_engine, run_to_end
 from tests.unit.test_llm_runner import SlotSim, hf_logits, make_runner, run_chunked

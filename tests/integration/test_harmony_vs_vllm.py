@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from llm_svc.parsers import output_parser
-from shared.cli import CACHE_DIR
+from mmserve.cli import CACHE_DIR
 from tests.unit.test_output_parsers import TOOLS, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

@@ -24,7 +24,7 @@ from llm_svc.loader import load_lm
 from llm_svc.prompt import prepare_request
 from shared.bundle import load_bundle_spec
 from shared.schemas import GenerateRequest, MediaSegment, PromptMedia, PromptMessage, PromptText
-from shared.tiny.mimo_omni import write_mimo_omni
+from mmserve.tiny.mimo_omni import write_mimo_omni
 from tests.integration.test_vllm_oracle import REPO, vllm_python  # noqa: F401 - the venv fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

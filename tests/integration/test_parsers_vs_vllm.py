@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from llm_svc.parsers import output_parser
-from shared.cli import CACHE_DIR
+from mmserve.cli import CACHE_DIR
 from tests.unit.test_output_parsers import GEMMA, MIMO, TOOLS, mimo_chunks, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -53,7 +53,7 @@ def cases():
 def vllm_results(tmp_path_factory):
     if not VLLM_PY.exists():
         pytest.skip("vLLM venv not built (bash scripts/vllm_venv.sh)")
-    from shared.tiny.tokenizer import CHATML_SPECIALS, CHATML_TEMPLATE, build_tokenizer
+    from mmserve.tiny.tokenizer import CHATML_SPECIALS, CHATML_TEMPLATE, build_tokenizer
     d = tmp_path_factory.mktemp("tok")
     build_tokenizer(CHATML_SPECIALS, 640, CHATML_TEMPLATE, eos="<|im_end|>", pad_token="<|endoftext|>").save_pretrained(d)
     job = {"tokenizer": str(d), "tools": TOOLS, "cases": cases()}

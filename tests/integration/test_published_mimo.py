@@ -14,7 +14,7 @@ import torch
 from llm_svc.loader import load_lm
 from llm_svc.models.geometry import SLIDING_T, mimo_geometry
 from shared.bundle import CheckpointError
-from shared.tiny import mimo_published as mp
+from mmserve.tiny import mimo_published as mp
 from tests.conftest import SMALL_W
 from tests.integration.test_llm_engine import ListStream, make_engine, run_to_end
 from tests.unit.test_llm_runner import SlotSim, hf_logits, make_runner, run_chunked
@@ -151,7 +151,7 @@ def test_omni_checkpoint_lm_reads_past_the_towers(tmp_path):
     the LM loads the same numbers as without them; the towers are the encoder's part."""
     from safetensors.torch import load_file, save_file
 
-    from shared.tiny.mimo_omni import write_mimo_omni
+    from mmserve.tiny.mimo_omni import write_mimo_omni
 
     def text_only(c: dict) -> None:
         del c["vision_config"], c["processor_config"]

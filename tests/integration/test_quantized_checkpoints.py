@@ -25,8 +25,8 @@ from llm_svc.loader import load_lm
 from llm_svc.types import PreparedRequest
 from shared.bundle import CheckpointError
 from shared.schemas import SamplingParams
-from shared.tiny import mimo_published as mp
-from shared.tiny.gpt_oss import write_gpt_oss
+from mmserve.tiny import mimo_published as mp
+from mmserve.tiny.gpt_oss import write_gpt_oss
 from tests.conftest import SMALL_W
 from tests.integration.test_llm_engine import make_engine, run_to_end
 from tests.unit.test_llm_runner import SlotSim, hf_logits, make_runner, run_chunked
@@ -155,8 +155,8 @@ def test_mimo_omni_with_a_fused_fp8_lm_serves_lm_and_towers(tmp_path):
     """MiMo-V2.5 omni as on the hub: the LM fused + FP8 in the same files as the bf16 towers."""
     from encoder_svc.models.loader import load_models
     from shared.bundle import load_bundle_spec
-    from shared.tiny.mimo_omni import write_mimo_omni
-    from shared.tiny.quantize import FP8_QUANT_CONFIG
+    from mmserve.tiny.mimo_omni import write_mimo_omni
+    from mmserve.tiny.quantize import FP8_QUANT_CONFIG
 
     d = write_mimo_omni(tmp_path / "omni", 0, SMALL_W)
     state = load_file(str(d / "model.safetensors"))
@@ -333,7 +333,7 @@ def test_bad_mxfp4_tensors_are_named(oss_mxfp4, tmp_path, edit, match):
 
 
 def test_tiny_model_cli_writes_the_published_variants(tmp_path, capsys):
-    from shared.cli import main
+    from mmserve.cli import main
 
     assert main(["tiny-model", "--out", str(tmp_path / "m"), "--arch", "mimo-v2.5", "--layout", "fused_qkv",
                  "--quant", "fp8", "--sliding-window", str(SMALL_W)]) == 0

@@ -249,7 +249,7 @@ MTP = {"method": "mtp", "num_speculative_tokens": 3}
 def mimo_mtp(tmp_path_factory):
     """The tiny published-layout MiMo-V2.5 (3 MTP layers), window 32: loaded with its MTP layers."""
     from llm_svc.loader import load_lm
-    from shared.tiny_model import write_tiny_model
+    from mmserve.tiny_model import write_tiny_model
 
     lm = load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "v25", arch="mimo-v2.5", sliding_window=32)))
     assert len(lm.model.mtp) == 3
@@ -333,7 +333,7 @@ def test_published_mimo_greedy_tokens_equal_without_speculation(mimo_mtp, spec, 
 def test_gpt_oss_greedy_tokens_equal_with_ngram(tmp_path):
     """gpt-oss (sinks, alternating sliding layers, MoE): n-gram speculation, same tokens."""
     from llm_svc.loader import load_lm
-    from shared.tiny_model import write_tiny_model
+    from mmserve.tiny_model import write_tiny_model
 
     lm = load_lm(str(write_tiny_model(tmp_path / "oss", arch="gpt-oss", sliding_window=W)))
     preps = lambda: [looping_prep(lm, f"o{i}", 18 + 21 * i, pseed=120 + i, max_tokens=36) for i in range(4)]  # noqa: E731

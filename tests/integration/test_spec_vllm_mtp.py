@@ -17,7 +17,7 @@ last token of ``max_tokens`` (an accepted draft there is cut from the output), w
 not draft (``Speculator.room``: never past ``max_tokens``). Such a step (at most one per request,
 its last) is left out of vLLM's list before comparing; everything else is equal.
 
-The checkpoint: MiMo-V2-Flash's published layout (``shared.tiny.mimo_published``) with qk head
+The checkpoint: MiMo-V2-Flash's published layout (``mmserve.tiny.mimo_published``) with qk head
 dim = v head dim (vLLM's CPU build has no attention for qk != v: its diff-kv backends are
 Triton-only), window 32 (the longest prompt and its output span several windows), 3 MTP layers.
 Random MTP weights draft almost nothing the target accepts, so layer 0 is made to draft: the
@@ -42,10 +42,10 @@ from llm_svc.core.build import build_engine
 from llm_svc.core.local import InProcessEngine
 from llm_svc.loader import load_lm
 from llm_svc.types import PreparedRequest
-from shared.cli import CACHE_DIR
+from mmserve.cli import CACHE_DIR
 from shared.schemas import SamplingParams
 from shared.settings import LLMSettings
-from shared.tiny import mimo_published as mp
+from mmserve.tiny import mimo_published as mp
 from tests.integration.test_llm_engine import ListStream, run_to_end
 from tests.integration.test_vllm_oracle import vllm_python  # noqa: F401  (the venv fixture)
 

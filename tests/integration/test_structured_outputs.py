@@ -14,7 +14,7 @@ import pytest
 from llm_svc.engine.grammar import GrammarCache
 from llm_svc.types import PreparedRequest
 from shared.schemas import SamplingParams, StructuredSpec
-from shared.tiny.schemas import schema_corpus
+from mmserve.tiny.schemas import schema_corpus
 from tests.integration.test_llm_engine import ListStream, make_engine, run_to_end
 
 pytestmark = pytest.mark.integration

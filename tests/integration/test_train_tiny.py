@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from llm_svc.loader import load_lm
-from shared.tiny import mimo_published as mp
-from shared.tiny_model import TRAINED_MIMO, write_tiny_model
+from mmserve.tiny import mimo_published as mp
+from mmserve.tiny_model import TRAINED_MIMO, write_tiny_model
 
 pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny_mimo.py"

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from encoder_svc.models.mimo_audio_weights import load_mimo_audio
 from encoder_svc.preprocess.mimo_mel import mel_magnitude
-from shared.tiny.mimo_omni import write_mimo_omni
+from mmserve.tiny.mimo_omni import write_mimo_omni
 from tests.integration.test_vllm_oracle import vllm_python  # noqa: F401  (the venv fixture)
 from tests.unit.test_omni_audio import chirp
 

@@ -21,10 +21,10 @@ import torch
 
 from llm_svc.loader import load_lm
 from llm_svc.types import PreparedRequest
-from shared.cli import CACHE_DIR
+from mmserve.cli import CACHE_DIR
 from shared.schemas import SamplingParams
-from shared.tiny import mimo_published as mp
-from shared.tiny.gpt_oss import write_gpt_oss
+from mmserve.tiny import mimo_published as mp
+from mmserve.tiny.gpt_oss import write_gpt_oss
 from tests.conftest import SMALL_W
 from tests.integration.test_llm_engine import make_engine, run_to_end
 from tests.unit.test_llm_runner import SlotSim, make_runner, run_chunked

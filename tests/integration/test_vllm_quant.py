@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from llm_svc.loader import load_lm
-from shared.tiny import mimo_published as mp
+from mmserve.tiny import mimo_published as mp
 from tests.conftest import SMALL_W
 from tests.integration.test_vllm_oracle import vllm_python  # noqa: F401  (fixture)
 

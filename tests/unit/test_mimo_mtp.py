@@ -16,7 +16,7 @@ from llm_svc.loader import load_lm
 from llm_svc.models import mimo_mtp
 from llm_svc.models.mimo_reference import lm_hidden
 from shared.bundle import CheckpointError
-from shared.tiny import mimo_published as mp
+from mmserve.tiny import mimo_published as mp
 from tests.conftest import SMALL_W
 
 pytestmark = pytest.mark.unit

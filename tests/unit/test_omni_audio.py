@@ -16,7 +16,7 @@ from encoder_svc.models.mimo_audio import BUCKET_FRAMES, attention_mask
 from encoder_svc.models.mimo_audio_weights import load_mimo_audio
 from encoder_svc.preprocess.mimo_mel import log_mel, mel_magnitude
 from shared.bundle import CheckpointError
-from shared.tiny.mimo_omni_audio import write_audio_only
+from mmserve.tiny.mimo_omni_audio import write_audio_only
 
 pytestmark = pytest.mark.unit
 SR = 24000

@@ -12,7 +12,7 @@ from llm_svc.loader import load_lm
 from llm_svc.prompt import prepare_request
 from llm_svc.types import make_prompt_keys
 from shared.schemas import GenerateRequest, MediaSegment, PromptMedia, PromptMessage, PromptText
-from shared.tiny.mimo_omni import write_mimo_omni
+from mmserve.tiny.mimo_omni import write_mimo_omni
 
 pytestmark = pytest.mark.unit
 

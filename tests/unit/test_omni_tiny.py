@@ -16,8 +16,8 @@ from encoder_svc.models.mimo_vit import MiMoViT, MiMoViTConfig
 from llm_svc.models.geometry import mimo_geometry
 from llm_svc.models.mimo_native import MiMoForCausalLM
 from shared.bundle import load_bundle_spec
-from shared.tiny import mimo_published as mp
-from shared.tiny.mimo_omni import OMNI_SPECIALS, write_mimo_omni
+from mmserve.tiny import mimo_published as mp
+from mmserve.tiny.mimo_omni import OMNI_SPECIALS, write_mimo_omni
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def test_published_shapes_are_our_modules_state(spec):
 
 
 def test_writers_do_not_import_llm_svc(tmp_path):
-    code = ("import sys; from shared.tiny.mimo_omni import write_mimo_omni; "
+    code = ("import sys; from mmserve.tiny.mimo_omni import write_mimo_omni; "
             f"write_mimo_omni(__import__('pathlib').Path({str(tmp_path / 'm')!r})); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('llm_svc', 'encoder_svc', 'gateway')); "
             "assert not bad, bad")

@@ -92,8 +92,8 @@ def _json_or_text(text: str):
 
 @pytest.fixture(scope="module")
 def harmony_tok():
-    from shared.tiny.gpt_oss import HARMONY_SPECIALS, HARMONY_TEMPLATE
-    from shared.tiny.tokenizer import build_tokenizer
+    from mmserve.tiny.gpt_oss import HARMONY_SPECIALS, HARMONY_TEMPLATE
+    from mmserve.tiny.tokenizer import build_tokenizer
     return build_tokenizer(HARMONY_SPECIALS, 640, HARMONY_TEMPLATE, eos="<|return|>", pad_token="<|endoftext|>")
 
 
@@ -324,14 +324,14 @@ def render(template: str, **kw) -> str:
 
 
 def test_templates_plain_chat_unchanged():
-    from shared.tiny.gpt_oss import HARMONY_TEMPLATE
-    from shared.tiny.tokenizer import CHATML_TEMPLATE
+    from mmserve.tiny.gpt_oss import HARMONY_TEMPLATE
+    from mmserve.tiny.tokenizer import CHATML_TEMPLATE
     assert render(CHATML_TEMPLATE, messages=PLAIN) == FROZEN_CHATML
     assert render(HARMONY_TEMPLATE, messages=PLAIN) == FROZEN_HARMONY
 
 
 def test_mimo_template_tools_history_and_thinking():
-    from shared.tiny.tokenizer import CHATML_TEMPLATE
+    from mmserve.tiny.tokenizer import CHATML_TEMPLATE
     text = render(CHATML_TEMPLATE, messages=HISTORY, tools=TOOLS)
     assert text.startswith("<|im_start|>system\n# Tools\n") and json.dumps(TOOLS[0]) in text
     assert ("<|im_start|>assistant\n<think>use the tool</think>\n<tool_call>\n<function=get_weather>\n"
@@ -343,7 +343,7 @@ def test_mimo_template_tools_history_and_thinking():
 
 
 def test_harmony_template_tools_history():
-    from shared.tiny.gpt_oss import HARMONY_TEMPLATE
+    from mmserve.tiny.gpt_oss import HARMONY_TEMPLATE
     text = render(HARMONY_TEMPLATE, messages=HISTORY, tools=TOOLS)
     assert text.startswith("<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {")
     assert "type get_weather = (_: " in text and "} // namespace functions<|end|>" in text

@@ -40,7 +40,7 @@ def bpe():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from shared.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE
+    from mmserve.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE
 
     rng = random.Random(0)
     words = _words(40000, 0)

@@ -10,7 +10,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from llm_svc.models.mimo_native import split_fused_qkv
 from llm_svc.models.quant import Fp8Block, Mxfp4, dequant_fp8_block, dequant_mxfp4, scheme_for
 from shared.bundle import CheckpointError
-from shared.tiny.quantize import quantize_fp8_block, quantize_mxfp4
+from mmserve.tiny.quantize import quantize_fp8_block, quantize_mxfp4
 
 pytestmark = pytest.mark.unit
 

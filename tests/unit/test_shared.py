@@ -9,7 +9,7 @@ import torch
 
 from gateway.openai_api.requests import ChatCompletionRequest
 from shared.bundle import BundleError, load_bundle_spec
-from shared.compose_local import interpolate
+from mmserve.compose_local import interpolate
 from shared.hashing import HASH_NAME, content_hash, hash_to_int
 from shared.projector import PoolProjector, ProjectorConfig
 from shared.schemas import EncodeResult, GenerateRequest, PromptMedia, PromptMessage, PromptText

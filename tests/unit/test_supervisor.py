@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.supervisor import RestartPolicy, supervise
+from mmserve.supervisor import RestartPolicy, supervise
 
 pytestmark = pytest.mark.unit
 

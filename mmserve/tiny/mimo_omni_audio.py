@@ -1,6 +1,6 @@
 """The audio part of a tiny MiMo-V2.5 omni checkpoint, in the published layout.
 
-Called by ``shared.tiny.mimo_omni`` (contract in the omni writer): ``audio_part(lm_hidden, seed)``
+Called by ``mmserve.tiny.mimo_omni`` (contract in the omni writer): ``audio_part(lm_hidden, seed)``
 returns the ``audio_config`` for ``config.json``, the tower tensors for ``model.safetensors``
 and the ``audio_tokenizer/`` files. Layout and key set as vLLM 0.32 reads them
 (``model_executor/models/mimo_audio.py``: ``MimoAudioEncoderConfig`` field names "match the
@@ -157,7 +157,7 @@ def audio_files(seed: int) -> dict[str, bytes]:
 
 def audio_part(lm_hidden: int, seed: int):
     """The omni writer's hook: an ``OmniPart`` with the whole audio side."""
-    from shared.tiny.omni_part import OmniPart
+    from mmserve.tiny.omni_part import OmniPart
 
     cfg = audio_config(lm_hidden)
     return OmniPart(config={"audio_config": cfg}, processor_config={}, tensors=tower_tensors(cfg, seed),

@@ -7,7 +7,7 @@ Each service's exec-form ``command`` and ``environment`` are used as written, af
 * container ports -> free local ports (``port_map``), so tests never collide with a running stack,
 * bind-mount targets (``/models/bundle``) -> their host sources.
 
-``mmserve`` in a command runs as ``python -m shared.cli`` from this interpreter. A service whose
+``mmserve`` in a command runs as ``python -m mmserve.cli`` from this interpreter. A service whose
 image is a third-party one (redis) is not started when its port already answers locally.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from shared.launcher import Service, free_port
+from mmserve.launcher import Service, free_port
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
 
@@ -93,7 +93,7 @@ def local_services(compose: dict, base_dir: Path, log_dir: Path, order: list[str
         env = {k: localize(v) for k, v in env.items()}
         argv = [localize(str(a)) for a in svc.get("command") or []]
         if argv and argv[0] == "mmserve":
-            argv = [sys.executable, "-m", "shared.cli", *argv[1:]]
+            argv = [sys.executable, "-m", "mmserve.cli", *argv[1:]]
         port = port_map.get(ports[name]) if ports[name] else None
         full_env = {**os.environ, **env}
         out.append(Service(name, f"http://127.0.0.1:{port}", argv, full_env, log_dir / f"{name}.log"))

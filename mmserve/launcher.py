@@ -1,7 +1,7 @@
 """Run the mmserve topology (encoders, LLM services, one gateway) as local processes.
 
 The same topology ``compose.yaml`` describes, for machines without Docker and for tests.
-Each service is ``python -m shared.cli <service> ...`` in its own process session; logs go to
+Each service is ``python -m mmserve.cli <service> ...`` in its own process session; logs go to
 one file per service. ``LocalStack`` is a context manager: leaving it stops every process.
 """
 
@@ -25,7 +25,7 @@ from typing import Callable
 
 import httpx
 
-from shared.supervisor import RestartPolicy, supervise
+from mmserve.supervisor import RestartPolicy, supervise
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -187,7 +187,7 @@ class LocalStack:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mmserve-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         h = spec.host
-        py = [sys.executable, "-m", "shared.cli"]
+        py = [sys.executable, "-m", "mmserve.cli"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **spec.extra_env}
         self.encoders: list[Service] = []
         for i in range(spec.encoders):
@@ -272,7 +272,7 @@ class LocalStack:
 
     def wait(self, policy: RestartPolicy | None = None) -> int:
         """Supervise until the user interrupts (0) or a service keeps crashing (1): an exited
-        service is restarted with backoff while the rest keeps serving (``shared.supervisor``)."""
+        service is restarted with backoff while the rest keeps serving (``mmserve.supervisor``)."""
         try:
             return supervise(self.services, policy or RestartPolicy())
         except KeyboardInterrupt:

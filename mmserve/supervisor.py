@@ -20,7 +20,7 @@ import httpx
 
 
 class Supervised(Protocol):
-    """What the supervisor needs of a service (``shared.launcher.Service`` is one)."""
+    """What the supervisor needs of a service (``mmserve.launcher.Service`` is one)."""
 
     name: str
     url: str

@@ -84,7 +84,7 @@ def _serve(app, settings) -> None:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from shared.tiny_model import write_tiny_model
+    from mmserve.tiny_model import write_tiny_model
 
     try:
         out = write_tiny_model(args.out, arch=args.arch, sliding_window=args.sliding_window, seed=args.seed,
@@ -101,36 +101,41 @@ def ensure_default_model(model_dir: str | None) -> str:
     if model_dir:
         return model_dir
     if not (DEFAULT_MODEL_DIR / "config.json").exists():
-        from shared.tiny_model import write_tiny_model
+        from mmserve.tiny_model import write_tiny_model
 
         print(f"writing the default tiny model to {DEFAULT_MODEL_DIR} ...", flush=True)
         write_tiny_model(DEFAULT_MODEL_DIR)
     return str(DEFAULT_MODEL_DIR)
 
 
-def _run_service(args: argparse.Namespace, app_module: str) -> int:
-    import importlib
-
+def _run_service(args: argparse.Namespace, create_app) -> int:
     settings = _settings(args)
-    _serve(importlib.import_module(app_module).create_app(settings), settings)
+    _serve(create_app(settings), settings)
     return 0
 
 
+# each service is imported by its own command only (an encoder process never loads the LLM's code)
 def cmd_encoder(args: argparse.Namespace) -> int:
-    return _run_service(args, "encoder_svc.app")
+    from encoder_svc.app import create_app
+
+    return _run_service(args, create_app)
 
 
 def cmd_llm(args: argparse.Namespace) -> int:
-    return _run_service(args, "llm_svc.app")
+    from llm_svc.app import create_app
+
+    return _run_service(args, create_app)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    return _run_service(args, "gateway.app")
+    from gateway.app import create_app
+
+    return _run_service(args, create_app)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from shared.bundle import load_bundle_spec
-    from shared.launcher import LocalStack, StackSpec
+    from mmserve.launcher import LocalStack, StackSpec
 
     model_dir = ensure_default_model(args.model)
     spec = StackSpec(
@@ -160,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-model", help="write a tiny random-weight model bundle")
     p.add_argument("--out", required=True)
-    from shared.tiny_model import ARCHS
+    from mmserve.tiny_model import ARCHS
 
     p.add_argument("--arch", default="mimo", choices=sorted(ARCHS))
     p.add_argument("--sliding-window", type=int, default=128)

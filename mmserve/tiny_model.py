@@ -11,15 +11,15 @@ Architectures (``--arch``):
 * ``mimo-v2-flash`` / ``mimo-v2.5``: MiMo-V2 LMs in Xiaomi's published layout (config dialect
   with ``hybrid_layer_pattern`` / ``swa_*``, per-expert weights, MTP heads); ``--layout fused_qkv``
   and ``--quant fp8`` write the hub's fused-QKV / block-FP8 forms of the same weights; see
-  ``shared/tiny/mimo_published.py``.
+  ``mmserve/tiny/mimo_published.py``.
 * ``mimo-v2.5-omni``: ``MiMoV2OmniForCausalLM`` (MiMo-V2.5 LM + its vision tower, and the audio
-  encoder once ``shared/tiny/mimo_omni_audio.py`` provides it) in one directory, as Xiaomi
-  publishes it; see ``shared/tiny/mimo_omni.py``.
+  encoder once ``mmserve/tiny/mimo_omni_audio.py`` provides it) in one directory, as Xiaomi
+  publishes it; see ``mmserve/tiny/mimo_omni.py``.
 * ``gpt-oss``: ``GptOssForCausalLM`` in openai/gpt-oss' config layout, experts unpacked;
   ``--quant mxfp4`` packs them as the hub does (``*_blocks`` / ``*_scales``); see
-  ``shared/tiny/gpt_oss.py``.
+  ``mmserve/tiny/gpt_oss.py``.
 * ``mimo-trained``: the ``mimo-v2-flash`` checkpoint (LM + 3 MTP layers) *trained* on the Python
-  standard library by ``scripts/train_tiny_mimo.py``, committed in ``shared/tiny/trained_mimo``
+  standard library by ``scripts/train_tiny_mimo.py``, committed in ``mmserve/tiny/trained_mimo``
   (its ``training.json`` says how and what it reached): text-like greedy output, MTP drafts that
   get accepted.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from shared.bundle import BUNDLE_FORMAT, MANIFEST
 
-from shared.tiny.tokenizer import CHATML_SPECIALS, CHATML_TEMPLATE, GEMMA_SPECIALS, GEMMA_TEMPLATE, build_tokenizer  # noqa: F401
+from mmserve.tiny.tokenizer import CHATML_SPECIALS, CHATML_TEMPLATE, GEMMA_SPECIALS, GEMMA_TEMPLATE, build_tokenizer  # noqa: F401
 
 
 def _seed(seed: int) -> None:
@@ -223,7 +223,7 @@ def write_gemma3_checkpoint(out: Path, sliding_window: int = 128, image_size: in
 
 def _mimo_published(preset: str):
     def write(out: Path, sliding_window: int = 128, seed: int = 0, layout: str = "split", quant: str | None = None) -> Path:
-        from shared.tiny import mimo_published as mp
+        from mmserve.tiny import mimo_published as mp
 
         return mp.write_mimo_published(out, getattr(mp, preset), seed=seed, sliding_window=sliding_window,
                                        layout=layout, quant=quant)
@@ -248,7 +248,7 @@ def write_trained_mimo(out: Path, sliding_window: int = 128, seed: int = 0) -> P
 
 
 def _gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, quant: str | None = None) -> Path:
-    from shared.tiny.gpt_oss import write_gpt_oss
+    from mmserve.tiny.gpt_oss import write_gpt_oss
 
     return write_gpt_oss(out, sliding_window, seed, quant=quant)
 
@@ -256,10 +256,10 @@ def _gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, quant: str | N
 ARCHS = {
     "mimo": write_mimo_bundle,
     "gemma3": write_gemma3_checkpoint,
-    "mimo-v2-flash": _mimo_published("FLASH"),  # Xiaomi's published layout (shared/tiny/mimo_published.py)
+    "mimo-v2-flash": _mimo_published("FLASH"),  # Xiaomi's published layout (mmserve/tiny/mimo_published.py)
     "mimo-v2.5": _mimo_published("V25"),
-    "mimo-v2.5-omni": lambda out, sliding_window=128, seed=0: __import__(  # LM + ViT (+ audio), shared/tiny/mimo_omni.py
-        "shared.tiny.mimo_omni", fromlist=["write_mimo_omni"]).write_mimo_omni(out, seed, sliding_window),
+    "mimo-v2.5-omni": lambda out, sliding_window=128, seed=0: __import__(  # LM + ViT (+ audio), mmserve/tiny/mimo_omni.py
+        "mmserve.tiny.mimo_omni", fromlist=["write_mimo_omni"]).write_mimo_omni(out, seed, sliding_window),
     "gpt-oss": _gpt_oss,
     "mimo-trained": write_trained_mimo,  # scripts/train_tiny_mimo.py's checkpoint, committed
 }

@@ -228,7 +228,7 @@ def fuse_qkv(state: dict, s: TinyMiMoSpec) -> dict:
 
 def quantize_fp8(state: dict, s: TinyMiMoSpec, block: tuple[int, int] = (128, 128)) -> dict:
     """The FP8 linears (``_FP8_LINEAR``) as e4m3 ``weight`` + float32 ``weight_scale_inv``."""
-    from shared.tiny.quantize import quantize_fp8_block
+    from mmserve.tiny.quantize import quantize_fp8_block
 
     out = {}
     for name, t in state.items():
@@ -249,7 +249,7 @@ def write_mimo_published(out: Path, spec: TinyMiMoSpec = FLASH, seed: int = 0, s
     import torch
     from safetensors.torch import save_file
 
-    from shared.tiny.tokenizer import CHATML_SPECIALS, CHATML_TEMPLATE, build_tokenizer
+    from mmserve.tiny.tokenizer import CHATML_SPECIALS, CHATML_TEMPLATE, build_tokenizer
 
     if sliding_window is not None and sliding_window != spec.window:
         spec = TinyMiMoSpec(**{**asdict(spec), "window": sliding_window})
@@ -262,7 +262,7 @@ def write_mimo_published(out: Path, spec: TinyMiMoSpec = FLASH, seed: int = 0, s
     if layout == "fused_qkv":
         state = fuse_qkv(state, spec)
     if quant == "fp8":
-        from shared.tiny.quantize import FP8_QUANT_CONFIG
+        from mmserve.tiny.quantize import FP8_QUANT_CONFIG
 
         state = quantize_fp8(state, spec)
         cfg["quantization_config"] = dict(FP8_QUANT_CONFIG)

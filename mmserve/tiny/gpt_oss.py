@@ -71,7 +71,7 @@ def pack_experts_mxfp4(model_dir: Path) -> None:
     as ``*_blocks`` / ``*_scales`` and add the hub's ``quantization_config``."""
     from safetensors.torch import load_file, save_file
 
-    from shared.tiny.quantize import quantize_mxfp4
+    from mmserve.tiny.quantize import quantize_mxfp4
 
     f = model_dir / "model.safetensors"
     state = load_file(str(f))
@@ -93,7 +93,7 @@ def write_gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, head_dim:
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from shared.tiny.tokenizer import build_tokenizer
+    from mmserve.tiny.tokenizer import build_tokenizer
 
     torch.manual_seed(seed)
     tok = build_tokenizer(HARMONY_SPECIALS, 640, HARMONY_TEMPLATE, eos="<|return|>", pad_token="<|endoftext|>")

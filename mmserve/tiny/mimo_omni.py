@@ -38,8 +38,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shared.tiny.mimo_published import V25, mtp_shapes, published_config, published_shapes, random_tensors
-from shared.tiny.tokenizer import chatml_template
+from mmserve.tiny.mimo_published import V25, mtp_shapes, published_config, published_shapes, random_tensors
+from mmserve.tiny.tokenizer import chatml_template
 
 OMNI_SPECIALS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -118,8 +118,8 @@ def write_mimo_omni(out: Path, seed: int = 0, sliding_window: int | None = None,
     ``vision_config`` keys and ``drop_tensors`` leaves tensors out (tests of bad checkpoints)."""
     from safetensors.torch import save_file
 
-    from shared.tiny.mimo_omni_audio import audio_part
-    from shared.tiny.tokenizer import build_tokenizer
+    from mmserve.tiny.mimo_omni_audio import audio_part
+    from mmserve.tiny.tokenizer import build_tokenizer
 
     spec = replace(V25, architecture="MiMoV2OmniForCausalLM")
     if sliding_window is not None:
@@ -172,7 +172,7 @@ def write_mimo_omni(out: Path, seed: int = 0, sliding_window: int | None = None,
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}, indent=2))
     tok.save_pretrained(out)
-    from shared.tiny.mimo_published import _V2_CONFIG_CODE
+    from mmserve.tiny.mimo_published import _V2_CONFIG_CODE
 
     (out / "configuration_mimo_v2.py").write_text(_V2_CONFIG_CODE)
     return out
