@@ -44,7 +44,7 @@ def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def run_engine(lm, prompts, max_tokens: int) -> tuple[float, list[list[int]], int]:
     from llm_svc.core.build import build_engine
-    from llm_svc.core.local import InProcessEngine
+    from mmserve.testing.in_process import InProcessEngine
 
     settings = LLMSettings(model_dir=str(lm.spec.root), backend="swa", kv_bytes=64 * 1024 * 1024,
                            max_batch_tokens=512, max_running=len(prompts))

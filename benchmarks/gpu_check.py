@@ -89,7 +89,7 @@ def _make_engine(lm, device: str, max_running: int, kv_bytes: int):
                            max_batch_tokens=512, max_running=max_running, enable_prefix_cache=False)
     engine = build_engine(settings, lm)
     if not hasattr(engine, "submit"):  # the bare core Engine (add/step -> CoreToken): add the front's half
-        from llm_svc.core.local import InProcessEngine
+        from mmserve.testing.in_process import InProcessEngine
 
         engine = InProcessEngine(engine, lm.tokenizer)
     return engine

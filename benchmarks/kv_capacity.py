@@ -39,7 +39,7 @@ from pathlib import Path
 
 from benchmarks import _results
 from llm_svc.types import Request
-from llm_svc.engine.sched_sim import SimRunner
+from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.kv.budget import KVGeometry, size_pools
 from llm_svc.kv.manager import KVManager

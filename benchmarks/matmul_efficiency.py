@@ -101,7 +101,7 @@ def main() -> None:
     from benchmarks._vs_vllm_servers import MODELS, ensure_checkpoint
     from benchmarks.engine_throughput import _Collect
     from llm_svc.core.build import build_engine
-    from llm_svc.core.local import InProcessEngine
+    from mmserve.testing.in_process import InProcessEngine
     from llm_svc.loader import load_lm
     from llm_svc.types import PreparedRequest, SamplingParams
     from shared.settings import LLMSettings

@@ -38,7 +38,7 @@ from benchmarks._stack_util import make_png, scrape, total
 from encoder_svc.app import create_app as encoder_app
 from encoder_svc.server import serve_in_thread
 from gateway.app import create_app as gateway_app
-from gateway.testing import ServerThread
+from mmserve.testing.fake_services import ServerThread
 from llm_svc.app import create_app as llm_app
 from shared.settings import EncoderSettings, GatewaySettings, LLMSettings
 from mmserve.tiny_model import write_tiny_model

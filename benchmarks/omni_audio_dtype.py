@@ -22,7 +22,7 @@ from benchmarks import _results
 from encoder_svc.models.mimo_audio_weights import load_mimo_audio
 from encoder_svc.preprocess.mimo_mel import mel_magnitude
 from mmserve.tiny.mimo_omni import write_mimo_omni
-from tests.unit.test_omni_audio import chirp
+from mmserve.testing.audio import chirp
 
 REPO = Path(__file__).resolve().parents[1]
 CLIPS = (2.0, 0.75, 1.01, 1999 * 240 / 24000, 20.0)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from benchmarks import _results
 from benchmarks._hybrid_lru import BLOCK, HybridLRU
 from llm_svc.types import Request
-from llm_svc.engine.sched_sim import SimRunner
+from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.kv.budget import KVGeometry, size_pools
 from llm_svc.retention import retention_points

@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 def make_engine(lm, settings, num_full: int, num_swa: int, host_full: int = 0, host_swa: int = 0,
                 l3_url: str | None = None, page: int = 32, chunk: int = 512):
     from llm_svc.core.build import build_tiers, kv_dtype_of
-    from llm_svc.core.local import InProcessEngine
+    from mmserve.testing.in_process import InProcessEngine
     from llm_svc.engine.engine import Engine
     from llm_svc.engine.model_runner import ModelRunner
     from llm_svc.engine.scheduler import Scheduler, SchedulerConfig

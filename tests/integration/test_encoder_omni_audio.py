@@ -25,7 +25,8 @@ from shared.settings import EncoderSettings
 from mmserve.tiny.mimo_omni import write_mimo_omni
 from shared.wire import unpack
 from tests.integration.test_encoder_media import reference_decode
-from tests.unit.test_omni_audio import chirp, vllm_token_len
+from mmserve.testing.audio import chirp
+from tests.unit.test_omni_audio import vllm_token_len
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from encoder_svc.app import create_app as encoder_app
 from encoder_svc.server import serve_in_thread
 from gateway.app import create_app as gateway_app
 from gateway.routing.encoder_ring import EncoderRing
-from gateway.testing import ServerThread, fake_llm_app
+from mmserve.testing.fake_services import ServerThread, fake_llm_app
 from shared.hashing import content_hash
 from shared.settings import EncoderSettings, GatewaySettings
 

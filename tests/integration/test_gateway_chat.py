@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from gateway.app import create_app
-from gateway.testing import ServerThread, fake_encoder_app, fake_llm_app
+from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app
 from shared.hashing import content_hash
 from shared.settings import GatewaySettings
 

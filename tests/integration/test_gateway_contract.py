@@ -8,7 +8,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from gateway.app import create_app
-from gateway.testing import ServerThread, fake_encoder_app, fake_llm_app
+from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app
 from shared.settings import GatewaySettings
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.testing import ServerThread, fake_encoder_app, fake_llm_app
+from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app
 from shared.settings import EncoderSettings, GatewaySettings, LLMSettings
 from tests.integration.test_gateway_chat import image_part, png
 

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from gateway.app import create_app
-from gateway.testing import ServerThread, fake_encoder_app, fake_llm_app, media_server_app
+from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app, media_server_app
 from shared.settings import GatewaySettings
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.state import GatewayState
-from gateway.testing import ServerThread, fake_encoder_app, fake_llm_app
+from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app
 from shared.settings import GatewaySettings
 from tests.integration.test_gateway_chat import chat, image_part, png
 

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.routing.encoder_ring import EncoderRing
-from gateway.testing import ServerThread, fake_encoder_app, fake_llm_app, free_port_url
+from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app, free_port_url
 from shared.hashing import content_hash
 from shared.settings import GatewaySettings
 

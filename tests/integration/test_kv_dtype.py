@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llm_svc.core.build import build_engine
-from llm_svc.core.local import InProcessEngine
+from mmserve.testing.in_process import InProcessEngine
 from llm_svc.types import PreparedRequest
 from shared.schemas import SamplingParams
 from shared.settings import LLMSettings

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app as gateway_app
-from gateway.testing import ServerThread, free_port_url
+from mmserve.testing.fake_services import ServerThread, free_port_url
 from llm_svc.app import create_app as llm_app
 from shared.prefix_keys import prefix_blocks
 from shared.redis_client import sync_client

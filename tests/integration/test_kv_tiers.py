@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from llm_svc.attention import FULL, SLIDING
-from llm_svc.core.local import InProcessEngine
+from mmserve.testing.in_process import InProcessEngine
 from llm_svc.engine.engine import Engine
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig

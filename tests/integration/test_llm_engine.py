@@ -11,7 +11,7 @@ from transformers import StoppingCriteriaList
 
 from llm_svc.types import GenOutput, RequestStream
 from llm_svc.backends.hf import generate_kwargs, generation_config, media_rows_injected
-from llm_svc.core.local import InProcessEngine
+from mmserve.testing.in_process import InProcessEngine
 from llm_svc.engine.engine import Engine
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig

@@ -13,7 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from encoder_svc.cache.redis_tier import RedisTier
-from gateway.testing import ServerThread, fake_encoder_app, filled
+from mmserve.testing.fake_services import ServerThread, fake_encoder_app, filled
 from llm_svc.media_fetch import EmbeddingFetcher
 from llm_svc.metrics import LLMMetrics
 from llm_svc.types import BackendStats, EmbeddingRef

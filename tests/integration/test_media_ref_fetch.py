@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.testing import ServerThread, fake_encoder_app, filled, free_port_url
+from mmserve.testing.fake_services import ServerThread, fake_encoder_app, filled, free_port_url
 from llm_svc.media_fetch import EmbeddingFetcher, MediaUnavailable
 from llm_svc.types import EmbeddingRef
 

@@ -10,8 +10,8 @@ import json
 import httpx
 import pytest
 
-from gateway.testing import ServerThread as Thread
-from gateway.testing import fake_encoder_app
+from mmserve.testing.fake_services import ServerThread as Thread
+from mmserve.testing.fake_services import fake_encoder_app
 from shared.rawwire import RawTensor
 from shared.schemas import PromptMedia
 from tests.integration.test_llm_service import BACKENDS, image_embeds, make_request, post, start_service

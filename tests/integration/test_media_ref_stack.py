@@ -20,7 +20,7 @@ from benchmarks._stack_util import scrape, total
 from encoder_svc.app import create_app as encoder_app
 from encoder_svc.server import serve_in_thread
 from gateway.app import create_app as gateway_app
-from gateway.testing import ServerThread
+from mmserve.testing.fake_services import ServerThread
 from shared.settings import EncoderSettings, GatewaySettings
 from tests.conftest import make_png
 from tests.integration.test_llm_service import start_service
@@ -152,7 +152,7 @@ _GATEWAY_SCRIPT = """
 import json, sys
 import httpx
 from gateway.app import create_app
-from gateway.testing import ServerThread
+from mmserve.testing.fake_services import ServerThread
 from shared.settings import GatewaySettings
 
 enc, llm, body = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.testing import ServerThread, fake_encoder_app, fake_llm_app
-from llm_svc.core.local import InProcessEngine
+from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app
+from mmserve.testing.in_process import InProcessEngine
 from llm_svc.engine.engine import Engine
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig

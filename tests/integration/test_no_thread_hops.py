@@ -16,7 +16,7 @@ import pytest
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.routing import APIRoute
 
-from gateway.testing import ServerThread, fake_encoder_app, fake_llm_app
+from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app
 
 
 def _is_async(call) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_svc.core.local import InProcessEngine
+from mmserve.testing.in_process import InProcessEngine
 from llm_svc.engine.engine import Engine
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig

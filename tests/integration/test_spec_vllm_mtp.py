@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from llm_svc.core.build import build_engine
-from llm_svc.core.local import InProcessEngine
+from mmserve.testing.in_process import InProcessEngine
 from llm_svc.loader import load_lm
 from llm_svc.types import PreparedRequest
 from mmserve.cli import CACHE_DIR

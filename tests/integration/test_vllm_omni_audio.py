@@ -25,7 +25,7 @@ from encoder_svc.models.mimo_audio_weights import load_mimo_audio
 from encoder_svc.preprocess.mimo_mel import mel_magnitude
 from mmserve.tiny.mimo_omni import write_mimo_omni
 from tests.integration.test_vllm_oracle import vllm_python  # noqa: F401  (the venv fixture)
-from tests.unit.test_omni_audio import chirp
+from mmserve.testing.audio import chirp
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import llm_svc.kv.radix_evict as radix_evict
-from llm_svc.engine.sched_sim import SimRunner
+from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.types import Request
 from shared.schemas import SamplingParams

@@ -7,7 +7,7 @@ from gateway.media import MediaItem
 from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion
 from gateway.prompt import build_generate_request, pack_generate, sampling_params
-from gateway.testing import filled
+from mmserve.testing.fake_services import filled
 from gateway.upstream import Encoded
 from shared.schemas import EncodeResult, GenerateRequest, GenerateResponse, PromptMedia
 from shared.wire import unpack

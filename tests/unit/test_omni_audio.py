@@ -16,10 +16,10 @@ from encoder_svc.models.mimo_audio import BUCKET_FRAMES, attention_mask
 from encoder_svc.models.mimo_audio_weights import load_mimo_audio
 from encoder_svc.preprocess.mimo_mel import log_mel, mel_magnitude
 from shared.bundle import CheckpointError
+from mmserve.testing.audio import SR, chirp
 from mmserve.tiny.mimo_omni_audio import write_audio_only
 
 pytestmark = pytest.mark.unit
-SR = 24000
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +33,6 @@ def tower(tiny):
     t.check_integrity()
     yield t
     t.check_integrity()
-
-
-def chirp(seconds: float, seed: int = 0) -> torch.Tensor:
-    """0.2 s pieces cycling through silence, a tone, noise and a square wave (varied codes)."""
-    g = torch.Generator().manual_seed(seed)
-    n, piece = int(SR * seconds), SR // 5
-    t = torch.arange(piece) / SR
-    parts, k = [], 0
-    while sum(p.numel() for p in parts) < n:
-        f = 100.0 * (1 + (k * 7 + seed) % 13)
-        parts.append([torch.zeros(piece), 0.5 * torch.sin(2 * math.pi * f * t),
-                      0.3 * torch.randn(piece, generator=g), 0.4 * torch.sign(torch.sin(2 * math.pi * f / 3 * t))][k % 4])
-        k += 1
-    return torch.cat(parts)[:n].float()
 
 
 def encode(tower, wave: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from llm_svc.types import Request
 from llm_svc.engine.sched_policy import ComputeAwarePolicy, FCFSPolicy, make_policy, uncached_tokens
-from llm_svc.engine.sched_sim import SimRunner
+from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from shared.schemas import SamplingParams
 

@@ -6,7 +6,7 @@ import pytest
 
 from llm_svc.types import Request
 from llm_svc.engine.sched_policy import ComputeAwarePolicy, FCFSPolicy
-from llm_svc.engine.sched_sim import SimRunner
+from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.attention.slot_tables import HostSlotTables
 from llm_svc.kv.radix import NO_SLOT

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_svc.engine.sched_sim import SimRunner
+from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.types import Request, make_prompt_keys
 from shared.schemas import SamplingParams

@@ -3,10 +3,10 @@ caller: what the core process and the front do together, for tests and benchmark
 
 from __future__ import annotations
 
-from ..engine.engine import Engine
-from ..types import PreparedRequest
-from .convert import request_from_core, to_core_add
-from .output import OutputProcessor
+from llm_svc.core.convert import request_from_core, to_core_add
+from llm_svc.core.output import OutputProcessor
+from llm_svc.engine.engine import Engine
+from llm_svc.types import PreparedRequest
 
 
 class InProcessEngine:
