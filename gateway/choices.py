@@ -57,7 +57,7 @@ async def generate_all(llms: LLMClient, pairs: list[tuple[GenerateRequest, bytes
 
 
 class ChoiceStreams:
-    """Several choices' streams read as one: ``chunks()`` yields ``(index, chunk)`` in arrival order."""
+    """Several choices' streams read as one (``batches()``)."""
 
     def __init__(self, streams: list[LLMStream]) -> None:
         self.streams = streams
@@ -66,34 +66,44 @@ class ChoiceStreams:
     def n(self) -> int:
         return len(self.streams)
 
-    async def chunks(self) -> AsyncIterator[tuple[int, GenerateChunk]]:
+    async def batches(self) -> AsyncIterator[list[tuple[int, GenerateChunk]]]:
+        """``(index, chunk)`` pairs in arrival order, a list of those that arrived together at a time."""
         if len(self.streams) == 1:
-            async for c in self.streams[0].chunks():
-                yield 0, c
+            async for b in self.streams[0].batches():
+                yield [(0, c) for c in b]
             return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(i: int, s: LLMStream) -> None:
             try:
-                async for c in s.chunks():
-                    await queue.put((i, c))
+                async for b in s.batches():
+                    for c in b:
+                        queue.put_nowait((i, c))
             except BaseException as e:  # a broken stream surfaces in the reader
-                await queue.put((i, e))
+                queue.put_nowait((i, e))
             finally:
-                await queue.put((i, done))
+                queue.put_nowait((i, done))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
         try:
             live = len(tasks)
             while live:
-                i, item = await queue.get()
-                if item is done:
-                    live -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                batch = []
+                for i, item in items:
+                    if item is done:
+                        live -= 1
+                    elif isinstance(item, BaseException):
+                        if batch:
+                            yield batch
+                        raise item
+                    else:
+                        batch.append((i, item))
+                if batch:
+                    yield batch
         finally:
             for t in tasks:
                 t.cancel()

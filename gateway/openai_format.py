@@ -39,6 +39,7 @@ from shared.schemas import (
 )
 
 SSE_DONE = b"data: [DONE]\n\n"
+_MARK = "\x00"  # a text no id or model name holds in its JSON form ("\u0000", quoted)
 
 
 def completion_id(prefix: str = "chatcmpl") -> str:
@@ -208,6 +209,19 @@ class ChunkWriter:
     def __init__(self, cid: str, created: int, model: str, include_usage: bool) -> None:
         self.cid, self.created, self.model = cid, created, model
         self.include_usage = include_usage
+        self._text_frames: dict[int, tuple[bytes, bytes]] = {}  # choice index -> the bytes around a text delta
+
+    def _text_frame(self, index: int) -> tuple[bytes, bytes] | None:
+        """The event of a text-only delta of choice ``index`` as the bytes before and after the
+        text's JSON string, cut from the full path's own output (so the two cannot differ)."""
+        frame = self._text_frames.get(index)
+        if frame is None:
+            mark = json.dumps(_MARK).encode()
+            event = self._chunk([ChunkChoice(index=index, delta=DeltaMessage(content=_MARK))])
+            if event.count(mark) != 1:
+                return None
+            frame = self._text_frames[index] = tuple(event.split(mark))
+        return frame
 
     def _chunk(self, choices: list[ChunkChoice], u: Usage | None = None) -> bytes:
         body = ChatCompletionChunk(
@@ -233,6 +247,10 @@ class ChunkWriter:
                 tool_calls: list[ToolCallWire] | None = None, index: int = 0,
                 prompt_logprobs: list[PromptTokenLogprob] | None = None) -> bytes:
         """``prompt_logprobs``: never in a chat stream (refused with stream=true)."""
+        if logprobs is None and not reasoning and not tool_calls:
+            frame = self._text_frame(index)
+            if frame is not None:  # one event per token: no models built, only the text encoded
+                return frame[0] + json.dumps(text).encode() + frame[1]
         delta = DeltaMessage(content=text or None if (reasoning or tool_calls) else text,
                              reasoning=reasoning or None, reasoning_content=reasoning or None,
                              tool_calls=delta_tool_calls(tool_calls))

@@ -287,7 +287,7 @@ class EncoderClient:
 
 
 class LLMStream:
-    """An open NDJSON generation stream; iterate for chunks, always ``aclose()``."""
+    """An open NDJSON generation stream; iterate ``batches()``, always ``aclose()``."""
 
     def __init__(self, response: httpx.Response, replica: str, router: LLMRouter, waits: InFlightWaits) -> None:
         self.response = response
@@ -296,18 +296,25 @@ class LLMStream:
         self._waits = waits
         self._closed = False
 
-    async def chunks(self) -> AsyncIterator[GenerateChunk]:
-        lines = self.response.aiter_lines()
+    async def batches(self) -> AsyncIterator[list[GenerateChunk]]:
+        """The chunks of each network read together (several when the LLM wrote them faster
+        than they were read), so that they go on in one write."""
+        reads = self.response.aiter_bytes()
+        rest = b""
         try:
             while True:
                 # one await at a time: a cancel scope never spans the yield
                 with self._waits.waiting(self.replica, answering=True):
                     try:
-                        line = await anext(lines)
+                        data = await anext(reads)
                     except StopAsyncIteration:
-                        return
-                if line.strip():
-                    yield GenerateChunk.model_validate_json(line)
+                        break
+                *lines, rest = (rest + data).split(b"\n")
+                batch = [GenerateChunk.model_validate_json(x) for x in lines if x.strip()]
+                if batch:
+                    yield batch
+            if rest.strip():
+                yield [GenerateChunk.model_validate_json(rest)]
         except ReplicaLost as e:
             raise UpstreamError(LOST_MID_GENERATION) from e
         except httpx.HTTPError as e:

@@ -344,8 +344,8 @@ class _NdjsonStream:
                 yield self._line(self.first)
                 if self.first.final:
                     return
-            async for out in self.stream:
-                yield self._line(out)
+            async for out in self.stream:  # what is queued behind it goes in the same write
+                yield b"".join([self._line(o) for o in (out, *self.stream.ready())])
         finally:  # the client went away (the generator was cancelled/closed) -> free everything
             await self.close()
 

@@ -337,16 +337,21 @@ class GenOutput:
 
 
 class RequestStream:
-    """Async iterator over one request's ``GenOutput``s, fed from any thread via ``put``."""
+    """Async iterator over one request's ``GenOutput``s, fed from any thread via ``put``;
+    ``loop_fed``: every ``put`` runs on ``loop``'s own thread (the engine-core client)."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, loop_fed: bool = False):
         self.request_id = request_id
         self._loop = loop
+        self._loop_fed = loop_fed
         self._q: asyncio.Queue[GenOutput] = asyncio.Queue()
         self._done = False
 
     def put(self, out: GenOutput) -> None:
-        """Thread-safe: hand an output to the consumer's event loop."""
+        """Hand an output to the consumer's event loop (thread-safe unless ``loop_fed``)."""
+        if self._loop_fed:  # no self-pipe write and no extra loop turn per token
+            self._q.put_nowait(out)
+            return
         try:
             self._loop.call_soon_threadsafe(self._q.put_nowait, out)
         except RuntimeError:  # loop closed: the consumer is gone
@@ -362,6 +367,15 @@ class RequestStream:
         if out.final:
             self._done = True
         return out
+
+    def ready(self) -> list[GenOutput]:
+        """The outputs queued already (up to the final one), taken without waiting."""
+        outs = []
+        while not self._done and not self._q.empty():
+            out = self._q.get_nowait()
+            self._done = out.final
+            outs.append(out)
+        return outs
 
 
 @dataclass

@@ -189,38 +189,49 @@ async def sse_events(
     closes upstream. Chat and text completions alike (``writer`` makes their shapes)."""
     first_token = True
     finished: dict[int, GenerateChunk] = {}
+    out: list[bytes] = []  # the events of one batch of chunks (or of the end): one write each
     try:
         for i in range(stream.n):
             for event in writer.opening(i):
                 yield event
-        async with aclosing(stream.chunks()) as chunks:
-            async for i, chunk in chunks:
-                if chunk.error:
-                    yield writer.error(f"generation failed: {chunk.error}")
-                    break
-                if chunk.text or chunk.token_logprobs or chunk.reasoning or chunk.tool_calls or chunk.prompt_logprobs:
-                    if first_token:
-                        state.metrics.ttft.observe(time.monotonic() - start)
-                        first_token = False
-                    yield writer.content(chunk.text, chunk.token_logprobs, chunk.reasoning, chunk.tool_calls, index=i,
-                                         prompt_logprobs=chunk.prompt_logprobs)
-                if chunk.finish_reason == "abort":
-                    yield writer.error(ABORTED)
-                    break
-                if chunk.finish_reason is not None:
-                    yield writer.finish(chunk.finish_reason, index=i)
-                    finished[i] = chunk
-                    if len(finished) == stream.n:
+        async with aclosing(stream.batches()) as batches:
+            ended = False
+            async for batch in batches:
+                for i, chunk in batch:
+                    if chunk.error:
+                        out.append(writer.error(f"generation failed: {chunk.error}"))
+                        ended = True
                         break
-            else:
-                yield writer.error("generation ended without a finish reason")
+                    if chunk.text or chunk.token_logprobs or chunk.reasoning or chunk.tool_calls or chunk.prompt_logprobs:
+                        if first_token:
+                            state.metrics.ttft.observe(time.monotonic() - start)
+                            first_token = False
+                        out.append(writer.content(chunk.text, chunk.token_logprobs, chunk.reasoning, chunk.tool_calls,
+                                                  index=i, prompt_logprobs=chunk.prompt_logprobs))
+                    if chunk.finish_reason == "abort":
+                        out.append(writer.error(ABORTED))
+                        ended = True
+                        break
+                    if chunk.finish_reason is not None:
+                        out.append(writer.finish(chunk.finish_reason, index=i))
+                        finished[i] = chunk
+                        if len(finished) == stream.n:
+                            ended = True
+                            break
+                if ended:
+                    break
+                if out:
+                    yield b"".join(out)
+                    out.clear()
+            if not ended:
+                out.append(writer.error("generation ended without a finish reason"))
         if len(finished) == stream.n and writer.include_usage:
             first = finished[0]
-            yield writer.usage(first.prompt_tokens or 0, sum(c.completion_tokens or 0 for c in finished.values()),
-                               first.cached_tokens or 0)
-        yield SSE_DONE
+            out.append(writer.usage(first.prompt_tokens or 0, sum(c.completion_tokens or 0 for c in finished.values()),
+                                    first.cached_tokens or 0))
+        out.append(SSE_DONE)
+        yield b"".join(out)
     except UpstreamError as e:
-        yield writer.error(e.message)
-        yield SSE_DONE
+        yield b"".join(out) + writer.error(e.message) + SSE_DONE
     finally:
         await stream.aclose()

@@ -7,9 +7,6 @@ a retry (nothing answered yet) or an error (a stream already under way), never a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import anyio
 
 
@@ -34,23 +31,11 @@ class InFlightWaits:
     def open(self, replica: str) -> int:
         return len(self._scopes.get(replica, ()))
 
-    @contextmanager
-    def waiting(self, replica: str, answering: bool = False) -> Iterator[None]:
-        """Raises ``ReplicaLost`` if ``lose(replica)`` runs while the body awaits; ``answering``:
-        the replica has started answering (headers in), so the loss reaches the caller."""
-        scope = anyio.CancelScope()
-        scopes = self._scopes.setdefault(replica, set())
-        scopes.add(scope)
-        try:
-            with scope:
-                yield
-        finally:
-            scopes.discard(scope)
-            if not scopes and self._scopes.get(replica) is scopes:
-                del self._scopes[replica]
-        if scope.cancelled_caught:
-            self.lost["mid_answer" if answering else "before_answer"] += 1
-            raise ReplicaLost(replica)
+    def waiting(self, replica: str, answering: bool = False) -> "_Wait":
+        """A context manager that raises ``ReplicaLost`` if ``lose(replica)`` runs while its body
+        awaits; ``answering``: the replica has started answering (headers in), so the loss
+        reaches the caller."""
+        return _Wait(self, replica, answering)
 
     def lose(self, replica: str) -> int:
         """End every wait on ``replica``; how many there were."""
@@ -58,3 +43,31 @@ class InFlightWaits:
         for scope in scopes:
             scope.cancel()
         return len(scopes)
+
+
+class _Wait:
+    """One ``InFlightWaits.waiting`` (a class, not a generator: a stream enters one per read)."""
+
+    __slots__ = ("waits", "replica", "answering", "scope", "scopes")
+
+    def __init__(self, waits: InFlightWaits, replica: str, answering: bool) -> None:
+        self.waits, self.replica, self.answering = waits, replica, answering
+
+    def __enter__(self) -> None:
+        self.scope = anyio.CancelScope()
+        self.scopes = self.waits._scopes.setdefault(self.replica, set())
+        self.scopes.add(self.scope)
+        self.scope.__enter__()
+
+    def __exit__(self, et, e, tb) -> bool:
+        scope, scopes, by_replica = self.scope, self.scopes, self.waits._scopes
+        try:
+            swallowed = scope.__exit__(et, e, tb)
+        finally:
+            scopes.discard(scope)
+            if not scopes and by_replica.get(self.replica) is scopes:
+                del by_replica[self.replica]
+        if scope.cancelled_caught:
+            self.waits.lost["mid_answer" if self.answering else "before_answer"] += 1
+            raise ReplicaLost(self.replica)
+        return swallowed

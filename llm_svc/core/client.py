@@ -144,7 +144,7 @@ class EngineCoreClient:
         fit its KV pools) ends the stream with that error."""
         if not self.ready or self._core is None:
             raise InvalidRequest("the engine core is restarting; retry shortly", code="engine_unavailable")
-        stream = RequestStream(prep.request_id, asyncio.get_running_loop())
+        stream = RequestStream(prep.request_id, asyncio.get_running_loop(), loop_fed=True)
         core_id = f"{prep.request_id}@{next(self._seq)}"
         self._core_ids[prep.request_id] = core_id
         self._reqs.add(prep, stream, key=core_id)

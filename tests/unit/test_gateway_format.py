@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from gateway.media import MediaItem
+from gateway.openai_api.answers import ChunkChoice, DeltaMessage
 from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion
 from gateway.prompt import build_generate_request, pack_generate, sampling_params
@@ -39,6 +40,16 @@ def test_chunk_writer_events():
                                                  "prompt_tokens_details": {"cached_tokens": 4}}
     assert SSE_DONE == b"data: [DONE]\n\n"
     assert "usage" not in parse(ChunkWriter("c", 1, "m", include_usage=False).content("x"))
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_text_delta_events_are_the_models_bytes(include_usage):
+    """A text-only delta is written from bytes cut once from the models' own event: the same bytes."""
+    w = ChunkWriter("chatcmpl-1", 5, "m\\u0000\"", include_usage=include_usage)
+    for index in (0, 3):
+        for text in ["", " hello", 'q"\\ \n\t\x00\x1f \u00e9 \u2028 \U0001f600']:
+            full = w._chunk([ChunkChoice(index=index, delta=DeltaMessage(content=text))])
+            assert w.content(text, index=index) == full
 
 
 def test_chat_completion_body():
