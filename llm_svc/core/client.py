@@ -45,7 +45,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from llm_svc.core.messages import (
+from llm_svc.core_messages import (
     CoreAbort, CoreFailed, CoreMedia, CoreNeed, CoreOutput, CoreOutputs, CoreReady, CoreShutdown, CoreStats, CoreToken,
 )
 from shared.settings import LLMSettings

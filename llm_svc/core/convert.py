@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_svc.core.messages import CoreAdd, CoreSampling, CoreTensor
+from llm_svc.core_messages import CoreAdd, CoreSampling, CoreTensor
 from shared.schemas import SamplingParams, StructuredSpec
 
 from ..types import PreparedRequest, Request, make_prompt_keys

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llm_svc.core.messages import CoreToken
+from llm_svc.core_messages import CoreToken
 
 from ..types import GenOutput
 from ..types import PreparedRequest

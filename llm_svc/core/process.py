@@ -23,7 +23,7 @@ import time
 import msgspec
 import zmq
 
-from llm_svc.core.messages import (
+from llm_svc.core_messages import (
     CoreAbort, CoreAdd, CoreFailed, CoreInput, CoreMedia, CoreNeed, CoreOutputs, CoreReady, CoreShutdown, CoreStats,
     CoreToken,
 )

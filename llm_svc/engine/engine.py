@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llm_svc.core.messages import CoreNeed, CoreToken
+from llm_svc.core_messages import CoreNeed, CoreToken
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
 from llm_svc.engine.grammar import GrammarCache, GrammarError, Matcher, apply_grammars
