@@ -29,6 +29,10 @@ from encoder_svc.models.audio_items import AudioItems
 from encoder_svc.preprocess.mel import SAMPLE_RATE as WHISPER_SR, features as whisper_features
 from shared.bundle import AudioSpec, BundleError
 from shared.projector import PoolProjector
+from shared.registry import Registry
+
+# kind -> loader(root, spec, dtype) of its tower
+AUDIO_LOADERS: Registry[Callable[[Path, AudioSpec, torch.dtype], nn.Module]] = Registry("audio kind", error=BundleError)
 
 
 class AudioEncoder(nn.Module):
@@ -59,6 +63,7 @@ class AudioEncoder(nn.Module):
         return self.projector(h)
 
 
+@AUDIO_LOADERS.register("whisper_projector")
 def _load_whisper(root: Path, spec: AudioSpec, dtype: torch.dtype) -> AudioEncoder:
     from transformers import WhisperModel
 
@@ -71,6 +76,7 @@ def _load_whisper(root: Path, spec: AudioSpec, dtype: torch.dtype) -> AudioEncod
     return AudioEncoder(encoder, projector, whisper.config.num_mel_bins, projector.cfg.out_dim)
 
 
+@AUDIO_LOADERS.register("mimo_omni")
 def _load_mimo(root: Path, spec: AudioSpec, dtype: torch.dtype) -> nn.Module:
     import json
 
@@ -81,13 +87,6 @@ def _load_mimo(root: Path, spec: AudioSpec, dtype: torch.dtype) -> nn.Module:
     return load_mimo_audio(d, dtype, lm_hidden)
 
 
-AUDIO_LOADERS: dict[str, Callable[[Path, AudioSpec, torch.dtype], nn.Module]] = {
-    "whisper_projector": _load_whisper,
-    "mimo_omni": _load_mimo,
-}
-
-
 def load_audio(root: Path, spec: AudioSpec, dtype: torch.dtype) -> nn.Module:
-    if spec.kind not in AUDIO_LOADERS:
-        raise BundleError(f"unknown audio kind {spec.kind!r}; known: {sorted(AUDIO_LOADERS)}")
-    return AUDIO_LOADERS[spec.kind](root, spec, dtype)
+    """The tower of ``spec.kind``; an unknown kind is a ``BundleError``."""
+    return AUDIO_LOADERS.get(spec.kind)(root, spec, dtype)

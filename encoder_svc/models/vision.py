@@ -1,6 +1,6 @@
 """Vision encoders: pixels [B, 3, h, w] -> LM-space tokens [B, tokens_per_image, lm_hidden].
 
-Two kinds, chosen by ``VisionSpec.kind``:
+Three kinds, chosen by ``VisionSpec.kind`` (registry ``VISION_LOADERS``):
 
 * ``siglip_projector`` (mmserve bundle): ``SiglipVisionModel(...).last_hidden_state`` ->
   ``shared.projector.PoolProjector`` (grid2d pooling to ``tokens_per_image``).
@@ -14,6 +14,7 @@ Two kinds, chosen by ``VisionSpec.kind``:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +23,10 @@ from torch import nn
 
 from shared.bundle import BundleError, VisionSpec
 from shared.projector import PoolProjector
+from shared.registry import Registry
+
+# kind -> loader(root, spec, dtype) of its encoder
+VISION_LOADERS: Registry[Callable[[Path, VisionSpec, torch.dtype], nn.Module]] = Registry("vision kind", error=BundleError)
 
 
 class VisionEncoder(nn.Module):
@@ -43,6 +48,7 @@ class VisionEncoder(nn.Module):
         return out
 
 
+@VISION_LOADERS.register("siglip_projector")
 def _load_siglip_projector(root: Path, spec: VisionSpec, dtype: torch.dtype) -> VisionEncoder:
     from transformers import SiglipVisionModel
 
@@ -79,6 +85,7 @@ def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str)
     module.load_state_dict({k: state[k] for k in want}, strict=True)
 
 
+@VISION_LOADERS.register("gemma3")
 def _load_gemma3(root: Path, spec: VisionSpec, dtype: torch.dtype) -> VisionEncoder:
     from transformers import AutoConfig, AutoModel
     from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
@@ -95,6 +102,7 @@ def _load_gemma3(root: Path, spec: VisionSpec, dtype: torch.dtype) -> VisionEnco
     )
 
 
+@VISION_LOADERS.register("mimo_omni")
 def _load_mimo_omni(root: Path, spec: VisionSpec, dtype: torch.dtype) -> nn.Module:
     from encoder_svc.models.mimo_vit import load_mimo_vit
 
@@ -102,10 +110,6 @@ def _load_mimo_omni(root: Path, spec: VisionSpec, dtype: torch.dtype) -> nn.Modu
     return load_mimo_vit(d, _checkpoint_tensors(d, ("visual.",)), dtype)
 
 
-VISION_LOADERS = {"siglip_projector": _load_siglip_projector, "gemma3": _load_gemma3, "mimo_omni": _load_mimo_omni}
-
-
-def load_vision(root: Path, spec: VisionSpec, dtype: torch.dtype) -> VisionEncoder:
-    if spec.kind not in VISION_LOADERS:
-        raise BundleError(f"unknown vision kind {spec.kind!r}; known: {sorted(VISION_LOADERS)}")
-    return VISION_LOADERS[spec.kind](root, spec, dtype)
+def load_vision(root: Path, spec: VisionSpec, dtype: torch.dtype) -> nn.Module:
+    """The encoder of ``spec.kind``; an unknown kind is a ``BundleError``."""
+    return VISION_LOADERS.get(spec.kind)(root, spec, dtype)

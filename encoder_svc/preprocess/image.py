@@ -1,4 +1,4 @@
-"""Image preprocessing backends behind one small interface and a registry.
+"""Image preprocessing backends behind one small interface and a registry (``IMAGE_BACKENDS``).
 
 ``ImageBackend.images(blobs)`` turns encoded images into the pixel batch the vision tower takes,
 ``[B, 3, h, w]`` float32 on the model's device, equal to what the bundle's HF image processor
@@ -22,6 +22,7 @@ from torchvision.transforms.v2 import functional as TF
 from encoder_svc.errors import BadMedia, short_reason
 from encoder_svc.preprocess.image_config import ImagePreprocessConfig
 from encoder_svc.preprocess.image_decode import decode_rgb, probe
+from shared.registry import Registry
 
 # PIL resample id -> torchvision mode, as HF's pil_torch_interpolation_mapping (LANCZOS -> BICUBIC
 # because torchvision cannot antialias LANCZOS on tensors, which HF also does).
@@ -70,6 +71,11 @@ class ImageBackend(ABC):
         return resize_normalize(frames.to(self.device, non_blocking=True), self.cfg)
 
 
+# name -> backend class, built as (cfg, device, max_pixels)
+IMAGE_BACKENDS: Registry[Callable[..., ImageBackend]] = Registry("image backend")
+
+
+@IMAGE_BACKENDS.register("torchvision")
 class TorchvisionImageBackend(ImageBackend):
     name = "torchvision"
 
@@ -86,6 +92,7 @@ class TorchvisionImageBackend(ImageBackend):
         return torch.stack(out)  # type: ignore[arg-type]
 
 
+@IMAGE_BACKENDS.register("dali")
 class DaliImageBackend(ImageBackend):
     """DALI ``decoders.image -> resize -> crop_mirror_normalize``; ``mixed`` decode on CUDA."""
 
@@ -140,13 +147,6 @@ class DaliImageBackend(ImageBackend):
         return torch.stack(out)  # type: ignore[arg-type]
 
 
-IMAGE_BACKENDS: dict[str, Callable[..., ImageBackend]] = {
-    TorchvisionImageBackend.name: TorchvisionImageBackend,
-    DaliImageBackend.name: DaliImageBackend,
-}
-
-
 def make_image_backend(name: str, cfg: ImagePreprocessConfig, device: torch.device, max_pixels: int) -> ImageBackend:
-    if name not in IMAGE_BACKENDS:
-        raise ValueError(f"unknown image backend {name!r}; choose one of {sorted(IMAGE_BACKENDS)}")
-    return IMAGE_BACKENDS[name](cfg, device, max_pixels)
+    """The backend registered as ``name`` (the ``image_backend`` setting), built."""
+    return IMAGE_BACKENDS.get(name)(cfg, device, max_pixels)

@@ -1,4 +1,5 @@
-"""Video decoder backends behind one interface; each ``open`` is an independent reader.
+"""Video decoder backends behind one interface (registry ``VIDEO_BACKENDS``: name -> reader class,
+built on the video bytes); each reader is independent.
 
 Frames come out as uint8 ``[n, 3, H, W]`` torch tensors, in the order of the indices asked for.
 Readers use one decode thread each: parallelism comes from several readers on disjoint chunks
@@ -16,6 +17,7 @@ import torch
 
 from encoder_svc.errors import BadMedia
 from encoder_svc.errors import short_reason as _short
+from shared.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class VideoReader(ABC):
         """uint8 [len(indices), 3, H, W]; raises ``BadMedia`` if the data is corrupt."""
 
 
+VIDEO_BACKENDS: Registry[Callable[[bytes], VideoReader]] = Registry("video backend")
+
+
+@VIDEO_BACKENDS.register("decord")
 class DecordReader(VideoReader):
     name = "decord"
 
@@ -64,6 +70,7 @@ class DecordReader(VideoReader):
         return torch.from_numpy(arr).permute(0, 3, 1, 2)
 
 
+@VIDEO_BACKENDS.register("torchcodec")
 class TorchcodecReader(VideoReader):
     name = "torchcodec"
 
@@ -85,14 +92,3 @@ class TorchcodecReader(VideoReader):
         except Exception as e:
             raise BadMedia(f"the video is corrupt or truncated: frames {indices[0]}..{indices[-1]} failed ({_short(e)})") from e
 
-
-VIDEO_BACKENDS: dict[str, Callable[[bytes], VideoReader]] = {
-    DecordReader.name: DecordReader,
-    TorchcodecReader.name: TorchcodecReader,
-}
-
-
-def get_backend(name: str) -> Callable[[bytes], VideoReader]:
-    if name not in VIDEO_BACKENDS:
-        raise ValueError(f"unknown video backend {name!r}; choose one of {sorted(VIDEO_BACKENDS)}")
-    return VIDEO_BACKENDS[name]

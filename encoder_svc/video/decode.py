@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from encoder_svc.video.backends import VideoInfo, get_backend
+from encoder_svc.video.backends import VIDEO_BACKENDS, VideoInfo
 from encoder_svc.video.sampling import split_chunks
 
 
@@ -21,7 +21,7 @@ class ChunkedVideoDecoder:
         if max_chunk < 1 or chunks_per_worker < 1:
             raise ValueError("max_chunk and chunks_per_worker must be >= 1")
         self.backend = backend
-        self._open = get_backend(backend)
+        self._open = VIDEO_BACKENDS.get(backend)
         self.workers = workers or os.cpu_count() or 1
         self.max_chunk = max_chunk
         # more chunks than threads: a thread that gets less CPU (a shared machine) takes fewer chunks
@@ -66,4 +66,4 @@ class ChunkedVideoDecoder:
 
 def decode_sequential(backend: str, data: bytes, indices: list[int]) -> torch.Tensor:
     """One reader, all indices: the baseline chunked decoding must equal."""
-    return get_backend(backend)(data).frames(indices)
+    return VIDEO_BACKENDS.get(backend)(data).frames(indices)

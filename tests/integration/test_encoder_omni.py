@@ -16,7 +16,7 @@ from encoder_svc.app import create_app
 from encoder_svc.models.loader import load_models
 from encoder_svc.preprocess.image_decode import decode_rgb
 from encoder_svc.server import serve_in_thread
-from encoder_svc.video.backends import get_backend
+from encoder_svc.video.backends import VIDEO_BACKENDS
 from shared.bundle import CheckpointError, load_bundle_spec
 from shared.schemas import EncodeResult
 from shared.settings import EncoderSettings
@@ -110,7 +110,7 @@ def test_video_groups_frames_in_pairs_with_timestamps(served, models, video):
     # frames 120x160 within video_max_pixels(5 frames) = 16384 -> 96x128 -> 3x4 merged tokens per group
     assert [(g.start_s, g.num_tokens) for g in res.segments] == [(0.0, 12), (1.2, 12), (2.4, 12)]
     assert res.num_tokens == 36 == e.shape[0]
-    frames = get_backend("decord")(video).frames([0, 18, 36, 54, 72, 72])
+    frames = VIDEO_BACKENDS.get("decord")(video).frames([0, 18, 36, 54, 72, 72])
     pre = models.vision.preprocess
     want = models.vision(pre.video(frames, pre.video_size(120, 160, 5))).reshape(-1, 128)
     torch.testing.assert_close(e, want, atol=1e-5, rtol=0)
