@@ -310,9 +310,18 @@ class LLMStream:
                     except StopAsyncIteration:
                         break
                 *lines, rest = (rest + data).split(b"\n")
-                batch = [GenerateChunk.model_validate_json(x) for x in lines if x.strip()]
+                batch, bad = [], None
+                for x in lines:
+                    if x.strip():
+                        try:
+                            batch.append(GenerateChunk.model_validate_json(x))
+                        except ValueError as e:
+                            bad = e  # the good lines before it still go out
+                            break
                 if batch:
                     yield batch
+                if bad is not None:
+                    raise bad
             if rest.strip():
                 yield [GenerateChunk.model_validate_json(rest)]
         except ReplicaLost as e:

@@ -1,5 +1,7 @@
+import asyncio
 import json
 
+import httpx
 import pytest
 import torch
 
@@ -9,8 +11,9 @@ from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion
 from gateway.prompt import build_generate_request, pack_generate, sampling_params
 from mmserve.testing.fake_services import filled
-from gateway.upstream import Encoded
-from shared.schemas import EncodeResult, GenerateRequest, GenerateResponse, PromptMedia
+from gateway.routing.inflight import InFlightWaits
+from gateway.upstream import Encoded, LLMStream, UpstreamError
+from shared.schemas import EncodeResult, GenerateChunk, GenerateRequest, GenerateResponse, PromptMedia
 from shared.wire import unpack
 
 pytestmark = pytest.mark.unit
@@ -50,6 +53,30 @@ def test_text_delta_events_are_the_models_bytes(include_usage):
         for text in ["", " hello", 'q"\\ \n\t\x00\x1f \u00e9 \u2028 \U0001f600']:
             full = w._chunk([ChunkChoice(index=index, delta=DeltaMessage(content=text))])
             assert w.content(text, index=index) == full
+
+
+def test_llm_stream_yields_the_chunks_of_each_read_together_and_the_good_ones_before_a_bad_line():
+    class Router:
+        def end(self, replica):
+            pass
+
+    async def run(reads: list[bytes]) -> list:
+        async def body():
+            for r in reads:
+                yield r
+
+        stream, got = LLMStream(httpx.Response(200, content=body()), "r", Router(), InFlightWaits()), []
+        try:
+            async for batch in stream.batches():
+                got.append([c.text for c in batch])
+        except UpstreamError as e:
+            got.append(e.message.split(":")[0])
+        return got
+
+    a, b, c = (GenerateChunk(request_id="x", text=t).model_dump_json().encode() for t in "abc")
+    assert asyncio.run(run([a + b"\n" + b[:5], b[5:] + b"\n" + c + b"\n", b"\n"])) == [["a"], ["b", "c"]]
+    assert asyncio.run(run([a + b"\n{bad\n" + c + b"\n"])) == [["a"], "LLM stream from r sent a bad chunk"]
+    assert asyncio.run(run([a + b"\n" + c])) == [["a"], ["c"]]  # the last line without its newline
 
 
 def test_chat_completion_body():
