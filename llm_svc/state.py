@@ -17,7 +17,7 @@ from shared.admission import Admission, AdmissionConfig
 from shared.service_auth import token_headers
 from shared.settings import LLMSettings
 
-from .backends import Backend, backend_class
+from .backends import BACKENDS, Backend
 from .loader import LoadedLM, load_lm
 from .kv_publish import KVPublisher
 from .media_fetch import EmbeddingFetcher
@@ -109,7 +109,7 @@ class ServiceState:
         event loop, then start the backend; failures land in ``error``."""
         try:
             s = self.settings
-            cls = backend_class(s.backend)
+            cls = BACKENDS.get(s.backend)
             lm = await asyncio.to_thread(load_lm, s.model_dir, s.device, s.dtype, cls.needs_weights)
             derived = s.max_model_len is None
             if derived:  # the checkpoint's context length, as vLLM; the engine core sizes its pools by it

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_paged, register_attention_backend
+from . import ATTENTION_BACKENDS, cpu_paged
 from .base import AttentionParams, LayerKV
 from .torch_batched import Bucket, BucketPolicy, TorchBatchedAttention
 from .torch_common import attend_flash, attend_tail, flash_mask
 
 
-@register_attention_backend("cpu_flash")
+@ATTENTION_BACKENDS.register("cpu_flash")
 class CPUFlashAttention(TorchBatchedAttention):
     name = "cpu_flash"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import register_attention_backend
+from . import ATTENTION_BACKENDS
 from .base import AttentionParams
 from .torch_batched import TorchBatchedAttention
 
@@ -42,7 +42,7 @@ def attend_sdpa(q, k, v, bias, params: AttentionParams) -> torch.Tensor:
     return o.view(b, hkv, g, nq, dv).permute(0, 3, 1, 2, 4).reshape(b, nq, hq, dv)
 
 
-@register_attention_backend("sdpa")
+@ATTENTION_BACKENDS.register("sdpa")
 class SDPAAttention(TorchBatchedAttention):
     """``torch_batched``'s metadata (buckets, slot-table gathers, biases) + SDPA per bucket."""
 

@@ -34,7 +34,7 @@ import torch
 from llm_svc.types import ForwardBatch, SeqForward
 from llm_svc.attention.slot_tables import StepTables
 
-from . import register_attention_backend
+from . import ATTENTION_BACKENDS
 from .base import FULL, SLIDING, AttentionBackend, AttentionParams, LayerKV, Workspace
 from .torch_common import allowed_mask, attend, ctx_range, table_slots
 
@@ -236,7 +236,7 @@ def attend_capped(q, k, v, bias, params: AttentionParams, max_elems: int) -> tor
     return torch.cat([attend(q[:, i:i + step], k, v, bias[:, i:i + step], params) for i in range(0, nq, step)], 1)
 
 
-@register_attention_backend("torch_batched")
+@ATTENTION_BACKENDS.register("torch_batched", "torch")
 class TorchBatchedAttention(AttentionBackend):
     name = "torch_batched"
 

@@ -14,7 +14,7 @@ import torch
 from llm_svc.types import ForwardBatch, SeqForward
 from llm_svc.attention.slot_tables import StepTables
 
-from . import register_attention_backend
+from . import ATTENTION_BACKENDS
 from .base import FULL, SLIDING, AttentionBackend, AttentionParams, LayerKV
 from .torch_common import additive_bias, allowed_mask, attend, ctx_range
 
@@ -69,7 +69,7 @@ def _decode_group(members: list[tuple[int, int, SeqForward]], kind: str, table: 
     return Group(rows, 1, padded, additive_bias(mask, device))
 
 
-@register_attention_backend("torch_sdpa_loop")
+@ATTENTION_BACKENDS.register("torch_sdpa_loop")
 class TorchLoopAttention(AttentionBackend):
     name = "torch_sdpa_loop"
 

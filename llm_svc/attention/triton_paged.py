@@ -34,7 +34,7 @@ import torch
 from llm_svc.types import ForwardBatch
 from llm_svc.attention.slot_tables import StepTables
 
-from . import register_attention_backend
+from . import ATTENTION_BACKENDS
 from .base import AttentionBackend, AttentionParams, LayerKV
 from .paged_ref import paged_attention_ref
 from .paged_rows import RowRanges, row_ranges
@@ -218,7 +218,7 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return out
 
 
-@register_attention_backend("triton_paged")
+@ATTENTION_BACKENDS.register("triton_paged")
 class TritonPagedAttention(AttentionBackend):
     """``prepare``: per-row key ranges (``paged_rows.row_ranges``); ``forward``: write the new
     K/V, then the paged kernel over the pool (``paged_ref`` on a CPU without the interpreter)."""

@@ -26,7 +26,7 @@ from ..prompt import input_embeds
 from ..types import PreparedRequest
 from ..engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
 from ..textproc import OutputText, logprob_entry, min_tokens_banned, token_finish_reason
-from . import register_backend
+from . import BACKENDS
 from .base import Backend, BackendStats, GenOutput, RequestStream
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class _RawLogits:
         return scores
 
 
-@register_backend("hf")
+@BACKENDS.register("hf")
 class HFBackend(Backend):
     """Serial reference backend; ``max_running`` is 1 by construction."""
 

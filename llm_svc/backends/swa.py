@@ -10,11 +10,11 @@ from ..core.client import EngineCoreClient
 from ..loader import LoadedLM
 from ..types import PreparedRequest
 from ..retention import retention_points
-from . import register_backend
+from . import BACKENDS
 from .base import Backend, BackendStats, RequestStream
 
 
-@register_backend("swa")
+@BACKENDS.register("swa")
 class SWABackend(Backend):
     name = "swa"
     needs_weights = False

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 from llm_svc.types import Request
+from shared.registry import Registry
 
 
 class AdmissionPolicy(ABC):
@@ -23,11 +24,16 @@ class AdmissionPolicy(ABC):
         cache hit of a prompt without side effects."""
 
 
+# name (the ``schedule_policy`` setting) -> policy class, built with the policy's parameters
+POLICIES: Registry[Callable[..., AdmissionPolicy]] = Registry("scheduling policy")
+
+
 def _arrival_order(waiting: Sequence[Request]) -> list[Request]:
     """Preempted first, then by vLLM-style ``priority`` (lower first), then by arrival."""
     return sorted(waiting, key=lambda r: (r.num_preemptions == 0, r.sampling.priority, r.arrival_time))
 
 
+@POLICIES.register("fcfs")
 class FCFSPolicy(AdmissionPolicy):
     def order(self, waiting, now, cached_len):
         return _arrival_order(waiting)
@@ -39,6 +45,7 @@ def uncached_tokens(req: Request, cached_len: Callable[[list[int]], int]) -> int
     return req.num_tokens - cached_len(req.all_keys[:-1])
 
 
+@POLICIES.register("compute_aware")
 class ComputeAwarePolicy(AdmissionPolicy):
     """Fewest real (uncached) tokens to compute first, with aging so nothing starves.
 
@@ -76,16 +83,6 @@ class ComputeAwarePolicy(AdmissionPolicy):
         return pre + sorted(considered, key=lambda r: (r.sampling.priority, self.deadline(r, cached_len))) + tail
 
 
-POLICIES: dict[str, Callable[..., AdmissionPolicy]] = {
-    "fcfs": FCFSPolicy,
-    "compute_aware": ComputeAwarePolicy,
-}
-
-
 def make_policy(name: str, **params) -> AdmissionPolicy:
     """The policy called ``name``; ``params`` go to its constructor."""
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return cls(**params)
+    return POLICIES.get(name)(**params)

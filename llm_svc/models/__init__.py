@@ -1,29 +1,26 @@
-"""Our forward implementations of hybrid SWA decoders, by ``LoadedLM.arch``."""
+"""Our forward implementations of hybrid SWA decoders, by ``LoadedLM.arch``: each registers itself
+in ``MODELS`` (``@MODELS.register(arch)``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from shared.registry import Registry
+
 from .base import HybridModel, LayerSpec
 
-_REGISTRY: dict[str, Callable] = {}
+
+def _load_builtin() -> None:
+    from . import gemma3, gpt_oss, mimo  # noqa: F401  (register)
 
 
-def register_model(arch: str):
-    def deco(cls):
-        _REGISTRY[arch] = cls
-        return cls
-
-    return deco
+# arch -> model class, built as (hf_model, linear=backend)
+MODELS: Registry[Callable[..., HybridModel]] = Registry("model arch of the swa engine", load=_load_builtin)
 
 
 def build_model(arch: str, hf_model, linear: str = "auto") -> HybridModel:
     """Our forward over a loaded HF model; ``linear``: the backend of its GEMMs (``linear.BACKENDS``)."""
-    from . import gemma3, gpt_oss, mimo  # noqa: F401  (register)
-
-    if arch not in _REGISTRY:
-        raise ValueError(f"the swa engine has no model for arch {arch!r} (supported: {sorted(_REGISTRY)})")
-    return _REGISTRY[arch](hf_model, linear=linear)
+    return MODELS.get(arch)(hf_model, linear=linear)
 
 
-__all__ = ["HybridModel", "LayerSpec", "build_model", "register_model"]
+__all__ = ["MODELS", "HybridModel", "LayerSpec", "build_model"]

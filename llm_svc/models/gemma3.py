@@ -7,12 +7,12 @@ import torch
 
 from llm_svc.attention import AttentionBackend, AttentionParams, LayerKV
 
-from . import register_model
+from . import MODELS
 from .base import HF_KIND, HybridModel, LayerSpec, apply_rope
 from .linear import linears_in, pack_linears
 
 
-@register_model("gemma3")
+@MODELS.register("gemma3")
 class Gemma3Model(HybridModel):
     def __init__(self, hf_model, linear: str = "auto"):
         self.hf = hf_model

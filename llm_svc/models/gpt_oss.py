@@ -8,7 +8,7 @@ import torch
 
 from llm_svc.attention import AttentionBackend, AttentionParams, LayerKV
 
-from . import register_model
+from . import MODELS
 from .base import HF_KIND, HybridModel, LayerSpec, apply_rope
 from .linear import linears_in, pack_linears
 
@@ -25,7 +25,7 @@ class _Rope:
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
-@register_model("gpt_oss")
+@MODELS.register("gpt_oss")
 class GptOssModel(HybridModel):
     def __init__(self, hf_model, linear: str = "auto"):
         self.hf = hf_model

@@ -13,7 +13,7 @@ import torch
 
 from llm_svc.attention import AttentionBackend, AttentionParams, LayerKV
 
-from . import register_model
+from . import MODELS
 from .base import HF_KIND, HybridModel, LayerSpec, apply_rope
 from . import cpu_fused
 from .fused_mlp import GatedMLP, RoutedExperts
@@ -27,7 +27,7 @@ def geometry_of(hf_model) -> MiMoGeometry:
     return g if g is not None else mimo_geometry(hf_model.config.to_dict(), "config.json (loaded)")
 
 
-@register_model("mimo")
+@MODELS.register("mimo")
 class MiMoModel(HybridModel):
     def __init__(self, hf_model, linear: str = "auto"):
         self.hf = hf_model

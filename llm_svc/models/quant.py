@@ -33,13 +33,15 @@ from typing import ClassVar
 import torch
 
 from shared.bundle import CheckpointError
+from shared.registry import Registry
 
 Read = Callable[[str], torch.Tensor]  # file tensor name -> the tensor as stored
 
 
 class QuantScheme(ABC):
     """How one ``quant_method`` stores tensors: which file tensors are companions (scales) of
-    another, and how a stored group becomes one float tensor."""
+    another, and how a stored group becomes one float tensor. A scheme registers itself in
+    ``QUANT_SCHEMES`` under its ``method``."""
 
     method: ClassVar[str]
     path: Path  # the config file (named in errors)
@@ -66,17 +68,13 @@ class QuantScheme(ABC):
     @abstractmethod
     def _owner_present(self, companion: str, names: set[str]) -> bool: ...
 
+    @classmethod
+    @abstractmethod
+    def from_config(cls, q: dict, path: Path) -> QuantScheme:
+        """The scheme of the ``quantization_config`` dict ``q`` read from ``path``."""
 
-_SCHEMES: dict[str, Callable[[dict, Path], QuantScheme]] = {}
 
-
-def register_scheme(method: str):
-    def deco(cls):
-        cls.method = method
-        _SCHEMES[method] = cls.from_config
-        return cls
-
-    return deco
+QUANT_SCHEMES: Registry[type[QuantScheme]] = Registry("quant method")
 
 
 def _fail(path: Path, key: str, why: str) -> CheckpointError:
@@ -100,10 +98,10 @@ def scheme_for(q: dict | None, path: str | Path = "config.json",
     if not isinstance(q, dict):
         raise CheckpointError(f"{path}: field 'quantization_config' must be an object, got {q!r}")
     method = q.get("quant_method")
-    ok = sorted(_SCHEMES) if allowed is None else [m for m in allowed if m in _SCHEMES]
+    ok = QUANT_SCHEMES.names() if allowed is None else [m for m in allowed if m in QUANT_SCHEMES]
     if method not in ok:
         raise _fail(path, "quant_method", f"= {method!r} is not supported for this model (supported: {ok})")
-    return _SCHEMES[method](q, path)
+    return QUANT_SCHEMES.get(method).from_config(q, path)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -137,10 +135,12 @@ def dequant_fp8_block(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int], 
     return w.float() * scale
 
 
-@register_scheme("fp8")
+@QUANT_SCHEMES.register("fp8")
 @dataclass(frozen=True)
 class Fp8Block(QuantScheme):
     """Block-wise e4m3 weights with float ``weight_scale_inv`` grids."""
+
+    method: ClassVar[str] = "fp8"
 
     block: tuple[int, int]
     path: Path = field(default=Path("config.json"))
@@ -214,10 +214,12 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, what: str = "tenso
     return vals.flatten(-2)
 
 
-@register_scheme("mxfp4")
+@QUANT_SCHEMES.register("mxfp4")
 @dataclass(frozen=True)
 class Mxfp4(QuantScheme):
     """gpt-oss' MXFP4 experts: ``X_blocks`` + ``X_scales`` -> ``X``; other tensors as stored."""
+
+    method: ClassVar[str] = "mxfp4"
 
     path: Path = field(default=Path("config.json"))
 
