@@ -1,4 +1,4 @@
-"""LLM replica choice.  Policies share one small interface and live in a registry:
+"""LLM replica choice.  Policies share one small interface and live in a registry (``ROUTERS``):
 
 * ``round_robin`` - the baseline,
 * ``cache_aware`` - the replica whose (approximate) prefix cache holds the longest prefix of the
@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from shared.prefix_keys import leading_held
+from shared.registry import Registry
 
 
 class LLMRouter(ABC):
@@ -55,6 +56,10 @@ class LLMRouter(ABC):
             self.end(replica)
 
 
+# policy name -> router(index_blocks): ``index_blocks`` bounds a prefix index per replica
+ROUTERS: Registry[Callable[[int], LLMRouter]] = Registry("llm routing policy")
+
+
 class RoundRobinRouter(LLMRouter):
     """Each replica in turn, ignoring prompts and load: the baseline."""
 
@@ -66,6 +71,9 @@ class RoundRobinRouter(LLMRouter):
         if not replicas:
             raise ValueError("no replicas")
         return replicas[next(self._counter) % len(replicas)]
+
+
+ROUTERS.add("round_robin", lambda index_blocks: RoundRobinRouter())
 
 
 class CacheAwareRouter(LLMRouter):
@@ -116,6 +124,9 @@ class CacheAwareRouter(LLMRouter):
         return best
 
 
+ROUTERS.add("cache_aware", lambda index_blocks: CacheAwareRouter(capacity_blocks=index_blocks))
+
+
 class EventRouter(CacheAwareRouter):
     """``CacheAwareRouter`` whose match is what the replica reports it holds (``held(replica,
     blocks)``: leading blocks, or None when its reports are not live: no Redis, a replica that
@@ -161,16 +172,6 @@ class EventRouter(CacheAwareRouter):
             del sent[b]
 
 
-ROUTERS: dict[str, type[LLMRouter]] = {
-    "round_robin": RoundRobinRouter,
-    "cache_aware": CacheAwareRouter,
-}
-
-
 def make_router(policy: str, index_blocks: int = 65536) -> LLMRouter:
     """The ``policy`` router; ``index_blocks`` bounds a cache-aware router's index per replica."""
-    if policy not in ROUTERS:
-        raise ValueError(f"unknown llm routing policy {policy!r}; known: {sorted(ROUTERS)}")
-    if policy == "cache_aware":
-        return CacheAwareRouter(capacity_blocks=index_blocks)
-    return ROUTERS[policy]()
+    return ROUTERS.get(policy)(index_blocks)
