@@ -79,6 +79,33 @@ def test_llm_stream_yields_the_chunks_of_each_read_together_and_the_good_ones_be
     assert asyncio.run(run([a + b"\n" + c])) == [["a"], ["c"]]  # the last line without its newline
 
 
+def test_llm_stream_reads_a_finished_body_to_its_end_before_closing_and_an_unfinished_one_not():
+    """A finished generation's connection is left reusable (its body read to the end); closing an
+    unfinished one (the client left) must not wait for more of it: the close aborts upstream."""
+
+    class Router:
+        def end(self, replica):
+            pass
+
+    async def run(finish: str | None) -> list[str]:
+        seen = []
+
+        async def body():
+            seen.append("first")
+            yield GenerateChunk(request_id="x", text="a", finish_reason=finish).model_dump_json().encode() + b"\n"
+            seen.append("end")
+
+        stream = LLMStream(httpx.Response(200, content=body()), "r", Router(), InFlightWaits())
+        async for _ in stream.batches():
+            break  # as the chat route does once every choice has finished
+        await stream.aclose()
+        await stream.aclose()  # twice is fine
+        return seen
+
+    assert asyncio.run(run("stop")) == ["first", "end"]
+    assert asyncio.run(run(None)) == ["first"]
+
+
 def test_chat_completion_body():
     resp = GenerateResponse(request_id="r", text="ok", token_ids=[1], finish_reason="stop",
                             prompt_tokens=7, completion_tokens=1, cached_tokens=5)
