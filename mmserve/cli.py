@@ -75,12 +75,19 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=None)
 
 
-def _serve(app, settings) -> None:
+def _serve(app, settings, access_log: bool = True) -> None:
+    """Runs ``app`` under uvicorn; ``access_log`` False: no line per request below debug level."""
     import uvicorn
 
+    debug = str(settings.log_level).lower() == "debug"
+    if not debug:
+        # httpx logs every upstream request at INFO: a line per request (the access log has one
+        # already), formatted and written on the event loop of a service on a CPU budget
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     # a bounded graceful shutdown (as the gateway's): an open stream must not hold SIGTERM forever
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_keep_alive=settings.keep_alive_timeout, timeout_graceful_shutdown=5)
+                access_log=access_log or debug, timeout_keep_alive=settings.keep_alive_timeout,
+                timeout_graceful_shutdown=5)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -108,9 +115,9 @@ def ensure_default_model(model_dir: str | None) -> str:
     return str(DEFAULT_MODEL_DIR)
 
 
-def _run_service(args: argparse.Namespace, create_app) -> int:
+def _run_service(args: argparse.Namespace, create_app, access_log: bool = True) -> int:
     settings = _settings(args)
-    _serve(create_app(settings), settings)
+    _serve(create_app(settings), settings, access_log)
     return 0
 
 
@@ -124,7 +131,9 @@ def cmd_encoder(args: argparse.Namespace) -> int:
 def cmd_llm(args: argparse.Namespace) -> int:
     from llm_svc.app import create_app
 
-    return _run_service(args, create_app)
+    # its callers are the gateway (which logs each client request) and the pool's /readyz
+    # probes: a formatted line for each costs the CPU the engine core's threads run on
+    return _run_service(args, create_app, access_log=False)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
