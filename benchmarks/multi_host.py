@@ -320,10 +320,11 @@ def _phases(c: Cluster, plan: Plan, rec: Record, progress) -> None:
     served_at_cut = _llm_served(c, cut) or 0.0
 
     def admitted() -> float:
-        return c.counter(cut, LLM_PORT, "mmserve_llm_admitted_in_flight") or 0.0
+        # the reading the wait stopped on: a second scrape could miss short requests since done
+        rec.cut_admitted = c.counter(cut, LLM_PORT, "mmserve_llm_admitted_in_flight") or 0.0
+        return rec.cut_admitted
 
     _wait_until(lambda: admitted() >= 1, 30, 0.02)  # cut it with work in hand
-    rec.cut_admitted = admitted()
     ev["cut"] = time.monotonic()
     f.cut(cut)
     progress(f"cut {cut.name} ({cut.ip}) off the network")
