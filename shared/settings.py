@@ -169,6 +169,11 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "torch elsewhere), onednn (oneDNN on weights reordered once; falls back to torch where it cannot run), torch "
         "(F.linear: MKL on CPU, cuBLAS on CUDA)",
     )
+    warmup: bool = Field(
+        default=True, description="CPU: build the oneDNN matmul primitives of every row bucket up to "
+        "max_batch_tokens at start-up (about 2 s for the vs_vllm MiMo checkpoint on 2 cores), so no request pays "
+        "for one (about 10 ms a prefill of a new length otherwise)",
+    )
     threads: int = Field(default=0, ge=0, description="torch threads of the engine core; 0: every core on CPU (OpenMP threads sleep soon at barriers)")
     small_step_tokens: int = Field(
         default=64, ge=1, description="CPU: engine steps of fewer tokens (decodes) run on small_step_threads"

@@ -22,6 +22,7 @@ from ..engine.speculate import Speculator
 from ..kv.budget import size_pools
 from ..loader import DTYPES, LoadedLM
 from ..models import build_model
+from ..models.linear import warm_buckets
 from ..spec import SpeculativeConfig
 
 
@@ -109,6 +110,8 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
         mtp = MTPRunner(runner, mtp_layers, lm.model.get_input_embeddings(), lm.model.get_output_embeddings(),
                         model.window, linear=settings.linear_backend) if mtp_layers else None
         speculator = Speculator(spec, lm.eos_token_ids, mtp)
+    if settings.warmup and lm.device.type == "cpu":
+        warm_buckets(settings.max_batch_tokens, threads)  # the MTP runner's linears included
     return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1,
                   grammars=grammars, speculator=speculator)
 

@@ -8,6 +8,14 @@ AVX-512 EPYC (fp32, one thread, 40 distinct [1536, 512] weights): 4 rows 17.7 ->
 (the weights streamed at 19 GB/s instead of 8), 512 rows 99 -> 229 GFLOP/s; two threads
 at 2,048 rows 178 -> 453 GFLOP/s. Results differ from ``F.linear`` by float32 rounding only.
 
+Row buckets: oneDNN builds (JIT-compiles) a matmul primitive per input shape, about 0.5 ms each
+here (2 threads, [82, 512] x [512, 512]: 300 us a call with a cached primitive, 790 with a new
+row count every call), and a serving engine's row counts (prefill chunks of any length, tokens
+per routed expert) are seldom the same twice: a 320-token prefill of the ``vs_vllm`` MiMo
+checkpoint paid it on most of its ~130 linears. So a call's rows are padded up to one of 8
+sizes per octave (``row_bucket``: at most 1/8 more rows, ~6% on average), whose primitives
+``warm_buckets`` builds at start-up, and the pad rows' outputs are dropped.
+
 ``auto`` (the default) is ``onednn`` for CPU float32 / bfloat16 weights when this torch has it,
 ``torch`` otherwise. The reordered weight is a second copy of the matrix (opaque to torch), so
 the module's own ``weight`` keeps serving ``state_dict`` and tied embeddings.
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -61,8 +70,25 @@ def resolve(backend: str, weight: torch.Tensor) -> str:
     return "onednn" if ok else "torch"
 
 
+def row_bucket(rows: int) -> int:
+    """``rows`` rounded up to a multiple of ``2 ** (bit_length - 4)``: 8 sizes per octave from
+    16 rows on (15 and fewer exact), so at most 1/8 of the rows are padding."""
+    step = 1 << max(0, rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def buckets_up_to(max_rows: int, min_rows: int = cpu_gemv.MAX_ROWS + 1) -> list[int]:
+    """Every ``row_bucket`` value a call of ``min_rows .. max_rows`` rows can take."""
+    return sorted({row_bucket(m) for m in range(min_rows, max_rows + 1)})
+
+
+# one OneDNNLinear per distinct (in, out, bias, dtype): primitives are cached by shape, not weight
+_SHAPES: "weakref.WeakValueDictionary[tuple, OneDNNLinear]" = weakref.WeakValueDictionary()
+
+
 class OneDNNLinear:
-    """``x [..., in] -> [..., out]`` through oneDNN with ``weight [out, in]`` reordered once."""
+    """``x [..., in] -> [..., out]`` through oneDNN with ``weight [out, in]`` reordered once; rows
+    padded to ``row_bucket`` so calls reuse a few cached primitives."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         w = weight.detach()
@@ -73,13 +99,22 @@ class OneDNNLinear:
         # calls of a few rows stream the plain weight through ``cpu_gemv`` (faster there); the
         # module's own tensor, not a copy
         self.weight = w if w.dtype == torch.float32 and w.is_contiguous() else None
+        _SHAPES.setdefault((self.in_features, self.out_features, self.bias is not None, self.dtype), self)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:  # F.linear would refuse too; say which side is off
             raise TypeError(f"linear of {self.dtype} weights got {x.dtype} input")
         if self.weight is not None and cpu_gemv.supports(x, self.weight):
             return cpu_gemv.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.numel() // self.in_features if x.dim() != 2 else x.shape[0]
+        padded = row_bucket(rows)
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        xp = x.new_empty(padded, self.in_features)
+        xp[:rows].copy_(x.reshape(rows, self.in_features))
+        xp[rows:].zero_()
+        y = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], "")
+        return y[:rows].view(*x.shape[:-1], self.out_features)  # [..., out], contiguous
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "auto") -> Linear:
@@ -134,3 +169,27 @@ def fuse_linears(linears: list[nn.Linear], backend: str = "auto") -> Linear:
     out_features]`` in one GEMM over their stacked weights (``stack_linears``). Used for
     q | k | v: one read of x and one call instead of three."""
     return make_linear(*stack_linears(linears), backend)
+
+
+def warm_buckets(max_rows: int, threads=None) -> int:
+    """Build the oneDNN primitives of every row bucket up to ``max_rows`` for every linear shape
+    made so far (one call each, on zeros), so no request pays for one; returns the calls made.
+    A primitive is built for a thread count: with ``threads`` (the engine's ``StepThreads``) a
+    bucket of fewer rows than a large step's tokens is built for the small steps' count too (a
+    small step's linears have at most its tokens as rows)."""
+    before = torch.get_num_threads()
+    counts = (threads.large, threads.small) if threads is not None else (before,)
+    n = 0
+    try:
+        with torch.inference_mode():
+            for nthr in dict.fromkeys(counts):
+                torch.set_num_threads(nthr)
+                top = max_rows if threads is None or nthr == threads.large else threads.min_tokens - 1
+                for lin in list(_SHAPES.values()):
+                    for rows in buckets_up_to(top):
+                        torch.ops.mkldnn._linear_pointwise(torch.zeros(rows, lin.in_features, dtype=lin.dtype),
+                                                           lin.packed, lin.bias, "none", [], "")
+                        n += 1
+    finally:
+        torch.set_num_threads(before)
+    return n

@@ -54,3 +54,18 @@ def test_low_precision_kv_pools(mimo16, kv_dtype):
     assert agree >= 15, (agree, ref, got)  # of 18: a random model may flip a near-tie
     first = [abs(ref[r][1][0] - got[r][1][0]) for r in ref]  # the first token's log-prob: same prefix
     assert max(first) < 0.05, first
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_build_engine_warms_the_linear_buckets_when_asked(mimo16, monkeypatch, warmup):
+    """``warmup`` (the default) builds every row bucket's matmul primitive up to the step budget at
+    start-up, with the engine's thread counts; off, nothing is built ahead."""
+    from llm_svc.core import build
+
+    calls = []
+    monkeypatch.setattr(build, "warm_buckets", lambda rows, threads: calls.append((rows, threads)) or 0)
+    settings = LLMSettings(model_dir=str(mimo16.spec.root), kv_bytes=8 * 1024 * 1024, max_batch_tokens=96,
+                           warmup=warmup)
+    build_engine(settings, mimo16)
+    assert calls == ([(96, None)] if warmup else [])
+    assert LLMSettings.model_fields["warmup"].default is True

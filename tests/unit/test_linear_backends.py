@@ -89,3 +89,51 @@ def test_fused_mlps_equal_across_backends():
             ref[t] += w[t, j] * e.down_proj(F.silu(e.gate_proj(x[t])) * e.up_proj(x[t]))
     for backend in ("torch", "onednn"):
         torch.testing.assert_close(RoutedExperts.pack(experts, backend=backend)(x, idx, w), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_row_buckets_are_few_and_waste_at_most_an_eighth():
+    assert [L.row_bucket(m) for m in (1, 9, 15, 16, 17, 82, 129, 320, 1300, 2048)] == \
+        [1, 9, 15, 16, 18, 88, 144, 320, 1408, 2048]
+    for m in range(1, 5000):
+        b = L.row_bucket(m)
+        assert m <= b <= m + m / 8 and L.row_bucket(b) == b  # a bucket is its own bucket
+    buckets = L.buckets_up_to(2048)
+    assert buckets[0] == 9 and buckets[-1] == 2048 and len(buckets) <= 64
+    assert set(buckets) == {L.row_bucket(m) for m in range(9, 2049)}
+
+
+@pytest.mark.parametrize("shape", [(82, 40), (3, 7, 40), (2, 65, 40)])
+def test_padded_rows_give_the_unpadded_result(shape):
+    """A call whose rows are not a bucket runs on zero-padded rows: the caller sees exactly its own
+    rows, in its own leading shape, contiguous, and equal to ``F.linear``."""
+    g = torch.Generator().manual_seed(sum(shape))
+    w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(*shape, generator=g)
+    lin = L.OneDNNLinear(w, b)
+    rows = x.numel() // 40
+    assert L.row_bucket(rows) != rows  # the padded path is the one under test
+    got = lin(x)
+    assert got.shape == (*shape[:-1], 96) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_warm_buckets_covers_every_live_linear_shape():
+    """One warm-up call per (bucket, distinct live shape): linears of one shape share primitives."""
+    shapes = [(32, 24, False), (32, 24, False), (48, 24, True)]
+    lins = [L.OneDNNLinear(torch.randn(o, i), torch.randn(o) if bias else None) for o, i, bias in shapes]
+    live = len(L._SHAPES)
+    assert live >= 2  # the two distinct shapes above, and any other test's that are still alive
+    assert L.warm_buckets(100) == live * len(L.buckets_up_to(100))
+    del lins
+
+
+def test_warm_buckets_builds_small_step_buckets_for_the_small_thread_count_too():
+    from llm_svc.engine.step_threads import StepThreads
+
+    keep = L.OneDNNLinear(torch.randn(16, 8))
+    live = len(L._SHAPES)
+    before = torch.get_num_threads()
+    got = L.warm_buckets(100, StepThreads(large=2, small=1, min_tokens=40))
+    assert got == live * (len(L.buckets_up_to(100)) + len(L.buckets_up_to(39)))
+    assert torch.get_num_threads() == before  # left as it was
+    del keep
