@@ -50,6 +50,9 @@ class BucketPolicy:
     max_score_elems: int = 1 << 25  # B * Hq * nq * L per attention call (float32: 128 MiB)
     q_block: int = 128  # prefill chunks are attended in query blocks of this size (0: whole chunks)
     full_q_block: int | None = None  # the same for full layers (None: q_block)
+    # sliding-layer prefill queries each a member of its own (nq = 1), so they join the decode
+    # bucket: for a backend whose single-query kernel reads the window in place (cpu_flash)
+    sliding_per_query: bool = False
 
     def __post_init__(self) -> None:
         assert self.max_pad_ratio >= 1.0, self.max_pad_ratio
@@ -211,6 +214,26 @@ def _bucket(members: list[_Member], kind: str, window: int, table: torch.Tensor,
     return bk
 
 
+def _single_queries(seqs: list[tuple[int, int, int, int, int]], window: int, table: torch.Tensor,
+                    device) -> Bucket:
+    """One ``nq = 1`` bucket of every query of ``seqs`` (``(step row, first position, queries,
+    table row, first readable position)`` each, no bidirectional span) over its sliding window:
+    query at position ``p`` reads ``max(k0, p - W + 1) .. p``. Tensor ops per sequence, no
+    Python per query (a 2,048-token chunk as per-query members cost ~5 ms a step)."""
+    def t(xs):
+        return torch.tensor(xs, dtype=torch.long, device=device)
+
+    rows0, pos0, ns, trows, k0s = (t(list(c)) for c in zip(*seqs))
+    total = int(sum(s[2] for s in seqs))
+    seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), ns, output_size=total)  # [T_b]
+    offset = torch.arange(total, device=device) - (torch.cumsum(ns, 0) - ns)[seq]  # query index in its chunk
+    pos = pos0[seq] + offset
+    k0 = torch.maximum(k0s[seq], pos - window + 1)
+    lens = pos - k0 + 1
+    rows = rows0[seq] + offset
+    return Bucket(1, rows, None, rows, lens, trows[seq], k0, table, int(lens.max()), (1,) * total, True, window)
+
+
 def _prefill_bias(members: list[_Member], q_real, lens, k0, nq: int, L: int, w: int | None, device) -> torch.Tensor:
     """[B, nq, L] 0 / -inf: causal + window + spans + key padding; a padded query row sees key 0."""
     ar_q, ar_k = torch.arange(nq, device=device), torch.arange(L, device=device)
@@ -258,15 +281,22 @@ class TorchBatchedAttention(AttentionBackend):
         for kind in (FULL, SLIDING):
             out: list[int] = []
             members: list[_Member] = []
+            singles: list[tuple[int, int, int, int, int]] = []  # (row, first position, n, table row, k0)
+            per_query = kind == SLIDING and self.policy.sliding_per_query
             row = 0
             for sf, trow in zip(batch.seqs, tables.rows):
                 out.extend(sf.out_full_slots if kind == FULL else sf.out_swa_slots)
-                members.extend(split_queries(sf, row, trow, kind, window, self.policy.block_for(kind)))
+                if per_query and not sf.bidirectional_spans:
+                    singles.append((row, sf.start, len(sf.token_ids), trow, ctx_range(sf, kind)[0]))
+                else:
+                    members.extend(split_queries(sf, row, trow, kind, window, self.policy.block_for(kind)))
                 row += len(sf.token_ids)
             plan = plan_buckets([(m.n, m.klen) for m in members], self.policy)
             table = tables.full if kind == FULL else tables.swa
             # members keep batch order inside a bucket: a single unpadded bucket is then rows 0..T-1
             buckets = [_bucket([members[i] for i in sorted(idx)], kind, window, table, device) for idx in plan]
+            if singles:
+                buckets.insert(0, _single_queries(singles, window, table, device))
             whole = len(buckets) == 1 and buckets[0].real is None
             if whole:
                 buckets[0].q_index = None

@@ -194,3 +194,40 @@ def test_cpu_flash_full_chunks_attend_causally_without_a_mask(dims, sinks):
     buckets = meta.kinds[FULL].buckets
     assert buckets and all(bk.tail and bk.window is None and bk._bias is None for bk in buckets)
     assert sum(len(bk.ns) for bk in buckets) == 2
+
+
+def test_cpu_flash_sends_sliding_prefill_queries_to_the_single_query_kernel():
+    """Sliding layers on ``cpu_flash``: every query of a chunk without spans (and every decode) is
+    one member of a single ``nq = 1`` bucket over exactly its window, read in place by the paged
+    kernel; a chunk with a bidirectional span keeps query blocks; full layers keep whole chunks.
+    The output equals ``torch_batched``'s."""
+    from llm_svc.attention import cpu_paged
+
+    assert cpu_paged.available()  # CI builds the kernel: the path under test is the default
+    window, hkv = 16, 2
+    free = list(range(512))
+    seqs = []
+    for i, (start, n, span) in enumerate([(0, 40, None), (30, 1, None), (5, 20, (10, 14)), (50, 33, None)]):
+        slots = [free.pop() for _ in range(start + n)]
+        s0 = max(0, start - window + 1)
+        seqs.append(SeqForward(f"r{i}", [7] * n, start, slots[start:], slots[s0:][-n:], s0, True,
+                               reset_full=slots[:start], reset_swa=slots[s0:][:-n],
+                               bidirectional_spans=[span] if span else []))
+    batch = ForwardBatch(seqs)
+    backend = create_attention_backend("cpu_flash")
+    meta = prepare(backend, batch, window)
+    single = meta.kinds[SLIDING].buckets[0]
+    assert single.nq == 1 and single.lens.shape[0] == 40 + 1 + 33
+    pos = torch.cat([torch.arange(0, 40), torch.tensor([30]), torch.arange(50, 83)])
+    assert torch.equal(single.lens, torch.clamp(pos + 1, max=window))  # its window: (p - W, p]
+    assert [bk.nq for bk in meta.kinds[SLIDING].buckets[1:]] and all(bk.nq > 1 for bk in meta.kinds[SLIDING].buckets[1:])
+    assert all(bk.nq > 1 or bk.lens.shape[0] == 1 for bk in meta.kinds[FULL].buckets)  # chunks whole, one decode
+    g = torch.Generator().manual_seed(5)
+    t = batch.num_tokens
+    q, k, v = torch.randn(t, HQ, D, generator=g), torch.randn(t, hkv, D, generator=g), torch.randn(t, hkv, DV, generator=g)
+    cache = LayerKV(torch.randn(hkv, 512, D, generator=g), torch.randn(hkv, 512, DV, generator=g))
+    params = AttentionParams(scale=D ** -0.5, sinks=torch.randn(HQ, generator=g))
+    for kind in (SLIDING, FULL):
+        ref, _ = run_backend(TorchBatchedAttention(), batch, window, kind, q, k, v, cache, params)
+        got, _ = run_backend(backend, batch, window, kind, q, k, v, cache, params)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
