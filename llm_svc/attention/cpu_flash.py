@@ -23,8 +23,10 @@ a decode of its own over exactly its window, read in place, so a chunk's sliding
 ``n * W`` key rows with no gather, no mask and no padding (a sequence with bidirectional spans
 keeps query blocks). vs_vllm MiMo sliding layer (8 q / 4 kv heads of 96, W = 128, sinks, 2
 threads, AVX-512 EPYC): 320 queries 3.9 -> 2.1 ms, 1,024 queries 13.6 -> 6.5 ms against
-128-query blocks (gather + masked flash). Full layers keep whole chunks: the single-query kernel
-has no GEMM blocking and lost from about 1,000 keys on (3,000 queries: 181 vs 104 ms).
+128-query blocks (gather + masked flash); 2,048 queries, 8 / 4 heads of 64: W = 256 21.0 -> 11.1
+ms, W = 512 28.7 -> 23.4 ms, but W = 1,024 44.8 -> 53.1 ms: the single-query kernel has no GEMM
+blocking, so windows past 512 (Gemma 3's 1,024) keep query blocks, and full layers whole chunks
+(3,000 queries over their causal context: 181 vs 104 ms).
 """
 
 from __future__ import annotations

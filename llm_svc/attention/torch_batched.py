@@ -51,8 +51,10 @@ class BucketPolicy:
     q_block: int = 128  # prefill chunks are attended in query blocks of this size (0: whole chunks)
     full_q_block: int | None = None  # the same for full layers (None: q_block)
     # sliding-layer prefill queries each a member of its own (nq = 1), so they join the decode
-    # bucket: for a backend whose single-query kernel reads the window in place (cpu_flash)
+    # bucket: for a backend whose single-query kernel reads the window in place (cpu_flash), and
+    # windows up to ``per_query_max_window`` (past it query blocks' GEMM-like reads win)
     sliding_per_query: bool = False
+    per_query_max_window: int = 512
 
     def __post_init__(self) -> None:
         assert self.max_pad_ratio >= 1.0, self.max_pad_ratio
@@ -282,7 +284,7 @@ class TorchBatchedAttention(AttentionBackend):
             out: list[int] = []
             members: list[_Member] = []
             singles: list[tuple[int, int, int, int, int]] = []  # (row, first position, n, table row, k0)
-            per_query = kind == SLIDING and self.policy.sliding_per_query
+            per_query = kind == SLIDING and self.policy.sliding_per_query and window <= self.policy.per_query_max_window
             row = 0
             for sf, trow in zip(batch.seqs, tables.rows):
                 out.extend(sf.out_full_slots if kind == FULL else sf.out_swa_slots)

@@ -231,3 +231,13 @@ def test_cpu_flash_sends_sliding_prefill_queries_to_the_single_query_kernel():
         ref, _ = run_backend(TorchBatchedAttention(), batch, window, kind, q, k, v, cache, params)
         got, _ = run_backend(backend, batch, window, kind, q, k, v, cache, params)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_flash_keeps_query_blocks_for_windows_past_the_per_query_bound():
+    free = list(range(4096))
+    slots = [free.pop() for _ in range(700)]
+    batch = ForwardBatch([SeqForward("r", [7] * 700, 0, slots, slots, 0, True)])
+    backend = create_attention_backend("cpu_flash")
+    wide = backend.policy.per_query_max_window + 1
+    assert all(bk.nq > 1 for bk in prepare(backend, batch, wide).kinds[SLIDING].buckets)
+    assert [bk.nq for bk in prepare(backend, batch, 128).kinds[SLIDING].buckets] == [1]
