@@ -18,45 +18,15 @@ from llm_svc.prompt_bound import TokenBound, chunked_at_least, tokens_past
 from llm_svc.routes import _prepare
 from shared.schemas import GenerateRequest, PromptMessage, PromptText, SamplingParams
 from shared.wire import pack
+from mmserve.testing.real_bpe import pseudo_words as _words, train_real_size_bpe
 
 pytestmark = pytest.mark.unit
-
-_SYLLABLES = ["ka", "lo", "mi", "nu", "re", "sa", "ti", "vo", "zen", "qua", "bri", "dor", "ph", "st", "ex", "ing",
-              "al", "be", "cu", "dy", "fo", "gri", "ha", "jo", "ke", "mon", "ner", "ol", "pu", "ty"]
-
-
-def _words(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    out: dict[str, None] = {}
-    while len(out) < n:
-        out["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4)))] = None
-    return list(out)
-
 
 @pytest.fixture(scope="module")
 def bpe():
     """ChatML specials at ids 0-9 (as the tiny MiMo's), pseudo-word sentences and runs of up to
     256 dashes, spaces, '=', '#', '*' (about 2 s to train)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from mmserve.tiny_model import CHATML_SPECIALS, CHATML_TEMPLATE
-
-    rng = random.Random(0)
-    words = _words(40000, 0)
-    lines = []
-    for i in range(60000):
-        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) + rng.choice(".,?!"))
-        if i % 20 == 0:
-            lines.append(rng.choice("-=#* ") * rng.choice([16, 32, 64, 128, 256]))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=50000, special_tokens=CHATML_SPECIALS,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                        show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHATML_TEMPLATE
+    fast = train_real_size_bpe(50000)
     assert len(fast) == 50000
     return fast
 
