@@ -284,9 +284,13 @@ async def _read_body(request: Request, limit: int) -> bytes | JSONResponse:
     return b"".join(chunks)
 
 
-# JSON may spend up to 6 bytes on one byte of text (``\\u0001``); the rest of a header is a few
-# hundred bytes per message, each message rendering at least one token
-_JSON_BYTES_PER_TEXT_BYTE = 6
+# The header is JSON inside the safetensors metadata's JSON, so a byte of text may take 7 bytes
+# (``\\\\u0001``), but only where it is escaped, and every escape starts with a backslash: the
+# decoded text is at least the header's bytes less 6 per backslash in them (an escape of either
+# level, ``\\X`` or ``\\uXXXX``, loses at most 5 bytes, its backslash doubled in the outer level
+# one more), less the slack for what is not prompt (sampling, schemas: at most a few hundred KB;
+# messages' own JSON renders at least a token each, never 256 bytes of it)
+_ESCAPE_LOSS = 6  # (and so at most 7 header bytes a text byte, escapes or not)
 _HEADER_SLACK = 1 << 20
 
 
@@ -294,8 +298,9 @@ def _prepare(lm, body: bytes, max_model_len: int) -> PreparedRequest:
     # a header far longer than any prompt that fits is refused before it is parsed (parsing
     # 8 MB of JSON holds the GIL for tens of milliseconds)
     header_bytes = int.from_bytes(body[:8], "little") if len(body) >= 8 else 0
-    limit = _JSON_BYTES_PER_TEXT_BYTE * lm.max_token_bytes * max_model_len + _HEADER_SLACK
-    if header_bytes > limit:
+    json_bytes = header_bytes - _HEADER_SLACK
+    text_at_least = max(json_bytes // (_ESCAPE_LOSS + 1), json_bytes - _ESCAPE_LOSS * body.count(b"\\", 8, 8 + header_bytes))
+    if text_at_least > lm.max_token_bytes * max_model_len:  # no token holds more bytes than the longest
         raise InvalidRequest(
             f"the request header is {header_bytes} bytes: its prompt cannot fit max_model_len={max_model_len} "
             "tokens; shorten the prompt", param="messages", code="context_length_exceeded")

@@ -156,3 +156,62 @@ def test_a_prompt_at_the_limit_passes_and_one_token_more_is_refused(lm, text, mo
         prepare_request(lm, req, {}, n + 9)
     assert e.value.code == "context_length_exceeded"
     assert tokens_past(lm.tokenizer, lm.bound, render_prompt_text(lm, req), n) is None
+
+
+def _header_bytes_and_backslashes(body: bytes) -> tuple[int, int]:
+    n = int.from_bytes(body[:8], "little")
+    return n, body.count(b"\\", 8, 8 + n)
+
+
+def test_the_header_bound_never_counts_more_text_than_the_prompt_has():
+    """The LLM front's pre-parse bound (``routes._prepare``): the prompt's text bytes are at least
+    the header's bytes less ``_ESCAPE_LOSS`` per backslash and at least a 7th of them, for text of
+    any escapes (control characters, quotes, backslashes, non-ASCII, astral), with a structure
+    overhead far below the slack."""
+    from llm_svc import routes
+
+    rng = random.Random(11)
+    alphabet = ["a", " ", "\n", "\t", "\"", "\\", "\x01", "\x1f", "é", "中", "😀", "/", "<", "\u2028"]
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3000)))
+        body = pack({}, _chat(text))
+        n, bs = _header_bytes_and_backslashes(body)
+        real = len(text.encode())
+        overhead = 4096  # the request's own JSON: far below routes._HEADER_SLACK
+        assert real >= n - overhead - routes._ESCAPE_LOSS * bs, (text[:40], real, n, bs)
+        assert real >= (n - overhead) // (routes._ESCAPE_LOSS + 1), (text[:40], real, n)
+
+
+@pytest.mark.parametrize("text", ["words", "runs"])
+def test_an_8_mb_prompt_without_escapes_is_refused_before_its_header_is_parsed(lm, text, monkeypatch):
+    """With a 256-byte longest token, 8 MB of plain text at an 8K context is refused by its header's
+    size alone (its few backslashes are the JSON's own quotes): ``unpack`` never runs."""
+    from llm_svc import routes
+
+    rng = random.Random(4)
+    if text == "words":
+        words = _words(20000, 1)
+        body_text = " ".join(rng.choice(words) for _ in range(1_400_000))[:8_000_000]
+    else:
+        body_text = "".join(rng.choice("- =") * rng.randint(1, 700) for _ in range(30000))[:8_000_000]
+    body = pack({}, _chat(body_text))
+    monkeypatch.setattr(routes, "unpack", lambda *a: pytest.fail("the header was parsed"))
+    with pytest.raises(InvalidRequest) as e:
+        _prepare(lm, body, 8192)
+    assert e.value.code == "context_length_exceeded" and "max_model_len=8192" in e.value.message
+
+
+def test_a_prompt_of_escapes_goes_on_to_the_parse_and_the_token_bounds(lm, monkeypatch):
+    """A control character takes 7 header bytes (``\\\\u0001``): a header of 21 KB of them holds
+    3,000 text bytes, under the 16 KB that 64 tokens of 256 bytes may hold, so the header bound lets
+    it through (with no slack, where bytes alone would refuse it) and the token bounds decide."""
+    from llm_svc import routes
+
+    monkeypatch.setattr(routes, "_HEADER_SLACK", 0)
+    body = pack({}, _chat("\x01" * 3000, max_tokens=8))
+    n, bs = _header_bytes_and_backslashes(body)
+    assert n > lm.max_token_bytes * 64 and bs >= 6000
+    with pytest.raises(InvalidRequest) as e:
+        _prepare(lm, body, 64)
+    assert not e.value.message.startswith("the request header"), e.value.message
+    assert "max_model_len=64" in e.value.message
