@@ -39,6 +39,9 @@ from .torch_batched import Bucket, BucketPolicy, TorchBatchedAttention
 from .torch_common import attend_flash, attend_tail, flash_mask
 
 
+GATHER_SLICE = 256  # single queries gathered at once where the paged kernel cannot read the pool
+
+
 @ATTENTION_BACKENDS.register("cpu_flash")
 class CPUFlashAttention(TorchBatchedAttention):
     name = "cpu_flash"
@@ -57,6 +60,12 @@ class CPUFlashAttention(TorchBatchedAttention):
             b, _, hq, d = q.shape
             out = cpu_paged.paged_decode(q.view(b, hq, d), cache, bk.table, bk.trows, bk.k0, bk.lens, params)
             return out.unsqueeze(1)
+        if bk.nq == 1 and q.shape[0] > GATHER_SLICE:
+            # a pool the kernel cannot read (not float32) under a bucket of many single queries
+            # (sliding prefill): gathered a slice at a time, so the copy stays O(slice * window)
+            return torch.cat([super(CPUFlashAttention, self).attend_bucket(bk.rows_slice(i, i + GATHER_SLICE),
+                                                                           q[i:i + GATHER_SLICE], cache, params)
+                              for i in range(0, q.shape[0], GATHER_SLICE)])
         if bk.nq > 1 and bk.tail and bk.window is None and params.softcap is None:
             return self._attend_tails(bk, q, cache, params)
         return super().attend_bucket(bk, q, cache, params)

@@ -89,6 +89,14 @@ class Bucket:
     _bias: torch.Tensor | None = None
     _bias_fn: Callable[[], torch.Tensor] | None = None
 
+    def rows_slice(self, i: int, j: int) -> "Bucket":
+        """Members ``i .. j - 1`` of an ``nq = 1`` bucket as a bucket of their own (``q_index``
+        and ``real`` dropped: the caller hands it their queries)."""
+        assert self.nq == 1, "only single-query buckets are sliced"
+        k0 = None if self.k0 is None else self.k0[i:j]
+        return Bucket(1, None, None, self.rows[i:j], self.lens[i:j], self.trows[i:j], k0, self.table, self.length,
+                      self.ns[i:j], self.tail, self.window)
+
     @property
     def ctx_slots(self) -> torch.Tensor:
         """[B, L] long: pool slot of each context position (pad: 0), from the slot table."""

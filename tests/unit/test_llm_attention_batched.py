@@ -241,3 +241,27 @@ def test_cpu_flash_keeps_query_blocks_for_windows_past_the_per_query_bound():
     wide = backend.policy.per_query_max_window + 1
     assert all(bk.nq > 1 for bk in prepare(backend, batch, wide).kinds[SLIDING].buckets)
     assert [bk.nq for bk in prepare(backend, batch, 128).kinds[SLIDING].buckets] == [1]
+
+
+def test_cpu_flash_single_queries_on_a_pool_the_kernel_cannot_read_are_gathered_in_slices(monkeypatch):
+    """A bfloat16 pool (no paged kernel): a long sliding chunk's single queries are attended a
+    slice at a time (no gather of every query's window at once) and equal ``torch_batched``."""
+    from llm_svc.attention import cpu_flash
+
+    monkeypatch.setattr(cpu_flash, "GATHER_SLICE", 64)
+    window, hkv, n = 16, 2, 300
+    slots = list(range(1000, 1000 + n))
+    batch = ForwardBatch([SeqForward("r", [7] * n, 0, slots, slots, 0, True)])
+    g = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(n, HQ, D, generator=g), torch.randn(n, hkv, D, generator=g), torch.randn(n, hkv, DV, generator=g)
+    cache = LayerKV(torch.zeros(hkv, 2048, D, dtype=torch.bfloat16), torch.zeros(hkv, 2048, DV, dtype=torch.bfloat16))
+    params = AttentionParams(scale=D ** -0.5, sinks=torch.randn(HQ, generator=g))
+    backend = create_attention_backend("cpu_flash")
+    calls = []
+    real = TorchBatchedAttention.attend_bucket
+    monkeypatch.setattr(TorchBatchedAttention, "attend_bucket",
+                        lambda self, bk, qq, c, p: calls.append(qq.shape[0]) or real(self, bk, qq, c, p))
+    got, _ = run_backend(backend, batch, window, SLIDING, q, k, v, cache, params)
+    assert calls == [64, 64, 64, 64, 44]
+    ref, _ = run_backend(TorchBatchedAttention(), batch, window, SLIDING, q, k, v, cache, params)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
