@@ -84,6 +84,7 @@ def buckets_up_to(max_rows: int, min_rows: int = cpu_gemv.MAX_ROWS + 1) -> list[
 
 # one OneDNNLinear per distinct (in, out, bias, dtype): primitives are cached by shape, not weight
 _SHAPES: "weakref.WeakValueDictionary[tuple, OneDNNLinear]" = weakref.WeakValueDictionary()
+_WARMED: dict[tuple, int] = {}  # (shape, threads) -> rows its buckets are built up to
 
 
 class OneDNNLinear:
@@ -176,20 +177,25 @@ def warm_buckets(max_rows: int, threads=None) -> int:
     made so far (one call each, on zeros), so no request pays for one; returns the calls made.
     A primitive is built for a thread count: with ``threads`` (the engine's ``StepThreads``) a
     bucket of fewer rows than a large step's tokens is built for the small steps' count too (a
-    small step's linears have at most its tokens as rows)."""
+    small step's linears have at most its tokens as rows). A shape already warmed this far for
+    a thread count is skipped (the primitive cache is the process's: a second engine, or a test
+    process building many, pays only for shapes it adds)."""
     before = torch.get_num_threads()
     counts = (threads.large, threads.small) if threads is not None else (before,)
     n = 0
     try:
         with torch.inference_mode():
             for nthr in dict.fromkeys(counts):
-                torch.set_num_threads(nthr)
                 top = max_rows if threads is None or nthr == threads.large else threads.min_tokens - 1
-                for lin in list(_SHAPES.values()):
+                for key, lin in list(_SHAPES.items()):
+                    if _WARMED.get((key, nthr), 0) >= top:
+                        continue
+                    torch.set_num_threads(nthr)
                     for rows in buckets_up_to(top):
                         torch.ops.mkldnn._linear_pointwise(torch.zeros(rows, lin.in_features, dtype=lin.dtype),
                                                            lin.packed, lin.bias, "none", [], "")
                         n += 1
+                    _WARMED[(key, nthr)] = top
     finally:
         torch.set_num_threads(before)
     return n

@@ -117,23 +117,26 @@ def test_padded_rows_give_the_unpadded_result(shape):
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-def test_warm_buckets_covers_every_live_linear_shape():
-    """One warm-up call per (bucket, distinct live shape): linears of one shape share primitives."""
-    shapes = [(32, 24, False), (32, 24, False), (48, 24, True)]
+def test_warm_buckets_covers_every_new_linear_shape_once():
+    """One warm-up call per (bucket, distinct shape not warmed yet): linears of one shape share
+    primitives, and a shape warmed once (this process's cache) is not warmed again."""
+    L.warm_buckets(100)  # whatever other tests left alive
+    shapes = [(33, 25, False), (33, 25, False), (49, 25, True)]  # sizes no other test uses
     lins = [L.OneDNNLinear(torch.randn(o, i), torch.randn(o) if bias else None) for o, i, bias in shapes]
-    live = len(L._SHAPES)
-    assert live >= 2  # the two distinct shapes above, and any other test's that are still alive
-    assert L.warm_buckets(100) == live * len(L.buckets_up_to(100))
+    assert L.warm_buckets(100) == 2 * len(L.buckets_up_to(100))
+    assert L.warm_buckets(100) == 0
+    assert L.warm_buckets(200) >= 2 * len(L.buckets_up_to(200))  # further: every live shape to the new top
+    assert L.warm_buckets(200) == 0
     del lins
 
 
 def test_warm_buckets_builds_small_step_buckets_for_the_small_thread_count_too():
     from llm_svc.engine.step_threads import StepThreads
 
-    keep = L.OneDNNLinear(torch.randn(16, 8))
-    live = len(L._SHAPES)
+    L.warm_buckets(100, StepThreads(large=2, small=1, min_tokens=40))
+    keep = L.OneDNNLinear(torch.randn(17, 9))
     before = torch.get_num_threads()
     got = L.warm_buckets(100, StepThreads(large=2, small=1, min_tokens=40))
-    assert got == live * (len(L.buckets_up_to(100)) + len(L.buckets_up_to(39)))
+    assert got == len(L.buckets_up_to(100)) + len(L.buckets_up_to(39))
     assert torch.get_num_threads() == before  # left as it was
     del keep
