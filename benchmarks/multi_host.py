@@ -327,6 +327,9 @@ def _phases(c: Cluster, plan: Plan, rec: Record, progress) -> None:
     _wait_until(lambda: admitted() >= 1, 30, 0.02)  # cut it with work in hand
     ev["cut"] = time.monotonic()
     f.cut(cut)
+    # the cut takes a few commands: a request that starts in between may still reach the host
+    # and be lost with it, so it counts as in flight at the cut too
+    ev["cut_done"] = time.monotonic()
     progress(f"cut {cut.name} ({cut.ip}) off the network")
     for gw in c.gateways:
         s = _wait_until(lambda gw=gw: c.replica_up(gw, "llm", cut_url) is False, 60, 0.1)
@@ -393,10 +396,14 @@ def _scale_encoders(c: Cluster, plan: Plan, rec: Record, progress) -> None:
 
 def summarize(rec: Record) -> dict:
     ev = rec.events
-    cut = ev["cut"]
-    in_flight_at_cut = [o for o in rec.outcomes if o.start < cut < o.end]
+    cut, cut_done = ev["cut"], ev.get("cut_done", ev["cut"])
+
+    def at_cut(o) -> bool:  # in flight at some moment while the host was being cut
+        return o.start < cut_done and o.end > cut
+
+    in_flight_at_cut = [o for o in rec.outcomes if at_cut(o)]
     errors = [o for o in rec.outcomes if not o.ok]
-    beyond = [o for o in errors if not (o.start < cut < o.end)]
+    beyond = [o for o in errors if not at_cut(o)]
     enc_errors = [o for o in errors if "encoders_3" in ev and o.end > ev["encoders_3"]]
     return {
         "requests": len(rec.outcomes),
