@@ -326,6 +326,7 @@ def _set_attention(engine, name: str, device: str) -> None:
     from llm_svc.attention import create_attention_backend
 
     engine.runner.attn = create_attention_backend(name, device)
+    engine.runner.attn.bind_pools(engine.runner.kv_dtype)
 
 
 def _paged_logits(arch: str, device: str, tmp: Path, max_tokens: int) -> dict:

@@ -102,6 +102,10 @@ class AttentionBackend(ABC):
 
     name: str = ""
 
+    def bind_pools(self, kv_dtype: torch.dtype) -> None:
+        """Told once, by the runner that made the KV pools, what dtype they hold (a backend may
+        pick its paths by it: a kernel that reads float32 pools in place, say). Default: nothing."""
+
     @abstractmethod
     def prepare(self, batch: ForwardBatch, tables: StepTables, window: int, device: torch.device) -> Any:
         """Step metadata for both layer kinds (full: every position, sliding: the last W).

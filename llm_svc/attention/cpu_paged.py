@@ -68,7 +68,13 @@ def supports(q: torch.Tensor, cache: LayerKV) -> bool:
             and q.dtype == torch.float32 and cache.k.is_contiguous() and cache.v.is_contiguous() and available())
 
 
-def _executor(n: int) -> ThreadPoolExecutor:
+def thread_count() -> int:
+    """The count ``set_threads`` gave (0: torch's)."""
+    return _threads
+
+
+def executor(n: int) -> ThreadPoolExecutor:
+    """The attention kernels' thread pool, grown to at least ``n`` workers."""
     global _pool
     if _pool is None or _pool._max_workers < n:  # noqa: SLF001 (the pool's size is all we read)
         _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="mmserve-attn")
@@ -105,6 +111,6 @@ def paged_decode(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: to
         assert rc == 0, "paged decode kernel: out of memory"
         return out
     cuts = [items * i // n for i in range(n + 1)]
-    futs = [_executor(n).submit(lib.mmserve_paged_decode_f32, *args, cuts[i], cuts[i + 1]) for i in range(n)]
+    futs = [executor(n).submit(lib.mmserve_paged_decode_f32, *args, cuts[i], cuts[i + 1]) for i in range(n)]
     assert all(f.result() == 0 for f in futs), "paged decode kernel: out of memory"
     return out

@@ -42,6 +42,7 @@ class ModelRunner:
         for spec in model.layers:
             n = num_full_slots if spec.kind == FULL else num_swa_slots
             self.kv.append(LayerKV.empty(n, spec.kv_heads, spec.qk_dim, spec.v_dim, self.kv_dtype, self.device))
+        self.attn.bind_pools(self.kv_dtype)
 
     def kv_bytes(self) -> int:
         return sum(t.k.numel() * t.k.element_size() + t.v.numel() * t.v.element_size() for t in self.kv)

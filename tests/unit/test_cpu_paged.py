@@ -106,8 +106,8 @@ def test_set_threads_splits_a_long_decode_while_torch_runs_on_one(monkeypatch):
     monkeypatch.setattr(cpu_paged, "MIN_SPLIT_KEYS", 64)
     monkeypatch.setattr(cpu_paged, "_threads", 0)
     calls = []
-    real = cpu_paged._executor
-    monkeypatch.setattr(cpu_paged, "_executor", lambda n: calls.append(n) or real(n))
+    real = cpu_paged.executor
+    monkeypatch.setattr(cpu_paged, "executor", lambda n: calls.append(n) or real(n))
     g = torch.Generator().manual_seed(6)
     q, cache, table, trows, k0, lens_t = _case(g, 4, 4, 2, 16, 16, [400, 90, 513, 70], sliding=False, scattered=True)
     params = AttentionParams(scale=0.25)

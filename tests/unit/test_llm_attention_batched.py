@@ -137,11 +137,12 @@ def test_one_long_prefill_and_many_decodes_stay_apart():
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("kind", [FULL, SLIDING])
-@pytest.mark.parametrize("backend", ["sdpa", "cpu_flash"])
+@pytest.mark.parametrize("backend", ["sdpa", "cpu_flash", "cpu_flash+pools"])
 def test_sdpa_backends_match_batched_on_cpu(seed, kind, backend):
     """``sdpa`` (the CUDA default) and ``cpu_flash`` (the CPU default) equal ``torch_batched``:
     window, GQA, padding, bidirectional spans, and sinks (an extra zero key in ``sdpa``, the
-    kernel's log-sum-exp in ``cpu_flash``)."""
+    kernel's log-sum-exp in ``cpu_flash``). ``+pools``: told its pools are float32, as the runner
+    tells it, ``cpu_flash`` sends prefill buckets to the paged prefill kernel."""
     rng = random.Random(100 + seed)
     g = torch.Generator().manual_seed(seed)
     window = rng.choice([4, 16, 33])
@@ -153,9 +154,40 @@ def test_sdpa_backends_match_batched_on_cpu(seed, kind, backend):
     cache = LayerKV(torch.randn(hkv, 2048, D, generator=g), torch.randn(hkv, 2048, DV, generator=g))
     params = AttentionParams(scale=D ** -0.5, sinks=torch.randn(HQ, generator=g) * 3 if seed % 3 else None)
     ref, ref_cache = run_backend(TorchBatchedAttention(), batch, window, kind, q, k, v, cache, params)
-    got, got_cache = run_backend(create_attention_backend(backend), batch, window, kind, q, k, v, cache, params)
+    be = create_attention_backend(backend.split("+")[0])
+    if backend.endswith("+pools"):
+        be.bind_pools(torch.float32)
+        assert be.prefill_kernel and not be.policy.sliding_per_query
+        buckets = prepare(be, batch, window).kinds[kind].buckets
+        chunks = [s for s in batch.seqs if len(s.token_ids) > 1]
+        if chunks and not any(s.bidirectional_spans for s in chunks):  # then every chunk is the kernel's
+            assert all(b.tail for b in buckets if b.nq > 1) and any(b.nq > 1 for b in buckets)
+    got, got_cache = run_backend(be, batch, window, kind, q, k, v, cache, params)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(got_cache.k, ref_cache.k)
+
+
+def test_prefill_kernel_is_what_runs(monkeypatch):
+    """With float32 pools, a step's prefill chunks (full and sliding) reach ``cpu_prefill``, and a
+    bfloat16 pool keeps them off it."""
+    from llm_svc.attention import cpu_prefill
+
+    calls = []
+    real = cpu_prefill.paged_prefill
+    monkeypatch.setattr(cpu_prefill, "paged_prefill", lambda *a, **kw: calls.append(a[-2]) or real(*a, **kw))
+    rng = random.Random(3)
+    batch = random_step(rng, 16, 6, 2048, 2048, spans=False)
+    t = batch.num_tokens
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(t, HQ, D, generator=g), torch.randn(t, 2, D, generator=g), torch.randn(t, 2, DV, generator=g)
+    for dtype, expect in ((torch.float32, True), (torch.bfloat16, False)):
+        be = create_attention_backend("cpu_flash")
+        be.bind_pools(dtype)
+        cache = LayerKV(torch.randn(2, 2048, D, generator=g).to(dtype), torch.randn(2, 2048, DV, generator=g).to(dtype))
+        calls.clear()
+        for kind in (FULL, SLIDING):
+            run_backend(be, batch, 16, kind, q, k, v, cache, AttentionParams(scale=0.3))
+        assert (sorted(set(calls), key=str) == [16, None]) if expect else not calls
 
 
 def test_auto_backend_per_device():

@@ -1,0 +1,87 @@
+"""The CPU paged prefill kernel (``cpu_prefill.c``): a chunk's queries over their causal, optionally
+sliding, context, K/V read in place from the pool through the slot table, flash-style.
+
+It replaces, for float32 pools, what a prefill bucket did through torch's CPU flash kernel: gather
+the context out of the pool (``LayerKV.gather``), then attend it (a mask for sliding windows; for
+full layers two calls merged by their log-sum-exp, ``torch_common.attend_tail``). The kernel reads
+each K / V row in place, never visits the key blocks past an item's last query, and masks only
+the blocks on the diagonal or the window's edge. Bidirectional spans (Gemma 3 images) and
+soft-capping stay on the torch path (``supports``).
+
+Threads as ``cpu_paged``: the library releases the GIL, work items (member, query block, kv head)
+go round-robin to ``torch.get_num_threads()`` Python threads (or ``cpu_paged.set_threads``' count
+when more), so causal items of unequal length share out evenly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from ..ckernels import CKernel
+from . import cpu_paged
+from .base import AttentionParams, LayerKV
+
+SOURCE = Path(__file__).with_name("cpu_prefill.c")
+MIN_SPLIT_PAIRS = 1 << 16  # below this many query x key pairs a call runs on one thread
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    fn = lib.mmserve_paged_prefill_f32
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    fn.argtypes = [p] * 10 + [i64] * 9 + [f32, i64, i64]
+    fn.restype = ctypes.c_int
+
+
+KERNEL = CKernel(SOURCE, "cpu_prefill", _bind, what="CPU paged prefill kernel",
+                 fallback="prefill chunks gather their context")
+
+
+def load() -> ctypes.CDLL | None:
+    return KERNEL.load()
+
+
+def available() -> bool:
+    return KERNEL.available()
+
+
+def supports(q: torch.Tensor, cache: LayerKV, params: AttentionParams) -> bool:
+    """Whether ``paged_prefill`` can run these tensors (CPU, float32, no soft-cap)."""
+    return params.softcap is None and cpu_paged.supports(q, cache) and available()
+
+
+def paged_prefill(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: torch.Tensor, k0: torch.Tensor,
+                  qpos0: torch.Tensor, ns: torch.Tensor, window: int | None, params: AttentionParams,
+                  threads: int | None = None) -> torch.Tensor:
+    """q [B, NQ, Hq, Dqk] float32: member ``b``'s first ``ns[b]`` queries at positions
+    ``qpos0[b] + i``; the query at position ``p`` reads positions ``max(k0[b], p - W + 1) .. p``
+    (``window`` None: from ``k0[b]``) of slot-table row ``trows[b]`` -> [B, NQ, Hq, Dv] (padded
+    query rows 0)."""
+    lib = load()
+    assert lib is not None, "paged_prefill called without the kernel (check supports() first)"
+    b, nq, hq, dqk = q.shape
+    hkv, num_slots, dv = cache.v.shape
+    assert hq % hkv == 0 and cache.k.shape == (hkv, num_slots, dqk), (q.shape, cache.k.shape, cache.v.shape)
+    assert table.dtype == torch.long and table.dim() == 2 and table.is_contiguous()
+    q = q.contiguous()
+    trows, k0, qpos0, ns = (t.to(torch.long).contiguous() for t in (trows, k0, qpos0, ns))
+    sinks = None if params.sinks is None else params.sinks.detach().float().contiguous()
+    out = torch.zeros(b, nq, hq, dv, dtype=torch.float32)
+    g = hq // hkv
+    per_item = max(1, 64 // g) if g <= 64 else 1
+    items = int(((ns + per_item - 1) // per_item).sum()) * hkv
+    args = (q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), trows.data_ptr(), k0.data_ptr(),
+            qpos0.data_ptr(), ns.data_ptr(), None if sinks is None else sinks.data_ptr(), out.data_ptr(),
+            b, nq, hq, hkv, dqk, dv, num_slots, table.shape[1], int(window or 0), float(params.scale))
+    n = min(threads or max(torch.get_num_threads(), cpu_paged.thread_count()), max(1, items))
+    if n > 1:
+        keys = (qpos0 + ns - k0) if window is None else torch.clamp(qpos0 + ns - k0, max=int(window) + nq)
+        n = max(1, min(n, int((ns * keys).sum()) // MIN_SPLIT_PAIRS))
+    if n == 1:
+        assert lib.mmserve_paged_prefill_f32(*args, 0, 1) == 0, "paged prefill kernel: out of memory"
+        return out
+    futs = [cpu_paged.executor(n).submit(lib.mmserve_paged_prefill_f32, *args, i, n) for i in range(n)]
+    assert all(f.result() == 0 for f in futs), "paged prefill kernel: out of memory"
+    return out
