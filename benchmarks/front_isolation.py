@@ -175,6 +175,7 @@ def main() -> None:
                 tmp = Path(tempfile.mkdtemp(prefix="mmserve-bpe-", dir=cache.parent)) / "b"
                 bundle_with_tokenizer(cache, tmp, train_real_size_bpe(args.vocab))
                 tmp.rename(real)
+                tmp.parent.rmdir()  # the now-empty temporary folder (the rename is atomic, not the folder's removal)
             model = str(real)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

@@ -19,11 +19,14 @@
  *
  * GCC vector extensions, 8 floats wide: AVX2 and AVX-512VL machines (Zen 4 runs 256-bit FMAs at
  * its full rate) get the same code with register tiles sized for 16 or 32 vector registers.
+ * Measured (2-core AVX2 EPYC, 2 threads, 8 / 2 heads of 96): 2,048 queries over themselves
+ * 130 GFLOP/s, over 4,000 more keys 128 (torch's flash kernel 131-137, the matmul peak ~140).
  * No OpenMP (torch brings its own runtime): the caller runs items begin, begin + step, ...
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <limits.h>
 #include <string.h>
 
 typedef float vf __attribute__((vector_size(32)));
@@ -36,9 +39,11 @@ typedef float vfu __attribute__((vector_size(32), aligned(4)));
 #define JR 3 /* keys per score micro-tile: JR x MV accumulators */
 #define DR 3 /* V columns per output micro-tile */
 #else
-#define MV 4 /* M = 32 */
-#define JR 2
-#define DR 2
+/* 16 registers: one row of 8 accumulators; M = 64 rows beat 32 (JR = DR = 2) by 5-7% on full
+ * layers (2-core AVX2 EPYC, 2 threads, 2,048 queries: 123 -> 130 GFLOP/s) */
+#define MV 8
+#define JR 1
+#define DR 1
 #endif
 #define M (MV * VL)
 #define NK 64 /* keys per softmax block: S^T [NK][M] stays in L1 */
@@ -210,10 +215,20 @@ int mmserve_paged_prefill_f32(
                     const int diag = kb + nk - 1 > p_first;
                     const int edge = window > 0 && kb <= p_last - window;
                     if (diag || edge) {
+                        /* positions relative to kb fit int32 (a block's keys and its rows' positions
+                         * are within one window or chunk of each other) */
+                        vi qrel[MV];
+                        for (int c = 0; c < MV; ++c)
+                            for (int l = 0; l < VL; ++l) qrel[c][l] = (int32_t)(qpos[c * VL + l] - kb);
+                        const vi masked = (vi)vsplat(MASKED);
+                        const int32_t w = window > 0 ? (int32_t)window : INT32_MAX / 2;
                         for (int64_t j = 0; j < nk; ++j) {
-                            const int64_t kpos = kb + j;
-                            for (int64_t r = 0; r < M; ++r)
-                                if (kpos > qpos[r] || (window > 0 && kpos <= qpos[r] - window)) st[j * M + r] = MASKED;
+                            const vi kj = (vi){0, 0, 0, 0, 0, 0, 0, 0} + (int32_t)j;
+                            for (int c = 0; c < MV; ++c) {
+                                const vi out = (kj > qrel[c]) | (kj <= qrel[c] - w); /* -1 where masked */
+                                vi *sv = (vi *)(st + j * M) + c;
+                                *sv = (*sv & ~out) | (masked & out);
+                            }
                         }
                     }
                     vf mnew[MV], alpha[MV], lsum[MV];

@@ -25,7 +25,7 @@ from . import cpu_paged
 from .base import AttentionParams, LayerKV
 
 SOURCE = Path(__file__).with_name("cpu_prefill.c")
-MIN_SPLIT_PAIRS = 1 << 16  # below this many query x key pairs a call runs on one thread
+MIN_SPLIT_FLOPS = 2e7  # below this many per thread a call runs on one (~0.3 ms of work; a thread hop ~50 us)
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -70,15 +70,16 @@ def paged_prefill(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: t
     sinks = None if params.sinks is None else params.sinks.detach().float().contiguous()
     out = torch.zeros(b, nq, hq, dv, dtype=torch.float32)
     g = hq // hkv
-    per_item = max(1, 64 // g) if g <= 64 else 1
+    per_item = max(1, 32 // g)  # at least (M = 32 or 64 tile rows)
     items = int(((ns + per_item - 1) // per_item).sum()) * hkv
     args = (q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), trows.data_ptr(), k0.data_ptr(),
             qpos0.data_ptr(), ns.data_ptr(), None if sinks is None else sinks.data_ptr(), out.data_ptr(),
             b, nq, hq, hkv, dqk, dv, num_slots, table.shape[1], int(window or 0), float(params.scale))
     n = min(threads or max(torch.get_num_threads(), cpu_paged.thread_count()), max(1, items))
-    if n > 1:
+    if n > 1:  # causal: a member's queries see about half its keys on average
         keys = (qpos0 + ns - k0) if window is None else torch.clamp(qpos0 + ns - k0, max=int(window) + nq)
-        n = max(1, min(n, int((ns * keys).sum()) // MIN_SPLIT_PAIRS))
+        flops = 2.0 * hq * (dqk + dv) * int((ns * keys).sum()) / 2
+        n = max(1, min(n, int(flops // MIN_SPLIT_FLOPS)))
     if n == 1:
         assert lib.mmserve_paged_prefill_f32(*args, 0, 1) == 0, "paged prefill kernel: out of memory"
         return out

@@ -55,13 +55,19 @@ class BucketPolicy:
     # windows up to ``per_query_max_window`` (past it query blocks' GEMM-like reads win)
     sliding_per_query: bool = False
     per_query_max_window: int = 512
+    # query blocks of a chunk with no bidirectional span, both kinds (None: as above): a kernel
+    # that tiles a chunk itself takes it whole (0), one call instead of one bucket per block
+    plain_q_block: int | None = None
 
     def __post_init__(self) -> None:
         assert self.max_pad_ratio >= 1.0, self.max_pad_ratio
         assert self.pad_slack >= 0 and self.q_block >= 0 and self.max_pairs >= 1 and self.max_score_elems >= 1
         assert self.full_q_block is None or self.full_q_block >= 0
+        assert self.plain_q_block is None or self.plain_q_block >= 0
 
-    def block_for(self, kind: str) -> int:
+    def block_for(self, kind: str, spans: bool = True) -> int:
+        if not spans and self.plain_q_block is not None:
+            return self.plain_q_block
         return self.q_block if kind == SLIDING or self.full_q_block is None else self.full_q_block
 
 
@@ -299,7 +305,8 @@ class TorchBatchedAttention(AttentionBackend):
                 if per_query and not sf.bidirectional_spans:
                     singles.append((row, sf.start, len(sf.token_ids), trow, ctx_range(sf, kind)[0]))
                 else:
-                    members.extend(split_queries(sf, row, trow, kind, window, self.policy.block_for(kind)))
+                    block = self.policy.block_for(kind, bool(sf.bidirectional_spans))
+                    members.extend(split_queries(sf, row, trow, kind, window, block))
                 row += len(sf.token_ids)
             plan = plan_buckets([(m.n, m.klen) for m in members], self.policy)
             table = tables.full if kind == FULL else tables.swa

@@ -191,9 +191,10 @@ def warm_buckets(max_rows: int, threads=None) -> int:
                     if _WARMED.get((key, nthr), 0) >= top:
                         continue
                     torch.set_num_threads(nthr)
-                    for rows in buckets_up_to(top):
-                        torch.ops.mkldnn._linear_pointwise(torch.zeros(rows, lin.in_features, dtype=lin.dtype),
-                                                           lin.packed, lin.bias, "none", [], "")
+                    sizes = buckets_up_to(top)
+                    zeros = torch.zeros(max(sizes, default=0), lin.in_features, dtype=lin.dtype)  # sliced per bucket
+                    for rows in sizes:
+                        torch.ops.mkldnn._linear_pointwise(zeros[:rows], lin.packed, lin.bias, "none", [], "")
                         n += 1
                     _WARMED[(key, nthr)] = top
     finally:
