@@ -33,7 +33,7 @@ def test_small_steps_run_on_fewer_threads_than_big_ones():
     from llm_svc.engine.step_threads import StepThreads
 
     plan = step_threads(LLMSettings(model_dir="m", threads=2, small_step_threads=1, small_step_tokens=64))
-    assert plan == StepThreads(large=2, small=1, min_tokens=64)
+    assert plan == StepThreads(large=2, small=1, min_tokens=64, gemv=1, gemv_few=2, few_seqs=2)
     assert [plan.threads_for(n) for n in (1, 63, 64, 2048)] == [1, 1, 2, 2]
     before = torch.get_num_threads()
     try:
@@ -43,6 +43,33 @@ def test_small_steps_run_on_fewer_threads_than_big_ones():
         torch.set_num_threads(before)
     same = step_threads(LLMSettings(model_dir="m", threads=3, small_step_threads=0))
     assert same.threads_for(1) == same.threads_for(4096) == 3
+
+
+def test_few_row_kernel_threads_follow_the_steps_sequences():
+    """A decode step of at most ``few_seqs`` sequences streams its weights on every core, a
+    bigger one on ``gemv_threads``; the kernel's count is set by each step."""
+    import torch
+
+    from llm_svc.core.process import step_threads
+    from llm_svc.models import cpu_gemv
+
+    plan = step_threads(LLMSettings(model_dir="m", threads=2, gemv_threads=1))
+    before, gemv_before = torch.get_num_threads(), cpu_gemv._threads
+    try:
+        assert [plan.gemv_for(n) for n in (1, 2, 3, 16)] == [2, 2, 1, 1]
+        plan.apply(1, 1)
+        assert cpu_gemv._threads == 2
+        plan.apply(4, 4)
+        assert cpu_gemv._threads == 1
+        plan.apply(4)  # no sequence count: the kernel's count is left alone
+        assert cpu_gemv._threads == 1
+        off = step_threads(LLMSettings(model_dir="m", threads=2, few_seqs=0, gemv_threads=1))
+        assert off.gemv_for(1) == 1
+        pinned = step_threads(LLMSettings(model_dir="m", threads=2, few_seqs_gemv_threads=1))
+        assert pinned.gemv_for(1) == 1
+    finally:
+        torch.set_num_threads(before)
+        cpu_gemv.set_threads(gemv_before)
     assert step_threads(LLMSettings(model_dir="m", device="cuda")) is None
 
 
