@@ -1,5 +1,13 @@
 """Gemma 3 (text LM, or the LM inside Gemma3ForConditionalGeneration): q/k RMS norms, sandwich
-norms around attention and MLP, query_pre_attn_scalar, per-layer-type rope, scaled embeddings."""
+norms around attention and MLP, query_pre_attn_scalar, per-layer-type rope, scaled embeddings.
+
+On the CPU in float32 a layer runs fused (``_layer_fused``): q | k | v in one GEMM, gate | up in
+one, every RMSNorm and residual add as ``cpu_fused.add_rmsnorm`` passes (Gemma's ``1 + weight``
+taken once at load: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` rounds as transformers' does), q / k
+norms over head rows, rope in place (``qkv_post``). Eager, a decode step was ~40 small ops per
+layer: the benchmark checkpoint's (12 layers, hidden 512) one-sequence decode step 19.4 ms
+in-process against the MiMo checkpoint's 11.7 at the same weight bytes. Elsewhere (CUDA, bf16,
+no C compiler) the eager modules run as before."""
 
 from __future__ import annotations
 
@@ -7,9 +15,10 @@ import torch
 
 from llm_svc.attention import AttentionBackend, AttentionParams, LayerKV
 
-from . import MODELS
+from . import MODELS, cpu_fused
 from .base import HF_KIND, HybridModel, LayerSpec, apply_rope
-from .linear import linears_in, pack_linears
+from .fused_mlp import GatedMLP
+from .linear import fuse_linears, linears_in, pack_linears
 
 
 @MODELS.register("gemma3")
@@ -34,7 +43,21 @@ class Gemma3Model(HybridModel):
             # transformers' Gemma3Attention never passes attn_logit_softcapping to its attention
             # (Gemma 3 checkpoints leave it None): neither do we, so both give the same logits
             self.params.append(AttentionParams(scale=a.scaling))
-        pack_linears(linears_in(self.inner.layers) + [hf_model.lm_head], linear)
+        w = hf_model.lm_head.weight
+        self.fused = w.device.type == "cpu" and w.dtype == torch.float32 and cpu_fused.KERNEL.available()
+        if not self.fused:
+            pack_linears(linears_in(self.inner.layers) + [hf_model.lm_head], linear)
+            return
+        self.qkv = [fuse_linears([x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj], linear)
+                    for x in self.inner.layers]
+        self.mlps = [GatedMLP.pack(x.mlp, act=x.mlp.act_fn, backend=linear) for x in self.inner.layers]
+        pack_linears([x.self_attn.o_proj for x in self.inner.layers] + [hf_model.lm_head], linear)
+        # (1 + weight) of every norm, taken once: Gemma3RMSNorm multiplies by it in float32
+        self.w1 = {id(n): (1.0 + n.weight.detach().float()).contiguous()
+                   for x in self.inner.layers
+                   for n in (x.input_layernorm, x.post_attention_layernorm, x.pre_feedforward_layernorm,
+                             x.post_feedforward_layernorm, x.self_attn.q_norm, x.self_attn.k_norm)}
+        self.w1[id(self.inner.norm)] = (1.0 + self.inner.norm.weight.detach().float()).contiguous()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed_tokens(ids)  # scaled by sqrt(hidden) inside
@@ -42,6 +65,8 @@ class Gemma3Model(HybridModel):
     def forward(self, h, positions, kv: list[LayerKV], attn: AttentionBackend, meta) -> torch.Tensor:
         t = h.shape[0]
         rope = self.rope_tables(self.inner.rotary_emb, h, positions, self.layer_types)
+        if self.fused and h.dtype == torch.float32 and h.stride(-1) == 1:
+            return self._forward_fused(h.contiguous(), rope, kv, attn, meta)
         for i, layer in enumerate(self.inner.layers):
             a = layer.self_attn
             x = layer.input_layernorm(h)
@@ -54,6 +79,37 @@ class Gemma3Model(HybridModel):
             h = h + layer.post_attention_layernorm(a.o_proj(o.reshape(t, -1)))
             h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
         return self.inner.norm(h)
+
+    def _norm(self, norm, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """``norm(x)`` (``add`` given: ``x += add`` in place first) as one C pass over rows."""
+        return cpu_fused.add_rmsnorm(x, add, self.w1[id(norm)], norm.eps)
+
+    def _forward_fused(self, h, rope, kv: list[LayerKV], attn: AttentionBackend, meta) -> torch.Tensor:
+        """The layers with fused GEMMs and element-wise passes; ``h`` (the residual stream) is
+        added to in place."""
+        t = h.shape[0]
+        y = None  # the last MLP's normed output, not yet added to h
+        for i, layer in enumerate(self.inner.layers):
+            a, spec = layer.self_attn, self.layers[i]
+            x = self._norm(layer.input_layernorm, h, y)
+            qkv = self.qkv[i](x)  # [T, (Hq + 2 Hkv) * D]
+            d, hk = spec.qk_dim, spec.kv_heads
+            hq = qkv.shape[1] // d - 2 * hk
+            nq, nk = hq * d, hk * d
+            # q / k norms over each head's D values (rows of [T * H, D]), written back for rope
+            qkv[:, :nq] = self._norm(a.q_norm, qkv[:, :nq].reshape(t * hq, d)).view(t, nq)
+            qkv[:, nq:nq + nk] = self._norm(a.k_norm, qkv[:, nq:nq + nk].reshape(t * hk, d)).view(t, nk)
+            cos, sin = rope[self.layer_types[i]]
+            q, k, v = qkv[:, :nq].view(t, hq, d), qkv[:, nq:nq + nk].view(t, hk, d), qkv[:, nq + nk:].view(t, hk, d)
+            if cpu_fused.supports_qkv(qkv, cos, sin):
+                cpu_fused.qkv_post(qkv, hq, hk, d, d, cos, sin)  # rope on q and k, in place
+            else:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = attn.forward(spec.kind, q, k, v, kv[i], meta, self.params[i])  # [T, Hq, D]
+            y = self._norm(layer.post_attention_layernorm, a.o_proj(o.reshape(t, -1)))
+            x = self._norm(layer.pre_feedforward_layernorm, h, y)
+            y = self._norm(layer.post_feedforward_layernorm, self.mlps[i](x))
+        return self._norm(self.inner.norm, h, y)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         out = self.hf.lm_head(h).float()

@@ -260,6 +260,26 @@ def test_gemma3_text_only_lm_with_softcaps():
         torch.testing.assert_close(logits, ref[p], atol=ATOL, rtol=1e-4)
 
 
+def test_gemma3_fused_layers_equal_the_eager_modules(gemma16):
+    """On the CPU in float32 Gemma 3 runs its fused layers (q | k | v and gate | up GEMMs, C norm
+    and rope passes); the eager module path gives the same logits, and the fused one is what
+    ran (its norm weights were taken)."""
+    from llm_svc.models.gemma3 import Gemma3Model
+
+    lm = gemma16
+    ids = torch.randint(10, lm.vocab_size, (70,), generator=torch.Generator().manual_seed(11)).tolist()
+    outs = []
+    for fused in (True, False):
+        model = Gemma3Model(lm.model)
+        assert model.fused
+        model.fused = fused
+        runner, sim = ModelRunner(model, 1024, 128), SlotSim(1024, 128, seed=11)
+        outs.append(run_chunked(runner, sim, "f", ids, 23, 60))
+    assert outs[0].keys() == outs[1].keys() and len(outs[0]) >= 10
+    for p in outs[0]:
+        torch.testing.assert_close(outs[0][p], outs[1][p], atol=1e-4, rtol=1e-4)
+
+
 def test_table_reset_after_kv_moved_to_other_slots(mimo16):
     """A rewritten view (the scheduler switched a request to the prefix tree's slots): the KV
     now lives in other slots, the step sends a reset, and the logits are unchanged."""
