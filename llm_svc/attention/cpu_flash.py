@@ -31,14 +31,15 @@ blocking, so windows past 512 (Gemma 3's 1,024) keep query blocks, and full laye
 Prefill buckets on a float32 pool go to ``cpu_prefill`` instead (``bind_pools``), sliding and
 full alike: query tiles of the ``G`` heads of a kv head over exactly the keys each can see, read
 in place (no gather, no mask tensor, no per-query items); the sliding per-query path and query
-blocks through the flash kernel are what it replaced. 2-core AVX2 EPYC, 2 threads, fp32, one
-2,048-token chunk: MiMo sliding layer (8 / 4 heads of 96, W = 128, sinks) 12.5 -> 9.5 ms;
-8 / 4 heads of 64 at W = 256 / 512 / 1,024: 17.1 -> 10.5, 34.1 -> 17.5, 62.4 -> 28.5 ms; a full
-layer (8 / 4 heads of 96) 2,048 queries over themselves 59-80 -> 59 ms, 2,000 over 6,000 keys
-225-228 -> 241-274 ms (torch's flash kernel, on this AVX2 machine at ~95% of the matmul peak, is as
-fast; the kernel keeps full layers for their saved gather: 7K keys x 4 heads x 96 x 8 bytes
-copied per layer). Buckets with bidirectional spans (not ``tail``), soft-capped layers and
-bf16 / fp16 pools keep the paths above.
+blocks through the flash kernel are what it replaced. 2-core AVX2 EPYC, 2 threads, fp32, a
+step's ``forward`` for one chunk, min of 14 alternated: MiMo full layer (8 / 2 heads of 96) 320
+queries 4.1 -> 2.4 ms, 1,024 24.7 -> 20.8, 2,048 65.2 -> 53.6, 2,048 after 4,000 keys of context
+249.9 -> 248.4 (torch's flash kernel runs at ~95% of the matmul peak on this machine: as fast on
+long contexts, where the kernel still saves the gather); MiMo sliding layer (8 / 4 heads, W =
+128, sinks) 4.6 -> 4.2, 9.4 -> 9.1, 13.9 -> 13.4, 13.1 -> 10.9; heads of 64 over 2,048 queries,
+the kernel against query blocks: W = 256 / 512 / 1,024 17.1 -> 10.5, 34.1 -> 17.5, 62.4 -> 28.5
+ms. Buckets with bidirectional spans (not ``tail``), soft-capped layers and bf16 / fp16 pools
+keep the paths above.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ typedef int32_t vi __attribute__((vector_size(32)));
 typedef float vfu __attribute__((vector_size(32), aligned(4)));
 #define VL 8
 
+#ifndef MV /* -DMV=.. -DJR=.. -DDR=.. build another tiling (the tests check each against the reference) */
 #if defined(__AVX512F__)
 #define MV 8 /* vectors per tile row set: M = 64 rows */
 #define JR 3 /* keys per score micro-tile: JR x MV accumulators */
@@ -44,6 +45,7 @@ typedef float vfu __attribute__((vector_size(32), aligned(4)));
 #define MV 8
 #define JR 1
 #define DR 1
+#endif
 #endif
 #define M (MV * VL)
 #define NK 64 /* keys per softmax block: S^T [NK][M] stays in L1 */

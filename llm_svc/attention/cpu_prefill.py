@@ -25,6 +25,7 @@ from . import cpu_paged
 from .base import AttentionParams, LayerKV
 
 SOURCE = Path(__file__).with_name("cpu_prefill.c")
+TILE_ROWS = 64  # the kernel's tile: 64 // G queries x the G query heads of a kv head (cpu_prefill.c: M)
 MIN_SPLIT_FLOPS = 2e7  # below this many per thread a call runs on one (~0.3 ms of work; a thread hop ~50 us)
 
 
@@ -48,8 +49,10 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, cache: LayerKV, params: AttentionParams) -> bool:
-    """Whether ``paged_prefill`` can run these tensors (CPU, float32, no soft-cap)."""
-    return params.softcap is None and cpu_paged.supports(q, cache) and available()
+    """Whether ``paged_prefill`` can run these tensors (CPU, float32, no soft-cap, at most
+    ``TILE_ROWS`` query heads per kv head)."""
+    return (params.softcap is None and q.shape[-2] // cache.k.shape[0] <= TILE_ROWS and cpu_paged.supports(q, cache)
+            and available())
 
 
 def paged_prefill(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: torch.Tensor, k0: torch.Tensor,
@@ -70,7 +73,7 @@ def paged_prefill(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: t
     sinks = None if params.sinks is None else params.sinks.detach().float().contiguous()
     out = torch.zeros(b, nq, hq, dv, dtype=torch.float32)
     g = hq // hkv
-    per_item = max(1, 32 // g)  # at least (M = 32 or 64 tile rows)
+    per_item = max(1, TILE_ROWS // g)  # queries per work item
     items = int(((ns + per_item - 1) // per_item).sum()) * hkv
     args = (q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), trows.data_ptr(), k0.data_ptr(),
             qpos0.data_ptr(), ns.data_ptr(), None if sinks is None else sinks.data_ptr(), out.data_ptr(),
