@@ -28,7 +28,7 @@ ms, W = 512 28.7 -> 23.4 ms, but W = 1,024 44.8 -> 53.1 ms: the single-query ker
 blocking, so windows past 512 (Gemma 3's 1,024) keep query blocks, and full layers whole chunks
 (3,000 queries over their causal context: 181 vs 104 ms).
 
-Prefill buckets on a float32 pool go to ``cpu_prefill`` instead (``bind_pools``), sliding and
+Prefill buckets go to ``cpu_prefill`` instead (``bind_pools``), sliding and
 full alike: query tiles of the ``G`` heads of a kv head over exactly the keys each can see, read
 in place (no gather, no mask tensor, no per-query items); the sliding per-query path and query
 blocks through the flash kernel are what it replaced. 2-core AVX2 EPYC, 2 threads, fp32, a
@@ -38,8 +38,8 @@ queries 4.1 -> 2.4 ms, 1,024 24.7 -> 20.8, 2,048 65.2 -> 53.6, 2,048 after 4,000
 long contexts, where the kernel still saves the gather); MiMo sliding layer (8 / 4 heads, W =
 128, sinks) 4.6 -> 4.2, 9.4 -> 9.1, 13.9 -> 13.4, 13.1 -> 10.9; heads of 64 over 2,048 queries,
 the kernel against query blocks: W = 256 / 512 / 1,024 17.1 -> 10.5, 34.1 -> 17.5, 62.4 -> 28.5
-ms. Buckets with bidirectional spans (not ``tail``), soft-capped layers and bf16 / fp16 pools
-keep the paths above.
+ms. bf16 / fp16 pools too (one build of the kernel per dtype, elements widened as read).
+Buckets with bidirectional spans (not ``tail``) and soft-capped layers keep the paths above.
 """
 
 from __future__ import annotations
@@ -63,15 +63,15 @@ class CPUFlashAttention(TorchBatchedAttention):
         # sliding prefill queries go to the single-query kernel where it exists (see the docstring)
         super().__init__(policy or BucketPolicy(full_q_block=0, sliding_per_query=cpu_paged.load() is not None))
         self._own_policy = policy is None
-        self.prefill_kernel = False  # set by ``bind_pools`` for a float32 pool
+        self.prefill_kernel = False  # set by ``bind_pools`` for a pool the prefill kernel reads
         self._masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bind_pools(self, kv_dtype: torch.dtype) -> None:
-        """A float32 pool on a machine that builds ``cpu_prefill``: prefill buckets go to it, and
-        a chunk without bidirectional spans is one member, whole, in either kind of layer (the
+        """A pool ``cpu_prefill`` reads (float32, bf16, fp16) on a machine that builds it: prefill
+        buckets go to it, and a chunk without bidirectional spans is one member, whole, in either kind of layer (the
         kernel tiles it; a 320-token sliding chunk as three 128-query buckets cost 2.7 ms against
         1.5 for the one call); chunks with spans keep the query blocks of the gather path."""
-        self.prefill_kernel = kv_dtype == torch.float32 and cpu_prefill.available()
+        self.prefill_kernel = cpu_prefill.available(kv_dtype)
         if self.prefill_kernel and self._own_policy:
             self.policy = BucketPolicy(full_q_block=0, sliding_per_query=False, plain_q_block=0)
 

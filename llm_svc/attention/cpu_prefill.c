@@ -29,6 +29,23 @@
 #include <limits.h>
 #include <string.h>
 
+/* The pools' element type, one build each (cpu_prefill.py): float32 by default, -DKV_BF16 or
+ * -DKV_F16 for bfloat16 / float16 pools, each element widened to float32 as it is broadcast. */
+#if defined(KV_BF16)
+typedef uint16_t kv_t;
+static inline float kv_f(kv_t h)
+{
+    union { uint32_t u; float f; } x = {(uint32_t)h << 16};
+    return x.f;
+}
+#elif defined(KV_F16)
+typedef _Float16 kv_t;
+static inline float kv_f(kv_t h) { return (float)h; }
+#else
+typedef float kv_t;
+static inline float kv_f(kv_t h) { return h; }
+#endif
+
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 typedef float vfu __attribute__((vector_size(32), aligned(4)));
@@ -84,19 +101,19 @@ static inline vf vexp2(vf x)
 }
 
 /* S^T[j][:] = sum_d K_j[d] * QT[d][:] for j < nk (K rows through kp). */
-static inline void scores(float *restrict st, const float *restrict qt, const float *const *kp, int64_t nk, int64_t D)
+static inline void scores(float *restrict st, const float *restrict qt, const kv_t *const *kp, int64_t nk, int64_t D)
 {
     int64_t j = 0;
     for (; j + JR <= nk; j += JR) {
         vf acc[JR][MV];
         for (int r = 0; r < JR; ++r)
             for (int c = 0; c < MV; ++c) acc[r][c] = vsplat(0.0f);
-        const float *k[JR];
+        const kv_t *k[JR];
         for (int r = 0; r < JR; ++r) k[r] = kp[j + r];
         for (int64_t d = 0; d < D; ++d) {
             const vf *qr = (const vf *)(qt + d * M);
             vf b[JR];
-            for (int r = 0; r < JR; ++r) b[r] = vsplat(k[r][d]);
+            for (int r = 0; r < JR; ++r) b[r] = vsplat(kv_f(k[r][d]));
             for (int c = 0; c < MV; ++c) {
                 const vf qv = qr[c];
                 for (int r = 0; r < JR; ++r) acc[r][c] += b[r] * qv;
@@ -108,10 +125,10 @@ static inline void scores(float *restrict st, const float *restrict qt, const fl
     for (; j < nk; ++j) {
         vf acc[MV];
         for (int c = 0; c < MV; ++c) acc[c] = vsplat(0.0f);
-        const float *k = kp[j];
+        const kv_t *k = kp[j];
         for (int64_t d = 0; d < D; ++d) {
             const vf *qr = (const vf *)(qt + d * M);
-            const vf b = vsplat(k[d]);
+            const vf b = vsplat(kv_f(k[d]));
             for (int c = 0; c < MV; ++c) acc[c] += b * qr[c];
         }
         for (int c = 0; c < MV; ++c) ((vf *)(st + j * M))[c] = acc[c];
@@ -119,7 +136,7 @@ static inline void scores(float *restrict st, const float *restrict qt, const fl
 }
 
 /* O^T[e][:] += sum_j V_j[e] * P^T[j][:] for e < Dv, j < nk (V rows through vp). */
-static inline void values(float *restrict ot, const float *restrict pt, const float *const *vp, int64_t nk, int64_t Dv)
+static inline void values(float *restrict ot, const float *restrict pt, const kv_t *const *vp, int64_t nk, int64_t Dv)
 {
     int64_t e = 0;
     for (; e + DR <= Dv; e += DR) {
@@ -128,9 +145,9 @@ static inline void values(float *restrict ot, const float *restrict pt, const fl
             for (int c = 0; c < MV; ++c) acc[r][c] = ((const vf *)(ot + (e + r) * M))[c];
         for (int64_t j = 0; j < nk; ++j) {
             const vf *pr = (const vf *)(pt + j * M);
-            const float *v = vp[j] + e;
+            const kv_t *v = vp[j] + e;
             vf b[DR];
-            for (int r = 0; r < DR; ++r) b[r] = vsplat(v[r]);
+            for (int r = 0; r < DR; ++r) b[r] = vsplat(kv_f(v[r]));
             for (int c = 0; c < MV; ++c) {
                 const vf pv = pr[c];
                 for (int r = 0; r < DR; ++r) acc[r][c] += b[r] * pv;
@@ -144,7 +161,7 @@ static inline void values(float *restrict ot, const float *restrict pt, const fl
         for (int c = 0; c < MV; ++c) acc[c] = ((const vf *)(ot + e * M))[c];
         for (int64_t j = 0; j < nk; ++j) {
             const vf *pr = (const vf *)(pt + j * M);
-            const vf b = vsplat(vp[j][e]);
+            const vf b = vsplat(kv_f(vp[j][e]));
             for (int c = 0; c < MV; ++c) acc[c] += b * pr[c];
         }
         for (int c = 0; c < MV; ++c) ((vf *)(ot + e * M))[c] = acc[c];
@@ -155,8 +172,8 @@ static inline void values(float *restrict ot, const float *restrict pt, const fl
  * Returns 0, or 1 when scratch memory could not be had. */
 int mmserve_paged_prefill_f32(
     const float *q,          /* [B, NQ, Hq, D] */
-    const float *kpool,      /* [Hkv, S, D] */
-    const float *vpool,      /* [Hkv, S, Dv] */
+    const kv_t *kpool,       /* [Hkv, S, D] */
+    const kv_t *vpool,       /* [Hkv, S, Dv] */
     const int64_t *table,    /* [R, cap] */
     const int64_t *trows,    /* [B] */
     const int64_t *k0,       /* [B] first readable key position */
@@ -173,14 +190,14 @@ int mmserve_paged_prefill_f32(
     const float L2E = 1.4426950408889634f;
     const size_t need = (size_t)(D * M + NK * M + Dv * M + 2 * M) * sizeof(float);
     float *scratch = aligned_alloc(64, (need + 63) / 64 * 64);
-    const float **ptrs = malloc(sizeof(float *) * 2 * NK);
+    const kv_t **ptrs = malloc(sizeof(kv_t *) * 2 * NK);
     if (!scratch || !ptrs || G > M) {
         free(scratch);
         free(ptrs);
         return 1;
     }
     float *qt = scratch, *st = qt + D * M, *ot = st + NK * M, *mrow = ot + Dv * M, *lrow = mrow + M;
-    const float **kp = ptrs, **vp = ptrs + NK;
+    const kv_t **kp = ptrs, **vp = ptrs + NK;
     int64_t item = 0;
     for (int64_t b = 0; b < B; ++b) {
         const int64_t nblk = (ns[b] + MQ - 1) / MQ;
@@ -204,7 +221,7 @@ int mmserve_paged_prefill_f32(
                 int64_t klo = k0[b];
                 if (window > 0 && p_first - window + 1 > klo) klo = p_first - window + 1;
                 const int64_t *trow = table + trows[b] * cap;
-                const float *kh = kpool + h * S * D, *vh = vpool + h * S * Dv;
+                const kv_t *kh = kpool + h * S * D, *vh = vpool + h * S * Dv;
                 for (int64_t kb = klo; kb <= p_last; kb += NK) {
                     const int64_t nk = p_last - kb + 1 < NK ? p_last - kb + 1 : NK;
                     for (int64_t j = 0; j < nk; ++j) {

@@ -1,7 +1,7 @@
 """The CPU paged prefill kernel (``cpu_prefill.c``): a chunk's queries over their causal, optionally
 sliding, context, K/V read in place from the pool through the slot table, flash-style.
 
-It replaces, for float32 pools, what a prefill bucket did through torch's CPU flash kernel: gather
+It replaces, for float32 / bfloat16 / float16 pools (one build each), what a prefill bucket did through torch's CPU flash kernel: gather
 the context out of the pool (``LayerKV.gather``), then attend it (a mask for sliding windows; for
 full layers two calls merged by their log-sum-exp, ``torch_common.attend_tail``). The kernel reads
 each K / V row in place, never visits the key blocks past an item's last query, and masks only
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..ckernels import CKernel
+from ..ckernels import FAST_FLAGS, CKernel
 from . import cpu_paged
 from .base import AttentionParams, LayerKV
 
@@ -38,31 +38,44 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 KERNEL = CKernel(SOURCE, "cpu_prefill", _bind, what="CPU paged prefill kernel",
                  fallback="prefill chunks gather their context")
+# one build per pool dtype: K / V elements are widened to float32 as the kernel reads them
+KERNELS = {
+    torch.float32: KERNEL,
+    torch.bfloat16: CKernel(SOURCE, "cpu_prefill_bf16", _bind, what="CPU paged prefill kernel (bfloat16 KV)",
+                            fallback="prefill chunks gather their context", flags=FAST_FLAGS + ("-DKV_BF16",)),
+    torch.float16: CKernel(SOURCE, "cpu_prefill_f16", _bind, what="CPU paged prefill kernel (float16 KV)",
+                           fallback="prefill chunks gather their context", flags=FAST_FLAGS + ("-DKV_F16",)),
+}
 
 
-def load() -> ctypes.CDLL | None:
-    return KERNEL.load()
+def load(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """The build for pools of ``kv_dtype`` (built on first use); None if it cannot be built."""
+    k = KERNELS.get(kv_dtype)
+    return None if k is None else k.load()
 
 
-def available() -> bool:
-    return KERNEL.available()
+def available(kv_dtype: torch.dtype = torch.float32) -> bool:
+    return load(kv_dtype) is not None
 
 
 def supports(q: torch.Tensor, cache: LayerKV, params: AttentionParams) -> bool:
-    """Whether ``paged_prefill`` can run these tensors (CPU, float32, no soft-cap, at most
-    ``TILE_ROWS`` query heads per kv head)."""
-    return (params.softcap is None and q.shape[-2] // cache.k.shape[0] <= TILE_ROWS and cpu_paged.supports(q, cache)
-            and available())
+    """Whether ``paged_prefill`` can run these tensors: CPU, float32 queries, contiguous pools of
+    float32 / bfloat16 / float16, no soft-cap, at most ``TILE_ROWS`` query heads per kv head."""
+    return (params.softcap is None and q.device.type == "cpu" and q.dtype == torch.float32
+            and cache.k.dtype == cache.v.dtype and cache.k.dtype in KERNELS and cache.k.device.type == "cpu"
+            and cache.k.is_contiguous() and cache.v.is_contiguous()
+            and q.shape[-2] // cache.k.shape[0] <= TILE_ROWS and available(cache.k.dtype))
 
 
 def paged_prefill(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: torch.Tensor, k0: torch.Tensor,
                   qpos0: torch.Tensor, ns: torch.Tensor, window: int | None, params: AttentionParams,
                   threads: int | None = None) -> torch.Tensor:
-    """q [B, NQ, Hq, Dqk] float32: member ``b``'s first ``ns[b]`` queries at positions
+    """q [B, NQ, Hq, Dqk] float32 (pools of any dtype in ``KERNELS``; float32 out): member
+    ``b``'s first ``ns[b]`` queries at positions
     ``qpos0[b] + i``; the query at position ``p`` reads positions ``max(k0[b], p - W + 1) .. p``
     (``window`` None: from ``k0[b]``) of slot-table row ``trows[b]`` -> [B, NQ, Hq, Dv] (padded
     query rows 0)."""
-    lib = load()
+    lib = load(cache.k.dtype)
     assert lib is not None, "paged_prefill called without the kernel (check supports() first)"
     b, nq, hq, dqk = q.shape
     hkv, num_slots, dv = cache.v.shape

@@ -15,8 +15,10 @@ pytestmark = pytest.mark.unit
 
 
 def test_kernel_builds_here():
-    """The machine (and CI) has a C compiler: the kernel, not the fallback, is what runs."""
-    assert cpu_prefill.available()
+    """The machine (and CI) has a C compiler: the kernel, not the fallback, is what runs, for
+    each pool dtype it reads."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert cpu_prefill.available(dtype)
 
 
 def _case(g, hq, hkv, dqk, dv, members, window):
@@ -124,7 +126,7 @@ def test_other_tilings_agree(tiling, monkeypatch):
     lib = CKernel(cpu_prefill.SOURCE, "cpu_prefill_t" + "".join(t[-1] for t in tiling), cpu_prefill._bind,
                   what="test tiling", fallback="none", flags=FAST_FLAGS + tiling).load()
     assert lib is not None
-    monkeypatch.setattr(cpu_prefill, "load", lambda: lib)
+    monkeypatch.setattr(cpu_prefill, "load", lambda *_: lib)
     g = torch.Generator().manual_seed(21)
     for window, hq, hkv, dqk, dv in ((None, 8, 4, 96, 80), (37, 6, 2, 40, 29)):
         members = [(70, 0, 0), (53, 101, 0 if window is None else 101 - window + 1)]
@@ -133,3 +135,20 @@ def test_other_tilings_agree(tiling, monkeypatch):
         got = cpu_prefill.paged_prefill(q, cache, table, trows, k0, qpos0, ns, window, params, threads=2)
         want = _reference(q, cache, table, trows, k0, qpos0, ns, window, params)
         assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 50])
+def test_half_precision_pools(dtype, window):
+    """bfloat16 / float16 pools (one build each): each K / V element widened to float32 as read,
+    the same answer as the reference over the same (rounded) pool values."""
+    g = torch.Generator().manual_seed(31)
+    members = [(90, 0, 0), (41, 130, 0 if window is None else 130 - window + 1)]
+    q, cache, table, trows, k0, qpos0, ns = _case(g, 8, 2, 64, 48, members, window)
+    cache = LayerKV(cache.k.to(dtype), cache.v.to(dtype))
+    params = AttentionParams(scale=0.125, sinks=torch.randn(8, generator=g))
+    assert cpu_prefill.supports(q, cache, params)
+    got = cpu_prefill.paged_prefill(q, cache, table, trows, k0, qpos0, ns, window, params)
+    want = _reference(q, cache, table, trows, k0, qpos0, ns, window, params)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (got - want).abs().max()

@@ -168,8 +168,8 @@ def test_sdpa_backends_match_batched_on_cpu(seed, kind, backend):
 
 
 def test_prefill_kernel_is_what_runs(monkeypatch):
-    """With float32 pools, a step's prefill chunks (full and sliding) reach ``cpu_prefill``, and a
-    bfloat16 pool keeps them off it."""
+    """With float32, bfloat16 or float16 pools a step's prefill chunks (full and sliding) reach
+    ``cpu_prefill`` and equal the gather path's answer; a soft-capped layer keeps them off it."""
     from llm_svc.attention import cpu_prefill
 
     calls = []
@@ -180,14 +180,19 @@ def test_prefill_kernel_is_what_runs(monkeypatch):
     t = batch.num_tokens
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(t, HQ, D, generator=g), torch.randn(t, 2, D, generator=g), torch.randn(t, 2, DV, generator=g)
-    for dtype, expect in ((torch.float32, True), (torch.bfloat16, False)):
+    for dtype, softcap in ((torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
+                           (torch.float32, 5.0)):
         be = create_attention_backend("cpu_flash")
         be.bind_pools(dtype)
+        assert be.prefill_kernel
         cache = LayerKV(torch.randn(2, 2048, D, generator=g).to(dtype), torch.randn(2, 2048, DV, generator=g).to(dtype))
         calls.clear()
+        params = AttentionParams(scale=0.3, softcap=softcap)
         for kind in (FULL, SLIDING):
-            run_backend(be, batch, 16, kind, q, k, v, cache, AttentionParams(scale=0.3))
-        assert (sorted(set(calls), key=str) == [16, None]) if expect else not calls
+            got, _ = run_backend(be, batch, 16, kind, q, k, v, cache, params)
+            ref, _ = run_backend(TorchBatchedAttention(), batch, 16, kind, q, k, v, cache, params)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        assert (sorted(set(calls), key=str) == [16, None]) if softcap is None else not calls
 
 
 def test_auto_backend_per_device():
