@@ -11,7 +11,10 @@ streaming the weights) gets its own count by the step's sequences: ``gemv_few`` 
 of at most ``few_seqs`` sequences, ``gemv`` otherwise. With one or two sequences the front and
 the gateway stream few tokens a second and the second core is free, so two threads stream the
 weights nearly twice as fast; with more, the core shares the machine with that streaming and an
-OpenMP barrier waits whenever its other thread is descheduled. Measured on the 2-core AVX2 EPYC
+OpenMP barrier waits whenever its other thread is descheduled. And only while the machine has a
+core to spare (1-minute load average at most ``large - 0.5``, read at most once a second): on a
+box shared with other busy processes (a test suite, a benchmark beside the services) every one
+of a step's ~40 barriers would wait for a time slice. Measured on the 2-core AVX2 EPYC
 (vs_vllm MiMo, in-process decode step, one torch thread): one sequence 11.7 -> 7.6 ms with two
 kernel threads, two 14.4 -> 9.4, four 17.6 -> 13.4; through the service (`vs_vllm --quick`,
 chat) two threads everywhere took the Poisson mode's ITL p50 from 1.74x vLLM's to 1.20x but the
@@ -20,7 +23,9 @@ chat) two threads everywhere took the Poisson mode's ITL p50 from 1.74x vLLM's t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +40,7 @@ class StepThreads:
     gemv: int = 1  # few-row kernel threads of a step of more than ``few_seqs`` sequences
     gemv_few: int = 1  # ... and of a step of at most ``few_seqs``
     few_seqs: int = 2
+    _load: list[float] = field(default_factory=lambda: [0.0, -1.0], compare=False, repr=False)  # [value, read at]
 
     def __post_init__(self) -> None:
         if min(self.large, self.small, self.min_tokens, self.gemv, self.gemv_few) < 1 or self.few_seqs < 0:
@@ -43,8 +49,22 @@ class StepThreads:
     def threads_for(self, num_tokens: int) -> int:
         return self.large if num_tokens >= self.min_tokens else self.small
 
+    def spare_core(self) -> bool:
+        """Whether the machine has a core the step's own threads would not have to fight for:
+        the 1-minute load average (read at most once a second) at most ``large - 0.5``."""
+        now = time.monotonic()
+        if now - self._load[1] >= 1.0:
+            try:
+                self._load[0] = os.getloadavg()[0]
+            except OSError:  # no load average here: assume a busy machine
+                self._load[0] = float("inf")
+            self._load[1] = now
+        return self._load[0] <= self.large - 0.5
+
     def gemv_for(self, num_seqs: int) -> int:
-        return self.gemv_few if num_seqs <= self.few_seqs else self.gemv
+        if num_seqs <= self.few_seqs and self.gemv_few != self.gemv and self.spare_core():
+            return self.gemv_few
+        return self.gemv
 
     def apply(self, num_tokens: int, num_seqs: int | None = None) -> int:
         """Set torch's thread count for a step of ``num_tokens`` tokens (a no-op when unchanged)

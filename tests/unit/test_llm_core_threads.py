@@ -54,6 +54,7 @@ def test_few_row_kernel_threads_follow_the_steps_sequences():
     from llm_svc.models import cpu_gemv
 
     plan = step_threads(LLMSettings(model_dir="m", threads=2, gemv_threads=1))
+    plan._load[:] = [0.2, float("inf")]  # an idle machine, read "just now" (never re-read here)
     before, gemv_before = torch.get_num_threads(), cpu_gemv._threads
     try:
         assert [plan.gemv_for(n) for n in (1, 2, 3, 16)] == [2, 2, 1, 1]
@@ -63,6 +64,8 @@ def test_few_row_kernel_threads_follow_the_steps_sequences():
         assert cpu_gemv._threads == 1
         plan.apply(4)  # no sequence count: the kernel's count is left alone
         assert cpu_gemv._threads == 1
+        plan._load[0] = 1.7  # the other core is busy (another process): one thread, whatever the step
+        assert [plan.gemv_for(n) for n in (1, 2, 3)] == [1, 1, 1]
         off = step_threads(LLMSettings(model_dir="m", threads=2, few_seqs=0, gemv_threads=1))
         assert off.gemv_for(1) == 1
         pinned = step_threads(LLMSettings(model_dir="m", threads=2, few_seqs_gemv_threads=1))
