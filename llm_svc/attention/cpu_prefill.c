@@ -23,7 +23,6 @@
  * 130 GFLOP/s, over 4,000 more keys 128 (torch's flash kernel 131-137, the matmul peak ~140).
  * No OpenMP (torch brings its own runtime): the caller runs items begin, begin + step, ...
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <limits.h>
@@ -48,7 +47,6 @@ static inline float kv_f(kv_t h) { return h; }
 
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
-typedef float vfu __attribute__((vector_size(32), aligned(4)));
 #define VL 8
 
 #ifndef MV /* -DMV=.. -DJR=.. -DDR=.. build another tiling (the tests check each against the reference) */

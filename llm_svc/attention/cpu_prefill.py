@@ -85,13 +85,10 @@ def paged_prefill(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: t
     trows, k0, qpos0, ns = (t.to(torch.long).contiguous() for t in (trows, k0, qpos0, ns))
     sinks = None if params.sinks is None else params.sinks.detach().float().contiguous()
     out = torch.zeros(b, nq, hq, dv, dtype=torch.float32)
-    g = hq // hkv
-    per_item = max(1, TILE_ROWS // g)  # queries per work item
-    items = int(((ns + per_item - 1) // per_item).sum()) * hkv
     args = (q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), trows.data_ptr(), k0.data_ptr(),
             qpos0.data_ptr(), ns.data_ptr(), None if sinks is None else sinks.data_ptr(), out.data_ptr(),
             b, nq, hq, hkv, dqk, dv, num_slots, table.shape[1], int(window or 0), float(params.scale))
-    n = min(threads or max(torch.get_num_threads(), cpu_paged.thread_count()), max(1, items))
+    n = threads or max(torch.get_num_threads(), cpu_paged.thread_count())
     if n > 1:  # causal: a member's queries see about half its keys on average
         keys = (qpos0 + ns - k0) if window is None else torch.clamp(qpos0 + ns - k0, max=int(window) + nq)
         flops = 2.0 * hq * (dqk + dv) * int((ns * keys).sum()) / 2

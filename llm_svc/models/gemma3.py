@@ -1,7 +1,7 @@
 """Gemma 3 (text LM, or the LM inside Gemma3ForConditionalGeneration): q/k RMS norms, sandwich
 norms around attention and MLP, query_pre_attn_scalar, per-layer-type rope, scaled embeddings.
 
-On the CPU in float32 a layer runs fused (``_layer_fused``): q | k | v in one GEMM, gate | up in
+On the CPU in float32 the layers run fused (``_forward_fused``): q | k | v in one GEMM, gate | up in
 one, every RMSNorm and residual add as ``cpu_fused.add_rmsnorm`` passes (Gemma's ``1 + weight``
 taken once at load: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` rounds as transformers' does), q / k
 norms over head rows, rope in place (``qkv_post``). Eager, a decode step was ~40 small ops per
@@ -65,7 +65,7 @@ class Gemma3Model(HybridModel):
     def forward(self, h, positions, kv: list[LayerKV], attn: AttentionBackend, meta) -> torch.Tensor:
         t = h.shape[0]
         rope = self.rope_tables(self.inner.rotary_emb, h, positions, self.layer_types)
-        if self.fused and h.dtype == torch.float32 and h.stride(-1) == 1:
+        if self.fused and h.dtype == torch.float32:
             return self._forward_fused(h.contiguous(), rope, kv, attn, meta)
         for i, layer in enumerate(self.inner.layers):
             a = layer.self_attn
