@@ -198,18 +198,9 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "request's structured_outputs.disable_any_whitespace overrides it",
     )
     gemv_threads: int = Field(
-        default=1, ge=0, description="CPU: threads of the few-row linear kernel (decode steps' linears); 0: threads. "
-        "1 by default: 2 threads streamed weights faster in isolation but lost in the service, where the front and "
-        "the gateway take the second core now and then and an OpenMP barrier waits for it",
-    )
-    few_seqs: int = Field(
-        default=2, ge=0, description="CPU: a decode step of at most this many sequences runs the few-row linear "
-        "kernel on few_seqs_gemv_threads (the front and the gateway stream few tokens then; 0: never)",
-    )
-    few_seqs_gemv_threads: int = Field(
-        default=0, ge=0, description="CPU: threads of the few-row linear kernel in a step of at most few_seqs "
-        "sequences; 0: threads (every core by default: one sequence's decode step 11.7 -> 7.6 ms on the 2-core "
-        "AVX2 EPYC, Poisson-mode ITL p50 1.74x -> 1.20x vLLM's)",
+        default=0, ge=0, description="CPU: threads of the few-row linear kernel (decode steps' linears and routed "
+        "experts); 0: threads (every core). Its elastic pool never waits for a thread that lost its core, and it "
+        "runs on one thread while other processes leave no core spare",
     )
     core_malloc: Literal["auto", "system"] = Field(
         default="auto", description="allocator of the engine core: auto (tcmalloc preloaded when the system has "

@@ -61,8 +61,7 @@ def step_threads(settings: LLMSettings):
         return None
     large = core_threads(settings)
     return StepThreads(large, min(large, settings.small_step_threads or large), settings.small_step_tokens,
-                       gemv=settings.gemv_threads or large, gemv_few=settings.few_seqs_gemv_threads or large,
-                       few_seqs=settings.few_seqs)
+                       gemv=settings.gemv_threads or large)
 
 
 TCMALLOC_PATHS = ("/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",

@@ -71,7 +71,7 @@ class ModelRunner:
         ``all_logits`` seq, ``[d + 1, vocab]`` (its last d + 1 tokens') for a seq verifying d drafts."""
         assert batch.seqs, "empty batch"
         if self.threads is not None:
-            self.threads.apply(batch.num_tokens, len(batch.seqs))
+            self.threads.apply(batch.num_tokens)
         tables = self.tables.apply(batch)
         positions = torch.tensor([p for s in batch.seqs for p in s.positions], dtype=torch.long,
                                  device=self.device)

@@ -6,25 +6,24 @@ parallel regions may pay a wake-up of sleeping OpenMP workers (see
 ``llm_svc.core.process.core_env``) and takes a core from the front and the gateway, which
 stream its tokens. So steps of fewer than ``min_tokens`` tokens run on ``small`` threads.
 
-The few-row linear kernel (``llm_svc.models.cpu_gemv``: a decode step's linears, bound by
-streaming the weights) gets its own count by the step's sequences: ``gemv_few`` threads for a step
-of at most ``few_seqs`` sequences, ``gemv`` otherwise. With one or two sequences the front and
-the gateway stream few tokens a second and the second core is free, so two threads stream the
-weights nearly twice as fast; with more, the core shares the machine with that streaming and an
-OpenMP barrier waits whenever its other thread is descheduled. And only while the machine has a
-core to spare (1-minute load average at most ``large - 0.5``, read at most once a second): on a
-box shared with other busy processes (a test suite, a benchmark beside the services) every one
-of a step's ~40 barriers would wait for a time slice. Measured on the 2-core AVX2 EPYC
-(vs_vllm MiMo, in-process decode step, one torch thread): one sequence 11.7 -> 7.6 ms with two
-kernel threads, two 14.4 -> 9.4, four 17.6 -> 13.4; through the service (`vs_vllm --quick`,
-chat) two threads everywhere took the Poisson mode's ITL p50 from 1.74x vLLM's to 1.20x but the
-4-in-flight mode's from 0.99x to 1.27x.
+The few-row linear kernel (``llm_svc.models.cpu_gemv``: a decode step's linears and routed
+experts, bound by streaming the weights) runs on ``gemv`` threads of its own elastic pool (every
+core by default): the step's thread runs the work itself and the pool's helpers join while they
+are on a core, so when the front, the gateway or a client takes the other core the step runs on
+alone instead of waiting for it at an OpenMP barrier. Only while the machine has a core to spare
+(``OtherLoad``: the CPU time every other process took over the last second, from ``/proc/stat``
+less this process's own, at most ``cores - gemv + 0.75`` cores); on a box busy with other work
+(a test suite, a benchmark beside the services) a helper that claimed a chunk and lost its core
+would hold the step for a time slice, so the kernel runs on one thread there. Measured on the
+2-core AVX-512 EPYC (vs_vllm MiMo, 4 chats in flight through the service, the core's step time
+by its 4 decodes, median): OpenMP on one thread 13.4 ms, on two 13.4 ms, the pool on two 10.7.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,46 +31,84 @@ import torch
 from llm_svc.models import cpu_gemv
 
 
+def _cpu_sample() -> tuple[float, float, float] | None:
+    """(wall s, CPU s every process on the machine was busy, CPU s of this process) now; None
+    where ``/proc/stat`` cannot be read."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != b"cpu" or len(fields) < 8:
+        return None
+    # user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait
+    jiffies = [int(x) for x in fields[1:9]]
+    busy = sum(jiffies) - jiffies[3] - jiffies[4]
+    return time.monotonic(), busy / _CLK_TCK, time.process_time()
+
+
+_CLK_TCK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+
+
+@dataclass
+class OtherLoad:
+    """Cores' worth of CPU the rest of the machine (every process but this one) used over the
+    last ``interval`` seconds, re-measured at most once per ``interval``. Unknown (no sample yet,
+    or no ``/proc/stat``): ``inf``, read as busy."""
+
+    interval: float = 1.0
+    sample: Callable[[], tuple[float, float, float] | None] = _cpu_sample
+    _last: tuple[float, float, float] | None = None
+    _value: float = float("inf")
+
+    def cores(self) -> float:
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < self.interval:
+            return self._value
+        cur = self.sample()
+        if cur is None:
+            self._last, self._value = None, float("inf")
+            return self._value
+        if self._last is not None and cur[0] > self._last[0]:
+            wall = cur[0] - self._last[0]
+            self._value = max(0.0, (cur[1] - self._last[1]) - (cur[2] - self._last[2])) / wall
+        self._last = cur
+        return self._value
+
+
+def _allowed_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class StepThreads:
     large: int  # threads of a step of at least ``min_tokens`` tokens
     small: int = 1  # threads of a smaller step
     min_tokens: int = 64
-    gemv: int = 1  # few-row kernel threads of a step of more than ``few_seqs`` sequences
-    gemv_few: int = 1  # ... and of a step of at most ``few_seqs``
-    few_seqs: int = 2
-    _load: list[float] = field(default_factory=lambda: [0.0, -1.0], compare=False, repr=False)  # [value, read at]
+    gemv: int = 1  # few-row kernel threads while a core is spare (one otherwise)
+    others: OtherLoad = field(default_factory=OtherLoad, compare=False, repr=False)
+    cpus: int = field(default_factory=_allowed_cpus, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if min(self.large, self.small, self.min_tokens, self.gemv, self.gemv_few) < 1 or self.few_seqs < 0:
+        if min(self.large, self.small, self.min_tokens, self.gemv) < 1:
             raise ValueError(f"StepThreads needs positive counts, got {self}")
 
     def threads_for(self, num_tokens: int) -> int:
         return self.large if num_tokens >= self.min_tokens else self.small
 
     def spare_core(self) -> bool:
-        """Whether the machine has a core the step's own threads would not have to fight for:
-        the 1-minute load average (read at most once a second) at most ``large - 0.5``."""
-        now = time.monotonic()
-        if now - self._load[1] >= 1.0:
-            try:
-                self._load[0] = os.getloadavg()[0]
-            except OSError:  # no load average here: assume a busy machine
-                self._load[0] = float("inf")
-            self._load[1] = now
-        return self._load[0] <= self.large - 0.5
+        """Whether ``gemv`` threads would not have to fight other processes for their cores:
+        the rest of the machine used at most ``cpus - gemv + 0.75`` cores over the last second."""
+        return self.others.cores() <= self.cpus - self.gemv + 0.75
 
-    def gemv_for(self, num_seqs: int) -> int:
-        if num_seqs <= self.few_seqs and self.gemv_few != self.gemv and self.spare_core():
-            return self.gemv_few
-        return self.gemv
+    def gemv_threads(self) -> int:
+        return self.gemv if self.gemv > 1 and self.spare_core() else 1
 
-    def apply(self, num_tokens: int, num_seqs: int | None = None) -> int:
+    def apply(self, num_tokens: int) -> int:
         """Set torch's thread count for a step of ``num_tokens`` tokens (a no-op when unchanged)
-        and, given its ``num_seqs``, the few-row kernel's; returns torch's."""
+        and the few-row kernel's; returns torch's."""
         n = self.threads_for(num_tokens)
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
-        if num_seqs is not None:
-            cpu_gemv.set_threads(self.gemv_for(num_seqs))
+        cpu_gemv.set_threads(self.gemv_threads())
         return n

@@ -3,14 +3,159 @@
  * With 1-8 rows a linear is bound by streaming its weight once from memory; oneDNN's GEMM for
  * such shapes reached 3-8 GB/s on the 2-core dev VMs. Here each weight row is read once for all
  * rows of x (x stays in L1), two weight rows at a time against four x rows (8 accumulators),
- * and the output rows are split into blocks over OpenMP threads (torch's own libgomp: the same
- * runtime, no second thread pool).
+ * and the output rows are split into blocks over the threads of an elastic pool (below).
  *
  * x [M, K] with row stride ldx; w [N, K] contiguous; bias [N] or NULL; out [M, N] with row
  * stride ldo. Returns 0.
  */
+#define _GNU_SOURCE
 #include <stdint.h>
 #include <stddef.h>
+#include <stdatomic.h>
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#include <linux/futex.h>
+
+/* ---------------------------------------------------------------------------------- the pool
+ * An elastic parallel-for: the caller runs chunks itself and persistent helper threads join in
+ * when they are on a core. The caller never waits for a helper that has not started: it claims
+ * chunks until none are left, then waits only for chunks a helper has claimed and not finished.
+ * An OpenMP loop's barrier instead waits for every thread of the team, so whenever a process
+ * beside the engine (the front, the gateway, a client) takes the other core, each of a decode
+ * step's ~40 linears waited for its time slice: in the service two threads gave nothing over one.
+ *
+ * claim: (generation << 48) | (front << 24) | back; chunks [front, back) are left. A job's fn /
+ * ctx / n sit in slot gen & 1; the caller
+ * writes them before it publishes the generation, and does not reuse a slot before the job two
+ * generations back is done, so a helper that claims with a compare-exchange on a current
+ * generation reads a stable slot (a stale helper's exchange fails). Helpers spin a little, then
+ * yield, then sleep on a futex. */
+typedef void (*chunk_fn)(void* ctx, int64_t i);
+typedef struct { chunk_fn fn; void* ctx; int64_t n; int64_t helpers; } job_t;
+
+#define POOL_MAX 63
+static _Atomic uint64_t pool_claim;
+static _Atomic int64_t pool_done;
+static _Atomic uint32_t pool_wake; /* futex word: the generation helpers may wait on */
+static _Atomic int pool_sleepers;
+static job_t pool_job[2];
+static int pool_started; /* helpers running (the caller's thread only) */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static int pool_pid; /* after a fork the helpers are gone: start again */
+static atomic_flag pool_busy = ATOMIC_FLAG_INIT; /* a second concurrent caller runs serially */
+
+static long futex(_Atomic uint32_t* addr, int op, uint32_t val) {
+    return syscall(SYS_futex, (uint32_t*)addr, op, val, NULL, NULL, 0);
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+#define CL_GEN(c) ((uint32_t)((c) >> 48))
+#define CL_FRONT(c) ((int64_t)(((c) >> 24) & 0xffffff))
+#define CL_BACK(c) ((int64_t)((c) & 0xffffff))
+
+/* a helper runs the current job's chunks from the back while any are left (the caller takes
+ * them from the front: each thread streams a contiguous run of the weight, as a static split
+ * would, and they meet where the slower one is) */
+static void pool_work(uint32_t gen, int64_t helper) {
+    uint64_t c = atomic_load_explicit(&pool_claim, memory_order_acquire);
+    for (;;) {
+        if (CL_GEN(c) != (gen & 0xffff)) return;
+        const job_t* j = &pool_job[gen & 1];
+        if (CL_FRONT(c) >= CL_BACK(c) || helper >= j->helpers) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool_claim, &c, c - 1, memory_order_acq_rel, memory_order_acquire))
+            continue;
+        /* claimed chunk back - 1 of this generation: the job cannot finish (nor its slot change) first */
+        j->fn(j->ctx, CL_BACK(c) - 1);
+        atomic_fetch_add_explicit(&pool_done, 1, memory_order_release);
+        c = atomic_load_explicit(&pool_claim, memory_order_acquire);
+    }
+}
+
+static void* pool_helper(void* arg) {
+    const int64_t me = (int64_t)(intptr_t)arg;
+    uint32_t seen = atomic_load(&pool_wake);
+    for (;;) {
+        uint32_t g = atomic_load_explicit(&pool_wake, memory_order_acquire);
+        /* ~20-50 us of pause, then ~1 ms of yielding the core to anyone runnable, then sleep */
+        for (int spin = 0; g == seen && spin < 2000; spin++) {
+            cpu_relax();
+            g = atomic_load_explicit(&pool_wake, memory_order_acquire);
+        }
+        for (int spin = 0; g == seen && spin < 200; spin++) {
+            sched_yield();
+            g = atomic_load_explicit(&pool_wake, memory_order_acquire);
+        }
+        if (g == seen) {
+            atomic_fetch_add(&pool_sleepers, 1);
+            if (atomic_load(&pool_wake) == seen) futex(&pool_wake, FUTEX_WAIT_PRIVATE, seen);
+            atomic_fetch_sub(&pool_sleepers, 1);
+            continue;
+        }
+        seen = g;
+        pool_work(g, me);
+    }
+    return NULL;
+}
+
+static void pool_ensure(int64_t helpers) {
+    if (pool_pid != getpid()) { pool_started = 0; pool_pid = getpid(); }
+    if (pool_started >= helpers) return;
+    pthread_mutex_lock(&pool_lock);
+    while (pool_started < helpers && pool_started < POOL_MAX) {
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&t, &a, pool_helper, (void*)(intptr_t)pool_started);
+        pthread_attr_destroy(&a);
+        if (rc != 0) break;
+        pool_started++;
+    }
+    pthread_mutex_unlock(&pool_lock);
+}
+
+/* fn(ctx, i) for every i in [0, n), on the caller and up to threads - 1 helpers. One caller at a
+ * time (the engine's step thread); any chunk may run on any thread, so results must not depend
+ * on which. */
+static void par_for(chunk_fn fn, void* ctx, int64_t n, int64_t threads) {
+    if (threads <= 1 || n < 2 || n > 0xffffff || atomic_flag_test_and_set(&pool_busy)) {
+        for (int64_t i = 0; i < n; i++) fn(ctx, i);
+        return;
+    }
+    pool_ensure(threads - 1);
+    const uint32_t gen = (CL_GEN(atomic_load_explicit(&pool_claim, memory_order_relaxed)) + 1) & 0xffff;
+    job_t* j = &pool_job[gen & 1];
+    j->fn = fn; j->ctx = ctx; j->n = n; j->helpers = threads - 1;
+    atomic_store_explicit(&pool_done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool_claim, ((uint64_t)gen << 48) | (uint64_t)n, memory_order_release);
+    atomic_store(&pool_wake, gen); /* seq_cst: against a helper's sleepers++ then load of pool_wake */
+    if (atomic_load(&pool_sleepers) > 0) futex(&pool_wake, FUTEX_WAKE_PRIVATE, POOL_MAX);
+    uint64_t c = atomic_load_explicit(&pool_claim, memory_order_acquire);
+    while (CL_FRONT(c) < CL_BACK(c)) { /* the caller takes chunks from the front */
+        if (!atomic_compare_exchange_weak_explicit(&pool_claim, &c, c + ((uint64_t)1 << 24), memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        fn(ctx, CL_FRONT(c));
+        atomic_fetch_add_explicit(&pool_done, 1, memory_order_release);
+        c = atomic_load_explicit(&pool_claim, memory_order_acquire);
+    }
+    /* only chunks a helper claimed are left: wait for those */
+    for (int spin = 0; atomic_load_explicit(&pool_done, memory_order_acquire) < n; spin++) {
+        if (spin < 4096) cpu_relax(); else sched_yield();
+    }
+    atomic_flag_clear(&pool_busy);
+}
+
+/* helpers started (for tests) */
+int64_t mmserve_pool_helpers(void) { return pool_pid == getpid() ? pool_started : 0; }
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -138,6 +283,14 @@ static void rows512(const float* x, int64_t ldx, const float* w, const float* bi
 #define ROWS rows
 #endif
 
+typedef struct { const float *x, *w, *bias; float* out; int64_t ldx, ldo, M, N, K; } gemv_args;
+
+static void gemv_block(void* ctx, int64_t b) {
+    const gemv_args* a = ctx;
+    const int64_t n0 = b * BLOCK_ROWS, n1 = n0 + BLOCK_ROWS < a->N ? n0 + BLOCK_ROWS : a->N;
+    ROWS(a->x, a->ldx, a->w, a->bias, a->out, a->ldo, a->M, a->K, n0, n1);
+}
+
 int mmserve_gemv_f32(const float* x, int64_t ldx, const float* w, const float* bias, float* out, int64_t ldo,
                      int64_t M, int64_t N, int64_t K, int64_t threads) {
     const int64_t blocks = (N + BLOCK_ROWS - 1) / BLOCK_ROWS;
@@ -145,11 +298,8 @@ int mmserve_gemv_f32(const float* x, int64_t ldx, const float* w, const float* b
         ROWS(x, ldx, w, bias, out, ldo, M, K, 0, N);
         return 0;
     }
-#pragma omp parallel for num_threads((int)threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * BLOCK_ROWS, n1 = n0 + BLOCK_ROWS < N ? n0 + BLOCK_ROWS : N;
-        ROWS(x, ldx, w, bias, out, ldo, M, K, n0, n1);
-    }
+    gemv_args a = {x, w, bias, out, ldx, ldo, M, N, K};
+    par_for(gemv_block, &a, blocks, threads);
     return 0;
 }
 
@@ -168,6 +318,23 @@ int mmserve_gemv_f32(const float* x, int64_t ldx, const float* w, const float* b
 /* e^-v for the sigmoid and SiLU: -ffast-math assumes no infinities, so expf is kept finite
  * (1 / (1 + e^80) is 0 in float) */
 static inline float exp_neg(float v) { return expf(fminf(-v, 80.f)); }
+
+typedef struct { const float *xs, *gate_up, *down; float *gu, *ys; const int64_t *start, *list; int64_t H, I; } moe_args;
+
+static void moe_expert(void* ctx, int64_t u) {
+    const moe_args* a = ctx;
+    const int64_t e = a->list[u], H = a->H, I = a->I;
+    const int64_t r0 = a->start[e], c = a->start[e + 1] - r0;
+    float* g = a->gu + r0 * 2 * I;
+    ROWS(a->xs + r0 * H, H, a->gate_up + e * 2 * I * H, NULL, g, 2 * I, c, H, 0, 2 * I);
+    for (int64_t j = 0; j < c; j++) { /* the activation in place over the gate half */
+        float* row = g + j * 2 * I;
+        for (int64_t i = 0; i < I; i++) {
+            row[i] = row[i] / (1.f + exp_neg(row[i])) * row[I + i]; /* silu(gate) * up */
+        }
+    }
+    ROWS(g, 2 * I, a->down + e * H * I, NULL, a->ys + r0 * H, H, c, I, 0, H);
+}
 
 int mmserve_moe_f32(const float* x, int64_t T, int64_t H, const int64_t* idx, const float* w, int64_t K,
                     const float* gate_up, const float* down, int64_t E, int64_t I, float* out, int64_t threads) {
@@ -188,20 +355,17 @@ int mmserve_moe_f32(const float* x, int64_t T, int64_t H, const int64_t* idx, co
     int64_t* fill = start + E + 1;
     for (int64_t p = 0; p < P; p++) pair[start[idx[p]] + fill[idx[p]]++] = p;
     for (int64_t r = 0; r < P; r++) memcpy(xs + r * H, x + (pair[r] / K) * H, (size_t)H * sizeof(float));
-#pragma omp parallel for num_threads((int)(threads > 1 ? threads : 1)) schedule(dynamic, 1) if (threads > 1)
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t r0 = start[e], c = start[e + 1] - r0;
-        if (!c) continue;
-        float* g = gu + r0 * 2 * I;
-        ROWS(xs + r0 * H, H, gate_up + e * 2 * I * H, NULL, g, 2 * I, c, H, 0, 2 * I);
-        for (int64_t j = 0; j < c; j++) { /* the activation in place over the gate half */
-            float* row = g + j * 2 * I;
-            for (int64_t i = 0; i < I; i++) {
-                row[i] = row[i] / (1.f + exp_neg(row[i])) * row[I + i]; /* silu(gate) * up */
-            }
-        }
-        ROWS(g, 2 * I, down + e * H * I, NULL, ys + r0 * H, H, c, I, 0, H);
+    int64_t used[256 + 1], nu = 0; /* the experts with tokens, one chunk each */
+    int64_t* list = E <= 256 ? used : malloc((size_t)E * sizeof(int64_t));
+    if (!list) {
+        free(start); free(pair); free(xs); free(gu); free(ys);
+        return 1;
     }
+    for (int64_t e = 0; e < E; e++)
+        if (start[e + 1] > start[e]) list[nu++] = e;
+    moe_args a = {xs, gate_up, down, gu, ys, start, list, H, I};
+    par_for(moe_expert, &a, nu, threads);
+    if (list != used) free(list);
     memset(out, 0, (size_t)T * (size_t)H * sizeof(float));
     for (int64_t r = 0; r < P; r++) {
         const int64_t p = pair[r];
@@ -252,13 +416,18 @@ int mmserve_route_f32(const float* x, int64_t T, int64_t H, const float* wr, con
 
 /* silu(gate) * up of a gated MLP's fused projection: gu [T, 2I] (gate | up, row stride ld) ->
  * out [T, I] (contiguous), rows over threads. */
+typedef struct { const float* gu; float* out; int64_t ld, I; } silu_args;
+
+static void silu_row(void* ctx, int64_t t) {
+    const silu_args* a = ctx;
+    const float* g = a->gu + t * a->ld;
+    const float* u = g + a->I;
+    float* o = a->out + t * a->I;
+    for (int64_t i = 0; i < a->I; i++) o[i] = g[i] / (1.f + exp_neg(g[i])) * u[i];
+}
+
 int mmserve_silu_mul_f32(const float* gu, int64_t ld, float* out, int64_t T, int64_t I, int64_t threads) {
-#pragma omp parallel for num_threads((int)(threads > 1 ? threads : 1)) schedule(static) if (threads > 1 && T > 1)
-    for (int64_t t = 0; t < T; t++) {
-        const float* g = gu + t * ld;
-        const float* u = g + I;
-        float* o = out + t * I;
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + exp_neg(g[i])) * u[i];
-    }
+    silu_args a = {gu, out, ld, I};
+    par_for(silu_row, &a, T, threads);
     return 0;
 }

@@ -8,11 +8,13 @@ with the same threads, so calls of at most ``MAX_ROWS`` rows come here (``linear
 or of at most ``MAX_ROWS_FEW_THREADS`` while torch runs on fewer threads than this kernel (a
 decode step, ``StepThreads``): [16, 1152] x [1152, 512] oneDNN on 1 thread 490 us, here 340.
 
-Threads: ``set_threads`` (the core: ``gemv_threads``, 1 by default). Two threads streamed a
-weight ~2x faster in isolation ([4, 512] x [512, 512]: 136 -> 64 us), but in the service (front,
-gateway and client beside the core on 2 cores) decodes got slower with them (ITL p50 25.1 ms on
-one, 28.4 on two: an OpenMP barrier waits whenever the other core is taken); on one thread the
-kernel still beats oneDNN on one thread (136 vs 192 us, [4, 256] x [512, 256] 74 vs 177 us).
+Threads: ``set_threads`` (the core: ``StepThreads.gemv``, every core while one is spare). The
+kernel's own elastic pool (``par_for`` in the C source), not OpenMP: the caller runs row blocks
+from the front, helpers from the back, and the caller waits only for blocks a helper has started.
+An OpenMP loop waited for both threads at its barrier, so in the service (the front, the gateway
+and the client beside the core on 2 cores) a second thread gave nothing: 4 decodes a step took
+13.4 ms on one thread and on two; with the pool 10.7 ms on two (2-core AVX-512 EPYC, vs_vllm
+MiMo, median step through the service). Results do not depend on the thread count.
 
 AVX-512 (a 4 x 4 tile of 16-wide vectors, the next tile's weight rows prefetched): on a 2-core
 AVX-512 Xeon the AVX2 tile was 1.5-1.9x slower than oneDNN (one thread, 64 distinct weights:
@@ -46,11 +48,13 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mmserve_route_f32.restype = ctypes.c_int
     lib.mmserve_silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
     lib.mmserve_silu_mul_f32.restype = ctypes.c_int
+    lib.mmserve_pool_helpers.argtypes = []
+    lib.mmserve_pool_helpers.restype = i64
 
 
 KERNEL = CKernel(SOURCE, "cpu_gemv", _bind, what="CPU small-batch linear kernel",
-                 fallback="linears of few rows use oneDNN", flags=FAST_FLAGS + ("-fopenmp",),
-                 link_flags=("-shared", "-fopenmp"))
+                 fallback="linears of few rows use oneDNN", flags=FAST_FLAGS + ("-pthread",),
+                 link_flags=("-shared", "-pthread"))
 _threads = 1
 
 

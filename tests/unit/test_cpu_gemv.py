@@ -186,3 +186,61 @@ def test_router_kernel_refuses_what_it_cannot_run():
     assert not cpu_gemv.supports_route(x, torch.randn(257, 8))
     assert not cpu_gemv.supports_route(x.double(), torch.randn(4, 8))
     assert not cpu_gemv.supports_route(torch.randn(cpu_gemv.MOE_MAX_TOKENS + 1, 8), torch.randn(4, 8))
+
+
+def test_pool_results_do_not_depend_on_threads_and_helpers_start_once(monkeypatch):
+    """The elastic pool splits a weight's row blocks between the caller and its helpers: every
+    thread count gives the bit-identical result, and helpers are started once, up to the count."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 512, generator=g)
+    w = torch.randn(1000, 512, generator=g)  # 32 blocks of 32 rows, the last one short
+    monkeypatch.setattr(cpu_gemv, "_threads", 1)
+    ref = cpu_gemv.linear(x, w)
+    lib = cpu_gemv.KERNEL.load()
+    for threads in (2, 3, 4, 2):
+        monkeypatch.setattr(cpu_gemv, "_threads", threads)
+        for _ in range(20):  # many generations: a stale helper never runs a later job's chunk
+            assert torch.equal(cpu_gemv.linear(x, w), ref)
+    assert lib.mmserve_pool_helpers() == 3
+    gu = torch.randn(6, 2 * 64, 128, generator=g)
+    dn = torch.randn(6, 128, 64, generator=g)
+    xs = torch.randn(8, 128, generator=g)
+    idx = torch.randint(0, 6, (8, 2), generator=g)
+    wts = torch.rand(8, 2, generator=g)
+    monkeypatch.setattr(cpu_gemv, "_threads", 1)
+    moe_ref = cpu_gemv.moe(xs, idx, wts, gu, dn)
+    monkeypatch.setattr(cpu_gemv, "_threads", 4)
+    assert torch.equal(cpu_gemv.moe(xs, idx, wts, gu, dn), moe_ref)
+
+
+def test_pool_serves_concurrent_callers_and_a_forked_child(monkeypatch):
+    """Two Python threads calling at once (the second runs its own call serially) and a child
+    forked after the helpers started (it has none: it starts its own) all get exact results."""
+    import os
+    import threading
+
+    g = torch.Generator().manual_seed(6)
+    ws = [torch.randn(768, 512, generator=g) for _ in range(2)]
+    xs = [torch.randn(3, 512, generator=g) for _ in range(2)]
+    monkeypatch.setattr(cpu_gemv, "_threads", 1)
+    refs = [cpu_gemv.linear(x, w) for x, w in zip(xs, ws)]
+    monkeypatch.setattr(cpu_gemv, "_threads", 2)
+    bad = []
+
+    def hammer(j: int) -> None:
+        for _ in range(200):
+            if not torch.equal(cpu_gemv.linear(xs[j], ws[j]), refs[j]):
+                bad.append(j)
+
+    threads = [threading.Thread(target=hammer, args=(j,)) for j in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == []
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only if its calls are exact
+        ok = all(torch.equal(cpu_gemv.linear(xs[0], ws[0]), refs[0]) for _ in range(20))
+        os._exit(0 if ok and cpu_gemv.KERNEL.load().mmserve_pool_helpers() == 1 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

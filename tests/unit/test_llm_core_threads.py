@@ -33,7 +33,7 @@ def test_small_steps_run_on_fewer_threads_than_big_ones():
     from llm_svc.engine.step_threads import StepThreads
 
     plan = step_threads(LLMSettings(model_dir="m", threads=2, small_step_threads=1, small_step_tokens=64))
-    assert plan == StepThreads(large=2, small=1, min_tokens=64, gemv=1, gemv_few=2, few_seqs=2)
+    assert plan == StepThreads(large=2, small=1, min_tokens=64, gemv=2)
     assert [plan.threads_for(n) for n in (1, 63, 64, 2048)] == [1, 1, 2, 2]
     before = torch.get_num_threads()
     try:
@@ -45,35 +45,64 @@ def test_small_steps_run_on_fewer_threads_than_big_ones():
     assert same.threads_for(1) == same.threads_for(4096) == 3
 
 
-def test_few_row_kernel_threads_follow_the_steps_sequences():
-    """A decode step of at most ``few_seqs`` sequences streams its weights on every core, a
-    bigger one on ``gemv_threads``; the kernel's count is set by each step."""
+def test_few_row_kernel_runs_on_every_core_while_one_is_spare():
+    """The few-row kernel takes ``gemv_threads`` (every core by default) while the rest of the
+    machine leaves a core spare, one thread otherwise; each step sets it."""
+    from dataclasses import replace
+
     import torch
 
     from llm_svc.core.process import step_threads
+    from llm_svc.engine.step_threads import OtherLoad
     from llm_svc.models import cpu_gemv
 
-    plan = step_threads(LLMSettings(model_dir="m", threads=2, gemv_threads=1))
-    plan._load[:] = [0.2, float("inf")]  # an idle machine, read "just now" (never re-read here)
+    busy = [0.2]  # cores the rest of the machine takes, as the fake /proc/stat reports it
+    clock = {"wall": 0.0, "machine": 0.0, "own": 0.0}
+
+    def sample():  # one second later each call: this process took 1 core, the others ``busy``
+        clock["wall"] += 1.0
+        clock["own"] += 1.0
+        clock["machine"] += 1.0 + busy[0]
+        return clock["wall"], clock["machine"], clock["own"]
+
+    plan = replace(step_threads(LLMSettings(model_dir="m", threads=2)), cpus=2,
+                   others=OtherLoad(interval=0.0, sample=sample))
+    assert plan.gemv == 2
+    assert plan.gemv_threads() == 1  # nothing measured yet: read as busy
     before, gemv_before = torch.get_num_threads(), cpu_gemv._threads
     try:
-        assert [plan.gemv_for(n) for n in (1, 2, 3, 16)] == [2, 2, 1, 1]
-        plan.apply(1, 1)
-        assert cpu_gemv._threads == 2
-        plan.apply(4, 4)
+        assert plan.gemv_threads() == 2
+        plan.apply(4)
+        assert cpu_gemv._threads == 2 and torch.get_num_threads() == 1
+        busy[0] = 0.9  # the other core is busy (another process): one thread
+        plan.apply(4)
         assert cpu_gemv._threads == 1
-        plan.apply(4)  # no sequence count: the kernel's count is left alone
-        assert cpu_gemv._threads == 1
-        plan._load[0] = 1.7  # the other core is busy (another process): one thread, whatever the step
-        assert [plan.gemv_for(n) for n in (1, 2, 3)] == [1, 1, 1]
-        off = step_threads(LLMSettings(model_dir="m", threads=2, few_seqs=0, gemv_threads=1))
-        assert off.gemv_for(1) == 1
-        pinned = step_threads(LLMSettings(model_dir="m", threads=2, few_seqs_gemv_threads=1))
-        assert pinned.gemv_for(1) == 1
+        busy[0] = 0.7  # most of it: still a quarter core left for the helper
+        assert plan.gemv_threads() == 2
+        pinned = replace(step_threads(LLMSettings(model_dir="m", threads=2, gemv_threads=1)), cpus=2,
+                         others=OtherLoad(interval=0.0, sample=sample))
+        assert [pinned.gemv_threads() for _ in range(3)] == [1, 1, 1]
     finally:
         torch.set_num_threads(before)
         cpu_gemv.set_threads(gemv_before)
     assert step_threads(LLMSettings(model_dir="m", device="cuda")) is None
+
+
+def test_other_load_is_the_rest_of_the_machine_not_this_process():
+    """``OtherLoad`` subtracts this process's own CPU time from the machine's busy time, reads
+    unknown as busy, and re-reads at most once per interval; the real reader gives a sample."""
+    from llm_svc.engine.step_threads import OtherLoad, _cpu_sample
+
+    samples = iter([(10.0, 100.0, 5.0), (12.0, 104.0, 8.0), None])
+    load = OtherLoad(interval=0.0, sample=lambda: next(samples))
+    assert load.cores() == float("inf")  # no interval measured yet
+    assert load.cores() == 0.5  # 4 busy s over 2 s, 3 of them this process's
+    assert load.cores() == float("inf")  # the reader failed
+    cached = OtherLoad(interval=3600.0, sample=lambda: (0.0, 0.0, 0.0))
+    cached._last, cached._value = (1e18, 0.0, 0.0), 0.25
+    assert cached.cores() == 0.25  # inside the interval: not re-read
+    real = _cpu_sample()
+    assert real is not None and real[1] > 0 and real[2] > 0  # Linux: /proc/stat is there
 
 
 def test_core_env_preloads_tcmalloc_only_when_asked_and_found(monkeypatch):
