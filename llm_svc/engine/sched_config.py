@@ -18,6 +18,10 @@ class SchedulerConfig:
     # False keeps SWA KV for every token (a conventional cache; the benchmarks' baseline)
     release_swa: bool = True
     max_chunk_tokens: int = 0  # largest prefill chunk of one request; 0 = max_batch_tokens
+    # > 0: a step that already holds this many prefill tokens admits no more waiting prompts
+    # (they start next step): prompts that arrive together finish their prefills one after
+    # another instead of all at the end of one long step; 0 = fill max_batch_tokens
+    prefill_step_tokens: int = 0
     # > 0: note pages of this many tokens (and SWA windows at their boundaries) for a shared
     # lower KV tier (``KVManager.note_l3``)
     l3_page_tokens: int = 0
@@ -30,8 +34,8 @@ class SchedulerConfig:
         for name in ("max_batch_tokens", "max_running", "window", "decode_release_interval", "max_draft_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1")
-        if self.l3_page_tokens < 0:
-            raise ValueError("SchedulerConfig.l3_page_tokens must be >= 0")
+        if self.l3_page_tokens < 0 or self.prefill_step_tokens < 0:
+            raise ValueError("SchedulerConfig.l3_page_tokens and prefill_step_tokens must be >= 0")
         if not 0 <= self.max_chunk_tokens <= self.max_batch_tokens:
             raise ValueError("SchedulerConfig.max_chunk_tokens must be in [0, max_batch_tokens]")
         make_policy(self.policy)  # raises on an unknown name

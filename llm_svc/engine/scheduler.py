@@ -164,6 +164,7 @@ class Scheduler:
         budget = cfg.max_batch_tokens
         seqs: list[SeqForward] = []
         in_batch: set[str] = set()
+        prefill = 0  # prompt tokens of this step
         preempted_before = self.num_preemptions
         decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed == 1)
         per_decode = max(1, cfg.max_draft_tokens // max(1, decoding))  # drafts each decode may verify
@@ -192,6 +193,7 @@ class Scheduler:
                 seqs.append(self._build(req, start, end))
                 in_batch.add(req.req_id)
                 budget -= end - start
+                prefill += end - start
         # no admissions in a step that had to preempt (it would take the freed room right back)
         if budget >= 1 and len(self.running) < cfg.max_running and self.waiting and (
             self.num_preemptions == preempted_before
@@ -203,7 +205,7 @@ class Scheduler:
             prefilling = ({r.prompt_sig for r in self.running if not r.prefill_cached}
                           if cfg.enable_prefix_cache else None)
             for req in order:
-                if budget < 1 or len(self.running) >= cfg.max_running:
+                if budget < 1 or len(self.running) >= cfg.max_running or 0 < cfg.prefill_step_tokens <= prefill:
                     break
                 if prefilling and req.prompt_sig in prefilling and self._matchable(req, req.num_tokens) > 0:
                     continue  # (one that may take no cached prefix, e.g. scoring its prompt, need not wait)
@@ -217,6 +219,7 @@ class Scheduler:
                 seqs.append(sf)
                 in_batch.add(req.req_id)
                 budget -= len(sf.token_ids)
+                prefill += len(sf.token_ids)
         return ForwardBatch(seqs)
 
     @staticmethod

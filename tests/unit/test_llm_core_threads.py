@@ -115,3 +115,12 @@ def test_core_env_preloads_tcmalloc_only_when_asked_and_found(monkeypatch):
     assert "LD_PRELOAD" not in core_env({}, "system")
     monkeypatch.setattr(process, "find_tcmalloc", lambda: None)
     assert "LD_PRELOAD" not in core_env({}, "auto")
+
+
+def test_prefill_step_tokens_default_follows_the_device():
+    from llm_svc.core.build import CPU_PREFILL_STEP_TOKENS, prefill_step_tokens
+
+    assert prefill_step_tokens(LLMSettings(model_dir="m")) == CPU_PREFILL_STEP_TOKENS
+    assert prefill_step_tokens(LLMSettings(model_dir="m", device="cuda")) == 0
+    assert prefill_step_tokens(LLMSettings(model_dir="m", prefill_step_tokens=0)) == 0
+    assert prefill_step_tokens(LLMSettings(model_dir="m", device="cuda", prefill_step_tokens=512)) == 512

@@ -415,3 +415,32 @@ def test_drafts_share_the_steps_draft_budget():
     s.postprocess(batch, {"r0": [1, 5]})  # one draft kept: the other three positions' slots go back
     s.check_integrity()
     assert len(reqs[0].kv.full) == reqs[0].num_computed == reqs[0].num_tokens - 1
+
+
+def test_prefill_step_tokens_starts_later_prompts_next_step():
+    """With ``prefill_step_tokens`` a step that holds that many prompt tokens admits no more
+    waiting prompts: three prompts that arrive together prefill in three steps, each finishing a
+    step sooner than the one before, and decodes ride along; off (0) they share one step."""
+    def first_tokens(limit: int) -> tuple[list[list[tuple[str, int]]], dict[str, int]]:
+        sched, runner = make(SchedulerConfig(max_batch_tokens=64, window=4, prefill_step_tokens=limit), 600, 300)
+        for i in range(3):
+            sched.add(req(f"p{i}", list(range(1 + i, 13 + i)), max_tokens=3))  # 12 tokens each
+        steps, first = [], {}
+
+        def on_step(batch):
+            steps.append([(sf.req_id, len(sf.token_ids)) for sf in batch.seqs])
+            for sf in batch.seqs:
+                if sf.end >= 12:
+                    first.setdefault(sf.req_id, len(steps))
+
+        outs = drive(sched, runner, on_step=on_step)
+        assert sorted({o.req_id for o in outs}) == ["p0", "p1", "p2"]
+        return steps, first
+
+    steps, first = first_tokens(10)
+    assert steps[:3] == [[("p0", 12)], [("p0", 1), ("p1", 12)], [("p0", 1), ("p1", 1), ("p2", 12)]]
+    assert first == {"p0": 1, "p1": 2, "p2": 3}
+    steps, first = first_tokens(0)
+    assert steps[0] == [("p0", 12), ("p1", 12), ("p2", 12)] and first == {"p0": 1, "p1": 1, "p2": 1}
+    with pytest.raises(ValueError):
+        SchedulerConfig(prefill_step_tokens=-1)
