@@ -94,19 +94,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # thread, AVX-512 Xeon: 8 tokens 0.91 vs 1.33 ms the per-expert oneDNN loop, 32 1.27 vs 1.88, 64
 # 2.43 vs 2.83 (n-gram speculation at 8 requests x 5 rows took the loop: 0.6x the plain decode)
 MOE_MAX_TOKENS = 64
+# ... and a short prompt's chunk while this kernel has as many threads as torch: the pool runs
+# whole experts per thread (no barrier inside an expert's two products) where oneDNN splits each
+# small GEMM over both. One MoE layer of the vs_vllm MiMo, 2 + 2 threads, 2-core AVX-512 EPYC:
+# 32 tokens 1.25 -> 0.52 ms, 64 1.33 -> 0.87, 160 2.92 -> 2.18, 320 4.92 -> 4.70, 2,048 22.8 ->
+# 35.7 (oneDNN ahead). The whole in-process prefill, min of 30 twice: 96 tokens 33.1 / 35.7 ->
+# 31.1 / 28.3 ms, 128 41.2 -> 36.1 (cap 256), 160 46.7 / 47.0 -> 45.0 / 44.9, 200 58.5 -> 61.5
+MOE_MAX_TOKENS_ALL_THREADS = 160
 
 
-def _few_tokens(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """x [T, H] CPU float32 with 1..``MOE_MAX_TOKENS`` rows (a decode step's or a small one's), ``weights`` float32
+def _few_tokens(x: torch.Tensor, *weights: torch.Tensor, cap: int = MOE_MAX_TOKENS) -> bool:
+    """x [T, H] CPU float32 with 1..``cap`` rows (a decode step's or a small one's), ``weights`` float32
     and contiguous, and the kernel built: what ``moe`` and ``route`` both need."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 0 < x.shape[0] <= MOE_MAX_TOKENS
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 0 < x.shape[0] <= cap
             and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights) and KERNEL.available())
 
 
 def supports_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether ``moe`` runs this routed-experts call: CPU float32, at most ``MOE_MAX_TOKENS``
-    tokens (a decode step's), contiguous stacked weights, and the kernel built."""
-    return _few_tokens(x, gate_up, down)
+    tokens (a decode step's; ``MOE_MAX_TOKENS_ALL_THREADS`` while this kernel has at least
+    torch's threads), contiguous stacked weights, and the kernel built."""
+    cap = MOE_MAX_TOKENS_ALL_THREADS if _threads > 1 and _threads >= torch.get_num_threads() else MOE_MAX_TOKENS
+    return _few_tokens(x, gate_up, down, cap=cap)
 
 
 def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

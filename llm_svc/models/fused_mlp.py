@@ -9,7 +9,8 @@ once (one host sync for the counts), gathers the tokens into expert-contiguous r
 two GEMMs per expert that has tokens on those rows, then scales by the routing weights and sums
 each token's ``K`` rows back with one ``index_add_``. Per expert no mask, ``nonzero`` or ``where``
 (transformers' loop pays those per expert, which is most of a decode step's MoE time on CPU).
-A decode step's few tokens (at most ``cpu_gemv.MOE_MAX_TOKENS``) of SiLU-gated experts on the
+A decode step's few tokens (at most ``cpu_gemv.MOE_MAX_TOKENS``; a short prompt's, up to
+``MOE_MAX_TOKENS_ALL_THREADS``, while that kernel has every thread) of SiLU-gated experts on the
 CPU skip even that: the whole layer is one C call (``cpu_gemv.moe``: experts' few-row products,
 activation and weighted sum). vs_vllm MiMo checkpoint (hidden 512, 8 experts of 256, top-2), one
 thread, AVX-512: 4 tokens 510 -> 303 us a layer, 16 tokens 1001 -> 530 us; the engine's decode

@@ -244,3 +244,25 @@ def test_pool_serves_concurrent_callers_and_a_forked_child(monkeypatch):
         os._exit(0 if ok and cpu_gemv.KERNEL.load().mmserve_pool_helpers() == 1 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_routed_experts_kernel_takes_a_short_prompt_only_with_every_thread(monkeypatch):
+    """Up to ``MOE_MAX_TOKENS_ALL_THREADS`` tokens run here while the kernel has at least torch's
+    threads (and more than one), ``MOE_MAX_TOKENS`` otherwise; such a chunk equals the loop."""
+    g = torch.Generator().manual_seed(9)
+    t, e, h, i = 150, 6, 64, 32
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    x = torch.randn(t, h, generator=g)
+    idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)])
+    w = torch.rand(t, 2, generator=g)
+    monkeypatch.setattr(cpu_gemv, "_threads", 1)
+    assert not cpu_gemv.supports_moe(x, gate_up, down)
+    monkeypatch.setattr(cpu_gemv, "_threads", max(2, torch.get_num_threads()))
+    assert cpu_gemv.supports_moe(x, gate_up, down)
+    assert not cpu_gemv.supports_moe(torch.randn(cpu_gemv.MOE_MAX_TOKENS_ALL_THREADS + 1, h), gate_up, down)
+    want = torch.zeros(t, h)
+    for r in range(t):
+        for j in range(2):
+            gu = gate_up[idx[r, j]] @ x[r]
+            want[r] += w[r, j] * (down[idx[r, j]] @ (torch.nn.functional.silu(gu[:i]) * gu[i:]))
+    torch.testing.assert_close(cpu_gemv.moe(x, idx, w, gate_up, down), want, rtol=1e-4, atol=1e-3)
