@@ -50,7 +50,9 @@ def core_threads(settings: LLMSettings) -> int:
         return settings.threads
     if settings.device.startswith("cuda"):
         return max(1, min(4, os.cpu_count() or 1))
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    from ..engine.step_threads import allowed_cpus
+
+    return max(1, allowed_cpus())
 
 
 def step_threads(settings: LLMSettings):

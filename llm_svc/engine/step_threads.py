@@ -76,7 +76,8 @@ class OtherLoad:
         return self._value
 
 
-def _allowed_cpus() -> int:
+def allowed_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -87,7 +88,7 @@ class StepThreads:
     min_tokens: int = 64
     gemv: int = 1  # few-row kernel threads while a core is spare (one otherwise)
     others: OtherLoad = field(default_factory=OtherLoad, compare=False, repr=False)
-    cpus: int = field(default_factory=_allowed_cpus, compare=False, repr=False)
+    cpus: int = field(default_factory=allowed_cpus, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if min(self.large, self.small, self.min_tokens, self.gemv) < 1:

@@ -27,11 +27,10 @@
  * step's ~40 linears waited for its time slice: in the service two threads gave nothing over one.
  *
  * claim: (generation << 48) | (front << 24) | back; chunks [front, back) are left. A job's fn /
- * ctx / n sit in slot gen & 1; the caller
- * writes them before it publishes the generation, and does not reuse a slot before the job two
- * generations back is done, so a helper that claims with a compare-exchange on a current
- * generation reads a stable slot (a stale helper's exchange fails). Helpers spin a little, then
- * yield, then sleep on a futex. */
+ * ctx / n sit in slot gen & 1; the caller writes them before it publishes the generation, and
+ * does not reuse a slot before the job two generations back is done, so a helper that claims
+ * with a compare-exchange on a current generation reads a stable slot (a stale helper's exchange
+ * fails). Helpers spin a little, then yield, then sleep on a futex. */
 typedef void (*chunk_fn)(void* ctx, int64_t i);
 typedef struct { chunk_fn fn; void* ctx; int64_t n; int64_t helpers; } job_t;
 
