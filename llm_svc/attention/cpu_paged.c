@@ -272,3 +272,40 @@ int mmserve_paged_decode_f32(
     return decode_body(q, kpool, vpool, table, trows, k0, lens, sinks, out, B, Hq, Hkv, Dqk, Dv, S, ld_slots, scale, softcap,
                        item_begin, item_end);
 }
+
+/* The same work split into ``chunks`` ranges of items run on another library's thread pool:
+ * ``par_for`` is its ``mmserve_par_for(fn, ctx, n, threads)`` (llm_svc/models/cpu_gemv.c), whose
+ * caller works too and waits only for chunks a helper started. Returns 0, or -1 when a chunk
+ * could not get its scratch memory. */
+typedef void (*chunk_fn_t)(void *ctx, int64_t i);
+typedef void (*par_for_t)(chunk_fn_t fn, void *ctx, int64_t n, int64_t threads);
+typedef struct {
+    const float *q, *kpool, *vpool;
+    const int64_t *table, *trows, *k0, *lens;
+    const float *sinks;
+    float *out;
+    int64_t B, Hq, Hkv, Dqk, Dv, S, ld_slots, items, chunks;
+    float scale, softcap;
+    volatile int failed;
+} decode_job_t;
+
+static void decode_chunk(void *ctx, int64_t i)
+{
+    decode_job_t *j = (decode_job_t *)ctx;
+    const int64_t a = j->items * i / j->chunks, e = j->items * (i + 1) / j->chunks;
+    if (mmserve_paged_decode_f32(j->q, j->kpool, j->vpool, j->table, j->trows, j->k0, j->lens, j->sinks, j->out, j->B,
+                                 j->Hq, j->Hkv, j->Dqk, j->Dv, j->S, j->ld_slots, j->scale, j->softcap, a, e) != 0)
+        j->failed = 1;
+}
+
+int mmserve_paged_decode_pooled_f32(
+    const float *q, const float *kpool, const float *vpool, const int64_t *table, const int64_t *trows,
+    const int64_t *k0, const int64_t *lens, const float *sinks, float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t Dqk,
+    int64_t Dv, int64_t S, int64_t ld_slots, float scale, float softcap, void *par_for, int64_t threads, int64_t chunks)
+{
+    decode_job_t job = {q, kpool, vpool, table, trows, k0, lens, sinks, out, B, Hq, Hkv, Dqk, Dv, S, ld_slots,
+                        B * Hkv, chunks < 1 ? 1 : chunks, scale, softcap, 0};
+    if (job.chunks > job.items) job.chunks = job.items;
+    ((par_for_t)par_for)(decode_chunk, &job, job.chunks, threads);
+    return job.failed ? -1 : 0;
+}

@@ -285,3 +285,44 @@ int mmserve_paged_prefill_f32(
     free(ptrs);
     return 0;
 }
+
+/* The same items run on another library's thread pool: ``par_for`` is its
+ * ``mmserve_par_for(fn, ctx, n, threads)`` (llm_svc/models/cpu_gemv.c), each of its chunks one
+ * item (the caller takes them from the front, helpers from the back: a causal chunk's cheap
+ * items and its dear ones). Returns 0, or 1 when a chunk could not get its scratch memory. */
+typedef void (*chunk_fn_t)(void *ctx, int64_t i);
+typedef void (*par_for_t)(chunk_fn_t fn, void *ctx, int64_t n, int64_t threads);
+typedef struct {
+    const float *q;
+    const kv_t *kpool, *vpool;
+    const int64_t *table, *trows, *k0, *qpos0, *ns;
+    const float *sinks;
+    float *out;
+    int64_t B, NQ, Hq, Hkv, D, Dv, S, cap, window, items;
+    float scale;
+    volatile int failed;
+} prefill_job_t;
+
+static void prefill_chunk(void *ctx, int64_t i)
+{
+    prefill_job_t *j = (prefill_job_t *)ctx;
+    if (mmserve_paged_prefill_f32(j->q, j->kpool, j->vpool, j->table, j->trows, j->k0, j->qpos0, j->ns, j->sinks, j->out,
+                                  j->B, j->NQ, j->Hq, j->Hkv, j->D, j->Dv, j->S, j->cap, j->window, j->scale, i,
+                                  j->items) != 0)
+        j->failed = 1;
+}
+
+int mmserve_paged_prefill_pooled_f32(
+    const float *q, const kv_t *kpool, const kv_t *vpool, const int64_t *table, const int64_t *trows, const int64_t *k0,
+    const int64_t *qpos0, const int64_t *ns, const float *sinks, float *out, int64_t B, int64_t NQ, int64_t Hq, int64_t Hkv,
+    int64_t D, int64_t Dv, int64_t S, int64_t cap, int64_t window, float scale, void *par_for, int64_t threads)
+{
+    const int64_t G = Hq / Hkv;
+    const int64_t MQ = G <= M ? M / G : 1;
+    int64_t items = 0;
+    for (int64_t b = 0; b < B; ++b) items += (ns[b] + MQ - 1) / MQ * Hkv;
+    prefill_job_t job = {q, kpool, vpool, table, trows, k0, qpos0, ns, sinks, out, B, NQ, Hq, Hkv, D, Dv, S, cap, window,
+                         items, scale, 0};
+    if (items > 0) ((par_for_t)par_for)(prefill_chunk, &job, items, threads);
+    return job.failed;
+}

@@ -10,7 +10,10 @@ soft-capping stay on the torch path (``supports``).
 
 Threads as ``cpu_paged``: the library releases the GIL, work items (member, query block, kv head)
 go round-robin to ``torch.get_num_threads()`` Python threads (or ``cpu_paged.set_threads``' count
-when more), so causal items of unequal length share out evenly.
+when more), so causal items of unequal length share out evenly. Under the engine core (``cpu_paged.use_pool``)
+each item is a chunk of the few-row kernel's C pool instead: the step's thread takes items from
+the front, the helpers from the back, no Python thread wakes (in-process MiMo prefill of 320
+tokens 91-106 -> 84-87 ms; 1,300 tokens about even).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.mmserve_paged_prefill_f32
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     fn.argtypes = [p] * 10 + [i64] * 9 + [f32, i64, i64]
+    fn.restype = ctypes.c_int
+    fn = lib.mmserve_paged_prefill_pooled_f32
+    fn.argtypes = [p] * 10 + [i64] * 9 + [f32, p, i64]
     fn.restype = ctypes.c_int
 
 
@@ -88,6 +94,11 @@ def paged_prefill(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: t
     args = (q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), trows.data_ptr(), k0.data_ptr(),
             qpos0.data_ptr(), ns.data_ptr(), None if sinks is None else sinks.data_ptr(), out.data_ptr(),
             b, nq, hq, hkv, dqk, dv, num_slots, table.shape[1], int(window or 0), float(params.scale))
+    par_for, pool_threads = cpu_paged.pool()
+    if threads is None and par_for is not None and pool_threads > 1:
+        rc = lib.mmserve_paged_prefill_pooled_f32(*args, par_for, pool_threads)
+        assert rc == 0, "paged prefill kernel: out of memory"
+        return out
     n = threads or max(torch.get_num_threads(), cpu_paged.thread_count())
     if n > 1:  # causal: a member's queries see about half its keys on average
         keys = (qpos0 + ns - k0) if window is None else torch.clamp(qpos0 + ns - k0, max=int(window) + nq)

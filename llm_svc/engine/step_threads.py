@@ -17,6 +17,8 @@ less this process's own, at most ``cores - gemv + 0.75`` cores); on a box busy w
 would hold the step for a time slice, so the kernel runs on one thread there. Measured on the
 2-core AVX-512 EPYC (vs_vllm MiMo, 4 chats in flight through the service, the core's step time
 by its 4 decodes, median): OpenMP on one thread 13.4 ms, on two 13.4 ms, the pool on two 10.7.
+The attention kernels run their work items on the same pool with the same count
+(``cpu_paged.use_pool``), or on Python threads while it has one thread.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llm_svc.attention import cpu_paged
 from llm_svc.models import cpu_gemv
 
 
@@ -111,5 +114,7 @@ class StepThreads:
         n = self.threads_for(num_tokens)
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
-        cpu_gemv.set_threads(self.gemv_threads())
+        gemv = self.gemv_threads()
+        cpu_gemv.set_threads(gemv)
+        cpu_paged.use_pool(cpu_gemv.par_for_address() if gemv > 1 else None, gemv)
         return n

@@ -152,6 +152,11 @@ static void par_for(chunk_fn fn, void* ctx, int64_t n, int64_t threads) {
     atomic_flag_clear(&pool_busy);
 }
 
+/* The pool for other kernels of this process (the attention kernels' libraries take this
+ * function's address from cpu_gemv.par_for_address): fn(ctx, i) for i in [0, n) on up to
+ * ``threads`` threads, as par_for. */
+void mmserve_par_for(chunk_fn fn, void* ctx, int64_t n, int64_t threads) { par_for(fn, ctx, n, threads); }
+
 /* helpers started (for tests) */
 int64_t mmserve_pool_helpers(void) { return pool_pid == getpid() ? pool_started : 0; }
 

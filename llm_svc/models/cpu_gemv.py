@@ -50,6 +50,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mmserve_silu_mul_f32.restype = ctypes.c_int
     lib.mmserve_pool_helpers.argtypes = []
     lib.mmserve_pool_helpers.restype = i64
+    lib.mmserve_par_for.argtypes = [p, p, i64, i64]
+    lib.mmserve_par_for.restype = None
 
 
 KERNEL = CKernel(SOURCE, "cpu_gemv", _bind, what="CPU small-batch linear kernel",
@@ -62,6 +64,24 @@ def set_threads(n: int) -> None:
     """Threads of every later call (the engine core: ``gemv_threads``)."""
     global _threads
     _threads = max(1, int(n))
+
+
+def threads() -> int:
+    """The count ``set_threads`` gave (every later call's)."""
+    return _threads
+
+
+def par_for_address() -> int | None:
+    """Address of the pool's ``mmserve_par_for(fn, ctx, n, threads)`` (C ABI), for other C
+    kernels of this process to run their work items on the same helpers; None without the kernel."""
+    global _par_for
+    if _par_for is None:
+        lib = KERNEL.load()
+        _par_for = None if lib is None else ctypes.cast(lib.mmserve_par_for, ctypes.c_void_p).value
+    return _par_for
+
+
+_par_for: int | None = None
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -143,3 +143,29 @@ def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
         assert cpu_paged.load() is None
     assert "unavailable" in caplog.text
     assert not cpu_paged.supports(torch.randn(1, 2, 8), LayerKV.empty(16, 2, 8, 8, torch.float32))
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_decode_on_the_c_pool_equals_one_thread(threads):
+    """``use_pool`` (the engine core's decode steps, ``StepThreads``): every call, however short,
+    runs its (sequence, kv head) items on the few-row kernel's C pool, caller included, and gives
+    the one-thread result bit for bit; ``use_pool(None, ..)`` goes back to the Python threads."""
+    from llm_svc.models import cpu_gemv
+
+    g = torch.Generator().manual_seed(8)
+    lens = [700, 1, 1025, 260, 9, 64]
+    q, cache, table, trows, k0, lens_t = _case(g, 6, 8, 4, 64, 64, lens, sliding=True, scattered=True)
+    params = AttentionParams(scale=0.125, sinks=torch.randn(8, generator=g))
+    one = cpu_paged.paged_decode(q, cache, table, trows, k0, lens_t, params, threads=1)
+    cpu_gemv.set_threads(threads)
+    cpu_paged.use_pool(cpu_gemv.par_for_address(), threads)
+    try:
+        assert cpu_paged.pool() == (cpu_gemv.par_for_address(), threads)
+        for _ in range(3):
+            assert torch.equal(cpu_paged.paged_decode(q, cache, table, trows, k0, lens_t, params), one)
+        assert cpu_gemv.KERNEL.load().mmserve_pool_helpers() >= threads - 1
+    finally:
+        cpu_paged.use_pool(None, 1)
+        cpu_gemv.set_threads(1)
+    assert cpu_paged.pool() == (None, 1)
+    torch.testing.assert_close(one, _reference(q, cache, table, trows, k0, lens_t, params), rtol=1e-4, atol=1e-5)

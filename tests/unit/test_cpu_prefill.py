@@ -152,3 +152,41 @@ def test_half_precision_pools(dtype, window):
     want = _reference(q, cache, table, trows, k0, qpos0, ns, window, params)
     assert got.dtype == torch.float32
     assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (got - want).abs().max()
+
+
+@pytest.fixture
+def c_pool():
+    """The engine core's setting (``StepThreads``): attention calls run on the few-row kernel's
+    C pool, caller included, on ``n`` threads; reset afterwards."""
+    from llm_svc.attention import cpu_paged
+    from llm_svc.models import cpu_gemv
+
+    def use(n: int) -> None:
+        cpu_gemv.set_threads(n)
+        cpu_paged.use_pool(cpu_gemv.par_for_address(), n)
+
+    yield use
+    cpu_paged.use_pool(None, 1)
+    cpu_gemv.set_threads(1)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype,window", [(torch.float32, None), (torch.float32, 70), (torch.bfloat16, 70),
+                                          (torch.float16, None)])
+def test_items_on_the_c_pool_give_the_one_thread_result(c_pool, threads, dtype, window):
+    """Each item one chunk of the C pool (the caller from the front, helpers from the back):
+    bit for bit the one-thread result, for every pool dtype's build, causal and sliding, members
+    of unequal length with a block that ends mid-tile."""
+    from llm_svc.models import cpu_gemv
+
+    g = torch.Generator().manual_seed(41)
+    members = [(300, 400, 0 if window is None else 400 - window + 1), (37, 0, 0), (250, 90, 0)]
+    q, cache, table, trows, k0, qpos0, ns = _case(g, 8, 2, 64, 48, members, window)
+    cache = LayerKV(cache.k.to(dtype), cache.v.to(dtype))
+    params = AttentionParams(scale=0.125, sinks=torch.randn(8, generator=g))
+    one = cpu_prefill.paged_prefill(q, cache, table, trows, k0, qpos0, ns, window, params, threads=1)
+    c_pool(threads)
+    for _ in range(3):  # several generations of the pool's jobs
+        pooled = cpu_prefill.paged_prefill(q, cache, table, trows, k0, qpos0, ns, window, params)
+        assert torch.equal(pooled, one)
+    assert cpu_gemv.KERNEL.load().mmserve_pool_helpers() >= threads - 1  # the helpers did start

@@ -52,6 +52,7 @@ def test_few_row_kernel_runs_on_every_core_while_one_is_spare():
 
     import torch
 
+    from llm_svc.attention import cpu_paged
     from llm_svc.core.process import step_threads
     from llm_svc.engine.step_threads import OtherLoad
     from llm_svc.models import cpu_gemv
@@ -74,9 +75,12 @@ def test_few_row_kernel_runs_on_every_core_while_one_is_spare():
         assert plan.gemv_threads() == 2
         plan.apply(4)
         assert cpu_gemv._threads == 2 and torch.get_num_threads() == 1
+        # the attention kernels take the same pool and count
+        assert cpu_paged.pool() == (cpu_gemv.par_for_address(), 2) and cpu_paged.pool()[0] is not None
         busy[0] = 0.9  # the other core is busy (another process): one thread
         plan.apply(4)
         assert cpu_gemv._threads == 1
+        assert cpu_paged.pool() == (None, 1)
         busy[0] = 0.7  # most of it: still a quarter core left for the helper
         assert plan.gemv_threads() == 2
         pinned = replace(step_threads(LLMSettings(model_dir="m", threads=2, gemv_threads=1)), cpus=2,
@@ -85,6 +89,7 @@ def test_few_row_kernel_runs_on_every_core_while_one_is_spare():
     finally:
         torch.set_num_threads(before)
         cpu_gemv.set_threads(gemv_before)
+        cpu_paged.use_pool(None, 1)
     assert step_threads(LLMSettings(model_dir="m", device="cuda")) is None
 
 
