@@ -435,3 +435,24 @@ int mmserve_silu_mul_f32(const float* gu, int64_t ld, float* out, int64_t T, int
     par_for(silu_row, &a, T, threads);
     return 0;
 }
+
+/* gelu_tanh(gate) * up, the same way (Gemma's MLPs: transformers' gelu_pytorch_tanh,
+ * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))); tanh(z) = 1 - 2 / (1 + e^(2z)), z clamped
+ * to +-15 where tanh is 1 in float32. torch's own gelu took ~0.9 ms a layer at 320 tokens. */
+static void gelu_tanh_row(void* ctx, int64_t t) {
+    const silu_args* a = ctx;
+    const float* g = a->gu + t * a->ld;
+    const float* u = g + a->I;
+    float* o = a->out + t * a->I;
+    for (int64_t i = 0; i < a->I; i++) {
+        const float x = g[i];
+        const float z = fminf(fmaxf(0.7978845608028654f * (x + 0.044715f * x * x * x), -15.f), 15.f);
+        o[i] = 0.5f * x * (2.f - 2.f / (1.f + expf(2.f * z))) * u[i];
+    }
+}
+
+int mmserve_gelu_tanh_mul_f32(const float* gu, int64_t ld, float* out, int64_t T, int64_t I, int64_t threads) {
+    silu_args a = {gu, out, ld, I};
+    par_for(gelu_tanh_row, &a, T, threads);
+    return 0;
+}

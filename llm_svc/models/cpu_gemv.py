@@ -48,6 +48,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mmserve_route_f32.restype = ctypes.c_int
     lib.mmserve_silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
     lib.mmserve_silu_mul_f32.restype = ctypes.c_int
+    lib.mmserve_gelu_tanh_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
+    lib.mmserve_gelu_tanh_mul_f32.restype = ctypes.c_int
     lib.mmserve_pool_helpers.argtypes = []
     lib.mmserve_pool_helpers.restype = i64
     lib.mmserve_par_for.argtypes = [p, p, i64, i64]
@@ -192,4 +194,14 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     t, i2 = gu.shape
     out = torch.empty(t, i2 // 2, dtype=torch.float32)
     KERNEL.load().mmserve_silu_mul_f32(gu.data_ptr(), gu.stride(0), out.data_ptr(), t, i2 // 2, torch.get_num_threads())
+    return out
+
+
+def gelu_tanh_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` of ``gu [T, 2I]`` (as ``silu_mul``; check
+    ``supports_silu_mul`` first) -> [T, I] in one pass, on torch's thread count."""
+    t, i2 = gu.shape
+    out = torch.empty(t, i2 // 2, dtype=torch.float32)
+    KERNEL.load().mmserve_gelu_tanh_mul_f32(gu.data_ptr(), gu.stride(0), out.data_ptr(), t, i2 // 2,
+                                            torch.get_num_threads())
     return out

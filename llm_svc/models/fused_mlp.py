@@ -24,6 +24,7 @@ reordered copy).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,11 +40,27 @@ def _is_silu(act) -> bool:
     return act is F.silu or type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation"
 
 
-def _gated(gu: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], silu: bool) -> torch.Tensor:
-    """``act(gate) * up`` of a fused projection ``gu [T, 2I]``: one C pass for SiLU on the CPU
-    (two eager ops and a temporary otherwise)."""
-    if silu and cpu_gemv.supports_silu_mul(gu):
-        return cpu_gemv.silu_mul(gu)
+def _is_gelu_tanh(act) -> bool:
+    """transformers' ``gelu_pytorch_tanh`` (``GELUTanh`` / ``PytorchGELUTanh``: the formula, in
+    torch or in Python), ``nn.GELU(approximate="tanh")`` or ``partial(F.gelu, approximate="tanh")``."""
+    if type(act).__name__ in ("GELUTanh", "PytorchGELUTanh"):
+        return True
+    if type(act) is nn.GELU:
+        return act.approximate == "tanh"
+    return isinstance(act, functools.partial) and act.func is F.gelu and act.keywords == {"approximate": "tanh"} \
+        and not act.args
+
+
+def act_kind(act) -> str | None:
+    """``"silu"`` / ``"gelu_tanh"`` for the activations with a fused C pass, else None."""
+    return "silu" if _is_silu(act) else "gelu_tanh" if _is_gelu_tanh(act) else None
+
+
+def _gated(gu: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], kind: str | None) -> torch.Tensor:
+    """``act(gate) * up`` of a fused projection ``gu [T, 2I]``: one C pass for SiLU and tanh-GELU
+    on the CPU (``kind``: ``act_kind(act)``; two eager ops and a temporary otherwise)."""
+    if kind is not None and cpu_gemv.supports_silu_mul(gu):
+        return cpu_gemv.silu_mul(gu) if kind == "silu" else cpu_gemv.gelu_tanh_mul(gu)
     gate, up = gu.chunk(2, dim=-1)  # [T, I] each
     return act(gate) * up
 
@@ -62,7 +79,7 @@ class GatedMLP:
     def __post_init__(self) -> None:
         self._gate_up: Linear = make_linear(self.gate_up, backend=self.backend)
         self._down: Linear = make_linear(self.down, backend=self.backend)
-        self._silu = _is_silu(self.act)
+        self._act = act_kind(self.act)
 
     @classmethod
     def pack(cls, mlp: nn.Module, act: Callable | None = None, backend: str = "auto") -> "GatedMLP":
@@ -73,7 +90,7 @@ class GatedMLP:
         return cls(gu, mlp.down_proj.weight, act or getattr(mlp, "act_fn", F.silu), backend)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._down(_gated(self._gate_up(x), self.act, self._silu))
+        return self._down(_gated(self._gate_up(x), self.act, self._act))
 
 
 @dataclass
@@ -88,8 +105,8 @@ class RoutedExperts:
         self._down: list[Linear] = [make_linear(w, backend=self.backend) for w in self.down]
         # a decode step's few tokens: the whole layer in one C call (the per-expert Python loop
         # below was ~10% of a decode step); SiLU-gated experts on the CPU backends only
-        self._silu = _is_silu(self.act)
-        self._few_rows = self.backend in ("auto", "onednn") and self._silu and self.gate_up.device.type == "cpu"
+        self._act = act_kind(self.act)
+        self._few_rows = self.backend in ("auto", "onednn") and self._act == "silu" and self.gate_up.device.type == "cpu"
 
     @classmethod
     def pack(cls, experts: nn.Module, act: Callable | None = None, backend: str = "auto") -> "RoutedExperts":
@@ -125,7 +142,7 @@ class RoutedExperts:
         start = 0
         for e, c in enumerate(counts):
             if c:
-                ys[start:start + c] = self._down[e](_gated(self._gate_up[e](xs[start:start + c]), self.act, self._silu))
+                ys[start:start + c] = self._down[e](_gated(self._gate_up[e](xs[start:start + c]), self.act, self._act))
                 start += c
         ys.mul_(w.reshape(-1).index_select(0, order).to(ys.dtype)[:, None])
         return torch.zeros_like(x).index_add_(0, tok, ys)

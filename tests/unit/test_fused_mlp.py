@@ -92,3 +92,32 @@ def test_native_rms_norm_fused_equals_its_reference(rows):
         norm_b = RMSNorm(512, 1e-6).bfloat16()
         hb = xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-6)
         assert torch.equal(norm_b(xb), norm_b.weight * hb.to(torch.bfloat16))
+
+
+def test_tanh_gelu_mlps_take_the_fused_pass_and_equal_the_module():
+    """Gemma's MLPs (transformers' ``gelu_pytorch_tanh``): the activation and the product in one
+    C pass, as close to float64 as torch's own gelu (gates from tiny to saturated, both signs)."""
+    from transformers.activations import ACT2FN
+
+    from llm_svc.models import cpu_gemv
+    from llm_svc.models.fused_mlp import _gated, act_kind
+
+    act = ACT2FN["gelu_pytorch_tanh"]
+    assert act_kind(act) == "gelu_tanh" and act_kind(nn.GELU(approximate="tanh")) == "gelu_tanh"
+    assert act_kind(nn.GELU()) is None and act_kind(nn.functional.silu) == "silu"
+    torch.manual_seed(3)
+    for scale in (0.01, 1.0, 8.0, 40.0):
+        gu = torch.randn(33, 2 * 96) * scale
+        gate, up = gu.chunk(2, dim=-1)
+        exact = (nn.functional.gelu(gate.double(), approximate="tanh") * up.double())
+        torch_err = ((act(gate) * up).double() - exact).abs().max()
+        got = cpu_gemv.gelu_tanh_mul(gu)
+        assert torch.equal(_gated(gu, act, "gelu_tanh"), got)
+        assert (got.double() - exact).abs().max() <= 2 * torch_err + 1e-7 * scale * scale
+    mlp = _MLP(32, 48)
+    mlp.act_fn = act
+    x = torch.randn(9, 32)
+    fused = GatedMLP.pack(mlp)
+    assert fused._act == "gelu_tanh"
+    want = mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))
+    torch.testing.assert_close(fused(x), want, atol=2e-6, rtol=1e-5)
