@@ -14,7 +14,8 @@ from the front, helpers from the back, and the caller waits only for blocks a he
 An OpenMP loop waited for both threads at its barrier, so in the service (the front, the gateway
 and the client beside the core on 2 cores) a second thread gave nothing: 4 decodes a step took
 13.4 ms on one thread and on two; with the pool 10.7 ms on two (2-core AVX-512 EPYC, vs_vllm
-MiMo, median step through the service). Results do not depend on the thread count.
+MiMo, median step through the service). Results do not depend on the thread count. The attention
+kernels' libraries run their work items on the same pool through ``par_for_address``.
 
 AVX-512 (a 4 x 4 tile of 16-wide vectors, the next tile's weight rows prefetched): on a 2-core
 AVX-512 Xeon the AVX2 tile was 1.5-1.9x slower than oneDNN (one thread, 64 distinct weights:
@@ -66,11 +67,6 @@ def set_threads(n: int) -> None:
     """Threads of every later call (the engine core: ``gemv_threads``)."""
     global _threads
     _threads = max(1, int(n))
-
-
-def threads() -> int:
-    """The count ``set_threads`` gave (every later call's)."""
-    return _threads
 
 
 def par_for_address() -> int | None:
