@@ -126,6 +126,11 @@ def worker(spec: dict) -> dict:
         from llm_svc.attention import cpu_paged
 
         cpu_paged.set_threads(spec["attention_threads"])
+        if hasattr(cpu_paged, "use_pool") and spec["attention_threads"] > 1:  # the core's decode steps: the C pool
+            from llm_svc.models import cpu_gemv
+
+            cpu_gemv.set_threads(spec["attention_threads"])
+            cpu_paged.use_pool(cpu_gemv.par_for_address(), spec["attention_threads"])
     lm = load_lm(spec["model_dir"], dtype="float32")
     extra = {}
     if spec.get("kv_dtype"):
