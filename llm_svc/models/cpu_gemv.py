@@ -178,15 +178,16 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
     return idx, w
 
 
-def supports_silu_mul(gu: torch.Tensor) -> bool:
-    """Whether ``silu_mul`` runs here: CPU float32 rows ``[T, 2I]`` with unit stride inside a row."""
+def supports_gated_mul(gu: torch.Tensor) -> bool:
+    """Whether ``silu_mul`` and ``gelu_tanh_mul`` run here: CPU float32 rows ``[T, 2I]`` with unit
+    stride inside a row."""
     return (gu.device.type == "cpu" and gu.dtype == torch.float32 and gu.dim() == 2 and gu.stride(1) == 1
             and gu.shape[1] % 2 == 0 and KERNEL.available())
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a gated MLP's fused projection ``gu [T, 2I]`` (gate | up; check
-    ``supports_silu_mul`` first) -> [T, I] in one pass, on torch's thread count."""
+    ``supports_gated_mul`` first) -> [T, I] in one pass, on torch's thread count."""
     t, i2 = gu.shape
     out = torch.empty(t, i2 // 2, dtype=torch.float32)
     KERNEL.load().mmserve_silu_mul_f32(gu.data_ptr(), gu.stride(0), out.data_ptr(), t, i2 // 2, torch.get_num_threads())
@@ -195,7 +196,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_mul(gu: torch.Tensor) -> torch.Tensor:
     """``gelu(gate, approximate="tanh") * up`` of ``gu [T, 2I]`` (as ``silu_mul``; check
-    ``supports_silu_mul`` first) -> [T, I] in one pass, on torch's thread count."""
+    ``supports_gated_mul`` first) -> [T, I] in one pass, on torch's thread count."""
     t, i2 = gu.shape
     out = torch.empty(t, i2 // 2, dtype=torch.float32)
     KERNEL.load().mmserve_gelu_tanh_mul_f32(gu.data_ptr(), gu.stride(0), out.data_ptr(), t, i2 // 2,

@@ -59,7 +59,7 @@ def act_kind(act) -> str | None:
 def _gated(gu: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], kind: str | None) -> torch.Tensor:
     """``act(gate) * up`` of a fused projection ``gu [T, 2I]``: one C pass for SiLU and tanh-GELU
     on the CPU (``kind``: ``act_kind(act)``; two eager ops and a temporary otherwise)."""
-    if kind is not None and cpu_gemv.supports_silu_mul(gu):
+    if kind is not None and cpu_gemv.supports_gated_mul(gu):
         return cpu_gemv.silu_mul(gu) if kind == "silu" else cpu_gemv.gelu_tanh_mul(gu)
     gate, up = gu.chunk(2, dim=-1)  # [T, I] each
     return act(gate) * up

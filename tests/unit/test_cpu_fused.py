@@ -93,7 +93,7 @@ def test_silu_mul_equals_silu_times_up(t, i, threads):
     g = torch.Generator().manual_seed(t * i)
     gu = torch.randn(t, 2 * i, generator=g) * 6
     gu[0, 0] = -200.0  # far negative: silu -> -0, no inf / nan from the exponential
-    assert cpu_gemv.supports_silu_mul(gu)
+    assert cpu_gemv.supports_gated_mul(gu)
     torch.testing.assert_close(cpu_gemv.silu_mul(gu), F.silu(gu[:, :i]) * gu[:, i:], rtol=1e-5, atol=1e-5)
 
 
