@@ -69,6 +69,11 @@ def set_threads(n: int) -> None:
     _threads = max(1, int(n))
 
 
+def threads() -> int:
+    """The thread count ``set_threads`` gave."""
+    return _threads
+
+
 def par_for_address() -> int | None:
     """Address of the pool's ``mmserve_par_for(fn, ctx, n, threads)`` (C ABI), for other C
     kernels of this process to run their work items on the same helpers; None without the kernel."""

@@ -9,12 +9,14 @@ once (one host sync for the counts), gathers the tokens into expert-contiguous r
 two GEMMs per expert that has tokens on those rows, then scales by the routing weights and sums
 each token's ``K`` rows back with one ``index_add_``. Per expert no mask, ``nonzero`` or ``where``
 (transformers' loop pays those per expert, which is most of a decode step's MoE time on CPU).
-A decode step's few tokens (at most ``cpu_gemv.MOE_MAX_TOKENS``; a short prompt's, up to
-``MOE_MAX_TOKENS_ALL_THREADS``, while that kernel has every thread) of SiLU-gated experts on the
-CPU skip even that: the whole layer is one C call (``cpu_gemv.moe``: experts' few-row products,
-activation and weighted sum). vs_vllm MiMo checkpoint (hidden 512, 8 experts of 256, top-2), one
-thread, AVX-512: 4 tokens 510 -> 303 us a layer, 16 tokens 1001 -> 530 us; the engine's decode
-step of 4 sequences 15.7-16.2 -> 14.0-14.6 ms (in-process, alternated).
+SiLU-gated experts on the CPU skip even that: the whole layer is one C call on packed weights
+(``cpu_moe``: the tokens' rows read in place, SiLU on the accumulators, the weighted sum added
+into each token's row), for a decode step's tokens and a prefill chunk's alike. vs_vllm MiMo
+checkpoint (hidden 512, 8 experts of 256, top-2), 2 threads, 2-core AVX-512 EPYC, one layer:
+320 tokens 3.9-4.2 -> 2.6 ms (~190 GFLOP/s against oneDNN's ~125), 2,048 20.3 -> 17.0 ms; seven
+distinct layers of 4 tokens (a decode step's, weights streamed) 1.78 -> 1.10 ms against the
+few-row kernel. Shapes it does not pack (I not a multiple of its vector width, H of twice it) keep
+the few-row kernel (``cpu_gemv.moe``) for a decode step's tokens and oneDNN per expert above.
 
 Packing keeps one copy of the stacked weights: the modules' own parameters are rebound as views
 of the stacked tensors, so the loaded model and its ``state_dict`` are unchanged. The GEMMs run
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_gemv
+from . import cpu_gemv, cpu_moe
 from .linear import Linear, make_linear, stack_linears
 
 
@@ -101,12 +103,13 @@ class RoutedExperts:
     backend: str = "auto"  # linear backend (``linear.BACKENDS``)
 
     def __post_init__(self) -> None:
-        self._gate_up: list[Linear] = [make_linear(w, backend=self.backend) for w in self.gate_up]
-        self._down: list[Linear] = [make_linear(w, backend=self.backend) for w in self.down]
-        # a decode step's few tokens: the whole layer in one C call (the per-expert Python loop
-        # below was ~10% of a decode step); SiLU-gated experts on the CPU backends only
+        # SiLU-gated experts on the CPU backends: the whole layer in one C call (the per-expert
+        # Python loop below was ~10% of a decode step), on packed weights where the shape packs
         self._act = act_kind(self.act)
         self._few_rows = self.backend in ("auto", "onednn") and self._act == "silu" and self.gate_up.device.type == "cpu"
+        self._packed = cpu_moe.pack(self.gate_up, self.down) \
+            if self._few_rows and cpu_moe.packable(self.gate_up, self.down) else None
+        self._linears: tuple[list[Linear], list[Linear]] | None = None  # per-expert GEMMs, made on first use
 
     @classmethod
     def pack(cls, experts: nn.Module, act: Callable | None = None, backend: str = "auto") -> "RoutedExperts":
@@ -130,8 +133,16 @@ class RoutedExperts:
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H]; idx [T, K] chosen experts; w [T, K] their weights -> [T, H] in x's dtype."""
+        if self._packed is not None and x.dtype == torch.float32 and x.dim() == 2:
+            # a decode step's threads are the few-row kernel's, a prefill's torch's (the pool is
+            # elastic: a thread whose core is taken costs no wait)
+            return cpu_moe.moe(x, idx, w, self._packed, threads=max(cpu_gemv.threads(), torch.get_num_threads()))
         if self._few_rows and cpu_gemv.supports_moe(x, self.gate_up, self.down):
             return cpu_gemv.moe(x, idx, w, self.gate_up, self.down)
+        if self._linears is None:
+            self._linears = ([make_linear(w, backend=self.backend) for w in self.gate_up],
+                             [make_linear(w, backend=self.backend) for w in self.down])
+        gate_ups, downs = self._linears
         t, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # [T*K]: pairs grouped by expert, token order inside
@@ -142,7 +153,7 @@ class RoutedExperts:
         start = 0
         for e, c in enumerate(counts):
             if c:
-                ys[start:start + c] = self._down[e](_gated(self._gate_up[e](xs[start:start + c]), self.act, self._act))
+                ys[start:start + c] = downs[e](_gated(gate_ups[e](xs[start:start + c]), self.act, self._act))
                 start += c
         ys.mul_(w.reshape(-1).index_select(0, order).to(ys.dtype)[:, None])
         return torch.zeros_like(x).index_add_(0, tok, ys)
