@@ -169,10 +169,11 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         default="auto", description="attention kernel: auto (cpu_flash on CPU, sdpa on CUDA), cpu_flash, sdpa, "
         "triton_paged (CUDA: reads the paged pools in place), torch_batched, torch_sdpa_loop",
     )
-    linear_backend: Literal["auto", "onednn", "torch"] = Field(
-        default="auto", description="GEMMs of the model's linears and MLPs: auto (onednn on CPU for float32 / bfloat16, "
-        "torch elsewhere), onednn (oneDNN on weights reordered once; falls back to torch where it cannot run), torch "
-        "(F.linear: MKL on CPU, cuBLAS on CUDA)",
+    linear_backend: Literal["auto", "packed", "onednn", "torch"] = Field(
+        default="auto", description="GEMMs of the model's linears and MLPs: auto (packed on CPU for float32, onednn "
+        "for bfloat16, torch elsewhere), packed (our CPU float32 kernel on weights packed once, on the elastic thread "
+        "pool; falls back to onednn where it cannot run), onednn (oneDNN on weights reordered once; falls back to "
+        "torch where it cannot run), torch (F.linear: MKL on CPU, cuBLAS on CUDA)",
     )
     warmup: bool = Field(
         default=True, description="CPU: build the oneDNN matmul primitives of every row bucket up to "

@@ -10,7 +10,7 @@ two GEMMs per expert that has tokens on those rows, then scales by the routing w
 each token's ``K`` rows back with one ``index_add_``. Per expert no mask, ``nonzero`` or ``where``
 (transformers' loop pays those per expert, which is most of a decode step's MoE time on CPU).
 SiLU-gated experts on the CPU skip even that: the whole layer is one C call on packed weights
-(``cpu_moe``: the tokens' rows read in place, SiLU on the accumulators, the weighted sum added
+(``cpu_packed``: the tokens' rows read in place, SiLU on the accumulators, the weighted sum added
 into each token's row), for a decode step's tokens and a prefill chunk's alike. vs_vllm MiMo
 checkpoint (hidden 512, 8 experts of 256, top-2), 2 threads, 2-core AVX-512 EPYC, one layer:
 320 tokens 3.9-4.2 -> 2.6 ms (~190 GFLOP/s against oneDNN's ~125), 2,048 20.3 -> 17.0 ms; seven
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_gemv, cpu_moe
-from .linear import Linear, make_linear, stack_linears
+from . import cpu_gemv, cpu_packed
+from .linear import Linear, make_linear, resolve, stack_linears
 
 
 def _is_silu(act) -> bool:
@@ -106,9 +106,10 @@ class RoutedExperts:
         # SiLU-gated experts on the CPU backends: the whole layer in one C call (the per-expert
         # Python loop below was ~10% of a decode step), on packed weights where the shape packs
         self._act = act_kind(self.act)
-        self._few_rows = self.backend in ("auto", "onednn") and self._act == "silu" and self.gate_up.device.type == "cpu"
-        self._packed = cpu_moe.pack(self.gate_up, self.down) \
-            if self._few_rows and cpu_moe.packable(self.gate_up, self.down) else None
+        kind = resolve(self.backend, self.gate_up[0])  # one expert's [2I, H] stands for them all
+        self._few_rows = kind in ("packed", "onednn") and self._act == "silu"
+        self._packed = cpu_packed.pack(self.gate_up, self.down) \
+            if kind == "packed" and self._few_rows and cpu_packed.packable(self.gate_up, self.down) else None
         self._linears: tuple[list[Linear], list[Linear]] | None = None  # per-expert GEMMs, made on first use
 
     @classmethod
@@ -134,9 +135,7 @@ class RoutedExperts:
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H]; idx [T, K] chosen experts; w [T, K] their weights -> [T, H] in x's dtype."""
         if self._packed is not None and x.dtype == torch.float32 and x.dim() == 2:
-            # a decode step's threads are the few-row kernel's, a prefill's torch's (the pool is
-            # elastic: a thread whose core is taken costs no wait)
-            return cpu_moe.moe(x, idx, w, self._packed, threads=max(cpu_gemv.threads(), torch.get_num_threads()))
+            return cpu_packed.moe(x, idx, w, self._packed)
         if self._few_rows and cpu_gemv.supports_moe(x, self.gate_up, self.down):
             return cpu_gemv.moe(x, idx, w, self.gate_up, self.down)
         if self._linears is None:

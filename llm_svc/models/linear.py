@@ -1,24 +1,30 @@
-"""Linear layers by backend: ``torch`` (``F.linear``: MKL's sgemm on CPU, cuBLAS on CUDA) or
+"""Linear layers by backend: ``packed`` (CPU float32: our packed-weight GEMM, ``cpu_packed``),
 ``onednn`` (CPU: oneDNN's matmul on a weight reordered once into its blocked layout, the
-primitive vLLM's CPU build and torch.compile's freezing use).
+primitive vLLM's CPU build and torch.compile's freezing use) or ``torch`` (``F.linear``: MKL's
+sgemm on CPU, cuBLAS on CUDA).
 
-Why oneDNN on the CPU: MKL takes its AVX2 code path on AMD CPUs and reads an unpacked weight
+Why not MKL on the CPU: MKL takes its AVX2 code path on AMD CPUs and reads an unpacked weight
 per call; oneDNN uses the CPU's widest vectors and a packed weight. Measured on the 2-core
 AVX-512 EPYC (fp32, one thread, 40 distinct [1536, 512] weights): 4 rows 17.7 -> 6.3 ms
 (the weights streamed at 19 GB/s instead of 8), 512 rows 99 -> 229 GFLOP/s; two threads
 at 2,048 rows 178 -> 453 GFLOP/s. Results differ from ``F.linear`` by float32 rounding only.
 
-Row buckets: oneDNN builds (JIT-compiles) a matmul primitive per input shape, about 0.5 ms each
-here (2 threads, [82, 512] x [512, 512]: 300 us a call with a cached primitive, 790 with a new
-row count every call), and a serving engine's row counts (prefill chunks of any length, tokens
-per routed expert) are seldom the same twice: a 320-token prefill of the ``vs_vllm`` MiMo
-checkpoint paid it on most of its ~130 linears. So a call's rows are padded up to one of 8
-sizes per octave (``row_bucket``: at most 1/8 more rows, ~6% on average), whose primitives
-``warm_buckets`` builds at start-up, and the pad rows' outputs are dropped.
+Why ``packed`` before oneDNN for float32: the same GEMM rate at oneDNN's bucket sizes (204-232
+GFLOP/s on 2 threads, AVX-512 EPYC), every row count at its own size, decode-sized calls that
+stream the weight faster than the few-row kernel, and the elastic pool instead of OpenMP's
+barriers (``cpu_packed``'s docstring has the figures).
 
-``auto`` (the default) is ``onednn`` for CPU float32 / bfloat16 weights when this torch has it,
-``torch`` otherwise. The reordered weight is a second copy of the matrix (opaque to torch), so
-the module's own ``weight`` keeps serving ``state_dict`` and tied embeddings.
+oneDNN's row buckets: oneDNN builds (JIT-compiles) a matmul primitive per input shape, about
+0.5 ms each here (2 threads, [82, 512] x [512, 512]: 300 us a call with a cached primitive, 790
+with a new row count every call), and a serving engine's row counts (prefill chunks of any
+length, tokens per routed expert) are seldom the same twice. So a call's rows are padded up to
+one of 8 sizes per octave (``row_bucket``: at most 1/8 more rows, ~6% on average), whose
+primitives ``warm_buckets`` builds at start-up, and the pad rows' outputs are dropped.
+
+``auto`` (the default) is ``packed`` for CPU float32 weights when the kernel builds here,
+``onednn`` for CPU float32 / bfloat16 weights when this torch has it, ``torch`` otherwise. The
+packed or reordered weight is a second copy of the matrix, so the module's own ``weight`` keeps
+serving ``state_dict`` and tied embeddings.
 """
 
 from __future__ import annotations
@@ -32,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_gemv
+from . import cpu_gemv, cpu_packed
 
 log = logging.getLogger(__name__)
-BACKENDS = ("auto", "onednn", "torch")
+BACKENDS = ("auto", "packed", "onednn", "torch")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -60,12 +66,15 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def resolve(backend: str, weight: torch.Tensor) -> str:
-    """The backend ``backend`` means for ``weight`` (``auto`` resolved; ``onednn`` where it cannot
-    run, e.g. a CUDA weight, falls back to ``torch``)."""
+    """The backend ``backend`` means for ``weight`` (``auto`` resolved; ``packed`` where it cannot
+    run, e.g. a bfloat16 weight, falls back to ``onednn``, and ``onednn`` where it cannot, e.g. a
+    CUDA weight, to ``torch``)."""
     if backend not in BACKENDS:
         raise ValueError(f"linear backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
+    if backend in ("auto", "packed") and cpu_packed.linear_packable(weight):
+        return "packed"
     ok = weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES and onednn_available(weight.dtype)
     return "onednn" if ok else "torch"
 
@@ -118,11 +127,28 @@ class OneDNNLinear:
         return y[:rows].view(*x.shape[:-1], self.out_features)  # [..., out], contiguous
 
 
+class PackedLinear:
+    """``x [..., in] -> [..., out]`` float32 through ``cpu_packed`` with ``weight [out, in]``
+    packed once; any row count at its own size."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = weight.shape
+        self.packed = cpu_packed.pack_linear(weight)
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:  # F.linear would refuse too; say which side is off
+            raise TypeError(f"linear of torch.float32 weights got {x.dtype} input")
+        return cpu_packed.linear(x, self.packed, self.out_features, self.bias)
+
+
+_MAKERS = {"packed": PackedLinear, "onednn": OneDNNLinear}
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "auto") -> Linear:
     """A callable computing ``F.linear(x, weight, bias)`` on ``backend``."""
-    if resolve(backend, weight) == "onednn":
-        return OneDNNLinear(weight, bias)
-    return functools.partial(F.linear, weight=weight, bias=bias)
+    maker = _MAKERS.get(resolve(backend, weight))
+    return maker(weight, bias) if maker else functools.partial(F.linear, weight=weight, bias=bias)
 
 
 def linears_in(*modules: nn.Module) -> list[nn.Linear]:
@@ -134,13 +160,14 @@ def pack_linears(linears: Iterable[nn.Module], backend: str = "auto") -> int:
     """Route each of ``linears`` (``nn.Linear`` modules the forward calls) through ``backend``: its
     ``forward`` is replaced on the instance, its parameters stay. Only the modules a forward
     really calls should be packed: each packed weight is a second copy. Returns how many were
-    packed for oneDNN."""
+    packed (for our kernel or oneDNN)."""
     n = 0
     for m in linears:
         if not isinstance(m, nn.Linear):
             raise TypeError(f"pack_linears packs nn.Linear modules, got {type(m).__name__}")
-        if resolve(backend, m.weight) == "onednn":
-            m.forward = OneDNNLinear(m.weight, m.bias)
+        maker = _MAKERS.get(resolve(backend, m.weight))
+        if maker:
+            m.forward = maker(m.weight, m.bias)
             n += 1
     return n
 

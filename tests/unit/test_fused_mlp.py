@@ -113,7 +113,9 @@ def test_tanh_gelu_mlps_take_the_fused_pass_and_equal_the_module():
         torch_err = ((act(gate) * up).double() - exact).abs().max()
         got = cpu_gemv.gelu_tanh_mul(gu)
         assert torch.equal(_gated(gu, act, "gelu_tanh"), got)
-        assert (got.double() - exact).abs().max() <= 2 * torch_err + 1e-7 * scale * scale
+        # within torch's own error, or 4 float32 ulps of the value (AVX2's division is approximate
+        # under -ffast-math); no cancellation where the gelu vanishes (g = -20, u = 22 gave -3e-5)
+        assert ((got.double() - exact).abs() <= 2 * torch_err + 4 * 1.2e-7 * exact.abs()).all()
     mlp = _MLP(32, 48)
     mlp.act_fn = act
     x = torch.randn(9, 32)

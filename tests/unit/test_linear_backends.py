@@ -1,6 +1,6 @@
-"""Linear backends: oneDNN on packed weights equals ``F.linear`` (float32 rounding), for plain
-linears, the fused gated MLP and the routed experts; ``auto`` picks oneDNN on CPU here, torch
-where oneDNN cannot run; ``torch`` leaves modules alone."""
+"""Linear backends: our packed kernel and oneDNN equal ``F.linear`` (float32 rounding), for plain
+linears, the fused gated MLP and the routed experts; ``auto`` picks our kernel for float32 on
+CPU here, oneDNN for bfloat16, torch where neither can run; ``torch`` leaves modules alone."""
 
 from __future__ import annotations
 
@@ -18,35 +18,44 @@ pytestmark = pytest.mark.unit
 def test_onednn_available_on_this_cpu():
     """CI's torch (the CUDA build, run on the CPU) has oneDNN: the fast path is what is tested."""
     assert L.onednn_available()
-    assert L.resolve("auto", torch.zeros(2, 2)) == "onednn"
+    assert L.resolve("auto", torch.zeros(2, 2)) == "packed"  # CI has a compiler: our kernel builds
+    assert L.resolve("onednn", torch.zeros(2, 2)) == "onednn"
+    bf16 = torch.zeros(2, 2, dtype=torch.bfloat16)  # our kernel is float32 only
+    assert L.resolve("auto", bf16) == L.resolve("packed", bf16) == ("onednn" if L.onednn_available(torch.bfloat16) else "torch")
 
 
 def test_resolve():
     assert L.resolve("torch", torch.zeros(2, 2)) == "torch"
     assert L.resolve("auto", torch.zeros(2, 2, dtype=torch.float64)) == "torch"
     assert L.resolve("onednn", torch.zeros(2, 2, device="meta")) == "torch"  # not a CPU tensor
+    assert L.resolve("packed", torch.zeros(2, 2, device="meta")) == "torch"
+    assert L.resolve("packed", torch.zeros(2, 2, dtype=torch.float64)) == "torch"
     with pytest.raises(ValueError, match="linear backend"):
         L.resolve("mkl", torch.zeros(2, 2))
 
 
+@pytest.mark.parametrize("backend", ["auto", "onednn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 17, 300])
-def test_onednn_linear_equals_f_linear(dtype, rows):
+def test_cpu_linears_equal_f_linear(backend, dtype, rows):
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 40, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
     x = torch.randn(rows, 40, generator=g).to(dtype)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
-    # bfloat16 oneDNN needs AVX-512 or AVX-NE-CONVERT: elsewhere ``auto`` resolves to torch
-    assert L.resolve("auto", w) == ("onednn" if L.onednn_available(dtype) else "torch")
-    torch.testing.assert_close(L.make_linear(w, b)(x), F.linear(x, w, b), **tol)
-    torch.testing.assert_close(L.make_linear(w)(x[None]), F.linear(x[None], w), **tol)  # [1, T, in]
+    # bfloat16 oneDNN needs AVX-512 or AVX-NE-CONVERT: elsewhere it resolves to torch
+    want = "packed" if dtype == torch.float32 and backend == "auto" else "onednn" if L.onednn_available(dtype) else "torch"
+    assert L.resolve(backend, w) == want
+    assert isinstance(L.make_linear(w, backend=backend), {"packed": L.PackedLinear, "onednn": L.OneDNNLinear}.get(want, object))
+    torch.testing.assert_close(L.make_linear(w, b, backend)(x), F.linear(x, w, b), **tol)
+    torch.testing.assert_close(L.make_linear(w, backend=backend)(x[None]), F.linear(x[None], w), **tol)  # [1, T, in]
     xs = torch.randn(rows, 80, generator=g).to(dtype)[:, ::2]  # a strided view
-    torch.testing.assert_close(L.make_linear(w)(xs), F.linear(xs, w), **tol)
+    torch.testing.assert_close(L.make_linear(w, backend=backend)(xs), F.linear(xs, w), **tol)
 
 
-def test_onednn_refuses_a_dtype_mismatch():
+@pytest.mark.parametrize("backend", ["packed", "onednn"])
+def test_cpu_linears_refuse_a_dtype_mismatch(backend):
     with pytest.raises(TypeError, match="float32 weights got torch.float64"):
-        L.make_linear(torch.randn(4, 4))(torch.randn(2, 4, dtype=torch.float64))
+        L.make_linear(torch.randn(4, 4), backend=backend)(torch.randn(2, 4, dtype=torch.float64))
 
 
 def test_pack_linears_replaces_forward_keeps_parameters():
@@ -56,6 +65,9 @@ def test_pack_linears_replaces_forward_keeps_parameters():
     want = net(x)
     before = {k: v.clone() for k, v in net.state_dict().items()}
     assert L.pack_linears(L.linears_in(net)) == 2
+    assert all(isinstance(m.forward, L.PackedLinear) for m in L.linears_in(net))
+    torch.testing.assert_close(net(x), want, rtol=1e-5, atol=1e-5)
+    assert L.pack_linears(L.linears_in(net), "onednn") == 2
     assert all(isinstance(m.forward, L.OneDNNLinear) for m in L.linears_in(net))
     torch.testing.assert_close(net(x), want, rtol=1e-5, atol=1e-5)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
@@ -77,7 +89,7 @@ def test_fused_mlps_equal_across_backends():
     x = torch.randn(9, 24)
     mlp = _MLP(24, 40)
     ref = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-    for backend in ("torch", "onednn"):
+    for backend in ("torch", "packed", "onednn"):
         torch.testing.assert_close(GatedMLP.pack(mlp, backend=backend)(x), ref, rtol=1e-5, atol=1e-5)
     experts = nn.ModuleList(_MLP(24, 16) for _ in range(4))
     idx = torch.randint(0, 4, (9, 2))
@@ -87,7 +99,7 @@ def test_fused_mlps_equal_across_backends():
         for j in range(2):
             e = experts[int(idx[t, j])]
             ref[t] += w[t, j] * e.down_proj(F.silu(e.gate_proj(x[t])) * e.up_proj(x[t]))
-    for backend in ("torch", "onednn"):
+    for backend in ("torch", "packed", "onednn"):
         torch.testing.assert_close(RoutedExperts.pack(experts, backend=backend)(x, idx, w), ref, rtol=1e-5, atol=1e-5)
 
 

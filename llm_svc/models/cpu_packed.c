@@ -1,25 +1,30 @@
-/* Routed experts of a prefill chunk in one call: SiLU-gated experts on packed weights.
+/* GEMMs on packed weights for the CPU: plain linears, and the routed experts of a MoE layer in
+ * one call. Micro-tiles are broadcast-form (one scalar of x times a row of the packed weight per
+ * FMA, no horizontal sums): MR rows x 2 VL columns of accumulators, the weight packed K-major in
+ * blocks of 2 VL columns so a tile streams it contiguously. AVX-512: VL 16, MR 8 (16
+ * accumulators); otherwise VL 8, MR 6 (12). Work items run on the few-row kernel's elastic pool
+ * (cpu_gemv.c's par_for, passed in), whose caller never waits at a barrier for a thread whose
+ * core another process took; every output element is written by one item in a fixed order, so
+ * results do not depend on the thread count.
  *
- *   out[t] = sum over k of w[t, k] * down[e] . (silu(gate[e] . x[t]) * (up[e] . x[t])), e = idx[t, k]
+ * Linears: out [M, N] = x . w^T + bias, w packed [ceil(N / 2VL)][K][2 VL]; an item is 96 rows x
+ * 2 VL columns. Any row count runs at its own size (oneDNN's primitives are built per shape, so
+ * rows were padded to buckets, ~6% more work and a copy).
  *
- * The (token, expert) pairs are sorted by expert once (token order inside); the GEMMs read the
- * tokens' rows of x in place through row pointers (no gather copy) and sum each token's pairs
- * straight into out (no per-pair output, no index_add), so the layer is two passes over the pool:
- *
- *   1. h [P, I] = silu(x_rows . gate^T) * (x_rows . up^T): a work item is one column block of
- *      VL of I for every expert; its micro-tile is MR rows x (VL gate + VL up) columns, the
- *      activation applied to the accumulators before they are stored.
- *   2. out [T, H] = sum of w * (h . down^T): a work item is one column block of 2 VL of H for
- *      every expert, in ascending expert order; MR rows x 2 VL columns, each row's result scaled
- *      by its routing weight and added to its token's row of out.
- *
- * Every element is written by one item in a fixed order, so results do not depend on the thread
- * count. Micro-tiles are broadcast-form (one A scalar times a row of B per FMA, no horizontal
- * sums), B packed K-major by mmserve_moe_pack_f32 so a tile streams it contiguously:
+ * Routed experts: out[t] = sum over k of w[t, k] * down[e] . (silu(gate[e] . x[t]) * (up[e] . x[t])),
+ * e = idx[t, k]. The (token, expert) pairs are sorted by expert once (token order inside); the
+ * GEMMs read the tokens' rows of x in place through row pointers (no gather copy) and sum each
+ * token's pairs straight into out (no per-pair output, no index_add), in two passes over the pool:
+ *   1. h [P, I] = silu(x_rows . gate^T) * (x_rows . up^T): an item is one column block of VL of
+ *      I for every expert; its micro-tile is MR rows x (VL gate + VL up) columns, the activation
+ *      applied to the accumulators before they are stored.
+ *   2. out [T, H] = sum of w * (h . down^T): an item is one column block of 2 VL of H for every
+ *      expert, in ascending expert order; each row's result scaled by its routing weight and
+ *      added to its token's row of out.
  *   gp [E][I / VL][H][2 VL]: for column block j and input k, VL gate then VL up weights;
  *   dp [E][H / 2VL][I][2 VL].
- * AVX-512: VL 16, MR 8 (16 accumulators); otherwise VL 8, MR 6 (12). The per-expert oneDNN GEMMs
- * of ~80 rows this replaces ran at ~100-140 GFLOP/s on 2 threads where big GEMMs reach ~200. */
+ * The per-expert oneDNN GEMMs of ~80 rows this replaces ran at ~100-140 GFLOP/s on 2 threads where
+ * big GEMMs reach ~200. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,7 +48,7 @@ static inline void vstore(float* p, vf v) { memcpy(p, &v, sizeof v); }
 /* e^-v kept finite (-ffast-math assumes no infinities): 1 / (1 + e^80) is 0 in float */
 static inline float exp_neg(float v) { return expf(fminf(-v, 80.f)); }
 
-int64_t mmserve_moe_vl(void) { return VL; }
+int64_t mmserve_packed_vl(void) { return VL; }
 
 /* gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I] -> gp, dp (layouts above; each
  * E * 2I * H and E * H * I floats). Returns 1 if I is not a multiple of VL or H of 2 VL. */
@@ -192,5 +197,72 @@ int mmserve_moe_packed_f32(const float* x, int64_t T, int64_t H, const int64_t* 
         for (int64_t j = 0; j < H / (2 * VL); j++) down_block(&c, j);
     }
     free(start); free(tok); free(wp); free(xrow);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------- linears */
+#define NB (2 * VL)
+
+/* w [N, K] (a linear's weight) -> wp [ceil(N / NB)][K][NB], the last block's missing columns 0 */
+int mmserve_gemm_pack_f32(const float* w, int64_t N, int64_t K, float* wp) {
+    const int64_t nb = (N + NB - 1) / NB;
+    for (int64_t j = 0; j < nb; j++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t c = 0; c < NB; c++) {
+                const int64_t n = j * NB + c;
+                wp[(j * K + k) * NB + c] = n < N ? w[n * K + k] : 0.f;
+            }
+    return 0;
+}
+
+typedef struct {
+    const float *x, *wp, *bias;
+    float* out;
+    int64_t ldx, ldo, M, N, K, nb, rb;
+} gemm_ctx;
+
+#define GEMM_RB (12 * MR) /* rows per work item: 96 x K floats stay in L2 while its column blocks run */
+
+static void gemm_item(void* vctx, int64_t it) {
+    const gemm_ctx* c = vctx;
+    const int64_t j = it % c->nb, r0 = (it / c->nb) * GEMM_RB;
+    const int64_t r1 = r0 + GEMM_RB < c->M ? r0 + GEMM_RB : c->M;
+    const int64_t K = c->K, n0 = j * NB, nn = c->N - n0 < NB ? c->N - n0 : NB;
+    const float* b = c->wp + j * K * NB;
+    float bias[NB];
+    for (int64_t n = 0; n < NB; n++) bias[n] = c->bias && n < nn ? c->bias[n0 + n] : 0.f;
+    const vf b0 = vload(bias), b1 = vload(bias + VL);
+    vf y0[MR], y1[MR];
+    const float* a[MR];
+    for (int64_t r = r0; r < r1; r += MR) {
+        const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
+        for (int m = 0; m < mm; m++) a[m] = c->x + (r + m) * c->ldx;
+#define GM(N) tile(a, b, K, N, y0, y1)
+        TILE_SWITCH(mm, GM)
+#undef GM
+        for (int m = 0; m < mm; m++) {
+            float* o = c->out + (r + m) * c->ldo + n0;
+            if (nn == NB) {
+                vstore(o, y0[m] + b0);
+                vstore(o + VL, y1[m] + b1);
+            } else {
+                float t[NB];
+                vstore(t, y0[m] + b0);
+                vstore(t + VL, y1[m] + b1);
+                memcpy(o, t, (size_t)nn * sizeof(float));
+            }
+        }
+    }
+}
+
+/* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) . w^T + bias (bias [N] or NULL), w
+ * packed by mmserve_gemm_pack_f32; work items (96 rows x NB columns) on par_for as above. */
+int mmserve_gemm_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* wp, int64_t N, const float* bias,
+                     float* out, int64_t ldo, par_for_t par_for, int64_t threads) {
+    const int64_t nb = (N + NB - 1) / NB, items = nb * ((M + GEMM_RB - 1) / GEMM_RB);
+    gemm_ctx c = {x, wp, bias, out, ldx, ldo, M, N, K, nb, GEMM_RB};
+    if (par_for && threads > 1) par_for(gemm_item, &c, items, threads);
+    else
+        for (int64_t i = 0; i < items; i++) gemm_item(&c, i);
     return 0;
 }
