@@ -1,4 +1,6 @@
-/* The element-wise work between a layer's GEMMs, one pass each (float32, rows over OpenMP).
+/* The element-wise work between a layer's GEMMs, one pass each (float32; blocks of rows on the
+ * few-row kernel's pool, cpu_gemv.c's par_for, passed in: OpenMP's team slept between these
+ * short passes once the GEMMs left it, and waking it was ~15% of a 320-token MiMo prefill).
  *
  * qkv_post: a fused q|k|v projection's rows [T, (Hq + Hk) * D + Hk * Dv] (row stride ld), in
  *   place: rope on the first R dims of every q and k head (rotate-half form, cos / sin [T, R]
@@ -13,47 +15,77 @@
 #include <math.h>
 #include <stdint.h>
 
-static int64_t nthreads(int64_t threads, int64_t rows) {
-    if (threads < 1) threads = 1;
-    return rows < threads ? (rows < 1 ? 1 : rows) : threads;
+typedef void (*chunk_fn_t)(void* ctx, int64_t i);
+typedef void (*par_for_t)(chunk_fn_t fn, void* ctx, int64_t n, int64_t threads);
+
+#define BLOCK 16 /* rows per work item */
+
+/* fn over row blocks [0, T): on par_for with up to `threads` threads, or inline */
+static void over_rows(chunk_fn_t fn, void* ctx, int64_t T, par_for_t par_for, int64_t threads) {
+    const int64_t n = (T + BLOCK - 1) / BLOCK;
+    if (par_for && threads > 1 && n > 1) par_for(fn, ctx, n, threads);
+    else
+        for (int64_t i = 0; i < n; i++) fn(ctx, i);
 }
 
-int mmserve_qkv_post_f32(float* x, int64_t T, int64_t ld, int64_t hq, int64_t hk, int64_t d, int64_t dv,
-                         int64_t r, const float* cos, const float* sin, int64_t ldc, float vscale,
-                         int apply_vscale, int64_t threads) {
-    if (r % 2 || r > d) return 1;
-    const int64_t half = r / 2, heads = hq + hk;
-#pragma omp parallel for num_threads((int)nthreads(threads, T)) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        float* row = x + t * ld;
-        const float* c = cos + t * ldc;
-        const float* s = sin + t * ldc;
-        for (int64_t h = 0; h < heads; h++) {
-            float* p = row + h * d;
+typedef struct {
+    float* x;
+    const float *cos, *sin;
+    int64_t T, ld, heads, d, dv, hk, half, ldc;
+    float vscale;
+    int apply_vscale;
+} qkv_ctx;
+
+static void qkv_rows(void* vctx, int64_t b) {
+    const qkv_ctx* a = vctx;
+    const int64_t t1 = (b + 1) * BLOCK < a->T ? (b + 1) * BLOCK : a->T;
+    for (int64_t t = b * BLOCK; t < t1; t++) {
+        float* row = a->x + t * a->ld;
+        const float* c = a->cos + t * a->ldc;
+        const float* s = a->sin + t * a->ldc;
+        const int64_t half = a->half;
+        for (int64_t h = 0; h < a->heads; h++) {
+            float* p = row + h * a->d;
             for (int64_t i = 0; i < half; i++) {
-                const float a = p[i], b = p[i + half];
-                const float lo_c = a * c[i], lo_s = -b * s[i];
-                const float hi_c = b * c[i + half], hi_s = a * s[i + half];
+                const float x0 = p[i], x1 = p[i + half];
+                const float lo_c = x0 * c[i], lo_s = -x1 * s[i];
+                const float hi_c = x1 * c[i + half], hi_s = x0 * s[i + half];
                 p[i] = lo_c + lo_s;
                 p[i + half] = hi_c + hi_s;
             }
         }
-        if (apply_vscale) {
-            float* v = row + heads * d;
-            for (int64_t i = 0; i < hk * dv; i++) v[i] = v[i] * vscale;
+        if (a->apply_vscale) {
+            float* v = row + a->heads * a->d;
+            for (int64_t i = 0; i < a->hk * a->dv; i++) v[i] = v[i] * a->vscale;
         }
     }
+}
+
+int mmserve_qkv_post_f32(float* x, int64_t T, int64_t ld, int64_t hq, int64_t hk, int64_t d, int64_t dv,
+                         int64_t r, const float* cos, const float* sin, int64_t ldc, float vscale,
+                         int apply_vscale, par_for_t par_for, int64_t threads) {
+    if (r % 2 || r > d) return 1;
+    qkv_ctx a = {x, cos, sin, T, ld, hq + hk, d, dv, hk, r / 2, ldc, vscale, apply_vscale};
+    over_rows(qkv_rows, &a, T, par_for, threads);
     return 0;
 }
 
-int mmserve_add_rmsnorm_f32(float* h, int64_t ldh, const float* y, int64_t ldy, const float* w, float* out,
-                            int64_t T, int64_t H, float eps, int64_t threads) {
-#pragma omp parallel for num_threads((int)nthreads(threads, T)) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        float* hr = h + t * ldh;
-        float* o = out + t * H;
-        if (y) {
-            const float* yr = y + t * ldy;
+typedef struct {
+    float* h;
+    const float *y, *w;
+    float* out;
+    int64_t T, ldh, ldy, H;
+    float eps;
+} norm_ctx;
+
+static void norm_rows(void* vctx, int64_t b) {
+    const norm_ctx* a = vctx;
+    const int64_t H = a->H, t1 = (b + 1) * BLOCK < a->T ? (b + 1) * BLOCK : a->T;
+    for (int64_t t = b * BLOCK; t < t1; t++) {
+        float* hr = a->h + t * a->ldh;
+        float* o = a->out + t * H;
+        if (a->y) {
+            const float* yr = a->y + t * a->ldy;
             for (int64_t i = 0; i < H; i++) hr[i] = hr[i] + yr[i];
         }
         float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -63,8 +95,14 @@ int mmserve_add_rmsnorm_f32(float* h, int64_t ldh, const float* y, int64_t ldy, 
         float ss = 0.f;
         for (; i < H; i++) ss += hr[i] * hr[i];
         for (int j = 0; j < 8; j++) ss += lane[j];
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-        for (int64_t k = 0; k < H; k++) o[k] = w[k] * (hr[k] * inv);
+        const float inv = 1.0f / sqrtf(ss / (float)H + a->eps);
+        for (int64_t k = 0; k < H; k++) o[k] = a->w[k] * (hr[k] * inv);
     }
+}
+
+int mmserve_add_rmsnorm_f32(float* h, int64_t ldh, const float* y, int64_t ldy, const float* w, float* out,
+                            int64_t T, int64_t H, float eps, par_for_t par_for, int64_t threads) {
+    norm_ctx a = {h, y, w, out, T, ldh, ldy, H, eps};
+    over_rows(norm_rows, &a, T, par_for, threads);
     return 0;
 }

@@ -8,7 +8,10 @@
 Why: in a 4 x 1,300-token prefill of the vs_vllm MiMo checkpoint (2-core AVX2 EPYC, 2 threads)
 the eager element-wise ops around the GEMMs (rope's ``mul`` / ``cat`` / ``neg``, the value scale,
 residual ``add``, RMSNorm) were about a fifth of the step, each a full pass over the activations.
-Threads: torch's count at the call (the kernels run on torch's own libgomp).
+Threads: blocks of 16 rows on the few-row kernel's elastic pool (``cpu_gemv.par_for_address``),
+with a decode step's count for that kernel or a prefill's torch count (``cpu_gemv.pool_threads``).
+On torch's libgomp they paid for waking its sleeping team on every pass once the GEMMs moved to
+the pool: ~15% of a 320-token prefill of the vs_vllm MiMo checkpoint (py-spy).
 """
 
 from __future__ import annotations
@@ -19,23 +22,28 @@ from pathlib import Path
 import torch
 
 from ..ckernels import CKernel
+from . import cpu_gemv
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 # exact: no -ffast-math, no contraction (bit-identical rope); vectorized by lanes, not reassociation
-EXACT_FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11", "-fno-math-errno", "-ffp-contract=off", "-fopenmp")
+EXACT_FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11", "-fno-math-errno", "-ffp-contract=off")
 
 
 def _bind(lib: ctypes.CDLL) -> None:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.mmserve_qkv_post_f32.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, i64, f32, ctypes.c_int, i64]
+    lib.mmserve_qkv_post_f32.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, i64, f32, ctypes.c_int, p, i64]
     lib.mmserve_qkv_post_f32.restype = ctypes.c_int
-    lib.mmserve_add_rmsnorm_f32.argtypes = [p, i64, p, i64, p, p, i64, i64, f32, i64]
+    lib.mmserve_add_rmsnorm_f32.argtypes = [p, i64, p, i64, p, p, i64, i64, f32, p, i64]
     lib.mmserve_add_rmsnorm_f32.restype = ctypes.c_int
 
 
 KERNEL = CKernel(SOURCE, "cpu_fused", _bind, what="CPU fused element-wise kernel",
-                 fallback="rope, residual adds and norms run as eager torch ops", flags=EXACT_FLAGS,
-                 link_flags=("-shared", "-fopenmp"))
+                 fallback="rope, residual adds and norms run as eager torch ops", flags=EXACT_FLAGS)
+
+
+def _pool() -> tuple[int | None, int]:
+    n = cpu_gemv.pool_threads()
+    return (cpu_gemv.par_for_address() if n > 1 else None), n
 
 
 def _cpu_f32(*ts: torch.Tensor) -> bool:
@@ -60,7 +68,7 @@ def qkv_post(buf: torch.Tensor, hq: int, hk: int, d: int, dv: int, cos: torch.Te
         raise ValueError(f"qkv rows of width {width} / tables {tuple(cos.shape)} do not match {hq}+{hk} heads of {d}, {dv}")
     rc = KERNEL.load().mmserve_qkv_post_f32(buf.data_ptr(), t, buf.stride(0), hq, hk, d, dv, r, cos.data_ptr(),
                                             sin.data_ptr(), cos.stride(0), float(vscale), int(vscale != 1.0),
-                                            torch.get_num_threads())
+                                            *_pool())
     if rc != 0:
         raise ValueError(f"rope dims {r} must be even and at most the head dim {d}")
 
@@ -81,5 +89,5 @@ def add_rmsnorm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, e
     out = torch.empty(t, n, dtype=torch.float32)
     KERNEL.load().mmserve_add_rmsnorm_f32(h.data_ptr(), h.stride(0), None if y is None else y.data_ptr(),
                                           0 if y is None else y.stride(0), weight.data_ptr(), out.data_ptr(), t, n,
-                                          float(eps), torch.get_num_threads())
+                                          float(eps), *_pool())
     return out

@@ -45,7 +45,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mmserve_gemv_f32.restype = ctypes.c_int
     lib.mmserve_moe_f32.argtypes = [p, i64, i64, p, p, i64, p, p, i64, i64, p, i64]
     lib.mmserve_moe_f32.restype = ctypes.c_int
-    lib.mmserve_route_f32.argtypes = [p, i64, i64, p, p, i64, i64, i64, ctypes.c_float, p, p]
+    lib.mmserve_route_f32.argtypes = [p, i64, i64, p, p, i64, i64, i64, ctypes.c_float, p, p, i64]
     lib.mmserve_route_f32.restype = ctypes.c_int
     lib.mmserve_silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
     lib.mmserve_silu_mul_f32.restype = ctypes.c_int
@@ -72,6 +72,13 @@ def set_threads(n: int) -> None:
 def threads() -> int:
     """The thread count ``set_threads`` gave."""
     return _threads
+
+
+def pool_threads() -> int:
+    """Threads for other work on the pool now (``cpu_packed``, ``cpu_fused``): a decode step's are
+    this kernel's (torch then runs on one), a prefill's torch's; the pool is elastic, so a thread
+    whose core another process took costs no wait."""
+    return max(_threads, torch.get_num_threads())
 
 
 def par_for_address() -> int | None:
@@ -159,9 +166,9 @@ def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tens
 
 
 def supports_route(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``route`` runs this call: as ``supports_moe`` for x, a float32 contiguous router
-    weight of at most 256 experts."""
-    return weight.shape[0] <= 256 and _few_tokens(x, weight)
+    """Whether ``route`` runs this call: x [T, H] CPU float32 (any T), a float32 contiguous router
+    weight of at most 256 experts, and the kernel built."""
+    return weight.shape[0] <= 256 and x.shape[0] > 0 and _few_tokens(x, weight, cap=x.shape[0])
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm: bool,
@@ -177,7 +184,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
     w = torch.empty(t, top_k, dtype=torch.float32)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     rc = KERNEL.load().mmserve_route_f32(x.data_ptr(), t, h, weight.data_ptr(), None if b is None else b.data_ptr(),
-                                         e, top_k, int(norm), float(scale), idx.data_ptr(), w.data_ptr())
+                                         e, top_k, int(norm), float(scale), idx.data_ptr(), w.data_ptr(),
+                                         pool_threads())
     if rc != 0:
         raise ValueError(f"router: top_k {top_k} of {e} experts is not served by the CPU kernel")
     return idx, w

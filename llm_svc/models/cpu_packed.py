@@ -55,9 +55,7 @@ KERNEL = CKernel(SOURCE, "cpu_packed", _bind, what="CPU packed-weight GEMM kerne
 
 
 def _threads(threads: int | None) -> int:
-    # a decode step's threads are the few-row kernel's (torch then runs on one), a prefill's
-    # torch's; the pool is elastic, so a thread whose core is taken costs no wait
-    return max(cpu_gemv.threads(), torch.get_num_threads()) if threads is None else threads
+    return cpu_gemv.pool_threads() if threads is None else threads
 
 
 def linear_packable(weight: torch.Tensor) -> bool:

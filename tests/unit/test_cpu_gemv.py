@@ -166,9 +166,12 @@ def _route_torch(x, weight, bias, k, norm, scale):
     return idx, w * scale
 
 
-@pytest.mark.parametrize("t,e,k,h", [(1, 8, 2, 64), (4, 8, 2, 512), (16, 64, 6, 40), (3, 5, 5, 17), (2, 256, 8, 24)])
+@pytest.mark.parametrize("t,e,k,h", [(1, 8, 2, 64), (4, 8, 2, 512), (16, 64, 6, 40), (3, 5, 5, 17), (2, 256, 8, 24),
+                                     (37, 8, 2, 64), (300, 16, 4, 96)])  # a prefill's tokens: blocks of 16
 @pytest.mark.parametrize("norm,bias", [(True, True), (False, False)])
-def test_router_kernel_equals_torch(t, e, k, h, norm, bias):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_router_kernel_equals_torch(t, e, k, h, norm, bias, threads, monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "_threads", threads)
     g = torch.Generator().manual_seed(t * 7 + e + k)
     x, weight = torch.randn(t, h, generator=g), torch.randn(e, h, generator=g) / h ** 0.5
     b = torch.randn(e, generator=g) * 0.1 if bias else None
@@ -185,7 +188,8 @@ def test_router_kernel_refuses_what_it_cannot_run():
         cpu_gemv.route(x, torch.randn(4, 8), None, 5, True, 1.0)
     assert not cpu_gemv.supports_route(x, torch.randn(257, 8))
     assert not cpu_gemv.supports_route(x.double(), torch.randn(4, 8))
-    assert not cpu_gemv.supports_route(torch.randn(cpu_gemv.MOE_MAX_TOKENS + 1, 8), torch.randn(4, 8))
+    assert not cpu_gemv.supports_route(torch.randn(0, 8), torch.randn(4, 8))
+    assert cpu_gemv.supports_route(torch.randn(cpu_gemv.MOE_MAX_TOKENS_ALL_THREADS + 1, 8), torch.randn(4, 8))
 
 
 def test_pool_results_do_not_depend_on_threads_and_helpers_start_once(monkeypatch):

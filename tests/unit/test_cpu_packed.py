@@ -101,10 +101,10 @@ def test_a_decode_step_runs_on_the_few_row_kernels_threads_and_a_prefill_on_torc
     try:
         cpu_gemv.set_threads(3)
         torch.set_num_threads(1)  # a decode step: torch on one thread, the pool on three
-        assert cpu_packed._threads(None) == 3
+        assert cpu_gemv.pool_threads() == cpu_packed._threads(None) == 3
         cpu_gemv.set_threads(1)
         torch.set_num_threads(2)  # a prefill while the machine is busy: torch's count, the pool elastic
-        assert cpu_packed._threads(None) == 2
+        assert cpu_gemv.pool_threads() == cpu_packed._threads(None) == 2
         assert cpu_packed._threads(1) == 1
     finally:
         cpu_gemv.set_threads(before)
