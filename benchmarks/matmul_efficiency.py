@@ -6,7 +6,9 @@ Peak: the best of oneDNN (packed weight) and ``F.linear`` (MKL) on one large squ
 in-process on the ``vs_vllm`` MiMo checkpoint (``benchmarks._vs_vllm_servers.MiMoSpec``), run
 under ``torch.profiler`` with shapes recorded; the matmul FLOPs of every linear op
 (``mkldnn::_linear_pointwise``, ``aten::mm`` / ``addmm`` / ``linear`` / ``matmul``'s ``mm``) are
-summed from their shapes and divided by those ops' own time. Two workloads: prefill-heavy
+summed from their shapes and divided by those ops' own time. Calls of our packed-weight kernel
+(``cpu_packed.linear`` / ``moe``, the CPU float32 default, invisible to the profiler) are timed
+around each call and counted from their shapes (a MoE call: its token-expert pairs' two products). Two workloads: prefill-heavy
 (``--prefill`` prompts of ``--prompt`` tokens, 1 output token each) and decode-heavy
 (``--decode`` sequences of 300 tokens, then ``--steps`` decode steps measured). Decode GEMMs
 have a handful of rows: they are bound by streaming the weights from memory, so their FLOP/s
@@ -80,6 +82,58 @@ def linear_stats(prof) -> dict[str, float]:
             "weight_gb_s": round(nbytes / secs / 1e9, 1) if secs else 0.0}
 
 
+class KernelMeter:
+    """Times every ``cpu_packed.linear`` / ``moe`` call while active and counts its matmul FLOPs
+    and weight bytes (a MoE call: the experts its tokens chose)."""
+
+    def __init__(self):
+        self.flops = self.nbytes = self.secs = 0.0
+        self.calls = 0
+
+    def __enter__(self) -> "KernelMeter":
+        from llm_svc.models import cpu_packed
+
+        self._mod, self._orig = cpu_packed, (cpu_packed.linear, cpu_packed.moe)
+        lin, moe = self._orig
+
+        def linear(x, packed, n, bias=None, threads=None):
+            t = time.perf_counter()
+            out = lin(x, packed, n, bias, threads)
+            self._add(time.perf_counter() - t, 2.0 * (x.numel() // packed.shape[1]) * n * packed.shape[1],
+                      4.0 * n * packed.shape[1])
+            return out
+
+        def routed(x, idx, w, packed, threads=None):
+            t = time.perf_counter()
+            out = moe(x, idx, w, packed, threads)
+            gp = packed[0]
+            e, i2, h = gp.shape
+            self._add(time.perf_counter() - t, 2.0 * idx.numel() * (i2 * h + h * i2 // 2),
+                      4.0 * len(set(idx.reshape(-1).tolist())) * (i2 * h + h * i2 // 2))
+            return out
+
+        cpu_packed.linear, cpu_packed.moe = linear, routed
+        return self
+
+    def _add(self, secs: float, flops: float, nbytes: float) -> None:
+        self.secs += secs
+        self.flops += flops
+        self.nbytes += nbytes
+        self.calls += 1
+
+    def __exit__(self, *exc) -> None:
+        self._mod.linear, self._mod.moe = self._orig
+
+
+def merged(prof_stats: dict, meter: KernelMeter) -> dict:
+    flops = prof_stats["gflop"] * 1e9 + meter.flops
+    secs = prof_stats["seconds"] + meter.secs
+    nbytes = prof_stats["weight_gb_s"] * prof_stats["seconds"] * 1e9 + meter.nbytes
+    return {"gflop": round(flops / 1e9, 2), "seconds": round(secs, 3), "calls": prof_stats["calls"] + meter.calls,
+            "gflop_s": round(flops / secs / 1e9, 1) if secs else 0.0,
+            "weight_gb_s": round(nbytes / secs / 1e9, 1) if secs else 0.0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -89,7 +143,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--peak-n", type=int, default=2048)
-    ap.add_argument("--linear", default="auto", help="linear backend of the engine (auto / onednn / torch)")
+    ap.add_argument("--linear", default="auto", help="linear backend of the engine (auto / packed / onednn / torch)")
     _results.add_mode_args(ap)
     args = ap.parse_args()
     if args.smoke:
@@ -126,20 +180,20 @@ def main() -> None:
 
     drain(submit(2, 200, 4))  # warm-up
     peak_before = gemm_peak(args.peak_n)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, KernelMeter() as meter:
         t = time.perf_counter()
         drain(submit(args.prefill, args.prompt, 1))
         prefill_wall = time.perf_counter() - t
-    prefill = {**linear_stats(prof), "wall_s": round(prefill_wall, 2)}
+    prefill = {**merged(linear_stats(prof), meter), "wall_s": round(prefill_wall, 2)}
     streams = submit(args.decode, 300, args.steps + 8)
     while not all(s.outs for s in streams):
         engine.step()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, KernelMeter() as meter:
         t = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         decode_wall = time.perf_counter() - t
-    decode = {**linear_stats(prof), "wall_ms_per_step": round(decode_wall / args.steps * 1e3, 2)}
+    decode = {**merged(linear_stats(prof), meter), "wall_ms_per_step": round(decode_wall / args.steps * 1e3, 2)}
     drain(streams)
     engine.scheduler.check_integrity()
     peak_after = gemm_peak(args.peak_n)

@@ -39,6 +39,10 @@
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
 
+/* below this many multiply-adds a call runs on the caller alone: a helper's hand-off costs more
+ * than it saves (a tiny model's [16, 64] x [64, 96] linears; real ones are 10-100x above it) */
+#define MIN_PAR_MACS (1 << 18)
+
 typedef void (*chunk_fn_t)(void* ctx, int64_t i);
 typedef void (*par_for_t)(chunk_fn_t fn, void* ctx, int64_t n, int64_t threads);
 
@@ -189,7 +193,7 @@ int mmserve_moe_packed_f32(const float* x, int64_t T, int64_t H, const int64_t* 
         xrow[r] = x + (p / K) * H;
     }
     moe_ctx c = {(const float* const*)xrow, gp, dp, wp, start, tok, h, out, E, H, I, T};
-    if (par_for && threads > 1) {
+    if (par_for && threads > 1 && P * 3 * H * I >= MIN_PAR_MACS) {
         par_for(gate_up_block, &c, I / VL, threads);
         par_for(down_block, &c, H / (2 * VL), threads);
     } else {
@@ -261,7 +265,7 @@ int mmserve_gemm_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const fl
                      float* out, int64_t ldo, par_for_t par_for, int64_t threads) {
     const int64_t nb = (N + NB - 1) / NB, items = nb * ((M + GEMM_RB - 1) / GEMM_RB);
     gemm_ctx c = {x, wp, bias, out, ldx, ldo, M, N, K, nb, GEMM_RB};
-    if (par_for && threads > 1) par_for(gemm_item, &c, items, threads);
+    if (par_for && threads > 1 && M * N * K >= MIN_PAR_MACS) par_for(gemm_item, &c, items, threads);
     else
         for (int64_t i = 0; i < items; i++) gemm_item(&c, i);
     return 0;
