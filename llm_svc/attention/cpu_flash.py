@@ -79,6 +79,12 @@ class CPUFlashAttention(TorchBatchedAttention):
         self._masks = {}  # a step's buckets own their biases: the masks made from them live as long
         return super().prepare(batch, tables, window, device)
 
+    def write_kv(self, cache: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if cpu_paged.supports_write(cache, k, v):
+            cpu_paged.write(cache, slots, k, v)  # one C pass, no OpenMP region
+        else:
+            cache.write(slots, k, v)
+
     def attend_bucket(self, bk: Bucket, q, cache: LayerKV, params: AttentionParams) -> torch.Tensor:
         if bk.nq == 1 and cpu_paged.supports(q, cache):
             b, _, hq, d = q.shape

@@ -309,3 +309,23 @@ int mmserve_paged_decode_pooled_f32(
     ((par_for_t)par_for)(decode_chunk, &job, job.chunks, threads);
     return job.failed ? -1 : 0;
 }
+
+/* A step's new K / V rows into the pools at their slots, one copy per (token, kv head):
+ * kpool [Hkv, S, Dqk] <- k [T, Hkv, Dqk] (token stride ldk, heads contiguous inside a token),
+ * vpool [Hkv, S, Dv] <- v likewise. torch's index_copy_ over a transposed view was an OpenMP
+ * region per layer (~0.3 ms at 320 tokens once its team slept, far more beside a busy core).
+ * Returns 0, or 1 if a slot is outside [0, S) (nothing written). */
+int mmserve_paged_write_f32(float *kpool, float *vpool, int64_t S, int64_t Hkv, int64_t Dqk, int64_t Dv,
+                            const int64_t *slots, int64_t T, const float *k, int64_t ldk, const float *v, int64_t ldv)
+{
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] < 0 || slots[t] >= S) return 1;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t s = slots[t];
+        for (int64_t h = 0; h < Hkv; ++h) {
+            memcpy(kpool + (h * S + s) * Dqk, k + t * ldk + h * Dqk, (size_t)Dqk * sizeof(float));
+            memcpy(vpool + (h * S + s) * Dv, v + t * ldv + h * Dv, (size_t)Dv * sizeof(float));
+        }
+    }
+    return 0;
+}

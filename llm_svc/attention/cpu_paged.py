@@ -56,6 +56,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.mmserve_paged_decode_pooled_f32
     fn.argtypes = [p] * 9 + [i64] * 7 + [f32, f32, p, i64, i64]
     fn.restype = ctypes.c_int
+    fn = lib.mmserve_paged_write_f32
+    fn.argtypes = [p, p, i64, i64, i64, i64, p, i64, p, i64, p, i64]
+    fn.restype = ctypes.c_int
 
 
 KERNEL = CKernel(SOURCE, "cpu_paged", _bind, what="CPU paged decode kernel", fallback="decodes gather their context")
@@ -79,6 +82,36 @@ def supports(q: torch.Tensor, cache: LayerKV) -> bool:
     """Whether ``paged_decode`` can run these tensors (CPU, float32 pool and queries)."""
     return (q.device.type == "cpu" and cache.k.dtype == torch.float32 and cache.v.dtype == torch.float32
             and q.dtype == torch.float32 and cache.k.is_contiguous() and cache.v.is_contiguous() and available())
+
+
+def _rows(x: torch.Tensor, heads: int, dim: int) -> bool:
+    # [T, heads, dim] float32 with heads contiguous inside a token (any token stride)
+    return (x.dtype == torch.float32 and x.dim() == 3 and x.shape[1:] == (heads, dim) and x.stride(2) == 1
+            and (heads == 1 or x.stride(1) == dim))
+
+
+def supports_write(cache: LayerKV, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``write`` stores these rows: CPU float32 contiguous pools, k / v [T, Hkv, D] float32
+    with each token's heads contiguous (a view of a fused projection's rows is), the kernel built."""
+    hkv, _, dqk = cache.k.shape
+    return (cache.k.device.type == "cpu" and k.device.type == "cpu" and cache.k.dtype == torch.float32
+            and cache.v.dtype == torch.float32 and cache.k.is_contiguous() and cache.v.is_contiguous()
+            and _rows(k, hkv, dqk) and _rows(v, hkv, cache.v.shape[2]) and k.shape[0] == v.shape[0] and available())
+
+
+def write(cache: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``cache.write(slots, k, v)`` in one C pass (check ``supports_write`` first): slots [T] long."""
+    hkv, num_slots, dqk = cache.k.shape
+    slots = slots.to(torch.long).contiguous()
+    t = k.shape[0]
+    if slots.shape != (t,):
+        raise ValueError(f"{tuple(slots.shape)} slots for {t} rows")
+    if t == 0:
+        return
+    rc = load().mmserve_paged_write_f32(cache.k.data_ptr(), cache.v.data_ptr(), num_slots, hkv, dqk, cache.v.shape[2],
+                                        slots.data_ptr(), t, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0))
+    if rc != 0:
+        raise IndexError(f"a KV slot outside the pool of {num_slots}")
 
 
 def use_pool(par_for: int | None, threads: int) -> None:

@@ -320,9 +320,13 @@ class TorchBatchedAttention(AttentionBackend):
             meta.kinds[kind] = KindMeta(torch.tensor(out, dtype=torch.long, device=device), buckets, whole)
         return meta
 
+    def write_kv(self, cache: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a step's new K / V rows at their slots (a backend may store them its own way)."""
+        cache.write(slots, k, v)
+
     def forward(self, kind, q, k, v, cache: LayerKV, meta: StepMeta, params: AttentionParams) -> torch.Tensor:
         km = meta.kinds[kind]
-        cache.write(km.out_slots, k, v)
+        self.write_kv(cache, km.out_slots, k, v)
         t, hq, d = q.shape
         out = None if km.whole else q.new_empty(t, hq, v.shape[-1])
         for bk in km.buckets:

@@ -169,3 +169,38 @@ def test_decode_on_the_c_pool_equals_one_thread(threads):
         cpu_gemv.set_threads(1)
     assert cpu_paged.pool() == (None, 1)
     torch.testing.assert_close(one, _reference(q, cache, table, trows, k0, lens_t, params), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("hkv,dqk,dv", [(2, 96, 96), (4, 24, 16), (1, 8, 8)])
+def test_write_stores_what_layer_kv_write_stores(hkv, dqk, dv):
+    """The C write equals ``LayerKV.write`` for rows that are views of a fused projection (token
+    stride wider than the heads), scattered and out-of-order slots; a slot off the pool is refused
+    before anything is written."""
+    g = torch.Generator().manual_seed(hkv * 100 + dqk)
+    want, got = (LayerKV.empty(50, hkv, dqk, dv, torch.float32) for _ in range(2))
+    for cache in (want, got):  # what is already there stays
+        cache.k.copy_(torch.arange(cache.k.numel(), dtype=torch.float32).view_as(cache.k))
+        cache.v.copy_(-torch.arange(cache.v.numel(), dtype=torch.float32).view_as(cache.v))
+    rows = torch.randn(7, 3 + hkv * (dqk + dv) + 5, generator=g)  # [T, q | k | v | more], as a fused qkv buffer
+    k = rows[:, 3:3 + hkv * dqk].view(7, hkv, dqk)
+    v = rows[:, 3 + hkv * dqk:3 + hkv * (dqk + dv)].view(7, hkv, dv)
+    slots = torch.tensor([31, 2, 49, 0, 17, 18, 5])
+    assert cpu_paged.supports_write(got, k, v)
+    want.write(slots, k, v)
+    cpu_paged.write(got, slots, k, v)
+    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+    before = got.k.clone()
+    with pytest.raises(IndexError, match="outside the pool"):
+        cpu_paged.write(got, torch.tensor([1, 2, 3, 4, 5, 6, 50]), k, v)
+    assert torch.equal(got.k, before)
+    cpu_paged.write(got, torch.empty(0, dtype=torch.long), k[:0], v[:0])  # nothing to write
+    assert torch.equal(got.k, before)
+
+
+def test_write_is_not_taken_for_rows_it_cannot_read():
+    cache = LayerKV.empty(8, 2, 4, 4, torch.float32)
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    assert cpu_paged.supports_write(cache, k, v)
+    assert not cpu_paged.supports_write(cache, k.transpose(0, 1).contiguous().transpose(0, 1), v)  # heads strided
+    assert not cpu_paged.supports_write(cache, k.double(), v)
+    assert not cpu_paged.supports_write(LayerKV.empty(8, 2, 4, 4, torch.bfloat16), k, v)
