@@ -28,7 +28,6 @@ from . import cpu_paged
 from .base import AttentionParams, LayerKV
 
 SOURCE = Path(__file__).with_name("cpu_prefill.c")
-TILE_ROWS = 64  # the kernel's tile: 64 // G queries x the G query heads of a kv head (cpu_prefill.c: M)
 MIN_SPLIT_FLOPS = 2e7  # below this many per thread a call runs on one (~0.3 ms of work; a thread hop ~50 us)
 
 
@@ -40,6 +39,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.mmserve_paged_prefill_pooled_f32
     fn.argtypes = [p] * 10 + [i64] * 9 + [f32, p, i64]
     fn.restype = ctypes.c_int
+    lib.mmserve_prefill_tile_rows.argtypes = []
+    lib.mmserve_prefill_tile_rows.restype = i64
 
 
 KERNEL = CKernel(SOURCE, "cpu_prefill", _bind, what="CPU paged prefill kernel",
@@ -66,11 +67,17 @@ def available(kv_dtype: torch.dtype = torch.float32) -> bool:
 
 def supports(q: torch.Tensor, cache: LayerKV, params: AttentionParams) -> bool:
     """Whether ``paged_prefill`` can run these tensors: CPU, float32 queries, contiguous pools of
-    float32 / bfloat16 / float16, no soft-cap, at most ``TILE_ROWS`` query heads per kv head."""
+    float32 / bfloat16 / float16, no soft-cap, at most a tile's rows (``tile_rows``: 32 on AVX-512,
+    64 elsewhere) of query heads per kv head."""
     return (params.softcap is None and q.device.type == "cpu" and q.dtype == torch.float32
             and cache.k.dtype == cache.v.dtype and cache.k.dtype in KERNELS and cache.k.device.type == "cpu"
             and cache.k.is_contiguous() and cache.v.is_contiguous()
-            and q.shape[-2] // cache.k.shape[0] <= TILE_ROWS and available(cache.k.dtype))
+            and available(cache.k.dtype) and q.shape[-2] // cache.k.shape[0] <= tile_rows(cache.k.dtype))
+
+
+def tile_rows(kv_dtype: torch.dtype = torch.float32) -> int:
+    """Rows of the kernel's tile (query heads x queries) in this machine's build (check ``available``)."""
+    return load(kv_dtype).mmserve_prefill_tile_rows()
 
 
 def paged_prefill(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: torch.Tensor, k0: torch.Tensor,

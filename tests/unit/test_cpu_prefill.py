@@ -116,11 +116,12 @@ def test_extreme_scores_stay_finite():
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-3), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("tiling", [("-DMV=8", "-DJR=3", "-DDR=3"), ("-DMV=4", "-DJR=2", "-DDR=2")])
+@pytest.mark.parametrize("tiling", [("-DMV=4", "-DJR=6", "-DDR=6"), ("-DMV=8", "-DJR=3", "-DDR=3"),
+                                    ("-DMV=4", "-DJR=2", "-DDR=2")])
 def test_other_tilings_agree(tiling, monkeypatch):
-    """The register tiling an AVX-512 machine builds (3 keys / 3 value columns a micro-tile) and a
-    32-row tile, built here too: same answers as the reference, remainders included (odd key
-    counts, head dims not a multiple of 3)."""
+    """The register tiling an AVX-512 machine builds (64 rows x 3 keys / 3 value columns a
+    micro-tile) and 32-row ones, built here too: same answers as the reference, remainders
+    included (odd key counts, head dims not a multiple of 6 or 3)."""
     from llm_svc.ckernels import FAST_FLAGS, CKernel
 
     lib = CKernel(cpu_prefill.SOURCE, "cpu_prefill_t" + "".join(t[-1] for t in tiling), cpu_prefill._bind,
@@ -190,3 +191,12 @@ def test_items_on_the_c_pool_give_the_one_thread_result(c_pool, threads, dtype, 
         pooled = cpu_prefill.paged_prefill(q, cache, table, trows, k0, qpos0, ns, window, params)
         assert torch.equal(pooled, one)
     assert cpu_gemv.KERNEL.load().mmserve_pool_helpers() >= threads - 1  # the helpers did start
+
+
+def test_more_query_heads_per_kv_head_than_a_tile_holds_are_left_to_torch():
+    rows = cpu_prefill.tile_rows()
+    assert rows == 64
+    params = AttentionParams(scale=0.125)
+    cache = LayerKV.empty(16, 1, 8, 8, torch.float32)
+    assert cpu_prefill.supports(torch.randn(1, 4, rows, 8), cache, params)
+    assert not cpu_prefill.supports(torch.randn(1, 4, rows + 1, 8), cache, params)
