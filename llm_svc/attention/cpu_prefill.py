@@ -19,6 +19,7 @@ tokens 91-106 -> 84-87 ms; 1,300 tokens about even).
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -67,16 +68,18 @@ def available(kv_dtype: torch.dtype = torch.float32) -> bool:
 
 def supports(q: torch.Tensor, cache: LayerKV, params: AttentionParams) -> bool:
     """Whether ``paged_prefill`` can run these tensors: CPU, float32 queries, contiguous pools of
-    float32 / bfloat16 / float16, no soft-cap, at most a tile's rows (``tile_rows``: 32 on AVX-512,
-    64 elsewhere) of query heads per kv head."""
+    float32 / bfloat16 / float16, no soft-cap, at most a tile's rows (``tile_rows``: 64 in the
+    default builds) of query heads per kv head."""
     return (params.softcap is None and q.device.type == "cpu" and q.dtype == torch.float32
             and cache.k.dtype == cache.v.dtype and cache.k.dtype in KERNELS and cache.k.device.type == "cpu"
             and cache.k.is_contiguous() and cache.v.is_contiguous()
             and available(cache.k.dtype) and q.shape[-2] // cache.k.shape[0] <= tile_rows(cache.k.dtype))
 
 
+@functools.cache
 def tile_rows(kv_dtype: torch.dtype = torch.float32) -> int:
-    """Rows of the kernel's tile (query heads x queries) in this machine's build (check ``available``)."""
+    """Rows of the kernel's tile (query heads x queries) in this machine's build (check ``available``;
+    asked once per dtype: ``supports`` runs for every bucket)."""
     return load(kv_dtype).mmserve_prefill_tile_rows()
 
 

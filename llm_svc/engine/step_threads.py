@@ -116,5 +116,5 @@ class StepThreads:
             torch.set_num_threads(n)
         gemv = self.gemv_threads()
         cpu_gemv.set_threads(gemv)
-        cpu_paged.use_pool(cpu_gemv.par_for_address() if gemv > 1 else None, gemv)
+        cpu_paged.use_pool(*cpu_gemv.pool(gemv))
         return n

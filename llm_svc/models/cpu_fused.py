@@ -41,10 +41,6 @@ KERNEL = CKernel(SOURCE, "cpu_fused", _bind, what="CPU fused element-wise kernel
                  fallback="rope, residual adds and norms run as eager torch ops", flags=EXACT_FLAGS)
 
 
-def _pool() -> tuple[int | None, int]:
-    n = cpu_gemv.pool_threads()
-    return (cpu_gemv.par_for_address() if n > 1 else None), n
-
 
 def _cpu_f32(*ts: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
@@ -68,7 +64,7 @@ def qkv_post(buf: torch.Tensor, hq: int, hk: int, d: int, dv: int, cos: torch.Te
         raise ValueError(f"qkv rows of width {width} / tables {tuple(cos.shape)} do not match {hq}+{hk} heads of {d}, {dv}")
     rc = KERNEL.load().mmserve_qkv_post_f32(buf.data_ptr(), t, buf.stride(0), hq, hk, d, dv, r, cos.data_ptr(),
                                             sin.data_ptr(), cos.stride(0), float(vscale), int(vscale != 1.0),
-                                            *_pool())
+                                            *cpu_gemv.pool())
     if rc != 0:
         raise ValueError(f"rope dims {r} must be even and at most the head dim {d}")
 
@@ -89,5 +85,5 @@ def add_rmsnorm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, e
     out = torch.empty(t, n, dtype=torch.float32)
     KERNEL.load().mmserve_add_rmsnorm_f32(h.data_ptr(), h.stride(0), None if y is None else y.data_ptr(),
                                           0 if y is None else y.stride(0), weight.data_ptr(), out.data_ptr(), t, n,
-                                          float(eps), *_pool())
+                                          float(eps), *cpu_gemv.pool())
     return out

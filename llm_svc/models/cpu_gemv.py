@@ -69,16 +69,18 @@ def set_threads(n: int) -> None:
     _threads = max(1, int(n))
 
 
-def threads() -> int:
-    """The thread count ``set_threads`` gave."""
-    return _threads
-
-
 def pool_threads() -> int:
     """Threads for other work on the pool now (``cpu_packed``, ``cpu_fused``): a decode step's are
     this kernel's (torch then runs on one), a prefill's torch's; the pool is elastic, so a thread
     whose core another process took costs no wait."""
     return max(_threads, torch.get_num_threads())
+
+
+def pool(threads: int | None = None) -> tuple[int | None, int]:
+    """``(par_for address, threads)`` for a C kernel's call on this pool: ``threads`` (default
+    ``pool_threads()``), and the address None when that is one thread (the call runs inline)."""
+    n = pool_threads() if threads is None else max(1, int(threads))
+    return (par_for_address() if n > 1 else None), n
 
 
 def par_for_address() -> int | None:
@@ -133,10 +135,12 @@ MOE_MAX_TOKENS = 64
 MOE_MAX_TOKENS_ALL_THREADS = 160
 
 
-def _few_tokens(x: torch.Tensor, *weights: torch.Tensor, cap: int = MOE_MAX_TOKENS) -> bool:
-    """x [T, H] CPU float32 with 1..``cap`` rows (a decode step's or a small one's), ``weights`` float32
-    and contiguous, and the kernel built: what ``moe`` and ``route`` both need."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 0 < x.shape[0] <= cap
+def _few_tokens(x: torch.Tensor, *weights: torch.Tensor, cap: int | None = MOE_MAX_TOKENS) -> bool:
+    """x [T, H] CPU float32 with 1..``cap`` rows (a decode step's or a small one's; ``cap`` None:
+    any number), ``weights`` float32 and contiguous, and the kernel built: what ``moe`` and
+    ``route`` both need."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 0 < x.shape[0]
+            and (cap is None or x.shape[0] <= cap)
             and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights) and KERNEL.available())
 
 
@@ -168,7 +172,7 @@ def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tens
 def supports_route(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``route`` runs this call: x [T, H] CPU float32 (any T), a float32 contiguous router
     weight of at most 256 experts, and the kernel built."""
-    return weight.shape[0] <= 256 and x.shape[0] > 0 and _few_tokens(x, weight, cap=x.shape[0])
+    return weight.shape[0] <= 256 and _few_tokens(x, weight, cap=None)
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm: bool,

@@ -54,10 +54,6 @@ KERNEL = CKernel(SOURCE, "cpu_packed", _bind, what="CPU packed-weight GEMM kerne
                  flags=FAST_FLAGS + ("-fopenmp-simd",))
 
 
-def _threads(threads: int | None) -> int:
-    return cpu_gemv.pool_threads() if threads is None else threads
-
-
 def linear_packable(weight: torch.Tensor) -> bool:
     """Whether ``pack_linear`` takes ``weight [N, K]`` here (CPU float32, the kernel built)."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and KERNEL.available()
@@ -84,10 +80,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     if m:
-        t = _threads(threads)
         KERNEL.load().mmserve_gemm_f32(x2.data_ptr(), x2.stride(0), m, k, packed.data_ptr(), n,
                                        None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-                                       cpu_gemv.par_for_address() if t > 1 else None, t)
+                                       *cpu_gemv.pool(threads))
     return out.view(*x.shape[:-1], n)
 
 
@@ -130,10 +125,9 @@ def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, packed: tuple[torch
     w = w.to(torch.float32).contiguous()
     scratch = torch.empty(t * k, i2 // 2, dtype=torch.float32)
     out = torch.empty(t, h, dtype=torch.float32)
-    n = _threads(threads)
-    pool = cpu_gemv.par_for_address() if n > 1 else None
     rc = KERNEL.load().mmserve_moe_packed_f32(x.data_ptr(), t, h, idx.data_ptr(), w.data_ptr(), k, gp.data_ptr(),
-                                              dp.data_ptr(), e, i2 // 2, scratch.data_ptr(), out.data_ptr(), pool, n)
+                                              dp.data_ptr(), e, i2 // 2, scratch.data_ptr(), out.data_ptr(),
+                                              *cpu_gemv.pool(threads))
     if rc != 0:
         raise ValueError(f"routed experts: an expert index outside [0, {e}) (or out of memory)")
     return out

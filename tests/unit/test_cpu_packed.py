@@ -96,18 +96,17 @@ def test_routed_experts_run_packed_where_the_shape_packs_and_fall_back_elsewhere
     assert (experts._linears is None) == (i == 32)
 
 
-def test_a_decode_step_runs_on_the_few_row_kernels_threads_and_a_prefill_on_torchs():
-    before, torch_before = cpu_gemv.threads(), torch.get_num_threads()
+def test_a_decode_step_runs_on_the_few_row_kernels_threads_and_a_prefill_on_torchs(monkeypatch):
+    torch_before = torch.get_num_threads()
     try:
-        cpu_gemv.set_threads(3)
+        monkeypatch.setattr(cpu_gemv, "_threads", 3)
         torch.set_num_threads(1)  # a decode step: torch on one thread, the pool on three
-        assert cpu_gemv.pool_threads() == cpu_packed._threads(None) == 3
-        cpu_gemv.set_threads(1)
+        assert cpu_gemv.pool_threads() == 3 and cpu_gemv.pool() == (cpu_gemv.par_for_address(), 3)
+        monkeypatch.setattr(cpu_gemv, "_threads", 1)
         torch.set_num_threads(2)  # a prefill while the machine is busy: torch's count, the pool elastic
-        assert cpu_gemv.pool_threads() == cpu_packed._threads(None) == 2
-        assert cpu_packed._threads(1) == 1
+        assert cpu_gemv.pool_threads() == 2 and cpu_gemv.pool() == (cpu_gemv.par_for_address(), 2)
+        assert cpu_gemv.pool(1) == (None, 1)  # one thread: the call runs inline
     finally:
-        cpu_gemv.set_threads(before)
         torch.set_num_threads(torch_before)
 
 
