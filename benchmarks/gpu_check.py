@@ -27,6 +27,12 @@ Parts (each in its own try/except; an error is recorded in the JSON and the next
   whether the greedy tokens agree. (2) The ``throughput`` model (bfloat16): median decode step
   time per backend at ``--paged-seqs`` sequences x ``--paged-ctx`` tokens of context (16 x 4096),
   and one full layer's attention alone (prepare once, forward timed) at the same shape.
+* ``cuda_graphs`` (CUDA only): decode steps replayed from CUDA graphs (``cuda_graphs``,
+  ``llm_svc.engine.decode_graphs``) against the same engine eager, both on ``triton_paged``:
+  every step's logits on the tiny MiMo and Gemma 3 (float32) and the tiny MiMo in bfloat16 (its
+  MoE on grouped GEMMs inside the graph), whether the graphs were recorded (and why not), how
+  many steps they served; the ``throughput`` model's decode step time and output tok/s at 1 / 16 /
+  64 sequences, eager and graphs alternated, and whether their greedy tokens agree.
 
 ``--quick``: fewer output tokens; on the cpu also a small "big" model (hidden 256, 4 layers,
 vocab 4096), so ``--device cpu --quick`` checks the script itself (about a minute on 2 cores).
@@ -82,11 +88,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _make_engine(lm, device: str, max_running: int, kv_bytes: int):
+def _make_engine(lm, device: str, max_running: int, kv_bytes: int, **settings_kw):
     from llm_svc.backends.swa import build_engine
 
     settings = LLMSettings(model_dir=str(lm.spec.root), backend="swa", device=device, kv_bytes=kv_bytes,
-                           max_batch_tokens=512, max_running=max_running, enable_prefix_cache=False)
+                           max_batch_tokens=512, max_running=max_running, enable_prefix_cache=False, **settings_kw)
     engine = build_engine(settings, lm)
     if not hasattr(engine, "submit"):  # the bare core Engine (add/step -> CoreToken): add the front's half
         from mmserve.testing.in_process import InProcessEngine
@@ -444,6 +450,101 @@ def check_paged_attention(args, tmp: Path, small_out: int) -> dict:
     return res
 
 
+# ------------------------------------------------------------------ CUDA graphs
+def _capture_logits(engine) -> dict[str, list[torch.Tensor]]:
+    got: dict[str, list[torch.Tensor]] = {}
+    run = engine.runner.run
+
+    def capture(batch, *a, **kw):
+        out = run(batch, *a, **kw)
+        if isinstance(out, dict):
+            for rid, row in out.items():
+                got.setdefault(rid, []).append(row.detach().float().cpu())
+        return out
+
+    engine.runner.run = capture
+    return got
+
+
+def _graph_logits(arch: str, device: str, tmp: Path, max_tokens: int, dtype: str) -> dict:
+    """Every step's logits of ``triton_paged`` eager vs the same with ``cuda_graphs`` (tiny model)."""
+    from mmserve.tiny_model import write_tiny_model
+
+    path = tmp / f"tiny-{arch}"
+    if not path.exists():
+        write_tiny_model(path, arch=arch)
+    lm = load_lm(str(path), device=device, dtype=dtype)
+    prompts = _prompts(5, [40, 150, 300, 20, 90], lm.vocab_size, seed=3)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    logits, tokens, res = {}, {}, {"model": lm.spec.lm_architecture, "dtype": dtype}
+    for graphs in (False, True):
+        engine = _make_engine(lm, device, max_running=8, kv_bytes=64 * 1024 * 1024, attention_backend="triton_paged",
+                              cuda_graphs=graphs, cuda_graph_max_batch=8)
+        name = "graphs" if graphs else "eager"
+        if graphs:
+            g = engine.runner.graphs
+            res["graphs_on"] = g is not None
+            res["graphs_error"] = getattr(engine.runner, "graphs_error", None)
+        got = _capture_logits(engine)
+        streams = _run(engine, [(f"q{i}", p, sp) for i, p in enumerate(prompts)], device)
+        errs = {k: s.error for k, s in streams.items() if s.error}
+        if errs:
+            raise RuntimeError(f"{name}: {errs}")
+        engine.scheduler.check_integrity()
+        if graphs and engine.runner.graphs is not None:
+            res["graph_steps"] = engine.runner.graphs.replays
+        logits[name], tokens[name] = got, {k: s.tokens for k, s in streams.items()}
+    diff = max((float((a - b).abs().max()) for rid, rows in logits["eager"].items()
+                for a, b in zip(rows, logits["graphs"].get(rid, []))), default=None)
+    res.update(max_abs_diff=diff, requests=len(prompts),
+               requests_same_tokens=sum(tokens["eager"][r] == tokens["graphs"][r] for r in tokens["eager"]))
+    return res
+
+
+def check_cuda_graphs(args, tmp: Path, small_out: int) -> dict:
+    """Decode steps replayed from CUDA graphs (``cuda_graphs``) against the same engine eager
+    (both on ``triton_paged``): logits on the tiny models, decode step time on the big one."""
+    if not args.device.startswith("cuda"):
+        return {"skipped": "needs CUDA (the CPU unit tests run the same static buffers without a graph)"}
+    res: dict = {}
+    for arch in ("mimo", "gemma3"):
+        res[f"logits_{arch}"] = _graph_logits(arch, args.device, tmp, small_out, "float32")
+    res["logits_mimo_bf16"] = _graph_logits("mimo", args.device, tmp, small_out, "bfloat16")  # MoE: grouped GEMMs
+    path = tmp / "graphs-big"
+    if not path.exists():
+        write_big_model(path, 1024, 16, 32768, getattr(torch, args.dtype), args.device)
+    lm = load_lm(str(path), device=args.device, dtype=args.dtype)
+    out_len = 32 if args.quick else 64
+    sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    engines = {g: _make_engine(lm, args.device, max_running=64, kv_bytes=int(args.kv_gib * 2**30),
+                               attention_backend="triton_paged", cuda_graphs=g, cuda_graph_max_batch=64)
+               for g in (False, True)}
+    res["big_graphs_on"] = engines[True].runner.graphs is not None
+    res["big_graphs_error"] = getattr(engines[True].runner, "graphs_error", None)
+    runs: dict = {}
+    for n in (1, 16, 64):
+        prompts = _prompts(n, 128, lm.vocab_size, seed=40 + n)
+        toks = {}
+        for rep, g in enumerate((False, True, True, False)):  # alternated
+            name = "graphs" if g else "eager"
+            steps: list[tuple[float, bool]] = []
+            t0 = time.perf_counter()
+            streams = _run(engines[g], [(f"g{n}-{rep}-{i}", p, sp) for i, p in enumerate(prompts)], args.device, steps)
+            wall = time.perf_counter() - t0
+            decode = [t for t, d in steps if d]
+            r = runs.setdefault(str(n), {}).setdefault(name, {"decode_step_ms_p50": [], "output_tok_s": []})
+            r["decode_step_ms_p50"].append(round(statistics.median(decode) * 1e3, 3) if decode else None)
+            r["output_tok_s"].append(round(n * out_len / wall, 1))
+            toks.setdefault(name, [s.tokens for s in streams.values()])
+        runs[str(n)]["same_tokens"] = sum(a == b for a, b in zip(toks["eager"], toks["graphs"]))
+    for e in engines.values():
+        e.scheduler.check_integrity()
+    if engines[True].runner.graphs is not None:
+        res["big_graph_steps"] = engines[True].runner.graphs.replays
+    res["big_runs"] = runs
+    return res
+
+
 # ------------------------------------------------------------------ main
 def _part(result: dict, name: str, fn, *a) -> None:
     t0 = time.perf_counter()
@@ -490,6 +591,19 @@ def _print_table(r: dict) -> None:
             print(f"paged decode  : {pa['seqs']} x {pa['ctx']}: step ms sdpa {pa.get('decode_step_ms_p50_sdpa')} "
                   f"triton_paged {pa.get('decode_step_ms_p50_triton_paged')}; one full layer ms sdpa "
                   f"{al.get('sdpa_ms')} triton_paged {al.get('triton_paged_ms')}")
+    cg = r.get("cuda_graphs")
+    if cg:
+        if "skipped" in cg:
+            print(f"cuda graphs   : skipped ({cg['skipped']})")
+        else:
+            for key in ("logits_mimo", "logits_gemma3", "logits_mimo_bf16"):
+                x = cg.get(key, {})
+                print(f"graphs {key[7:]:11s}: on {x.get('graphs_on')} ({x.get('graph_steps')} graph steps) max|diff| "
+                      f"{x.get('max_abs_diff')} same tokens {x.get('requests_same_tokens')}/{x.get('requests')}"
+                      + (f" error: {x['graphs_error']}" if x.get("graphs_error") else ""))
+            for n, x in cg.get("big_runs", {}).items():
+                print(f"graphs decode : {n:>3} seqs step ms eager {x['eager']['decode_step_ms_p50']} graphs "
+                      f"{x['graphs']['decode_step_ms_p50']}; same tokens {x['same_tokens']}/{n}")
     for k, v in r["errors"].items():
         print(f"ERROR {k}: {v}")
 
@@ -511,7 +625,7 @@ def main() -> int:
     ap.add_argument("--paged-seqs", type=int, default=16, help="paged_attention: concurrent decodes timed")
     ap.add_argument("--paged-ctx", type=int, default=4096, help="paged_attention: their context (<= 4096)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated parts to skip: logits,sampling,throughput,paged_attention")
+                    help="comma-separated parts to skip: logits,sampling,throughput,paged_attention,cuda_graphs")
     _results.add_mode_args(ap)
     args = ap.parse_args()
     if args.smoke:  # every part at its smallest: a narrow "big" model, a few output tokens
@@ -536,6 +650,8 @@ def main() -> int:
             _part(result, "throughput", check_throughput, args, tmp, result)
         if "paged_attention" not in skip:
             _part(result, "paged_attention", check_paged_attention, args, tmp, small_out)
+        if "cuda_graphs" not in skip:
+            _part(result, "cuda_graphs", check_cuda_graphs, args, tmp, small_out)
     if args.device.startswith("cuda"):
         result["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     result["total_s"] = round(time.perf_counter() - t_all, 1)

@@ -175,6 +175,12 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "pool; falls back to onednn where it cannot run), onednn (oneDNN on weights reordered once; falls back to "
         "torch where it cannot run), torch (F.linear: MKL on CPU, cuBLAS on CUDA)",
     )
+    cuda_graphs: bool = Field(
+        default=False, description="CUDA: decode steps of up to cuda_graph_max_batch sequences replay CUDA graphs "
+        "recorded at start-up, one per batch bucket (1, 2, 4, then multiples of 8); needs attention_backend "
+        "triton_paged (auto picks it); a capture that fails turns them off with a warning; ignored on the CPU",
+    )
+    cuda_graph_max_batch: int = Field(default=64, ge=1, description="the largest decode batch with a CUDA graph")
     warmup: bool = Field(
         default=True, description="CPU: build the oneDNN matmul primitives of every row bucket up to "
         "max_batch_tokens at start-up (about 2 s for the vs_vllm MiMo checkpoint on 2 cores), so no request pays "
@@ -272,6 +278,9 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
 
     @model_validator(mode="after")
     def _tiers(self):
+        if self.cuda_graphs and self.attention_backend not in ("auto", "triton_paged"):
+            raise ValueError(f"cuda_graphs needs attention_backend triton_paged (or auto), not "
+                             f"{self.attention_backend!r}")
         if self.kv_l3_url and (self.host_kv_full_bytes <= 0 or self.host_kv_swa_bytes <= 0):
             raise ValueError("kv_l3_url needs the host KV tier: set host_kv_full_bytes and host_kv_swa_bytes > 0")
         if (self.host_kv_full_bytes > 0) != (self.host_kv_swa_bytes > 0):

@@ -60,6 +60,11 @@ class DeviceSlotTables:
     def capacity(self) -> int:
         return self.full.shape[1]
 
+    def reserve(self, rows: int, capacity: int) -> None:
+        """Grow to at least ``rows`` x ``capacity`` now, so that steps within it never
+        reallocate the tables (what a captured CUDA graph reads must stay where it was)."""
+        self._grow(rows, capacity)
+
     def _grow(self, rows: int, capacity: int) -> None:
         old_r, old_c = self.full.shape
         if rows <= old_r and capacity <= old_c:

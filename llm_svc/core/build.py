@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from ..loader import DTYPES, LoadedLM
 from ..models import build_model
 from ..models.linear import warm_buckets
 from ..spec import SpeculativeConfig
+
+log = logging.getLogger(__name__)
 
 
 def kv_budget_bytes(settings: LLMSettings, device: torch.device) -> int:
@@ -112,8 +115,20 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     host_full = settings.host_kv_full_bytes // geometry.full_token_bytes
     host_swa = settings.host_kv_swa_bytes // geometry.swa_token_bytes if host_full else 0
     scheduler = Scheduler(cfg, num_full, num_swa, num_host_full=host_full, num_host_swa=host_swa)
-    runner = ModelRunner(model, num_full, num_swa, device=lm.device, kv_dtype=kv_dtype,
-                         attention=settings.attention_backend, threads=threads)
+    graphs = settings.cuda_graphs and lm.device.type == "cuda"
+    if settings.cuda_graphs and not graphs:
+        log.warning("cuda_graphs is for CUDA devices: the %s engine runs its decodes eagerly", lm.device.type)
+    attention = "triton_paged" if graphs and settings.attention_backend == "auto" else settings.attention_backend
+    runner = ModelRunner(model, num_full, num_swa, device=lm.device, kv_dtype=kv_dtype, attention=attention,
+                         threads=threads, decode_graphs=settings.cuda_graph_max_batch if graphs else 0,
+                         max_positions=settings.max_model_len or lm.context_len,
+                         table_rows=2 * settings.max_running)
+    if runner.graphs is not None:
+        try:
+            runner.graphs.capture_all()
+        except Exception as e:  # a model op that cannot be recorded: serve eagerly rather than not at all
+            log.warning("CUDA graphs off, decodes run eagerly: recording them failed: %s", e)
+            runner.graphs, runner.graphs_error = None, f"{type(e).__name__}: {e}"
     tiers = build_tiers(settings, lm, model, runner, scheduler, kv_dtype) if host_full and host_swa else None
     # the front tries each source within media_fetch_timeout; this is the core's backstop
     grammars = GrammarCache(lm.tokenizer, lm.vocab_size, lm.eos_token_ids, threads=settings.grammar_threads,

@@ -16,6 +16,7 @@ from llm_svc.types import ForwardBatch
 from llm_svc.attention.slot_tables import DeviceSlotTables
 from llm_svc.models import HybridModel
 from llm_svc.engine.step_threads import StepThreads
+from llm_svc.engine.decode_graphs import DecodeGraphs
 
 
 class ModelRunner:
@@ -25,12 +26,16 @@ class ModelRunner:
     (its weights'): K/V are cast on write and back to the compute dtype when read. ``dtype`` is
     the older name of the same argument (``kv_dtype`` wins when both are given).
     ``attention``: a registered backend name; ``auto`` picks the default for ``device``.
-    ``threads``: torch threads per step by its size (None: leave torch's setting alone)."""
+    ``threads``: torch threads per step by its size (None: leave torch's setting alone).
+    ``decode_graphs``: the largest decode batch served from static buffers (``DecodeGraphs``;
+    0: off), captured as CUDA graphs on a CUDA device; each pool then gets one scratch slot past
+    its ``num_*_slots`` and the slot tables are reserved for ``table_rows`` x ``max_positions``."""
 
     def __init__(self, model: HybridModel, num_full_slots: int, num_swa_slots: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  attention: str = "auto", kv_dtype: torch.dtype | None = None,
-                 threads: StepThreads | None = None):
+                 threads: StepThreads | None = None, decode_graphs: int = 0, max_positions: int = 0,
+                 table_rows: int = 16):
         self.model = model
         self.threads = threads
         self.device = torch.device(device)
@@ -38,11 +43,18 @@ class ModelRunner:
         self.attn = create_attention_backend(attention, self.device)
         self.num_full_slots, self.num_swa_slots = num_full_slots, num_swa_slots
         self.tables = DeviceSlotTables(self.device)
+        scratch = 1 if decode_graphs else 0
         self.kv: list[LayerKV] = []
         for spec in model.layers:
-            n = num_full_slots if spec.kind == FULL else num_swa_slots
+            n = (num_full_slots if spec.kind == FULL else num_swa_slots) + scratch
             self.kv.append(LayerKV.empty(n, spec.kv_heads, spec.qk_dim, spec.v_dim, self.kv_dtype, self.device))
         self.attn.bind_pools(self.kv_dtype)
+        self.graphs: DecodeGraphs | None = None
+        self.graphs_error: str | None = None  # why recording the graphs failed (build_engine sets it)
+        if decode_graphs:
+            assert max_positions >= 1, "decode graphs need the longest sequence the engine admits"
+            self.tables.reserve(table_rows, max_positions)
+            self.graphs = DecodeGraphs(self, decode_graphs, max_positions, capture=self.device.type == "cuda")
 
     def kv_bytes(self) -> int:
         return sum(t.k.numel() * t.k.element_size() + t.v.numel() * t.v.element_size() for t in self.kv)
@@ -72,6 +84,8 @@ class ModelRunner:
         assert batch.seqs, "empty batch"
         if self.threads is not None:
             self.threads.apply(batch.num_tokens)
+        if self.graphs is not None and self.graphs.accepts(batch):
+            return self.graphs.run(batch)
         tables = self.tables.apply(batch)
         positions = torch.tensor([p for s in batch.seqs for p in s.positions], dtype=torch.long,
                                  device=self.device)

@@ -8,6 +8,7 @@ through the step's index tensors (see ``llm_svc.attention``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,13 +66,25 @@ class HybridModel(ABC):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
 
+    @contextmanager
+    def static_positions(self, bound: int):
+        """Inside: every position is below ``bound``, so ``rope_tables`` sizes its tables by it
+        instead of reading ``positions.max()`` (a device sync, which a CUDA graph capture
+        forbids); once grown to ``bound`` the tables are never reallocated under a graph."""
+        old = self.__dict__.get("_positions_bound")
+        self._positions_bound = bound
+        try:
+            yield
+        finally:
+            self._positions_bound = old
+
     def rope_tables(self, rotary: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor,
                     layer_types: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """cos/sin ``[T, R]`` per HF layer type (per-type theta/scaling), looked up in a table the
         HF rotary module computed once for positions ``0..N-1`` (element-wise the same numbers
         as calling it per step; grown by doubling when a position passes N)."""
         cache = self.__dict__.setdefault("_rope_cache", {})
-        need = int(positions.max()) + 1
+        need = self.__dict__.get("_positions_bound") or int(positions.max()) + 1
         out = {}
         for t in sorted(set(layer_types)):
             if t not in cache or cache[t][0].shape[0] < need:

@@ -134,6 +134,8 @@ class RoutedExperts:
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H]; idx [T, K] chosen experts; w [T, K] their weights -> [T, H] in x's dtype."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.grouped(x, idx, w)
         if self._packed is not None and x.dtype == torch.float32 and x.dim() == 2:
             return cpu_packed.moe(x, idx, w, self._packed)
         if self._few_rows and cpu_gemv.supports_moe(x, self.gate_up, self.down):
@@ -155,4 +157,20 @@ class RoutedExperts:
                 ys[start:start + c] = downs[e](_gated(gate_ups[e](xs[start:start + c]), self.act, self._act))
                 start += c
         ys.mul_(w.reshape(-1).index_select(0, order).to(ys.dtype)[:, None])
+        return torch.zeros_like(x).index_add_(0, tok, ys)
+
+    def grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The same product as ``__call__`` with no host sync (what a CUDA graph can record): the
+        (token, expert) pairs sorted by expert on the device, each expert's group ended by a
+        ``searchsorted`` over the sorted ids, and both GEMMs as one ``torch._grouped_mm`` each."""
+        t, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # [T*K]
+        experts = torch.arange(self.num_experts, device=x.device, dtype=flat.dtype)
+        ends = torch.searchsorted(flat.index_select(0, order), experts, right=True).to(torch.int32)  # [E]
+        tok = order // k
+        xs = x.index_select(0, tok)  # [T*K, H]
+        gu = torch._grouped_mm(xs, self.gate_up.transpose(1, 2), offs=ends)  # [T*K, 2I]
+        ys = torch._grouped_mm(_gated(gu, self.act, self._act), self.down.transpose(1, 2), offs=ends)  # [T*K, H]
+        ys = ys * w.reshape(-1).index_select(0, order).to(ys.dtype)[:, None]
         return torch.zeros_like(x).index_add_(0, tok, ys)

@@ -55,6 +55,23 @@ def test_routed_experts_equal_the_per_expert_loop(tokens):
     assert not torch.allclose(fused(x, idx.flip(1).roll(1, 0), w), want) or tokens == 1
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_grouped_experts_path_equals_the_per_expert_loop(tokens):
+    """The path a CUDA graph records (no host sync: groups ended by ``searchsorted``, two
+    ``torch._grouped_mm``), run on the CPU: the same product, experts with no token included."""
+    torch.manual_seed(10 + tokens)
+    experts = nn.ModuleList(_MLP(32, 16) for _ in range(8))
+    x = torch.randn(tokens, 32)
+    idx = torch.stack([torch.randperm(5)[:2] + 2 for _ in range(tokens)])  # experts 0, 1 and 7 idle
+    w = torch.rand(tokens, 2)
+    want = _loop_moe(experts, x, idx, w)
+    fused = RoutedExperts.pack(experts)
+    with torch.inference_mode():
+        got = fused.grouped(x, idx, w)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(fused.grouped(x, idx.flip(1).roll(1, 0), w), want) or tokens == 1
+
+
 def test_routed_experts_equal_transformers_stacked_experts():
     from transformers.models.mimo_v2_flash.configuration_mimo_v2_flash import MiMoV2FlashConfig
     from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import MiMoV2FlashExperts
