@@ -1,7 +1,9 @@
 /* Paged decode attention on the CPU: one query per sequence, K/V read in place from the pool.
  *
  * Pools are head-major, as llm_svc.attention.base.LayerKV holds them:
- *   k [Hkv, S, Dqk], v [Hkv, S, Dv]  (float32, contiguous)
+ *   k [Hkv, S, Dqk], v [Hkv, S, Dv]  (contiguous; float32, or with -DKV_BF16 / -DKV_F16 a build
+ *   for bfloat16 / float16 pools whose rows are widened to float32 as they are loaded: half the
+ *   bytes to read, and decodes over long contexts are bound by that read)
  * Sequence b's context is the slot-table run table[trows[b], k0[b] .. k0[b] + lens[b] - 1]
  * (k0 NULL: from 0), read in place like the pools: nothing is gathered.
  * Work item = (sequence b, kv head h): the G = Hq / Hkv query heads of h read each K and V row
@@ -20,6 +22,46 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The pools' element type (one build each, cpu_paged.py) and its loads widened to float32. */
+#if defined(KV_BF16)
+typedef uint16_t kv_t;
+static inline float kv_f(kv_t h)
+{
+    union { uint32_t u; float f; } x = {(uint32_t)h << 16};
+    return x.f;
+}
+#if defined(__AVX512F__)
+static inline __m512 ld16(const kv_t *p)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 ld8(const kv_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+#elif defined(KV_F16)
+typedef _Float16 kv_t;
+static inline float kv_f(kv_t h) { return (float)h; }
+#if defined(__AVX512F__)
+static inline __m512 ld16(const kv_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 ld8(const kv_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#endif
+#else
+typedef float kv_t;
+static inline float kv_f(kv_t h) { return h; }
+#if defined(__AVX512F__)
+static inline __m512 ld16(const kv_t *p) { return _mm512_loadu_ps(p); }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 ld8(const kv_t *p) { return _mm256_loadu_ps(p); }
+#endif
+#endif
 
 #ifndef BLK
 #define BLK 512 /* keys per softmax block: long blocks keep the K and V streams long (measured 64 -> 512: 28 -> 18 ms at 16 x 32K) */
@@ -53,17 +95,17 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *a)
  * Dv = 96), and GG * NV accumulators in registers hide the FMA latency. GG, NV are constants
  * after inlining (GG * NV <= 24: with the GG broadcasts and the row vector, 32 zmm). */
 static inline __attribute__((always_inline)) void vacc_heads(
-    const float *sc, float *acc, const float *vh, const int64_t *sl, int64_t n, int64_t Dv,
+    const float *sc, float *acc, const kv_t *vh, const int64_t *sl, int64_t n, int64_t Dv,
     const int GG, const int NV)
 {
     __m512 a[24], p[8];
     for (int i = 0; i < GG; ++i)
         for (int c = 0; c < NV; ++c) a[i * NV + c] = _mm512_loadu_ps(acc + i * Dv + 16 * c);
     for (int64_t t = 0; t < n; ++t) {
-        const float *vr = vh + sl[t] * Dv;
+        const kv_t *vr = vh + sl[t] * Dv;
         for (int i = 0; i < GG; ++i) p[i] = _mm512_set1_ps(sc[i * BLK + t]);
         for (int c = 0; c < NV; ++c) {
-            const __m512 vv = _mm512_loadu_ps(vr + 16 * c);
+            const __m512 vv = ld16(vr + 16 * c);
             for (int i = 0; i < GG; ++i) a[i * NV + c] = _mm512_fmadd_ps(p[i], vv, a[i * NV + c]);
         }
     }
@@ -73,7 +115,7 @@ static inline __attribute__((always_inline)) void vacc_heads(
 
 /* All G heads' V accumulation in groups that fit the registers; 0 if this shape cannot. */
 static inline __attribute__((always_inline)) int vacc_all(
-    const float *sc, float *acc, const float *vh, const int64_t *sl, int64_t n, int64_t G, int64_t Dv)
+    const float *sc, float *acc, const kv_t *vh, const int64_t *sl, int64_t n, int64_t G, int64_t Dv)
 {
     if (Dv % 16 || Dv > 16 * 24) return 0;
     const int nv = (int)(Dv / 16);
@@ -95,8 +137,8 @@ static inline __attribute__((always_inline)) int vacc_all(
 
 static inline __attribute__((always_inline)) int decode_body(
     const float *q,        /* [B, Hq, Dqk] */
-    const float *kpool,    /* [Hkv, S, Dqk] */
-    const float *vpool,    /* [Hkv, S, Dv] */
+    const kv_t *kpool,     /* [Hkv, S, Dqk] */
+    const kv_t *vpool,     /* [Hkv, S, Dv] */
     const int64_t *table,  /* [R, ld_slots] slot table */
     const int64_t *trows,  /* [B] its row of each sequence */
     const int64_t *k0,     /* [B] first key's position, or NULL (all 0) */
@@ -119,8 +161,8 @@ static inline __attribute__((always_inline)) int decode_body(
         const int64_t L = lens[b];
         const int64_t *sl = table + trows[b] * ld_slots + (k0 ? k0[b] : 0);
         const float *qh = q + (b * Hq + h * G) * Dqk;
-        const float *kh = kpool + h * S * Dqk;
-        const float *vh = vpool + h * S * Dv;
+        const kv_t *kh = kpool + h * S * Dqk;
+        const kv_t *vh = vpool + h * S * Dv;
         memset(acc, 0, sizeof(float) * (size_t)(G * Dv));
         for (int64_t i = 0; i < G; ++i) { mx[i] = -1e30f; den[i] = 0.f; }
         for (int64_t j0 = 0; j0 < L; j0 += BLK) {
@@ -130,14 +172,14 @@ static inline __attribute__((always_inline)) int decode_body(
             for (int64_t t = 0; t < pf; ++t) {
                 const char *kn = (const char *)(kh + sl[j0 + BLK + t] * Dqk);
                 const char *vn = (const char *)(vh + sl[j0 + BLK + t] * Dv);
-                for (int64_t o = 0; o < Dqk * 4; o += 64) __builtin_prefetch(kn + o);
-                for (int64_t o = 0; o < Dv * 4; o += 64) __builtin_prefetch(vn + o);
+                for (int64_t o = 0; o < Dqk * (int64_t)sizeof(kv_t); o += 64) __builtin_prefetch(kn + o);
+                for (int64_t o = 0; o < Dv * (int64_t)sizeof(kv_t); o += 64) __builtin_prefetch(vn + o);
             }
             int64_t t = 0;
 #if defined(__AVX512F__)
             if (Dqk % 16 == 0) {
                 for (; t + 16 <= n; t += 16) {
-                    const float *kr[16];
+                    const kv_t *kr[16];
                     for (int u = 0; u < 16; ++u) kr[u] = kh + sl[j0 + t + u] * Dqk;
                     for (int64_t i = 0; i < G; ++i) {
                         const float *qi = qh + i * Dqk;
@@ -145,7 +187,7 @@ static inline __attribute__((always_inline)) int decode_body(
                         for (int u = 0; u < 16; ++u) a[u] = _mm512_setzero_ps();
                         for (int64_t d = 0; d < Dqk; d += 16) {
                             const __m512 qv = _mm512_loadu_ps(qi + d);
-                            for (int u = 0; u < 16; ++u) a[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[u] + d), a[u]);
+                            for (int u = 0; u < 16; ++u) a[u] = _mm512_fmadd_ps(qv, ld16(kr[u] + d), a[u]);
                         }
                         _mm512_storeu_ps(sc + i * BLK + t, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
                     }
@@ -155,7 +197,7 @@ static inline __attribute__((always_inline)) int decode_body(
 #if defined(__AVX2__) && defined(__FMA__)
             if (Dqk % 8 == 0) {
                 for (; t + 8 <= n; t += 8) {
-                    const float *kr[8];
+                    const kv_t *kr[8];
                     for (int u = 0; u < 8; ++u) kr[u] = kh + sl[j0 + t + u] * Dqk;
                     for (int64_t i = 0; i < G; ++i) {
                         const float *qi = qh + i * Dqk;
@@ -163,7 +205,7 @@ static inline __attribute__((always_inline)) int decode_body(
                         for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
                         for (int64_t d = 0; d < Dqk; d += 8) {
                             const __m256 qv = _mm256_loadu_ps(qi + d);
-                            for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[u] + d), a[u]);
+                            for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, ld8(kr[u] + d), a[u]);
                         }
                         /* 8 dot products -> one vector: three rounds of pairwise adds */
                         const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
@@ -178,11 +220,11 @@ static inline __attribute__((always_inline)) int decode_body(
             }
 #endif
             for (; t < n; ++t) {
-                const float *kr = kh + sl[j0 + t] * Dqk;
+                const kv_t *kr = kh + sl[j0 + t] * Dqk;
                 for (int64_t i = 0; i < G; ++i) {
                     const float *qi = qh + i * Dqk;
                     float s = 0.f;
-                    for (int64_t d = 0; d < Dqk; ++d) s += qi[d] * kr[d];
+                    for (int64_t d = 0; d < Dqk; ++d) s += qi[d] * kv_f(kr[d]);
                     sc[i * BLK + t] = s * scale;
                 }
             }
@@ -219,18 +261,18 @@ static inline __attribute__((always_inline)) int decode_body(
                     __m256 a[8];
                     for (int c = 0; c < nv; ++c) a[c] = _mm256_loadu_ps(ai + d0 + 8 * c);
                     for (int64_t t = 0; t < n; ++t) {
-                        const float *vr = vh + sl[j0 + t] * Dv + d0;
+                        const kv_t *vr = vh + sl[j0 + t] * Dv + d0;
                         const __m256 pv = _mm256_set1_ps(si[t]);
-                        for (int c = 0; c < nv; ++c) a[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * c), a[c]);
+                        for (int c = 0; c < nv; ++c) a[c] = _mm256_fmadd_ps(pv, ld8(vr + 8 * c), a[c]);
                     }
                     for (int c = 0; c < nv; ++c) _mm256_storeu_ps(ai + d0 + 8 * c, a[c]);
                     if (nv < 8) { d0 += 8 * nv; break; }
                 }
 #endif
                 for (int64_t t = 0; t < n && d0 < Dv; ++t) {
-                    const float *vr = vh + sl[j0 + t] * Dv;
+                    const kv_t *vr = vh + sl[j0 + t] * Dv;
                     const float p = si[t];
-                    for (int64_t d = d0; d < Dv; ++d) ai[d] += p * vr[d];
+                    for (int64_t d = d0; d < Dv; ++d) ai[d] += p * kv_f(vr[d]);
                 }
             }
         }
@@ -248,7 +290,7 @@ static inline __attribute__((always_inline)) int decode_body(
 }
 
 #define SPEC(DQ, DV) \
-    static int decode_##DQ##_##DV(const float *q, const float *k, const float *v, const int64_t *tb, \
+    static int decode_##DQ##_##DV(const float *q, const kv_t *k, const kv_t *v, const int64_t *tb, \
                                   const int64_t *tr, const int64_t *k0, const int64_t *lens, const float *sinks, float *out, int64_t B, int64_t Hq, \
                                   int64_t Hkv, int64_t S, int64_t ld, float scale, float cap, int64_t a, int64_t e) \
     { return decode_body(q, k, v, tb, tr, k0, lens, sinks, out, B, Hq, Hkv, DQ, DV, S, ld, scale, cap, a, e); }
@@ -258,7 +300,7 @@ SPEC(128, 128) SPEC(192, 128) SPEC(256, 256)
 /* Head sizes known at compile time unroll and vectorize the dot products (measured ~2x at 24);
  * other sizes take the generic body. */
 int mmserve_paged_decode_f32(
-    const float *q, const float *kpool, const float *vpool, const int64_t *table, const int64_t *trows,
+    const float *q, const kv_t *kpool, const kv_t *vpool, const int64_t *table, const int64_t *trows,
     const int64_t *k0, const int64_t *lens, const float *sinks, float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t Dqk, int64_t Dv, int64_t S,
     int64_t ld_slots, float scale, float softcap, int64_t item_begin, int64_t item_end)
 {
@@ -280,7 +322,8 @@ int mmserve_paged_decode_f32(
 typedef void (*chunk_fn_t)(void *ctx, int64_t i);
 typedef void (*par_for_t)(chunk_fn_t fn, void *ctx, int64_t n, int64_t threads);
 typedef struct {
-    const float *q, *kpool, *vpool;
+    const float *q;
+    const kv_t *kpool, *vpool;
     const int64_t *table, *trows, *k0, *lens;
     const float *sinks;
     float *out;
@@ -299,7 +342,7 @@ static void decode_chunk(void *ctx, int64_t i)
 }
 
 int mmserve_paged_decode_pooled_f32(
-    const float *q, const float *kpool, const float *vpool, const int64_t *table, const int64_t *trows,
+    const float *q, const kv_t *kpool, const kv_t *vpool, const int64_t *table, const int64_t *trows,
     const int64_t *k0, const int64_t *lens, const float *sinks, float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t Dqk,
     int64_t Dv, int64_t S, int64_t ld_slots, float scale, float softcap, void *par_for, int64_t threads, int64_t chunks)
 {
@@ -310,6 +353,7 @@ int mmserve_paged_decode_pooled_f32(
     return job.failed ? -1 : 0;
 }
 
+#if !defined(KV_BF16) && !defined(KV_F16) /* float32 pools only: the others are written by torch */
 /* A step's new K / V rows into the pools at their slots, one copy per (token, kv head):
  * kpool [Hkv, S, Dqk] <- k [T, Hkv, Dqk] (token stride ldk, heads contiguous inside a token),
  * vpool [Hkv, S, Dv] <- v likewise. torch's index_copy_ over a transposed view was an OpenMP
@@ -329,3 +373,4 @@ int mmserve_paged_write_f32(float *kpool, float *vpool, int64_t S, int64_t Hkv, 
     }
     return 0;
 }
+#endif

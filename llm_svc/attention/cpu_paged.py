@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..ckernels import CKernel
+from ..ckernels import FAST_FLAGS, CKernel
 from .base import AttentionParams, LayerKV
 
 SOURCE = Path(__file__).with_name("cpu_paged.c")
@@ -56,12 +56,22 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.mmserve_paged_decode_pooled_f32
     fn.argtypes = [p] * 9 + [i64] * 7 + [f32, f32, p, i64, i64]
     fn.restype = ctypes.c_int
-    fn = lib.mmserve_paged_write_f32
-    fn.argtypes = [p, p, i64, i64, i64, i64, p, i64, p, i64, p, i64]
-    fn.restype = ctypes.c_int
+    fn = getattr(lib, "mmserve_paged_write_f32", None)  # float32 builds only
+    if fn is not None:
+        fn.argtypes = [p, p, i64, i64, i64, i64, p, i64, p, i64, p, i64]
+        fn.restype = ctypes.c_int
 
 
 KERNEL = CKernel(SOURCE, "cpu_paged", _bind, what="CPU paged decode kernel", fallback="decodes gather their context")
+# one build per pool dtype: bfloat16 / float16 K / V rows are widened to float32 as they are loaded
+# (half the bytes of a long context's read; tiny MiMo, 16 x 32K, 2 threads: see the README)
+KERNELS = {
+    torch.float32: KERNEL,
+    torch.bfloat16: CKernel(SOURCE, "cpu_paged_bf16", _bind, what="CPU paged decode kernel (bfloat16 KV)",
+                            fallback="decodes gather their context", flags=FAST_FLAGS + ("-DKV_BF16",)),
+    torch.float16: CKernel(SOURCE, "cpu_paged_f16", _bind, what="CPU paged decode kernel (float16 KV)",
+                           fallback="decodes gather their context", flags=FAST_FLAGS + ("-DKV_F16",)),
+}
 
 
 def library_path() -> Path:
@@ -69,19 +79,23 @@ def library_path() -> Path:
     return KERNEL.library_path()
 
 
-def load() -> ctypes.CDLL | None:
-    """The kernel library, built on first use; None if it cannot be built here (logged once)."""
-    return KERNEL.load()
+def load(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """The build for pools of ``kv_dtype``, built on first use; None if it cannot be built here
+    (logged once) or there is none for that dtype."""
+    k = KERNEL if kv_dtype == torch.float32 else KERNELS.get(kv_dtype)  # KERNEL: a test may swap it
+    return None if k is None else k.load()
 
 
-def available() -> bool:
-    return KERNEL.available()
+def available(kv_dtype: torch.dtype = torch.float32) -> bool:
+    return load(kv_dtype) is not None
 
 
 def supports(q: torch.Tensor, cache: LayerKV) -> bool:
-    """Whether ``paged_decode`` can run these tensors (CPU, float32 pool and queries)."""
-    return (q.device.type == "cpu" and cache.k.dtype == torch.float32 and cache.v.dtype == torch.float32
-            and q.dtype == torch.float32 and cache.k.is_contiguous() and cache.v.is_contiguous() and available())
+    """Whether ``paged_decode`` can run these tensors: CPU, float32 queries, contiguous pools of
+    float32 / bfloat16 / float16 (both of one dtype)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.k.dtype == cache.v.dtype
+            and cache.k.dtype in KERNELS and cache.k.is_contiguous() and cache.v.is_contiguous()
+            and available(cache.k.dtype))
 
 
 def _rows(x: torch.Tensor, heads: int, dim: int) -> bool:
@@ -147,8 +161,9 @@ def paged_decode(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: to
     """One query per sequence over its context, read in place. q [B, Hq, Dqk] float32; sequence
     ``b`` reads positions ``k0[b] .. k0[b] + lens[b] - 1`` (``k0`` None: from 0) of row
     ``trows[b]`` of the slot table ``table [R, capacity]`` (long) -> [B, Hq, Dv]."""
-    lib = load()
-    assert lib is not None, "paged_decode called without the kernel (check supports() first)"
+    lib = load(cache.k.dtype)
+    assert lib is not None and cache.v.dtype == cache.k.dtype, \
+        "paged_decode called without the kernel (check supports() first)"
     b, hq, dqk = q.shape
     hkv, num_slots, dv = cache.v.shape
     assert hq % hkv == 0 and cache.k.shape == (hkv, num_slots, dqk), (q.shape, cache.k.shape, cache.v.shape)

@@ -124,12 +124,33 @@ def test_set_threads_splits_a_long_decode_while_torch_runs_on_one(monkeypatch):
     torch.testing.assert_close(two, one, rtol=0, atol=0)
 
 
-def test_supports_only_cpu_float32_contiguous():
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dims", [(96, 96), (192, 128), (40, 40), (8, 6)])
+def test_low_precision_pools_match_the_reference(kv_dtype, dims):
+    """bfloat16 / float16 pools (their own builds): each K / V element widened to float32 as it is
+    loaded, so the result is the float32 computation over the pool's values."""
+    dqk, dv = dims
+    g = torch.Generator().manual_seed(dqk + dv)
+    hq, hkv = 8, 2
+    lens = [1, 9, 513, 1300]
+    q, cache, table, trows, k0, lens_t = _case(g, len(lens), hq, hkv, dqk, dv, lens, sliding=True, scattered=True)
+    c32, cache = cache, LayerKV(cache.k.to(kv_dtype), cache.v.to(kv_dtype))
+    params = AttentionParams(scale=dqk ** -0.5, sinks=torch.randn(hq, generator=g))
+    assert cpu_paged.supports(q, cache)
+    got = cpu_paged.paged_decode(q, cache, table, trows, k0, lens_t, params)
+    torch.testing.assert_close(got, _reference(q, cache, table, trows, k0, lens_t, params), rtol=1e-4, atol=1e-5)
+    # the values read are the rounded ones: the float32 pool they came from gives another result
+    assert float((cpu_paged.paged_decode(q, c32, table, trows, k0, lens_t, params) - got).abs().max()) > 1e-4
+
+
+def test_supports_only_cpu_float_contiguous():
     cache = LayerKV.empty(16, 2, 8, 8, torch.float32)
     q = torch.randn(1, 2, 8)
     assert cpu_paged.supports(q, cache)
     assert not cpu_paged.supports(q.double(), cache)
-    assert not cpu_paged.supports(q, LayerKV.empty(16, 2, 8, 8, torch.bfloat16))
+    assert cpu_paged.supports(q, LayerKV.empty(16, 2, 8, 8, torch.bfloat16))
+    assert not cpu_paged.supports(q, LayerKV(torch.zeros(2, 16, 8, dtype=torch.bfloat16), torch.zeros(2, 16, 8)))
+    assert not cpu_paged.supports(q, LayerKV.empty(16, 2, 8, 8, torch.float64))
     assert not cpu_paged.supports(q, LayerKV(cache.k.transpose(0, 1).contiguous().transpose(0, 1), cache.v))
 
 
