@@ -281,11 +281,13 @@ def test_cpu_flash_keeps_query_blocks_for_windows_past_the_per_query_bound():
 
 
 def test_cpu_flash_single_queries_on_a_pool_the_kernel_cannot_read_are_gathered_in_slices(monkeypatch):
-    """A bfloat16 pool (no paged kernel): a long sliding chunk's single queries are attended a
-    slice at a time (no gather of every query's window at once) and equal ``torch_batched``."""
-    from llm_svc.attention import cpu_flash
+    """A pool the paged kernel cannot read (here: bfloat16 with its build taken away): a long
+    sliding chunk's single queries are attended a slice at a time (no gather of every query's
+    window at once) and equal ``torch_batched``."""
+    from llm_svc.attention import cpu_flash, cpu_paged
 
     monkeypatch.setattr(cpu_flash, "GATHER_SLICE", 64)
+    monkeypatch.delitem(cpu_paged.KERNELS, torch.bfloat16)
     window, hkv, n = 16, 2, 300
     slots = list(range(1000, 1000 + n))
     batch = ForwardBatch([SeqForward("r", [7] * n, 0, slots, slots, 0, True)])
