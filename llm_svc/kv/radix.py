@@ -156,10 +156,11 @@ class RadixCache:
             k = common_len(child.key, keys, pos)
             path.append((child, k))
             host = child.host
-            if device_only or host is None or not host.num_swa:
-                swa.extend(child.device.swa[:k])
+            dev = child.device.swa[:k]
+            if device_only or host is None or not host.num_swa or NO_SLOT not in dev:
+                swa.extend(dev)
             else:
-                swa.extend(d if d != NO_SLOT else h for d, h in zip(child.device.swa[:k], host.swa[:k]))
+                swa.extend([d if d != NO_SLOT else h for d, h in zip(dev, host.swa[:k])])
             pos += k
             if k < len(child.key):
                 break

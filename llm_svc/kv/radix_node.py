@@ -75,10 +75,20 @@ class MatchResult:
     needs_load: bool = False
 
 
+_BLOCK = 64
+
+
 def common_len(a: list[int], b: list[int], b_start: int) -> int:
-    """Length of the common prefix of ``a`` and ``b[b_start:]``."""
+    """Length of the common prefix of ``a`` and ``b[b_start:]``. List slices compare in C: the
+    whole overlap at once (the usual case, a node matched to its end), else blocks of 64 up to
+    the first that differs, then that block key by key (a Python loop over a few-thousand-key
+    prompt was ~0.3 ms, a few percent of an agent trace's engine time in the scheduler)."""
     n = min(len(a), len(b) - b_start)
+    if a[:n] == b[b_start:b_start + n]:
+        return n
     i = 0
+    while i + _BLOCK <= n and a[i:i + _BLOCK] == b[b_start + i:b_start + i + _BLOCK]:
+        i += _BLOCK
     while i < n and a[i] == b[b_start + i]:
         i += 1
     return i

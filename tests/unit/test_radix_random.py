@@ -99,3 +99,20 @@ def test_random_ops_match_brute_force_and_keep_integrity(seed):
         tree.unlock(h)
     tree.evict(10_000, 10_000)
     assert tree.num_nodes == 0 and full_pool.num_free == 400 and swa_pool.num_free == 400
+
+
+def test_common_len_equals_a_key_by_key_scan():
+    """``common_len`` compares slices in blocks; it must give the first mismatch of a plain scan,
+    at every offset: inside the first block, past several, at the very end, or none."""
+    from llm_svc.kv.radix_node import common_len
+
+    rng = random.Random(11)
+    for _ in range(3000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 300))]
+        start = rng.randrange(0, 20)
+        k = rng.randrange(len(a) + 1)
+        b = [rng.randrange(3) for _ in range(start)] + a[:k] + [rng.randrange(3) for _ in range(rng.randrange(0, 50))]
+        n, i = min(len(a), len(b) - start), 0
+        while i < n and a[i] == b[start + i]:
+            i += 1
+        assert common_len(a, b, start) == i >= min(k, n)
