@@ -126,6 +126,10 @@ class DecodeGraphs:
         ``capture`` is False. Raises whatever the capture raised (the caller turns graphs off)."""
         if not self.capture:
             return
+        with torch.inference_mode():  # as ModelRunner.run: no autograd state recorded
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         tables = self.runner.tables
         self._bind_tables(tables.full, tables.swa)
         torch.cuda.synchronize()
