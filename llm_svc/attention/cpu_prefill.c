@@ -17,8 +17,8 @@
  * diagonal or the window's edge are masked. Sinks (MiMo) start the softmax: max sink[h], mass 1.
  * exp2 is a degree-7 polynomial (relative error ~1e-7), exactly 0 below 2^-126.
  *
- * GCC vector extensions, 8 floats wide: AVX2 and AVX-512VL machines (Zen 4 runs 256-bit FMAs at
- * its full rate) get the same code with register tiles sized for 16 or 32 vector registers.
+ * GCC vector extensions, VW floats wide: 8 on AVX2 and Zen 4 (it runs 256-bit FMAs at its full
+ * rate), 16 on other AVX-512 CPUs, with register tiles sized for 16 or 32 vector registers.
  * Measured (2-core AVX2 EPYC, 2 threads, 8 / 2 heads of 96): 2,048 queries over themselves
  * 130 GFLOP/s, over 4,000 more keys 128 (torch's flash kernel 131-137, the matmul peak ~140).
  * No OpenMP (torch brings its own runtime): the caller runs items begin, begin + step, ...
@@ -45,12 +45,29 @@ typedef float kv_t;
 static inline float kv_f(kv_t h) { return h; }
 #endif
 
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-#define VL 8
+/* Vector width in floats (-DVW=.. builds another): 16 where the CPU has AVX-512 on full-width
+ * units (Intel: two 512-bit FMAs a cycle, so 8-wide code reaches half the peak), 8 on AVX2 and on
+ * Zen 4 (it splits a 512-bit FMA in two: the 8-wide tiling below was measured best there). */
+#ifndef VW
+#if defined(__AVX512F__) && !defined(__znver4__)
+#define VW 16
+#else
+#define VW 8
+#endif
+#endif
+#define VL VW
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
 
 #ifndef MV /* -DMV=.. -DJR=.. -DDR=.. build another tiling (the tests check each against the reference) */
-#if defined(__AVX512F__)
+#if VL == 16
+/* 64 rows (4 vectors) x 6 keys / 6 value columns: 24 accumulators of 32 registers. 2-core Xeon
+ * (AVX-512, AMX), 2 threads, 6,000-token prefill in the engine, full layers: vs_vllm MiMo
+ * (Dv 96) 211 GFLOP/s at 8 wide -> 287 at 4 x 3 -> 312 at 4 x 6; Gemma 3 (Dv 64) 199 -> 286 */
+#define MV 4
+#define JR 6
+#define DR 6
+#elif defined(__AVX512F__)
 /* 64 rows x 3 keys / 3 value columns. 32 rows x 6 (24 accumulators) was 10-13% faster per call on
  * a pool that stays in L3 (2 threads, 4,096 queries of a MiMo full layer 158 -> 142 ms) but slower
  * in the engine (a 6,000-token MiMo prefill's kernel time 731 -> 780 ms): half the queries per
@@ -71,14 +88,16 @@ typedef int32_t vi __attribute__((vector_size(32)));
 /* rows of a tile: a kv head's query heads (G) must fit in one */
 int64_t mmserve_prefill_tile_rows(void) { return M; }
 
-#define NK 64 /* keys per softmax block: S^T [NK][M] stays in L1 */
+#ifndef NK /* keys per softmax block: S^T [NK][M] stays in L1; a multiple of JR, so no block has a tail */
+#define NK (VL == 16 ? JR * (64 / JR) : 64) /* 8 wide: 64, as measured on Zen 4 */
+#endif
 /* "minus infinity", finite (fast-math assumes no infinities): a row's running max starts at
  * INIT, masked scores are MASKED, so a masked score's exp2 is 0 even while its row has seen no
  * real key yet */
 #define INIT (-1.0e30f)
 #define MASKED (-3.0e38f)
 
-static inline vf vsplat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
+static inline vf vsplat(float x) { return (vf){0} + x; }
 static inline vf vmax(vf a, vf b)
 {
     const vi gt = a > b;
@@ -141,37 +160,38 @@ static inline void scores(float *restrict st, const float *restrict qt, const kv
     }
 }
 
-/* O^T[e][:] += sum_j V_j[e] * P^T[j][:] for e < Dv, j < nk (V rows through vp). */
+/* O^T[e .. e + R - 1][:] += sum_j V_j[e ..] * P^T[j][:], R value columns in registers (R a
+ * constant after inlining). */
+static inline __attribute__((always_inline)) void values_block(
+    float *restrict ot, const float *restrict pt, const kv_t *const *vp, int64_t nk, int64_t e, const int R)
+{
+    vf acc[DR][MV];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < MV; ++c) acc[r][c] = ((const vf *)(ot + (e + r) * M))[c];
+    for (int64_t j = 0; j < nk; ++j) {
+        const vf *pr = (const vf *)(pt + j * M);
+        const kv_t *v = vp[j] + e;
+        vf b[DR];
+        for (int r = 0; r < R; ++r) b[r] = vsplat(kv_f(v[r]));
+        for (int c = 0; c < MV; ++c) {
+            const vf pv = pr[c];
+            for (int r = 0; r < R; ++r) acc[r][c] += b[r] * pv;
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < MV; ++c) ((vf *)(ot + (e + r) * M))[c] = acc[r][c];
+}
+
+/* O^T[e][:] += sum_j V_j[e] * P^T[j][:] for e < Dv, j < nk (V rows through vp): blocks of DR
+ * columns, then of 4 (a head of 64 under DR = 6: 10 x 6 + 4), then single columns. */
 static inline void values(float *restrict ot, const float *restrict pt, const kv_t *const *vp, int64_t nk, int64_t Dv)
 {
     int64_t e = 0;
-    for (; e + DR <= Dv; e += DR) {
-        vf acc[DR][MV];
-        for (int r = 0; r < DR; ++r)
-            for (int c = 0; c < MV; ++c) acc[r][c] = ((const vf *)(ot + (e + r) * M))[c];
-        for (int64_t j = 0; j < nk; ++j) {
-            const vf *pr = (const vf *)(pt + j * M);
-            const kv_t *v = vp[j] + e;
-            vf b[DR];
-            for (int r = 0; r < DR; ++r) b[r] = vsplat(kv_f(v[r]));
-            for (int c = 0; c < MV; ++c) {
-                const vf pv = pr[c];
-                for (int r = 0; r < DR; ++r) acc[r][c] += b[r] * pv;
-            }
-        }
-        for (int r = 0; r < DR; ++r)
-            for (int c = 0; c < MV; ++c) ((vf *)(ot + (e + r) * M))[c] = acc[r][c];
-    }
-    for (; e < Dv; ++e) {
-        vf acc[MV];
-        for (int c = 0; c < MV; ++c) acc[c] = ((const vf *)(ot + e * M))[c];
-        for (int64_t j = 0; j < nk; ++j) {
-            const vf *pr = (const vf *)(pt + j * M);
-            const vf b = vsplat(kv_f(vp[j][e]));
-            for (int c = 0; c < MV; ++c) acc[c] += b * pr[c];
-        }
-        for (int c = 0; c < MV; ++c) ((vf *)(ot + e * M))[c] = acc[c];
-    }
+    for (; e + DR <= Dv; e += DR) values_block(ot, pt, vp, nk, e, DR);
+#if DR > 4
+    for (; e + 4 <= Dv; e += 4) values_block(ot, pt, vp, nk, e, 4);
+#endif
+    for (; e < Dv; ++e) values_block(ot, pt, vp, nk, e, 1);
 }
 
 /* Items: (member b, query block qb, kv head h), in that nesting; every ``step``-th from ``begin``.
@@ -248,7 +268,7 @@ int mmserve_paged_prefill_f32(
                         const vi masked = (vi)vsplat(MASKED);
                         const int32_t w = window > 0 ? (int32_t)window : INT32_MAX / 2;
                         for (int64_t j = 0; j < nk; ++j) {
-                            const vi kj = (vi){0, 0, 0, 0, 0, 0, 0, 0} + (int32_t)j;
+                            const vi kj = (vi){0} + (int32_t)j;
                             for (int c = 0; c < MV; ++c) {
                                 const vi out = (kj > qrel[c]) | (kj <= qrel[c] - w); /* -1 where masked */
                                 vi *sv = (vi *)(st + j * M) + c;

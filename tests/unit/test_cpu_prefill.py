@@ -117,11 +117,13 @@ def test_extreme_scores_stay_finite():
 
 
 @pytest.mark.parametrize("tiling", [("-DMV=4", "-DJR=6", "-DDR=6"), ("-DMV=8", "-DJR=3", "-DDR=3"),
-                                    ("-DMV=4", "-DJR=2", "-DDR=2")])
+                                    ("-DMV=4", "-DJR=2", "-DDR=2"), ("-DVW=8", "-DMV=8", "-DJR=3", "-DDR=3"),
+                                    ("-DVW=16", "-DMV=4", "-DJR=6", "-DDR=6"), ("-DVW=16", "-DMV=2", "-DJR=5", "-DDR=5")])
 def test_other_tilings_agree(tiling, monkeypatch):
-    """The register tiling an AVX-512 machine builds (64 rows x 3 keys / 3 value columns a
-    micro-tile) and 32-row ones, built here too: same answers as the reference, remainders
-    included (odd key counts, head dims not a multiple of 6 or 3)."""
+    """The register tilings the machines build (8 wide: 64 rows x 3 keys / 3 value columns on
+    AVX-512 Zen 4; 16 wide: 64 rows x 6 / 6 on other AVX-512 CPUs) and others, built here too
+    (16-wide vectors run as two halves on an AVX2 machine): same answers as the reference,
+    remainders included (odd key counts, head dims not a multiple of 6 or 3, the 4-column tail)."""
     from llm_svc.ckernels import FAST_FLAGS, CKernel
 
     lib = CKernel(cpu_prefill.SOURCE, "cpu_prefill_t" + "".join(t[-1] for t in tiling), cpu_prefill._bind,
