@@ -66,6 +66,28 @@ def test_a_token_routed_twice_to_one_expert_counts_twice_and_no_tokens_is_empty(
     assert cpu_packed.moe(torch.empty(0, 32), torch.empty(0, 2, dtype=torch.int64), torch.empty(0, 2), packed).shape == (0, 32)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_sized_calls_equal_decode_sized_ones_bit_for_bit(threads):
+    """A call with many (token, expert) pairs takes the row-group passes (an item: up to 96 pairs
+    of one expert; per-pair products summed per token in expert order), a few-pair call the
+    column-block passes: each token's row must come out the same either way, a token routed
+    twice to one expert and an expert with no token included."""
+    e, h, i, k = 6, 64, 32, 3
+    gate_up, down = _weights(e, h, i, seed=7)
+    packed = cpu_packed.pack(gate_up, down)
+    g = torch.Generator().manual_seed(8)
+    t = 500
+    x = torch.randn(t, h, generator=g)
+    idx = torch.randint(0, e - 1, (t, k), generator=g)  # expert e - 1 idle; repeats within a token
+    idx[:4] = torch.tensor([[2, 2, 0], [1, 3, 1], [4, 0, 2], [3, 3, 3]])
+    w = torch.rand(t, k, generator=g)
+    big = cpu_packed.moe(x, idx, w, packed, threads=threads)
+    torch.testing.assert_close(big[:40].double(), _reference(x[:40], idx[:40], w[:40], gate_up, down),
+                               atol=1e-5, rtol=1e-5)
+    for a in range(0, 40, 5):  # 5 tokens: 15 pairs, the column-block passes
+        assert torch.equal(cpu_packed.moe(x[a:a + 5], idx[a:a + 5], w[a:a + 5], packed, threads=threads), big[a:a + 5])
+
+
 def test_an_expert_index_out_of_range_is_refused():
     packed = cpu_packed.pack(*_weights(4, 32, 16))
     with pytest.raises(ValueError, match="expert index"):
