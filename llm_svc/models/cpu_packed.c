@@ -23,7 +23,7 @@
  *   2. out [T, H] = sum of w * (h . down^T): an item is one column block of 2 VL of H for every
  *      expert, in ascending expert order; each row's result scaled by its routing weight and
  *      added to its token's row of out.
- *   Calls with many pairs (prefill chunks: at least 48 MR x E / 8 pairs) run row-group passes
+ *   Calls with many pairs (prefill chunks: at least 6 MR pairs per expert) run row-group passes
  *   instead (MOE_RB, below): an item is up to 12 MR pairs of one expert for every column block,
  *   each pair's down product stored, then each token's pairs summed in ascending expert order
  *   (the same sums, bit for bit, as the column-block passes).
