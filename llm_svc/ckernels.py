@@ -102,3 +102,19 @@ class CKernel:
 
     def available(self) -> bool:
         return self.load() is not None
+
+
+def kv_dtype_builds(source: Path, name: str, bind: Callable[[ctypes.CDLL], None], *, what: str,
+                    fallback: str) -> dict:
+    """A kernel reading KV pools, one build per pool dtype: ``{torch dtype: CKernel}`` for float32
+    (``name``), bfloat16 (``-DKV_BF16``) and float16 (``-DKV_F16``); the source widens each K / V
+    element to float32 as it reads it."""
+    import torch
+
+    return {
+        torch.float32: CKernel(source, name, bind, what=what, fallback=fallback),
+        torch.bfloat16: CKernel(source, name + "_bf16", bind, what=f"{what} (bfloat16 KV)", fallback=fallback,
+                                flags=FAST_FLAGS + ("-DKV_BF16",)),
+        torch.float16: CKernel(source, name + "_f16", bind, what=f"{what} (float16 KV)", fallback=fallback,
+                               flags=FAST_FLAGS + ("-DKV_F16",)),
+    }

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..ckernels import FAST_FLAGS, CKernel
+from ..ckernels import kv_dtype_builds
 from .base import AttentionParams, LayerKV
 
 SOURCE = Path(__file__).with_name("cpu_paged.c")
@@ -62,16 +62,11 @@ def _bind(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int
 
 
-KERNEL = CKernel(SOURCE, "cpu_paged", _bind, what="CPU paged decode kernel", fallback="decodes gather their context")
 # one build per pool dtype: bfloat16 / float16 K / V rows are widened to float32 as they are loaded
 # (half the bytes of a long context's read; tiny MiMo, 16 x 32K, 2 threads: see the README)
-KERNELS = {
-    torch.float32: KERNEL,
-    torch.bfloat16: CKernel(SOURCE, "cpu_paged_bf16", _bind, what="CPU paged decode kernel (bfloat16 KV)",
-                            fallback="decodes gather their context", flags=FAST_FLAGS + ("-DKV_BF16",)),
-    torch.float16: CKernel(SOURCE, "cpu_paged_f16", _bind, what="CPU paged decode kernel (float16 KV)",
-                           fallback="decodes gather their context", flags=FAST_FLAGS + ("-DKV_F16",)),
-}
+KERNELS = kv_dtype_builds(SOURCE, "cpu_paged", _bind, what="CPU paged decode kernel",
+                          fallback="decodes gather their context")
+KERNEL = KERNELS[torch.float32]
 
 
 def library_path() -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..ckernels import FAST_FLAGS, CKernel
+from ..ckernels import kv_dtype_builds
 from . import cpu_paged
 from .base import AttentionParams, LayerKV
 
@@ -44,16 +44,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mmserve_prefill_tile_rows.restype = i64
 
 
-KERNEL = CKernel(SOURCE, "cpu_prefill", _bind, what="CPU paged prefill kernel",
-                 fallback="prefill chunks gather their context")
 # one build per pool dtype: K / V elements are widened to float32 as the kernel reads them
-KERNELS = {
-    torch.float32: KERNEL,
-    torch.bfloat16: CKernel(SOURCE, "cpu_prefill_bf16", _bind, what="CPU paged prefill kernel (bfloat16 KV)",
-                            fallback="prefill chunks gather their context", flags=FAST_FLAGS + ("-DKV_BF16",)),
-    torch.float16: CKernel(SOURCE, "cpu_prefill_f16", _bind, what="CPU paged prefill kernel (float16 KV)",
-                           fallback="prefill chunks gather their context", flags=FAST_FLAGS + ("-DKV_F16",)),
-}
+KERNELS = kv_dtype_builds(SOURCE, "cpu_prefill", _bind, what="CPU paged prefill kernel",
+                          fallback="prefill chunks gather their context")
+KERNEL = KERNELS[torch.float32]
 
 
 def load(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:

@@ -137,26 +137,29 @@ typedef struct {
 #endif
 
 /* pass 1, column block j of I (VL wide) for every expert */
-static void gate_up_block(void* vctx, int64_t j) {
-    const moe_ctx* c = vctx;
+/* h rows [r0, r1) (pairs of expert e), column block j: silu(x . gate^T) * (x . up^T) */
+static inline void gate_up_tiles(const moe_ctx* c, int64_t e, int64_t j, int64_t r0, int64_t r1) {
     const int64_t H = c->H, I = c->I;
+    const float* b = c->gp + e * 2 * I * H + j * H * 2 * VL;
     vf g[MR], u[MR];
-    for (int64_t e = 0; e < c->E; e++) {
-        const float* b = c->gp + e * 2 * I * H + j * H * 2 * VL;
-        for (int64_t r = c->start[e]; r < c->start[e + 1]; r += MR) {
-            const int mm = c->start[e + 1] - r < MR ? (int)(c->start[e + 1] - r) : MR;
+    for (int64_t r = r0; r < r1; r += MR) {
+        const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
 #define GU(N) tile(c->xrow + r, b, H, N, g, u)
-            TILE_SWITCH(mm, GU)
+        TILE_SWITCH(mm, GU)
 #undef GU
-            for (int m = 0; m < mm; m++) {
-                float gs[VL], us[VL], *o = c->h + (r + m) * I + j * VL;
-                vstore(gs, g[m]);
-                vstore(us, u[m]);
+        for (int m = 0; m < mm; m++) {
+            float gs[VL], us[VL], *o = c->h + (r + m) * I + j * VL;
+            vstore(gs, g[m]);
+            vstore(us, u[m]);
 #pragma omp simd
-                for (int i = 0; i < VL; i++) o[i] = gs[i] / (1.f + exp_neg(gs[i])) * us[i];
-            }
+            for (int i = 0; i < VL; i++) o[i] = gs[i] / (1.f + exp_neg(gs[i])) * us[i];
         }
     }
+}
+
+static void gate_up_block(void* vctx, int64_t j) {
+    const moe_ctx* c = vctx;
+    for (int64_t e = 0; e < c->E; e++) gate_up_tiles(c, e, j, c->start[e], c->start[e + 1]);
 }
 
 /* pass 2, column block j of H (2 VL wide) for every expert, in ascending expert order */
@@ -193,25 +196,9 @@ static void down_block(void* vctx, int64_t j) {
 
 static void gate_up_rows(void* vctx, int64_t it) {
     const moe_ctx* c = vctx;
-    const int64_t H = c->H, I = c->I, e = c->item_e[it], r0 = c->item_r0[it];
+    const int64_t e = c->item_e[it], r0 = c->item_r0[it];
     const int64_t r1 = r0 + MOE_RB < c->start[e + 1] ? r0 + MOE_RB : c->start[e + 1];
-    vf g[MR], u[MR];
-    for (int64_t j = 0; j < I / VL; j++) {
-        const float* b = c->gp + e * 2 * I * H + j * H * 2 * VL;
-        for (int64_t r = r0; r < r1; r += MR) {
-            const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
-#define GU(N) tile(c->xrow + r, b, H, N, g, u)
-            TILE_SWITCH(mm, GU)
-#undef GU
-            for (int m = 0; m < mm; m++) {
-                float gs[VL], us[VL], *o = c->h + (r + m) * I + j * VL;
-                vstore(gs, g[m]);
-                vstore(us, u[m]);
-#pragma omp simd
-                for (int i = 0; i < VL; i++) o[i] = gs[i] / (1.f + exp_neg(gs[i])) * us[i];
-            }
-        }
-    }
+    for (int64_t j = 0; j < c->I / VL; j++) gate_up_tiles(c, e, j, r0, r1);
 }
 
 static void down_rows(void* vctx, int64_t it) {
