@@ -23,7 +23,7 @@
  *   2. out [T, H] = sum of w * (h . down^T): an item is one column block of 2 VL of H for every
  *      expert, in ascending expert order; each row's result scaled by its routing weight and
  *      added to its token's row of out.
- *   Calls with many pairs (prefill chunks: at least 6 MR pairs per expert) run row-group passes
+ *   Calls with many pairs (prefill chunks: at least MR pairs per expert on average) run row-group passes
  *   instead (MOE_RB, below): an item is up to 12 MR pairs of one expert for every column block,
  *   each pair's down product stored, then each token's pairs summed in ascending expert order
  *   (the same sums, bit for bit, as the column-block passes).
@@ -269,7 +269,7 @@ int mmserve_moe_packed_f32(const float* x, int64_t T, int64_t H, const int64_t* 
         xrow[r] = x + (p / K) * H;
     }
     moe_ctx c = {(const float* const*)xrow, gp, dp, wp, start, tok, h, out, E, H, I, T};
-    if (P >= MOE_RB * E / 2) { /* prefill-sized: the row-group passes (above) */
+    if (P >= MR * E) { /* prefill-sized (a full tile per expert on average): the row-group passes (above) */
         int rc = 0;
         int64_t items = 0;
         for (int64_t e = 0; e < E; e++) items += (start[e + 1] - start[e] + MOE_RB - 1) / MOE_RB;
