@@ -73,14 +73,12 @@ class DecodeGraphs:
         self.max_positions = max_positions
         self.capture = capture
         self.replays = 0  # decode steps served here (the tests and the device script read it)
-        self.captures = 0
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # what the metas point at
         self._pool = None
         dev = runner.device
+        # filled before every use: by run() with a step, by _capture_all() with padding alone
         self._buckets = {b: _Bucket(b, torch.zeros(4, b, dtype=torch.long, device=dev),
                                     torch.zeros(4, b, dtype=torch.int32, device=dev)) for b in self.sizes}
-        for bk in self._buckets.values():
-            self._fill(bk, [])
 
     @property
     def scratch_full(self) -> int:
@@ -148,7 +146,6 @@ class DecodeGraphs:
                 self._forward(bk)
             bk.graph = graph
         torch.cuda.synchronize()
-        self.captures += 1
 
     # -- internals -----------------------------------------------------------------------
 
