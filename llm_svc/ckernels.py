@@ -35,12 +35,15 @@ def _cpu_key() -> str:
 
 class CKernel:
     """One C source built into one shared library; ``bind(lib)`` declares its functions'
-    ctypes signatures. ``what`` and ``fallback`` word the warning when it cannot be built."""
+    ctypes signatures. ``what`` and ``fallback`` word the warning when it cannot be built.
+    ``headers``: files the source includes (beside it); they are part of the build's cache key,
+    so editing one rebuilds every kernel that includes it."""
 
     def __init__(self, source: Path, name: str, bind: Callable[[ctypes.CDLL], None], *, what: str, fallback: str,
                  flags: tuple[str, ...] = FAST_FLAGS, link_flags: tuple[str, ...] = ("-shared",),
-                 libs: tuple[str, ...] = ("-lm",)):
+                 libs: tuple[str, ...] = ("-lm",), headers: tuple[Path, ...] = ()):
         self.source, self.name, self.bind = source, name, bind
+        self.headers = tuple(headers)
         self.what, self.fallback = what, fallback
         self.flags, self.link_flags, self.libs = tuple(flags), tuple(link_flags), tuple(libs)
         self._lock = threading.Lock()
@@ -50,7 +53,8 @@ class CKernel:
     def library_path(self) -> Path:
         """Where this machine's build lives (built or not)."""
         flags = " ".join(self.flags + ("|",) + self.link_flags + self.libs)
-        digest = hashlib.sha256(self.source.read_bytes() + flags.encode() + _cpu_key().encode()).hexdigest()[:16]
+        code = self.source.read_bytes() + b"".join(h.read_bytes() for h in self.headers)
+        digest = hashlib.sha256(code + flags.encode() + _cpu_key().encode()).hexdigest()[:16]
         cache = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
         return cache / "kernels" / f"{self.name}-{digest}.so"
 
@@ -107,14 +111,15 @@ class CKernel:
 def kv_dtype_builds(source: Path, name: str, bind: Callable[[ctypes.CDLL], None], *, what: str,
                     fallback: str) -> dict:
     """A kernel reading KV pools, one build per pool dtype: ``{torch dtype: CKernel}`` for float32
-    (``name``), bfloat16 (``-DKV_BF16``) and float16 (``-DKV_F16``); the source widens each K / V
-    element to float32 as it reads it."""
+    (``name``), bfloat16 (``-DKV_BF16``) and float16 (``-DKV_F16``); the source includes
+    ``kv_elem.h`` (beside it), which widens each K / V element to float32 as it is read."""
     import torch
 
+    headers = (source.with_name("kv_elem.h"),)
     return {
-        torch.float32: CKernel(source, name, bind, what=what, fallback=fallback),
+        torch.float32: CKernel(source, name, bind, what=what, fallback=fallback, headers=headers),
         torch.bfloat16: CKernel(source, name + "_bf16", bind, what=f"{what} (bfloat16 KV)", fallback=fallback,
-                                flags=FAST_FLAGS + ("-DKV_BF16",)),
+                                flags=FAST_FLAGS + ("-DKV_BF16",), headers=headers),
         torch.float16: CKernel(source, name + "_f16", bind, what=f"{what} (float16 KV)", fallback=fallback,
-                               flags=FAST_FLAGS + ("-DKV_F16",)),
+                               flags=FAST_FLAGS + ("-DKV_F16",), headers=headers),
     }

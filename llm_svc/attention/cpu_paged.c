@@ -23,14 +23,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The pools' element type (one build each, cpu_paged.py) and its loads widened to float32. */
+/* The pools' element type (one build each) and its vector loads widened to float32. */
+#include "kv_elem.h"
 #if defined(KV_BF16)
-typedef uint16_t kv_t;
-static inline float kv_f(kv_t h)
-{
-    union { uint32_t u; float f; } x = {(uint32_t)h << 16};
-    return x.f;
-}
 #if defined(__AVX512F__)
 static inline __m512 ld16(const kv_t *p)
 {
@@ -44,8 +39,6 @@ static inline __m256 ld8(const kv_t *p)
 }
 #endif
 #elif defined(KV_F16)
-typedef _Float16 kv_t;
-static inline float kv_f(kv_t h) { return (float)h; }
 #if defined(__AVX512F__)
 static inline __m512 ld16(const kv_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #endif
@@ -53,8 +46,6 @@ static inline __m512 ld16(const kv_t *p) { return _mm512_cvtph_ps(_mm256_loadu_s
 static inline __m256 ld8(const kv_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 #else
-typedef float kv_t;
-static inline float kv_f(kv_t h) { return h; }
 #if defined(__AVX512F__)
 static inline __m512 ld16(const kv_t *p) { return _mm512_loadu_ps(p); }
 #endif

@@ -28,22 +28,8 @@
 #include <limits.h>
 #include <string.h>
 
-/* The pools' element type, one build each (cpu_prefill.py): float32 by default, -DKV_BF16 or
- * -DKV_F16 for bfloat16 / float16 pools, each element widened to float32 as it is broadcast. */
-#if defined(KV_BF16)
-typedef uint16_t kv_t;
-static inline float kv_f(kv_t h)
-{
-    union { uint32_t u; float f; } x = {(uint32_t)h << 16};
-    return x.f;
-}
-#elif defined(KV_F16)
-typedef _Float16 kv_t;
-static inline float kv_f(kv_t h) { return (float)h; }
-#else
-typedef float kv_t;
-static inline float kv_f(kv_t h) { return h; }
-#endif
+/* The pools' element type, one build each: each element widened to float32 as it is broadcast */
+#include "kv_elem.h"
 
 /* Vector width in floats (-DVW=.. builds another): 16 where the CPU has AVX-512 on full-width
  * units (Intel: two 512-bit FMAs a cycle, so 8-wide code reaches half the peak), 8 on AVX2 and on

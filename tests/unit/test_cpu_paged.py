@@ -166,6 +166,20 @@ def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
     assert not cpu_paged.supports(torch.randn(1, 2, 8), LayerKV.empty(16, 2, 8, 8, torch.float32))
 
 
+def test_a_header_the_source_includes_is_part_of_the_build_key(tmp_path, monkeypatch):
+    """Both KV kernels include kv_elem.h: editing it must rebuild them, not load a stale build."""
+    monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path / "cache"))
+    src, hdr = tmp_path / "k.c", tmp_path / "k.h"
+    src.write_text('#include "k.h"\nint f(void) { return K; }\n')
+    hdr.write_text("#define K 1\n")
+    k = CKernel(src, "k", lambda lib: None, what="k", fallback="none", headers=(hdr,))
+    before = k.library_path()
+    hdr.write_text("#define K 2\n")
+    assert k.library_path() != before
+    assert cpu_paged.KERNEL.headers == (cpu_paged.SOURCE.with_name("kv_elem.h"),)
+    assert all(b.headers == cpu_paged.KERNEL.headers for b in cpu_paged.KERNELS.values())
+
+
 @pytest.mark.parametrize("threads", [2, 4])
 def test_decode_on_the_c_pool_equals_one_thread(threads):
     """``use_pool`` (the engine core's decode steps, ``StepThreads``): every call, however short,

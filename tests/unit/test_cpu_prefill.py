@@ -127,7 +127,8 @@ def test_other_tilings_agree(tiling, monkeypatch):
     from llm_svc.ckernels import FAST_FLAGS, CKernel
 
     lib = CKernel(cpu_prefill.SOURCE, "cpu_prefill_t" + "".join(t[-1] for t in tiling), cpu_prefill._bind,
-                  what="test tiling", fallback="none", flags=FAST_FLAGS + tiling).load()
+                  what="test tiling", fallback="none", flags=FAST_FLAGS + tiling,
+                  headers=cpu_prefill.KERNEL.headers).load()
     assert lib is not None
     monkeypatch.setattr(cpu_prefill, "load", lambda *_: lib)
     g = torch.Generator().manual_seed(21)
