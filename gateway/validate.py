@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from gateway.errors import APIError
 from gateway.openai_api.requests import ChatCompletionRequest
+from shared.chat_template import TemplateKwargsError, check_template_kwargs
 from shared.schemas import ServiceLimits, TextPart
 
 
@@ -86,3 +87,12 @@ def check_context(at_least: int, max_tokens: int, limits: ServiceLimits | None, 
         f"exceed the model's context of {limits.max_model_len} tokens; shorten the prompt or lower max_tokens",
         param=param, code="context_length_exceeded",
     )
+
+
+def check_template(kwargs: dict | None, trust_request_template: bool) -> None:
+    """400 for ``chat_template_kwargs`` the server refuses: a request's own Jinja template
+    (unless ``trust_request_chat_template``) or an argument the server sets itself."""
+    try:
+        check_template_kwargs(kwargs, trust_request_template)
+    except TemplateKwargsError as e:
+        raise APIError(400, str(e), param="chat_template_kwargs") from None

@@ -6,6 +6,7 @@ import json
 
 import torch
 
+from shared.chat_template import TemplateKwargsError, check_template_kwargs
 from shared.prefix_keys import key_positions, prefix_layout
 from shared.schemas import GenerateRequest, PromptMedia, PromptMessage, PromptText
 
@@ -19,30 +20,32 @@ from .types import EmbeddingRef, PreparedRequest
 SEED_RANGE = 1 << 63  # every backend's generator takes it (and msgpack, to the engine core)
 
 
-def render_prompt_ids(lm: LoadedLM, req: GenerateRequest) -> list[int]:
+def render_prompt_ids(lm: LoadedLM, req: GenerateRequest, trust_template: bool = False) -> list[int]:
     """Chat template (one pad token per media item) -> token ids, no extra special tokens."""
-    return _tokenize(lm, render_prompt_text(lm, req))
+    return _tokenize(lm, render_prompt_text(lm, req, trust_template))
 
 
-def render_prompt_text(lm: LoadedLM, req: GenerateRequest) -> str:
-    """The chat template's text of ``req`` (one pad token per media item)."""
+def render_prompt_text(lm: LoadedLM, req: GenerateRequest, trust_template: bool = False) -> str:
+    """The chat template's text of ``req`` (one pad token per media item). ``trust_template``:
+    a template in ``req.chat_template_kwargs`` is rendered (``trust_request_chat_template``)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools.tools] if req.tools is not None else None
     return _render_text(lm, _template_messages(req), add_generation_prompt=True, tools=tools,
-                        kwargs=req.chat_template_kwargs)
+                        kwargs=req.chat_template_kwargs, trust_template=trust_template)
 
 
 def render_text_ids(lm: LoadedLM, messages: list[PromptMessage], add_generation_prompt: bool,
-                    tools: list | None = None, kwargs: dict | None = None) -> list[int]:
+                    tools: list | None = None, kwargs: dict | None = None, trust_template: bool = False) -> list[int]:
     """Text-only chat ``messages`` (with the request's ``tools`` and template kwargs) through the
     chat template -> token ids (``/tokenize``)."""
     dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     return _render(lm, _template_messages(GenerateRequest(request_id="render", messages=messages)),
-                   add_generation_prompt=add_generation_prompt, tools=dicts, kwargs=kwargs)
+                   add_generation_prompt=add_generation_prompt, tools=dicts, kwargs=kwargs,
+                   trust_template=trust_template)
 
 
 def _render(lm: LoadedLM, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
-            kwargs: dict | None = None) -> list[int]:
-    return _tokenize(lm, _render_text(lm, messages, add_generation_prompt, tools, kwargs))
+            kwargs: dict | None = None, trust_template: bool = False) -> list[int]:
+    return _tokenize(lm, _render_text(lm, messages, add_generation_prompt, tools, kwargs, trust_template))
 
 
 def _tokenize(lm: LoadedLM, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -50,7 +53,12 @@ def _tokenize(lm: LoadedLM, text: str, add_special_tokens: bool = False) -> list
 
 
 def _render_text(lm: LoadedLM, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
-                 kwargs: dict | None = None) -> str:
+                 kwargs: dict | None = None, trust_template: bool = False) -> str:
+    # every render passes here: a request's own template is never rendered unless trusted
+    try:
+        check_template_kwargs(kwargs, trust_template)
+    except TemplateKwargsError as e:
+        raise InvalidRequest(str(e), param="chat_template_kwargs") from None
     try:
         text = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                 tools=tools or None, **(kwargs or {}))
@@ -154,9 +162,11 @@ def check_length(tokens: int, max_tokens: int, max_model_len: int, param: str, a
 
 
 def prepare_request(
-    lm: LoadedLM, req: GenerateRequest, tensors: dict[str, torch.Tensor], max_model_len: int
+    lm: LoadedLM, req: GenerateRequest, tensors: dict[str, torch.Tensor], max_model_len: int,
+    trust_template: bool = False,
 ) -> PreparedRequest:
-    """Validate ``req`` against the model and expand each media pad into ``num_tokens`` pads.
+    """Validate ``req`` against the model and expand each media pad into ``num_tokens`` pads
+    (``trust_template``: a request's own chat template is rendered, see ``shared.chat_template``).
 
     Raises ``InvalidRequest`` (-> HTTP 400) with a message that says what to fix.
     """
@@ -206,7 +216,7 @@ def prepare_request(
         ids = list(req.prompt_ids)
     else:  # completions: the tokenizer's own special tokens, as vLLM; chat: the template's alone
         specials = req.prompt is not None
-        text = req.prompt if specials else render_prompt_text(lm, req)
+        text = req.prompt if specials else render_prompt_text(lm, req, trust_template)
         # a text that cannot fit is refused once that is certain, not after tokenizing all of it
         at_least = tokens_past(lm.tokenizer, lm.bound, text, max_model_len - s.max_tokens, specials)
         if at_least is not None:

@@ -150,7 +150,8 @@ async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadl
         state.metrics.rejected.labels(status="413").inc()
         return body
     try:  # unpacking and tokenizing run on worker threads: the event loop keeps answering
-        prep = await state.prep.run(_prepare, body, state.settings.max_model_len)
+        prep = await state.prep.run(_prepare, body, state.settings.max_model_len,
+                                     state.settings.trust_request_chat_template)
     except WireError as e:
         return _error(state, 400, f"the body must be shared.wire.pack(tensors, GenerateRequest) bytes: {e}",
                       param="body")
@@ -294,7 +295,7 @@ _ESCAPE_LOSS = 6  # (and so at most 7 header bytes a text byte, escapes or not)
 _HEADER_SLACK = 1 << 20
 
 
-def _prepare(lm, body: bytes, max_model_len: int) -> PreparedRequest:
+def _prepare(lm, body: bytes, max_model_len: int, trust_template: bool = False) -> PreparedRequest:
     # a header far longer than any prompt that fits is refused before it is parsed (parsing
     # 8 MB of JSON holds the GIL for tens of milliseconds)
     header_bytes = int.from_bytes(body[:8], "little") if len(body) >= 8 else 0
@@ -305,7 +306,7 @@ def _prepare(lm, body: bytes, max_model_len: int) -> PreparedRequest:
             f"the request header is {header_bytes} bytes: its prompt cannot fit max_model_len={max_model_len} "
             "tokens; shorten the prompt", param="messages", code="context_length_exceeded")
     tensors, req = unpack(body, GenerateRequest)
-    return prepare_request(lm, req, tensors, max_model_len)
+    return prepare_request(lm, req, tensors, max_model_len, trust_template)
 
 
 class _NdjsonStream:

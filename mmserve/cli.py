@@ -155,6 +155,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         llms=args.llms,
         llm_backend=args.backend,
         redis_url=args.redis_url,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     def _sigterm(*_):
         raise KeyboardInterrupt
@@ -206,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=None,
                    help="shared encoder cache and L3 KV tier of the LLMs (default: embedded cache, device + host KV)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="gateway and LLMs render a chat template a request sends (vLLM's flag); off: a 400")
     p.set_defaults(fn=cmd_up)
     return ap
 

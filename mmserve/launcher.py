@@ -49,6 +49,7 @@ class StackSpec:
     api_keys: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()  # SSRF allow-list (hosts, IPs, CIDRs)
     gateway_env: dict[str, str] = field(default_factory=dict)  # MMSERVE_GATEWAY_<FIELD> by field name
+    trust_request_chat_template: bool = False  # gateway and LLMs render a request's own template
 
     def __post_init__(self) -> None:
         if self.encoders < 0 or self.llms < 1:  # 0 encoders: a text-only LM (no media encoder to run)
@@ -204,6 +205,8 @@ class LocalStack:
             argv = py + ["llm", "--model", spec.model_dir, "--host", h, "--port", str(port)]
             if spec.llm_backend:
                 argv += ["--backend", spec.llm_backend]
+            if spec.trust_request_chat_template:
+                argv += ["--trust-request-chat-template"]
             if spec.redis_url:  # the LLMs' L3 KV tier, and the encoders' embeddings sent by reference
                 argv += ["--kv-l3-url", spec.redis_url, "--media-redis-url", spec.redis_url,
                          "--kv-events-url", spec.redis_url]
@@ -225,6 +228,8 @@ class LocalStack:
             argv += ["--api-keys", ",".join(spec.api_keys)]
         if spec.allowed_hosts:
             argv += ["--allowed-hosts", ",".join(spec.allowed_hosts)]
+        if spec.trust_request_chat_template:
+            argv += ["--trust-request-chat-template"]
         genv = {**env, **{f"MMSERVE_GATEWAY_{k.upper()}": str(v) for k, v in spec.gateway_env.items()}}
         self.gateway = self._svc("gateway", h, gport, argv, genv)
 

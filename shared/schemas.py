@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
+from shared.chat_template import check_template_kwargs
+
 Modality = Literal["image", "video", "audio"]
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -254,6 +256,8 @@ class TokenizeRequest(BaseModel):
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt or messages")
+        # the server's own apply_chat_template arguments; a request template is the service's call
+        check_template_kwargs(self.chat_template_kwargs, trust_request_template=True)
         return self
 
 
@@ -502,6 +506,7 @@ class GenerateRequest(BaseModel):
             raise ValueError("send exactly one of messages, prompt or prompt_ids")
         if self.prompt_ids is not None and not self.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+        check_template_kwargs(self.chat_template_kwargs, trust_request_template=True)
         return self
 
     @model_validator(mode="after")

@@ -58,6 +58,12 @@ class _ServiceSettings(BaseSettings):
         "LLMs refuse callers without it (health, readiness and metrics stay open), the gateway and LLMs send it; for "
         "deployments without NetworkPolicies. Set the same value on every service"
     )
+    peer_key: str | None = Field(
+        default=None, min_length=16, repr=False, description="HMAC key shared by the services (the same on every "
+        "one; openssl rand -hex 32): every KV page, embedding and KV event written to Redis carries a tag under it "
+        "and a value whose tag does not check out is a miss (mmserve_peer_auth_failures_total). Unset: a fixed "
+        "development key with a warning while every Redis is on this machine; a Redis elsewhere refuses to start"
+    )
     keep_alive_timeout: float = Field(
         default=KEEP_ALIVE_TIMEOUT_S, gt=0, description="seconds an idle keep-alive connection stays open (uvicorn's "
         "timeout_keep_alive). Keep it above the callers' pool expiry (httpx and the openai client: 5 s; the gateway's "
@@ -131,6 +137,11 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         default=256 * 1024 * 1024, ge=1, description="largest /v1/generate body (prompt + media embeddings)"
     )
     max_in_flight: int = Field(default=256, ge=1, description="requests admitted at once; past it a 429")
+    trust_request_chat_template: bool = Field(
+        default=False, description="render a chat template a request sends in chat_template_kwargs.chat_template "
+        "(vLLM's --trust-request-chat-template); off: such a request gets a 400. A request's Jinja runs on this "
+        "server's CPU: a nested loop holds it for minutes, so allow it only for callers you trust"
+    )
     length_bucket: str | None = Field(
         default=None,
         description="prompt-length range this replica serves (gateway routes by it): short (0-64K), "
@@ -265,8 +276,14 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         default=65536, ge=1, description="router block keys a replica tracks at most (oldest dropped, as removed)"
     )
     media_fetch_allow: StrList = Field(
-        default_factory=list, description="hosts / IP networks of the encoders the LLM may fetch embeddings from "
-        "(comma-separated or JSON list); empty: any source a /v1/generate body names (keep the LLM port internal)"
+        default_factory=lambda: ["127.0.0.1", "::1", "localhost"], description="the encoders the LLM may fetch "
+        "embeddings from (it sends its service token to them): host names (resolved: a headless Service's pods), "
+        "IP addresses or networks, each optionally with :port (comma-separated or JSON list). A /v1/generate body "
+        "whose media names only other sources gets a 400; default: this machine only. Empty: Redis only"
+    )
+    media_fetch_max_bytes: int = Field(
+        default=256 * 1024 * 1024, ge=1024, description="largest embeddings response read from an encoder (streamed "
+        "and cut past it: a miss); an item never needs more than num_tokens x hidden x 4 bytes plus its header"
     )
 
     @field_validator("media_fetch_allow", mode="before")
@@ -299,10 +316,31 @@ class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
     llm_urls: StrList = Field(default_factory=lambda: ["http://127.0.0.1:8200"])
     api_keys: StrList = Field(default_factory=list)
     default_max_tokens: int = Field(default=64, ge=1)
+    trust_request_chat_template: bool = Field(
+        default=False, description="render a chat template a request sends in chat_template_kwargs.chat_template "
+        "(vLLM's --trust-request-chat-template); off: such a request gets a 400. A request's Jinja runs on this "
+        "server's CPU: a nested loop holds it for minutes, so allow it only for callers you trust"
+    )
     request_timeout: float = Field(default=300.0, gt=0)
     max_media_items: int = Field(default=16, ge=0)
     max_media_bytes: int = Field(default=32 * 1024 * 1024, ge=1, description="per item")
-    max_request_media_bytes: int = Field(default=128 * 1024 * 1024, ge=1)
+    max_request_media_bytes: int = Field(
+        default=128 * 1024 * 1024, ge=1, description="media per chat / responses request; their body limit is this "
+        "base64-encoded plus 8 MiB of text (a larger body is a 413 while it streams in)"
+    )
+    max_text_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="largest body of /v1/completions, /tokenize, /detokenize and "
+        "any other path without media (a 413 while it streams in); chat and responses take the media budget instead"
+    )
+    max_completion_prompts: int = Field(
+        default=256, ge=1, description="prompts x n of one /v1/completions request (each goes upstream as its own "
+        "generation under one admission slot); past it a 400. Split larger batches"
+    )
+    max_tools: int = Field(default=128, ge=0, description="tools per request (OpenAI's limit); past it a 400")
+    max_schema_bytes: int = Field(
+        default=64 * 1024, ge=256, description="bytes of one tool's parameters schema and of the response_format / "
+        "structured_outputs grammar (compact JSON); past it a 400. Every schema is compiled into a grammar"
+    )
     fetch_timeout: float = Field(default=20.0, gt=0)
     max_redirects: int = Field(default=3, ge=0)
     allowed_hosts: StrList = Field(

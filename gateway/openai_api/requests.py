@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.chat_template import check_template_kwargs
 from shared.schemas import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, ChatMessage, Lenient, StructuredSpec, ToolDef
 
 MAX_CHOICES = 16  # n per request
@@ -293,11 +294,8 @@ class ChatCompletionRequest(GenerationFields):
                        or self.structured_outputs is not None):
             raise ValueError("tool_choice required or a named function already constrains the output; drop "
                              "response_format / structured_outputs")
-        if self.chat_template_kwargs:
-            reserved = {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template", "documents"}
-            bad = sorted(reserved & set(self.chat_template_kwargs))
-            if bad:
-                raise ValueError(f"chat_template_kwargs: {bad[0]} is set by the server; remove it")
+        # a request template (chat_template) is checked against the gateway's setting in the route
+        check_template_kwargs(self.chat_template_kwargs, trust_request_template=True)
         return self
 
     def output_cap(self) -> int | None:

@@ -22,7 +22,7 @@ from gateway.state import GatewayState, StateDep
 from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
 from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.upstream import MediaUnavailable, UpstreamError, upstream_deadline
-from gateway.validate import check_fits, check_text
+from gateway.validate import check_fits, check_template, check_text
 from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse
 from shared.admission import Overloaded, Ticket
 from shared.streaming import ClosingStreamingResponse, race_disconnect
@@ -102,6 +102,7 @@ async def by_value(state: GatewayState, body: ChatCompletionRequest, cid: str, i
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Response:
     check_text(body)  # before anything may echo a string back
+    check_template(body.chat_template_kwargs, state.settings.trust_request_chat_template)
     if body.model != state.model_name:
         raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
     cid, created, start = completion_id(), now(), time.monotonic()

@@ -17,7 +17,7 @@ from gateway.openai_format import completion_id, now
 from gateway.responses_format import InputError, ResponsesEventWriter, ResponseShell, response_object, to_chat
 from gateway.routes.chat import _generate, _open, answer
 from gateway.state import StateDep
-from gateway.validate import check_text
+from gateway.validate import check_template, check_text
 
 router = APIRouter(dependencies=[ApiKeyDep])
 
@@ -38,6 +38,7 @@ async def responses(body: ResponsesRequest, request: Request, state: StateDep) -
         where = ".".join(str(x) for x in err.get("loc", ()))
         raise APIError(400, f"{where}: {err.get('msg', 'invalid')}".strip(": "), param="input") from None
     check_text(chat)
+    check_template(chat.chat_template_kwargs, state.settings.trust_request_chat_template)
     cid, start = completion_id("chatcmpl"), time.monotonic()
     shell = ResponseShell(body, now())
 

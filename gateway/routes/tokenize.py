@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from gateway.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.state import StateDep
+from gateway.validate import check_template
 from shared.schemas import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter(dependencies=[ApiKeyDep])
@@ -33,6 +34,7 @@ async def _forward(state, path: str, payload: dict) -> JSONResponse:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, state: StateDep) -> JSONResponse:
     _check_model(state, body.model)
+    check_template(body.chat_template_kwargs, state.settings.trust_request_chat_template)
     return await _forward(state, "/tokenize", body.model_dump(exclude={"model"}, exclude_none=True))
 
 
