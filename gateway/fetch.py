@@ -4,11 +4,13 @@ size, time and redirect limits, every hop checked by the SSRF guard."""
 from __future__ import annotations
 
 import asyncio
+import zlib
 from urllib.parse import urljoin
 
 import httpx
 
 from gateway.aio import gather_or_cancel
+from gateway.fetch_decode import ACCEPT_ENCODING, BoundedDecoder, DecodedTooLarge, UnsupportedEncoding
 from gateway.media import ByteBudget, MediaError, MediaItem, MediaRef, decode_inline, make_item
 from gateway.ssrf import SSRFError, SSRFGuard
 
@@ -52,7 +54,8 @@ class MediaFetcher:
             target = await self._guard.check(url)
             host = target.host if ":" not in target.host else f"[{target.host}]"
             default_port = 443 if target.scheme == "https" else 80
-            headers = {"Host": host if target.port == default_port else f"{host}:{target.port}"}
+            headers = {"Host": host if target.port == default_port else f"{host}:{target.port}",
+                       "Accept-Encoding": ACCEPT_ENCODING}
             ext = {"sni_hostname": target.host} if target.scheme == "https" else {}
             request = self._client.build_request(
                 "GET", target.pinned_url(), headers=headers, extensions=ext
@@ -70,18 +73,28 @@ class MediaFetcher:
         raise MediaError(ref.where, f"too many redirects (more than {self.max_redirects})")
 
     async def _read(self, response: httpx.Response, ref: MediaRef, budget: ByteBudget) -> bytes:
+        """The body with its Content-Encoding undone, counted after decoding: ``max_media_bytes``
+        caps the decoded bytes as they are produced (a gzip bomb stops at the cap)."""
+        limit = f"max_media_bytes={self.max_bytes}"
         declared = response.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.max_bytes:
-            raise MediaError(ref.where, f"media exceeds {self.max_bytes} bytes ({declared} declared)")
+            raise MediaError(ref.where, f"media exceeds {self.max_bytes} bytes ({declared} declared; {limit})")
+        try:
+            decoder = BoundedDecoder(response.headers.get("content-encoding", ""), self.max_bytes)
+        except UnsupportedEncoding as e:
+            raise MediaError(ref.where, str(e)) from None
         chunks: list[bytes] = []
-        size = 0
-        async for chunk in response.aiter_bytes():
-            size += len(chunk)
-            if size > self.max_bytes:
-                raise MediaError(ref.where, f"media exceeds {self.max_bytes} bytes")
+        async for raw in response.aiter_raw():  # raw: httpx would inflate each chunk whole first
+            try:
+                chunk = decoder.feed(raw)
+            except DecodedTooLarge:
+                how = f" after {'+'.join(decoder.encodings)} decoding" if decoder.encodings else ""
+                raise MediaError(ref.where, f"media exceeds {self.max_bytes} bytes{how} ({limit})") from None
+            except zlib.error as e:
+                raise MediaError(ref.where, f"the {'+'.join(decoder.encodings)} body is corrupt: {e}") from None
             budget.charge(len(chunk), ref.where)
             chunks.append(chunk)
-        if size == 0:
+        if decoder.size == 0:
             raise MediaError(ref.where, "fetched media is empty")
         return b"".join(chunks)
 
