@@ -72,6 +72,8 @@ def is_public(ip: IPAddress) -> bool:
         embedded = _embedded_ipv4(ip)
         if embedded is not None:
             return is_public(embedded)
+        if ip.is_site_local:
+            return False  # fec0::/10: deprecated site-local, still routed inside sites; 3.11 calls it global
     if (
         ip.is_private
         or ip.is_loopback

@@ -95,3 +95,21 @@ def test_localhost_resolves_and_is_refused():
                                        ("2002:a00:1::", False), ("2002:808:808::", True)])
 def test_ipv6_embedding_ipv4_judged_by_the_ipv4(ip, public):
     assert is_public(ipaddress.ip_address(ip)) is public
+
+
+@pytest.mark.parametrize("addr", ["fec0::1", "fed0:1::2", "feff:ffff::1"])
+def test_site_local_ipv6_is_private(addr):
+    # fec0::/10 (site-local, RFC 3879) reaches hosts inside a site; Python 3.11's ipaddress
+    # calls it global, so the guard must refuse it itself
+    assert not is_public(ipaddress.ip_address(addr))
+    with pytest.raises(SSRFError, match="non-public"):
+        check(SSRFGuard(), f"http://[{addr}]/x.png")
+    guard = SSRFGuard(resolver=fake_resolver({"site.example": [addr]}))
+    with pytest.raises(SSRFError, match="non-public"):
+        check(guard, "http://site.example/x.png")
+    assert check(SSRFGuard(allowed=["fec0::/10"]), f"http://[{addr}]/x.png").ip == addr
+
+
+def test_just_outside_site_local_is_judged_as_before():
+    assert is_public(ipaddress.ip_address("2606:4700::1111"))
+    assert not is_public(ipaddress.ip_address("febf::1"))  # link-local fe80::/10, refused already
