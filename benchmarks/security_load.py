@@ -1,0 +1,219 @@
+"""Security under load: the attacks of issue 42, each sent ``--repeats`` times while a steady
+streaming chat load runs against the same stack, beside quiet runs of the same load (no
+attacks), alternated (quiet, attack, quiet, attack ...) so drift weighs on both sides alike.
+
+The stack is ``mmserve up``'s (gateway, one encoder, one LLM service as local processes) on the
+tiny omni MiMo (it takes images, video and audio), with an API key, a service token, the
+encoders' embeddings and the LLMs' L3 KV tier in Redis (when one answers on 127.0.0.1:6379).
+The steady load: ``--clients`` closed-loop streaming chats (one user text, ``--max-tokens``
+tokens, ``ignore_eos``). Attacks go one at a time, round-robin over the kinds, from another
+task; ``/healthz`` of the gateway and of the LLM front is polled every 50 ms throughout.
+
+Per attack: the status codes answered and the refusal time (median, max). Per run: TTFT and ITL
+p99 of the steady load. Figures: the attack runs' p99 over the quiet runs' (``max_p99_ratio``:
+the larger of TTFT and ITL; target <= 1.2) and the slowest ``/healthz`` (``max_healthz_ms``,
+target <= 100). Wall-clock. The last line is a JSON object.
+
+    python -m benchmarks.security_load --quick   # ~1.5 minutes: 2 quiet + 2 attack runs, 4 repeats
+    python -m benchmarks.security_load           # 20 repeats per attack, 3 runs per side
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks import _results
+from benchmarks._security_attacks import ATTACKS, AttackContext
+from mmserve.launcher import LocalStack, StackSpec
+from mmserve.tiny_model import write_tiny_model
+
+API_KEY = "bench-security-key"
+SERVICE_TOKEN = "bench-security-service-token"
+PEER_KEY = "bench-security-peer-key-0123456789"
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def _steady(url: str, model: str, clients: int, max_tokens: int, stop: asyncio.Event) -> dict:
+    """Closed-loop streaming chats until ``stop``: TTFT and ITL samples (seconds), errors."""
+    ttft: list[float] = []
+    itl: list[float] = []
+    errors: list[str] = []
+    headers = {"authorization": f"Bearer {API_KEY}"}
+
+    async def client(c: httpx.AsyncClient, k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"steady client {k} turn {i} tell me a story"}]}
+            i += 1
+            t0 = last = time.perf_counter()
+            first = True
+            try:
+                async with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+                    if r.status_code != 200:
+                        errors.append(f"HTTP {r.status_code}")
+                        await r.aread()
+                        continue
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: {") or '"content"' not in line:
+                            continue
+                        now = time.perf_counter()
+                        (ttft.append(now - t0) if first else itl.append(now - last))
+                        first, last = False, now
+            except httpx.HTTPError as e:
+                errors.append(type(e).__name__)
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+        await asyncio.gather(*(client(c, k) for k in range(clients)))
+    return {"ttft": ttft, "itl": itl, "errors": errors}
+
+
+async def _healthz(urls: list[str], stop: asyncio.Event) -> float:
+    """The slowest /healthz answer (ms) of any of ``urls`` while polled every 50 ms until ``stop``."""
+    worst = 0.0
+    async with httpx.AsyncClient(timeout=10) as c:
+        while not stop.is_set():
+            for u in urls:
+                t0 = time.perf_counter()
+                try:
+                    await c.get(u + "/healthz")
+                    worst = max(worst, (time.perf_counter() - t0) * 1000)
+                except httpx.HTTPError:
+                    worst = max(worst, 10_000.0)
+            await asyncio.sleep(0.05)
+    return worst
+
+
+async def one_run(ctx: AttackContext, clients: int, max_tokens: int, seconds: float, attacks: list[str] | None,
+                  repeats: int) -> dict:
+    """One run: the steady load for ``seconds`` (quiet), or until every attack was sent ``repeats``
+    times (at least ``seconds``)."""
+    stop = asyncio.Event()
+    steady = asyncio.ensure_future(_steady(ctx.gateway, ctx.model, clients, max_tokens, stop))
+    health = asyncio.ensure_future(_healthz([ctx.gateway, ctx.llm], stop))
+    t0 = time.monotonic()
+    sent: dict[str, list[tuple[int, float]]] = {}
+    await asyncio.sleep(min(2.0, seconds / 4))  # the load reaches its steady state first
+    if attacks:
+        for _ in range(repeats):
+            for name in attacks:
+                a0 = time.perf_counter()
+                code = await ATTACKS[name].send(ctx)
+                sent.setdefault(name, []).append((code, time.perf_counter() - a0))
+    await asyncio.sleep(max(0.0, seconds - (time.monotonic() - t0)))
+    stop.set()
+    load, worst = await steady, await health
+    return {"ttft_p99": _pct(load["ttft"], 0.99), "itl_p99": _pct(load["itl"], 0.99), "requests": len(load["ttft"]),
+            "errors": len(load["errors"]), "max_healthz_ms": round(worst, 1), "attacks": sent}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    _results.add_mode_args(ap)
+    ap.add_argument("--runs", type=int, default=None, help="runs per side (default 3; quick 2; smoke 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="sends of each attack per attack run (default 20)")
+    ap.add_argument("--clients", type=int, default=4, help="concurrent streaming chats of the steady load")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=None, help="shortest run (default 20; quick 10; smoke 4)")
+    ap.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated subset of " + ",".join(ATTACKS))
+    args = ap.parse_args()
+    mode = _results.mode_of(args)
+    runs = args.runs or {"full": 3, "quick": 2, "smoke": 1}[mode]
+    repeats = args.repeats or {"full": 20, "quick": 4, "smoke": 1}[mode]
+    seconds = args.seconds or {"full": 20.0, "quick": 10.0, "smoke": 4.0}[mode]
+    names = [n for n in args.attacks.split(",") if n]
+    skipped = []
+    if mode == "smoke":  # the cheap attacks only: the media ones build a video with ffmpeg first
+        skipped = [f"{n} (smoke: media attacks take ffmpeg time)" for n in names if ATTACKS[n].prepare is not None]
+        names = [n for n in names if ATTACKS[n].prepare is None]
+    unknown = sorted(set(names) - set(ATTACKS))
+    if unknown:
+        ap.error(f"unknown attacks {unknown}; choose from {sorted(ATTACKS)}")
+
+    work = Path(tempfile.mkdtemp(prefix="mmserve-security-"))
+    model = str(write_tiny_model(work / "tiny-omni", arch="mimo-v2.5-omni"))
+    redis_url = AttackContext.redis_if_up()
+    env = {"MMSERVE_ENCODER_SERVICE_TOKEN": SERVICE_TOKEN, "MMSERVE_LLM_SERVICE_TOKEN": SERVICE_TOKEN,
+           "MMSERVE_GATEWAY_SERVICE_TOKEN": SERVICE_TOKEN, "MMSERVE_ENCODER_PEER_KEY": PEER_KEY,
+           "MMSERVE_LLM_PEER_KEY": PEER_KEY, "MMSERVE_GATEWAY_PEER_KEY": PEER_KEY}
+    spec = StackSpec(model_dir=model, gateway_port=0, api_keys=(API_KEY,), redis_url=redis_url, extra_env=env)
+    stack = LocalStack(spec, log_dir=work / "logs")
+    figures: dict = {}
+    with stack:
+        stack.wait_ready(timeout=300)
+        ctx = AttackContext(gateway=stack.url, llm=stack.llms[0].url, encoder=stack.encoders[0].url,
+                            model=stack.model_name, api_key=API_KEY, service_token=SERVICE_TOKEN,
+                            redis_url=redis_url, work=work)
+        ctx.prepare(names)
+        # warm-up, not counted: the first chats of a fresh stack build kernels and caches
+        asyncio.run(one_run(ctx, args.clients, args.max_tokens, min(seconds, 5.0), None, 0))
+        quiet, attacked = [], []
+        for k in range(runs):
+            for side in (("quiet", "attack") if k % 2 == 0 else ("attack", "quiet")):
+                r = asyncio.run(one_run(ctx, args.clients, args.max_tokens, seconds,
+                                        names if side == "attack" else None, repeats))
+                (attacked if side == "attack" else quiet).append(r)
+                print(f"run {k} {side}: TTFT p99 {r['ttft_p99']}, ITL p99 {r['itl_p99']}, {r['requests']} chats, "
+                      f"{r['errors']} errors, slowest /healthz {r['max_healthz_ms']} ms", flush=True)
+        ctx.cleanup()
+    figures = summarize(quiet, attacked, names)
+    for name, a in figures["attacks"].items():
+        print(f"{name:>24}: {a['codes']}  median {a['median_ms']} ms, max {a['max_ms']} ms", flush=True)
+    summary = (f"{len(names)} attacks x {repeats} under a {args.clients}-chat load: p99 "
+               f"{figures['max_p99_ratio']}x quiet (target <= 1.2), slowest /healthz {figures['max_healthz_ms']} ms "
+               "(target <= 100)")
+    _results.record("security_load", ap, args, figures, kind="wall-clock", summary=summary,
+                    baseline="the same stack and steady load with no attack (quiet runs, alternated)", skipped=skipped)
+    return 0
+
+
+def summarize(quiet: list[dict], attacked: list[dict], names: list[str]) -> dict:
+    """Pooled over runs: the median of each side's per-run p99, their ratios, each attack's codes."""
+    def med(runs, key):
+        vals = [r[key] for r in runs if r[key] is not None]
+        return statistics.median(vals) if vals else None
+
+    ratios = {}
+    for key in ("ttft_p99", "itl_p99"):
+        q, a = med(quiet, key), med(attacked, key)
+        ratios[key] = round(a / q, 3) if q and a else None
+    per_attack = {}
+    for name in names:
+        sends = [s for r in attacked for s in r["attacks"].get(name, [])]
+        codes: dict[str, int] = {}
+        for code, _ in sends:
+            codes[str(code)] = codes.get(str(code), 0) + 1
+        times = [t * 1000 for _, t in sends]
+        per_attack[name] = {"codes": codes, "expected": sorted(ATTACKS[name].expected),
+                            "refused": all(c in ATTACKS[name].expected for c, _ in sends) and bool(sends),
+                            "median_ms": round(statistics.median(times), 1) if times else None,
+                            "max_ms": round(max(times), 1) if times else None}
+    return {
+        "quiet_ttft_p99_s": med(quiet, "ttft_p99"), "attack_ttft_p99_s": med(attacked, "ttft_p99"),
+        "quiet_itl_p99_s": med(quiet, "itl_p99"), "attack_itl_p99_s": med(attacked, "itl_p99"),
+        "ttft_p99_ratio": ratios["ttft_p99"], "itl_p99_ratio": ratios["itl_p99"],
+        "max_p99_ratio": max((v for v in ratios.values() if v is not None), default=None),
+        "max_healthz_ms": max(r["max_healthz_ms"] for r in quiet + attacked),
+        "quiet_healthz_ms": max(r["max_healthz_ms"] for r in quiet),
+        "steady_errors": sum(r["errors"] for r in quiet + attacked),
+        "all_refused": all(a["refused"] for a in per_attack.values()),
+        "attacks": per_attack,
+    }
+
+
+if __name__ == "__main__":
+    _results.run(main)
