@@ -40,6 +40,12 @@ class EncoderMetrics:
         self.cache_errors = Counter(
             "encoder_cache_errors", "cache tier failures (degraded, not failed)", ["tier"], registry=r
         )
+        # values read back from Redis whose HMAC did not check out (planted or moved): misses
+        self.peer_auth_failures = Counter(
+            "mmserve_peer_auth_failures", "values read from Redis whose HMAC under the peer key did not check out "
+            "(never used: a miss)", ["source"], registry=r
+        )
+        self.peer_auth_failures.labels("embedding")
 
         self.overload_rejections = Counter(
             "encoder_overload_rejections", "encode requests answered 429 by admission control", registry=r

@@ -51,6 +51,12 @@ class GatewayMetrics:
         self.encoder_retries = Counter(
             "mmserve_gateway_encoder_failovers", "encode attempts retried on another replica", registry=r
         )
+        # KV events read from Redis whose HMAC under the peer key did not check out: ignored
+        self.peer_auth_failures = Counter(
+            "mmserve_peer_auth_failures", "values read from Redis whose HMAC under the peer key did not check out "
+            "(never used)", ["source"], registry=r
+        )
+        self.peer_auth_failures.labels("kv_event")
 
         self.rejected = Counter(
             "mmserve_gateway_overload_rejections", "requests answered 429 by admission control, by who refused",
@@ -80,6 +86,7 @@ class GatewayMetrics:
             ("mmserve_gateway_kv_snapshots", "replica KV snapshots loaded", lambda: feed.snapshots),
         ):
             Gauge(name, doc, registry=self.registry).set_function(fn)
+        feed.on_auth_failure = self.peer_auth_failures.labels("kv_event").inc
 
     def watch_replicas(self, **services) -> None:
         """Per service (``name=(pool, client)``), read at scrape time: each replica's state

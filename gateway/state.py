@@ -20,6 +20,7 @@ from gateway.routing.replicas import ReplicaPool, http_prober
 from gateway.ssrf import SSRFGuard
 from gateway.upstream import EncoderClient, LLMClient
 from shared.admission import Admission, AdmissionConfig
+from shared.peer_auth import resolve as resolve_peer_key
 from shared.service_auth import token_headers
 from shared.settings import GatewaySettings
 
@@ -112,7 +113,8 @@ class GatewayState:
             return {inst: url for url, inst in limits.instances.items() if url in current}
 
         feed = KVEventFeed(s.kv_events_url, s.kv_events_stream, KVIndex(), http, replicas,
-                           timeout=min(2.0, s.connect_timeout))
+                           timeout=min(2.0, s.connect_timeout),
+                           peer=resolve_peer_key(s.peer_key, [s.kv_events_url], "MMSERVE_GATEWAY_PEER_KEY"))
 
         def held(replica: str, blocks) -> int | None:
             inst = limits.instances.get(replica)

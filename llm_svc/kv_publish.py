@@ -6,7 +6,8 @@ and readers see the gap and reload the snapshot.
 
 Every replica appends to the one stream key, so on a Redis Cluster (``redis+cluster://``) the
 stream lives on the node owning its slot and a gateway reads every replica's events with one
-single-key XREAD; the pipeline of XADDs names that one key, never a transaction."""
+single-key XREAD; the pipeline of XADDs names that one key, never a transaction. Each entry is
+tagged under the peer key (``shared.kv_events``), which the gateways check."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import secrets
 from collections import deque
 
 from shared.kv_events import KVEvent, KVSnapshot
+from shared.peer_auth import PeerKey
 from shared.redis_client import ERRORS, async_client
 
 log = logging.getLogger(__name__)
@@ -25,7 +27,9 @@ RETRY_S = 1.0
 
 
 class KVPublisher:
-    def __init__(self, url: str, stream: str, maxlen: int) -> None:
+    def __init__(self, url: str, stream: str, maxlen: int, peer: PeerKey | None = None) -> None:
+        """``peer``: the key every gateway checks entries under (None: the development key)."""
+        self.peer = peer or PeerKey.development()
         self.instance = secrets.token_hex(8)
         self.stream, self.maxlen = stream, maxlen
         self.seq = 0
@@ -79,7 +83,7 @@ class KVPublisher:
                 try:
                     async with self._redis.pipeline(transaction=False) as pipe:
                         for ev in batch:
-                            pipe.xadd(self.stream, ev.fields(), maxlen=self.maxlen, approximate=True)
+                            pipe.xadd(self.stream, ev.fields(self.stream, self.peer), maxlen=self.maxlen, approximate=True)
                         await pipe.execute()
                 except ERRORS as e:
                     log.warning("KV events: Redis unavailable (%s); retrying", e)

@@ -9,7 +9,13 @@ shared-memory tier). Concurrent fetches of one key share one request
 checked against the reference (rows == num_tokens, hidden size, floating point, finite) before
 the engine sees it. ``allow`` (hosts or CIDR networks) limits which encoders the front will
 fetch from: a source outside it is never contacted (a request body cannot make the LLM reach
-an arbitrary address). An item no source serves (evicted, encoder gone) raises
+an arbitrary address, nor carry the service token there): a request whose items name only
+sources outside it gets a 400 ``media_source_not_allowed``; names in it are resolved, so a
+headless Service's pods (which the gateway names by address) are allowed by the Service's name.
+A response is streamed and cut past ``max_bytes`` (and past what the item can need: rows x hidden
+x 8 bytes plus 1 MiB). What is read from Redis carries an HMAC under the peer key
+(``shared.peer_auth``): a value whose tag does not check out is a miss, counted
+(``mmserve_peer_auth_failures_total{source="embedding"}``), never used. An item no source serves (evicted, encoder gone) raises
 ``MediaUnavailable``: the request then fails with 409 ``media_unavailable`` and the gateway
 re-sends it by value. Each fetched item is counted by where it was read
 (``mmserve_llm_media_fetch_source_total{source="redis"|"http"}``).
@@ -20,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import socket
+import time
 from urllib.parse import quote, urlsplit
 
 import httpx
 import torch
 
-from shared.embedding_store import DEFAULT_PREFIX, entry_key, from_bytes
+from shared.embedding_store import DEFAULT_PREFIX, entry_key, from_bytes, open_entry
+from shared.peer_auth import PeerKey
 from shared.redis_client import ERRORS, async_client
 from shared.schemas import EncodeResult
 from shared.wire import WireError, unpack
@@ -35,7 +44,17 @@ from .types import EmbeddingRef
 log = logging.getLogger(__name__)
 
 MEDIA_UNAVAILABLE = "media_unavailable"
+MEDIA_SOURCE_NOT_ALLOWED = "media_source_not_allowed"
+ALLOW_SETTING = "MMSERVE_LLM_MEDIA_FETCH_ALLOW"
+MAX_BYTES_SETTING = "MMSERVE_LLM_MEDIA_FETCH_MAX_BYTES"
 _THREAD_BYTES = 256 * 1024  # bodies past this are unpacked off the event loop
+DEFAULT_ALLOW = ["127.0.0.1", "::1", "localhost"]  # MMSERVE_LLM_MEDIA_FETCH_ALLOW's default
+RESOLVE_S = 5.0  # an allowed name's addresses are re-resolved at most this often
+_HEADER_SLACK = 1024 * 1024  # an embeddings response beyond its tensor's bytes: the wire header
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class MediaUnavailable(Exception):
@@ -49,51 +68,114 @@ class MediaUnavailable(Exception):
         self.message = message
 
 
-class SourceAllowList:
-    """Encoder origins the front may fetch from: each entry a host name (``encoder``,
-    ``localhost``) or an IP network (``127.0.0.1``, ``10.0.0.0/8``, ``fd00::/8``)."""
+class MediaSourceRefused(MediaUnavailable):
+    """Every source an item names is outside ``MMSERVE_LLM_MEDIA_FETCH_ALLOW``: the request is
+    wrong (or hostile), not the encoders, so it is a 400 the gateway does not retry by value."""
 
-    def __init__(self, entries: list[str]) -> None:
-        self.hosts: set[str] = set()
-        self.nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+    status = 400
+    code = MEDIA_SOURCE_NOT_ALLOWED
+
+
+class SourceAllowList:
+    """Encoder origins the front may fetch from, each entry a host name (``encoder``,
+    ``localhost``: resolved, every address it has is allowed), an IP address or network
+    (``127.0.0.1``, ``10.0.0.0/8``, ``fd00::/8``), optionally with ``:port`` (``[v6]:port``)."""
+
+    def __init__(self, entries: list[str], resolve_s: float = RESOLVE_S) -> None:
+        self.hosts: list[tuple[str, int | None]] = []
+        self.nets: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, int | None]] = []
+        self.resolve_s = resolve_s
+        self._resolved: dict[str, tuple[float, frozenset[str]]] = {}
         for e in entries:
-            e = e.strip().lower()
-            if not e:
+            host, port = _split_entry(e)
+            if not host:
                 continue
             try:
-                self.nets.append(ipaddress.ip_network(e, strict=False))
+                self.nets.append((ipaddress.ip_network(host, strict=False), port))
             except ValueError:
-                self.hosts.add(e)
+                self.hosts.append((host, port))
 
-    def permits(self, source: str) -> bool:
+    def __bool__(self) -> bool:
+        return bool(self.hosts or self.nets)
+
+    async def permits(self, source: str) -> bool:
+        """Whether ``source`` (an http(s) base URL) is one of the allowed encoders."""
         try:
             parts = urlsplit(source)
             host = (parts.hostname or "").lower()
+            port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
             return False
-        if parts.scheme not in ("http", "https") or not host:
+        if parts.scheme not in ("http", "https") or not host or parts.username or parts.password:
             return False
-        if host in self.hosts:
-            return True
         try:
             ip = ipaddress.ip_address(host)
         except ValueError:
-            return False
-        return any(ip in n for n in self.nets)
+            ip = None
+        if ip is not None and any(ip in n and p in (None, port) for n, p in self.nets):
+            return True
+        for name, p in self.hosts:
+            if p not in (None, port):
+                continue
+            if host == name:
+                return True
+            if ip is not None and str(ip) in await self._addresses(name, ip):
+                return True
+        return False
+
+    async def _addresses(self, name: str, wanted) -> frozenset[str]:
+        """``name``'s addresses, re-resolved at most every ``resolve_s`` seconds (sooner never:
+        a request naming an unknown address must not make the front hammer DNS)."""
+        now = time.monotonic()
+        at, addrs = self._resolved.get(name, (-1e18, frozenset()))
+        if now - at >= self.resolve_s:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
+                addrs = frozenset(str(ipaddress.ip_address(i[4][0].split("%")[0])) for i in infos)
+            except (OSError, ValueError):
+                addrs = frozenset()
+            self._resolved[name] = (now, addrs)
+        return addrs
+
+
+def _split_entry(entry: str) -> tuple[str, int | None]:
+    """``host``, ``host:port``, ``[v6]:port``, ``v6``, ``net/len`` or ``http://host:port`` ->
+    (host, port or None)."""
+    e = entry.strip().lower()
+    if "://" in e:
+        parts = urlsplit(e)
+        return (parts.hostname or ""), parts.port
+    if e.startswith("["):
+        host, _, rest = e[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") and rest[1:].isdigit() else None
+    if e.count(":") == 1:
+        host, _, port = e.partition(":")
+        if port.isdigit():
+            return host, int(port)
+    return e, None
 
 
 class EmbeddingFetcher:
     """``metrics``: an ``LLMMetrics`` (fetched / missed items and bytes are counted here, skipped
-    ones by the caller, which knows what the prefix cache covered)."""
+    ones by the caller, which knows what the prefix cache covered). ``allow``: the encoders it may
+    fetch from (``SourceAllowList`` entries; None: this machine's, as the setting's default; empty:
+    none, Redis only). ``headers`` (the
+    service token) go to those only. ``peer``: the key the encoders' Redis entries are tagged
+    under (None: the development key)."""
 
     def __init__(self, hidden_size: int, timeout: float, metrics=None, client: httpx.AsyncClient | None = None,
                  redis_url: str | None = None, redis_prefix: str = DEFAULT_PREFIX, redis_timeout: float = 0.5,
-                 allow: list[str] | None = None, headers: dict[str, str] | None = None):
+                 allow: list[str] | None = None, headers: dict[str, str] | None = None,
+                 max_bytes: int = 256 * 1024 * 1024, peer: PeerKey | None = None):
         self.hidden_size = hidden_size
-        self.allow = SourceAllowList(allow) if allow else None
+        self.allow = SourceAllowList(DEFAULT_ALLOW if allow is None else allow)
+        self.max_bytes = max_bytes
+        self.peer = peer or PeerKey.development()
         self.timeout = timeout
         self.metrics = metrics
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout), trust_env=False, headers=headers)
+        # never redirected: an allowed encoder cannot send the token on to another address
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout), trust_env=False, headers=headers,
+                                                   follow_redirects=False)
         self._redis = async_client(redis_url, socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout,
                                    retry_on_timeout=False) if redis_url else None
         self.redis_prefix = redis_prefix
@@ -130,14 +212,18 @@ class EmbeddingFetcher:
         why: list[str] = []
         try:
             async with asyncio.timeout(self.timeout):
+                allowed = [src for src in ref.sources if await self.allow.permits(src)]
+                if ref.sources and not allowed and self.allow:
+                    self._count("missed")
+                    raise MediaSourceRefused(f"media sent by reference names sources that are not this service's "
+                                             f"encoders ({ALLOW_SETTING}); send the media by value")
+                if len(allowed) < len(ref.sources):
+                    why.append(f"{len(ref.sources) - len(allowed)} source(s) outside {ALLOW_SETTING}")
                 if self._redis is not None:
                     t = await self._from_redis(ref, why)
                     if t is not None:
                         return t
-                for src in ref.sources:
-                    if self.allow is not None and not self.allow.permits(src):
-                        why.append("a source outside MMSERVE_LLM_MEDIA_FETCH_ALLOW")
-                        continue
+                for src in allowed:
                     t = await self._from(src, ref, why)
                     if t is not None:
                         return t
@@ -153,7 +239,16 @@ class EmbeddingFetcher:
         except ERRORS as e:
             why.append(f"redis: {type(e).__name__}")
             return None
-        t = from_bytes(ref.key, data) if data else None
+        if not data:
+            why.append("redis: no entry")
+            return None
+        body = open_entry(self.peer, ref.key, data)
+        if body is None:  # planted, or written under another key: never used
+            why.append("redis: an entry that failed its HMAC check")
+            if self.metrics is not None:
+                self.metrics.peer_auth_failures.labels("embedding").inc()
+            return None
+        t = from_bytes(ref.key, body)
         if t is None:
             why.append("redis: no entry")
             return None
@@ -171,19 +266,23 @@ class EmbeddingFetcher:
     async def _from(self, src: str, ref: EmbeddingRef, why: list[str]) -> torch.Tensor | None:
         url = f"{src.rstrip('/')}/v1/embeddings/{quote(ref.key, safe=':')}"
         self.gets += 1
+        limit = min(self.max_bytes, ref.num_tokens * self.hidden_size * 8 + _HEADER_SLACK)
         try:
-            r = await self._client.get(url)
+            content = await self._get(url, limit)
         except httpx.HTTPError as e:
             why.append(f"{src}: {type(e).__name__}")
             return None
-        if r.status_code != 200:
-            why.append(f"{src}: HTTP {r.status_code}")
+        except _TooLarge:
+            why.append(f"{src}: a response past {limit} bytes ({MAX_BYTES_SETTING}, or more than the item needs)")
+            return None
+        if isinstance(content, int):
+            why.append(f"{src}: HTTP {content}")
             return None
         try:
-            if len(r.content) > _THREAD_BYTES:
-                tensors, _ = await asyncio.to_thread(unpack, r.content, EncodeResult)
+            if len(content) > _THREAD_BYTES:
+                tensors, _ = await asyncio.to_thread(unpack, content, EncodeResult)
             else:
-                tensors, _ = unpack(r.content, EncodeResult)
+                tensors, _ = unpack(content, EncodeResult)
             t = self._check(tensors.get("embeds"), ref)
         except (WireError, ValueError) as e:
             log.warning("bad embeddings for %s from %s: %s", ref.key, src, e)
@@ -191,8 +290,24 @@ class EmbeddingFetcher:
             return None
         self._count("fetched", source="http")
         if self.metrics is not None:
-            self.metrics.media_bytes.inc(len(r.content))
+            self.metrics.media_bytes.inc(len(content))
         return t
+
+    async def _get(self, url: str, limit: int) -> bytes | int:
+        """The body of a 200 (decoded; at most ``limit`` bytes, else ``_TooLarge``), or the status."""
+        async with self._client.stream("GET", url) as r:
+            if r.status_code != 200:
+                return r.status_code
+            declared = r.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise _TooLarge
+            chunks, n = [], 0
+            async for chunk in r.aiter_bytes():
+                n += len(chunk)
+                if n > limit:
+                    raise _TooLarge
+                chunks.append(chunk)
+            return b"".join(chunks)
 
     def _check(self, t: torch.Tensor | None, ref: EmbeddingRef) -> torch.Tensor:
         if t is None or t.ndim != 2:

@@ -9,6 +9,7 @@ from shared.malloc_tuning import heap_gauge
 from .types import BackendStats
 
 MEDIA_SOURCES = ("redis", "http")
+PEER_SOURCES = ("kv_page", "embedding")
 
 
 class LLMMetrics:
@@ -46,6 +47,13 @@ class LLMMetrics:
                                      ["source"], registry=r)
         for source in MEDIA_SOURCES:
             self.media_sources.labels(source)  # both series exported from the start, at 0
+        # values read back from Redis whose HMAC under the peer key did not check out: misses, never
+        # used (embedding: counted here; kv_page: the engine core's l3_auth_failures, folded in by render)
+        self.peer_auth_failures = Counter("mmserve_peer_auth_failures", "Values read from Redis whose HMAC under the "
+                                          "peer key did not check out (never used: a miss)", ["source"], registry=r)
+        for source in PEER_SOURCES:
+            self.peer_auth_failures.labels(source)
+        self._core_auth_failures = 0  # the core's count when last folded in
         self.deadline_drops = Counter("mmserve_llm_deadline_drops", "Requests stopped because their deadline passed",
                                       registry=r)
         self.admitted = Gauge("mmserve_llm_admitted_in_flight", "Requests holding an admission slot", registry=r)
@@ -107,6 +115,7 @@ class LLMMetrics:
             self.tier_seconds.labels(tier="l3", what="prefetch_timeout").set(t.get("l3_wait_seconds", 0))
             if "l3_up" in t:
                 self.l3_up.set(t["l3_up"])
+                self._fold_core_auth_failures(int(t.get("l3_auth_failures", 0)))
                 for ev in ("lookups", "hits", "misses", "corrupt", "errors", "skipped", "dropped_writes",
                            "touches", "pages_written", "windows_written"):
                     self.l3_events.labels(event=ev).set(t.get(f"l3_{ev}", 0))
@@ -118,6 +127,13 @@ class LLMMetrics:
             for j in range(int(t.get("spec_num_spec_tokens", 0))):
                 self.spec_accepted_pos.labels(position=str(j)).set(t.get(f"spec_num_accepted_tokens_per_pos_{j}", 0))
         return generate_latest(self.registry)
+
+    def _fold_core_auth_failures(self, core: int) -> None:
+        """The engine core's cumulative count into the counter (a restarted core counts from 0)."""
+        delta = core - self._core_auth_failures if core >= self._core_auth_failures else core
+        if delta > 0:
+            self.peer_auth_failures.labels("kv_page").inc(delta)
+        self._core_auth_failures = core
 
 
 _TIER_TOKENS = {

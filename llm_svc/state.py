@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.admission import Admission, AdmissionConfig
+from shared.peer_auth import resolve as resolve_peer_key
 from shared.service_auth import token_headers
 from shared.settings import LLMSettings
 
@@ -110,6 +111,9 @@ class ServiceState:
         try:
             s = self.settings
             cls = BACKENDS.get(s.backend)
+            # every Redis this replica reads back from, checked before anything loads (named if unset)
+            peer = resolve_peer_key(s.peer_key, [s.kv_l3_url, s.media_redis_url, s.kv_events_url],
+                                    "MMSERVE_LLM_PEER_KEY")
             lm = await asyncio.to_thread(load_lm, s.model_dir, s.device, s.dtype, cls.needs_weights)
             derived = s.max_model_len is None
             if derived:  # the checkpoint's context length, as vLLM; the engine core sizes its pools by it
@@ -124,10 +128,13 @@ class ServiceState:
             self.media = backend.media = EmbeddingFetcher(lm.hidden_size, s.media_fetch_timeout, self.metrics,
                                                           redis_url=s.media_redis_url, redis_prefix=s.media_redis_prefix,
                                                           allow=s.media_fetch_allow,
-                                                          headers=token_headers(s.service_token))
+                                                          headers=token_headers(s.service_token),
+                                                          max_bytes=s.media_fetch_max_bytes,
+                                                          peer=peer)
             if s.kv_events_url and cls.publishes_kv_events and s.enable_prefix_cache:
-                self.kv_events = backend.kv_events = KVPublisher(s.kv_events_url, s.kv_events_stream,
-                                                                 s.kv_events_maxlen)
+                self.kv_events = backend.kv_events = KVPublisher(
+                    s.kv_events_url, s.kv_events_stream, s.kv_events_maxlen,
+                    peer=peer)
                 self.kv_events.start()
             await backend.start()
             held = backend.max_sequence_tokens()

@@ -3,7 +3,7 @@
 Each service's exec-form ``command`` and ``environment`` are used as written, after Compose's
 ``${VAR:-default}`` interpolation, with three local mappings:
 
-* service host names (``redis``, ``encoder``, ...) -> 127.0.0.1,
+* service host names (``redis``, ``encoder``, ...; in URLs and ``host[:port]`` lists) -> 127.0.0.1,
 * container ports -> free local ports (``port_map``), so tests never collide with a running stack,
 * bind-mount targets (``/models/bundle``) -> their host sources.
 
@@ -23,12 +23,26 @@ import yaml
 
 from mmserve.launcher import Service, free_port
 
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-?])([^}]*))?\}")
+
+
+class MissingVariable(ValueError):
+    """A ``${VAR:?message}`` whose variable is unset or empty (Compose refuses to start)."""
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:
-    """Compose-style ``${VAR}`` / ``${VAR:-default}`` substitution."""
-    return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+    """Compose-style ``${VAR}`` / ``${VAR:-default}`` substitution; ``${VAR:?message}`` raises
+    ``MissingVariable`` (naming VAR) when VAR is unset or empty, as Compose refuses to start."""
+
+    def sub(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        if env.get(name):
+            return env[name]
+        if op == "?":
+            raise MissingVariable(f"required variable {name} is missing a value: {arg}")
+        return arg
+
+    return _VAR.sub(sub, value)
 
 
 def _interp_tree(node, env: dict[str, str]):
@@ -82,8 +96,9 @@ def local_services(compose: dict, base_dir: Path, log_dir: Path, order: list[str
         def localize(s: str) -> str:
             for target, source in mounts.items():
                 s = s.replace(target, source)
-            for n in names:
-                s = re.sub(rf"//{re.escape(n)}:", "//127.0.0.1:", s)
+            for n in names:  # in URLs (//name:port, user:pass@name:port) and host:port lists, not as a word
+                s = re.sub(rf"(//|@){re.escape(n)}(?=[:/]|$)", r"\g<1>127.0.0.1", s)
+                s = re.sub(rf"(^|,){re.escape(n)}(?=:\d)", r"\g<1>127.0.0.1", s)
             for cport, lport in port_map.items():
                 s = re.sub(rf":{cport}\b", f":{lport}", s)
                 if s == str(cport):

@@ -283,7 +283,7 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     )
     media_fetch_max_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1024, description="largest embeddings response read from an encoder (streamed "
-        "and cut past it: a miss); an item never needs more than num_tokens x hidden x 4 bytes plus its header"
+        "and cut past it: a miss); an item is cut past num_tokens x hidden x 8 bytes + 1 MiB as well"
     )
 
     @field_validator("media_fetch_allow", mode="before")

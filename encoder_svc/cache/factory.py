@@ -9,6 +9,7 @@ from encoder_svc.cache.redis_tier import RedisTier
 from encoder_svc.cache.shm import DEFAULT_DIR, SharedMemoryTier
 from encoder_svc.cache.tiered import TieredCache
 from encoder_svc.metrics import EncoderMetrics
+from shared.peer_auth import resolve
 from shared.settings import EncoderSettings
 
 
@@ -21,6 +22,8 @@ def build_cache(settings: EncoderSettings, metrics: EncoderMetrics | None = None
         tiers.append(SharedMemoryTier(settings.shm_cache_bytes, shm_dir))
     if settings.redis_url:
         on_error = (lambda tier: metrics.cache_errors.labels(tier).inc()) if metrics is not None else None
+        on_auth = (lambda: metrics.peer_auth_failures.labels("embedding").inc()) if metrics is not None else None
         tiers.append(RedisTier(settings.redis_url, settings.redis_ttl_s, settings.redis_max_bytes,
-                               prefix=redis_prefix, on_error=on_error))
+                               prefix=redis_prefix, on_error=on_error, on_auth_failure=on_auth,
+                               peer=resolve(settings.peer_key, [settings.redis_url], "MMSERVE_ENCODER_PEER_KEY")))
     return TieredCache(tiers, metrics) if tiers else None

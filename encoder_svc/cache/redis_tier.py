@@ -8,6 +8,10 @@ spread over the nodes) and Redis's own eviction owns the budget: run Redis with
 ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (compose.yaml does), where bookkeeping keys
 would be evicted independently of the entries they describe. ``max_bytes`` caps one entry.
 
+Values are sealed with an HMAC under the peer key (``shared.embedding_store.seal_entry``): an
+entry whose tag does not check out (planted, moved from another key) is a miss, reported to
+``on_auth_failure`` (``mmserve_peer_auth_failures_total{source="embedding"}``), never used.
+
 Any Redis failure degrades to a miss / a skipped store with a warning; after a failure the tier
 is skipped for ``retry_after`` seconds instead of retrying on every request.
 """
@@ -20,7 +24,8 @@ import time
 import torch
 
 from encoder_svc.cache.base import CacheTier, from_bytes, to_bytes
-from shared.embedding_store import entry_key
+from shared.embedding_store import entry_key, open_entry, seal_entry
+from shared.peer_auth import PeerKey
 from shared.redis_client import ERRORS, async_client
 
 log = logging.getLogger(__name__)
@@ -30,12 +35,18 @@ class RedisTier(CacheTier):
     name = "redis"
 
     def __init__(self, url: str, ttl_s: int, max_bytes: int, prefix: str = "mmserve:enc:",
-                 timeout_s: float = 0.5, retry_after: float = 2.0, on_error=None) -> None:
+                 timeout_s: float = 0.5, retry_after: float = 2.0, on_error=None, peer: PeerKey | None = None,
+                 on_auth_failure=None) -> None:
+        """``peer``: the key entries are tagged under (None: the development key);
+        ``on_auth_failure()``: called for each entry read whose tag does not check out."""
         if ttl_s < 1 or max_bytes < 1:
             raise ValueError("ttl_s and max_bytes must be >= 1")
         self.url, self.ttl_s, self.max_bytes, self.prefix = url, ttl_s, max_bytes, prefix
         self.retry_after = retry_after
         self._on_error = on_error
+        self.peer = peer or PeerKey.development()
+        self._on_auth_failure = on_auth_failure
+        self.auth_failures = 0
         self._client = async_client(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
         )
@@ -64,12 +75,20 @@ class RedisTier(CacheTier):
         except ERRORS as e:
             self._failed("get", e)
             return None
-        return from_bytes(key, data) if data else None
+        if not data:
+            return None
+        body = open_entry(self.peer, key, data)
+        if body is None:
+            self.auth_failures += 1
+            if self._on_auth_failure is not None:
+                self._on_auth_failure()
+            return None
+        return from_bytes(key, body)
 
     async def put(self, key: str, value: torch.Tensor) -> bool:
         if not self.available():
             return False
-        data = to_bytes(key, value)
+        data = seal_entry(self.peer, key, to_bytes(key, value))
         if len(data) > self.max_bytes:
             return False
         try:

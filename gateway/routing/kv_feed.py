@@ -6,7 +6,9 @@ change between snapshot and stream is missed; one already in a snapshot is skipp
 A gap in an instance's seqs (events trimmed while this gateway lagged, or lost) reloads that
 instance's snapshot. Reads are batched (``READ_COUNT``) and block at most ``BLOCK_MS``, so the
 feed never falls behind by more than what the stream keeps. While Redis is unreachable
-``connected`` is False and the router uses its own record of what it sent."""
+``connected`` is False and the router uses its own record of what it sent. An entry whose HMAC
+does not check out under the peer key (``shared.kv_events``: planted in Redis) is ignored and
+counted (``auth_failures``, ``on_auth_failure``)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from collections.abc import Callable
 import httpx
 from pydantic import ValidationError
 
-from shared.kv_events import SNAPSHOT_PATH, KVEvent, KVSnapshot
+from shared.kv_events import SNAPSHOT_PATH, KVEvent, KVEventAuthError, KVSnapshot
+from shared.peer_auth import PeerKey
 from shared.redis_client import ERRORS, async_client
 
 from .kv_index import KVIndex
@@ -31,8 +34,14 @@ RETRY_S = 1.0
 
 class KVEventFeed:
     def __init__(self, url: str, stream: str, index: KVIndex, http: httpx.AsyncClient,
-                 replicas: Callable[[], dict[str, str]], timeout: float = 2.0) -> None:
-        """``replicas()``: instance id -> base URL of the LLM replicas the gateway knows."""
+                 replicas: Callable[[], dict[str, str]], timeout: float = 2.0, peer: PeerKey | None = None,
+                 on_auth_failure: Callable[[], None] | None = None) -> None:
+        """``replicas()``: instance id -> base URL of the LLM replicas the gateway knows. ``peer``:
+        the key entries are checked under (None: the development key); ``on_auth_failure()``:
+        called for each entry ignored for its tag."""
+        self.peer = peer or PeerKey.development()
+        self.on_auth_failure = on_auth_failure
+        self.auth_failures = 0
         self.url, self.stream = url, stream
         self.index = index
         self.http = http
@@ -76,7 +85,13 @@ class KVEventFeed:
 
     def _apply(self, fields: dict) -> None:
         try:
-            ev = KVEvent.parse(fields)
+            ev = KVEvent.parse(fields, self.stream, self.peer)
+        except KVEventAuthError as e:
+            self.auth_failures += 1
+            if self.on_auth_failure is not None:
+                self.on_auth_failure()
+            log.warning("KV events: ignoring %s", e)
+            return
         except ValueError as e:
             log.warning("KV events: skipping %s", e)
             return

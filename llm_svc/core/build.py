@@ -163,6 +163,7 @@ def build_tiers(settings: LLMSettings, lm: LoadedLM, model, runner: ModelRunner,
     """Host pools beside the runner's, and the shared Redis tier when ``kv_l3_url`` is set."""
     from ..offload.host_kv import HostKV
     from ..offload.l3 import L3Store, fingerprint
+    from shared.peer_auth import resolve as resolve_peer_key
     from ..offload.tiers import KVTiers
 
     kinds = [spec.kind for spec in model.layers]
@@ -177,5 +178,6 @@ def build_tiers(settings: LLMSettings, lm: LoadedLM, model, runner: ModelRunner,
         })
         l3 = L3Store(settings.kv_l3_url, fp, settings.kv_l3_page_tokens, model.window,
                      host.token_bytes(FULL), host.token_bytes(SLIDING), ttl_s=settings.kv_l3_ttl_s,
-                     timeout_s=settings.kv_l3_timeout)
+                     timeout_s=settings.kv_l3_timeout,
+                     peer=resolve_peer_key(settings.peer_key, [settings.kv_l3_url], "MMSERVE_LLM_PEER_KEY"))
     return KVTiers(kv, host, l3, prefetch_timeout=settings.kv_l3_prefetch_timeout)

@@ -12,7 +12,12 @@ equal keys give equal KV, whatever request wrote them. ``fp`` fingerprints the m
 geometry, the KV dtype, the page size and the window: another model never reads these keys. SWA
 KV is stored only at the boundaries where a hit can land (the prompt's last page boundary,
 retention points), never for every token. A value carries a header (magic, kind, tokens, the
-fingerprint) and a CRC32 of its payload; anything that does not check out is a miss.
+fingerprint, the payload's size) and an HMAC-SHA256 tag under the services' peer key
+(``shared.peer_auth``) over its Redis key, the header and the payload: a value planted in Redis,
+or a valid one moved to another key, fails the tag and is a miss, counted (``l3_auth_failures``,
+``mmserve_peer_auth_failures_total{source="kv_page"}``) and never used. The tag is checked before
+anything in the value is read; anything else that does not check out is a miss as well
+(``l3_corrupt`` counts every rejected value).
 
 Redis outages: every command has short timeouts; after a failure the store is *down* for a
 backoff (0.5 s doubling to 30 s) during which it is skipped (serving goes on with device +
@@ -31,18 +36,24 @@ import queue
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from shared.peer_auth import TAG_BYTES, PeerKey
 from shared.redis_client import ERRORS, sync_client
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"MMKV"
-_HEADER = struct.Struct("<4sBBI8sII")  # magic, version, kind, tokens, fingerprint, crc32, payload bytes
+VERSION = 2  # 1: a CRC32 in place of the tag
+_HEADER = struct.Struct("<4sBBI8sI")  # magic, version, kind, tokens, fingerprint, payload bytes
 PAGE, WINDOW = 0, 1
+DOMAIN = "kv_page"  # windows too: the key names which
+
+
+class PeerAuthFailed(Exception):
+    """A value's tag does not check out under the peer key."""
 
 
 def fingerprint(parts: dict) -> str:
@@ -62,21 +73,29 @@ def chain_hashes(keys: list[int], page: int) -> list[bytes]:
     return out
 
 
-def encode(kind: int, tokens: int, fp: str, payload: bytes) -> bytes:
-    return _HEADER.pack(MAGIC, 1, kind, tokens, bytes.fromhex(fp), zlib.crc32(payload), len(payload)) + payload
+def encode(kind: int, tokens: int, fp: str, payload: bytes, key: str, peer: PeerKey) -> bytes:
+    """The stored value of ``payload`` under the Redis key ``key``: header, tag, payload."""
+    header = _HEADER.pack(MAGIC, VERSION, kind, tokens, bytes.fromhex(fp), len(payload))
+    return b"".join((header, peer.tag(DOMAIN, key, header, payload), payload))
 
 
-def decode(value: bytes | None, kind: int, tokens: int, fp: str, nbytes: int) -> bytes | None:
-    """The payload, or None if ``value`` is missing, truncated, foreign or corrupted."""
-    if value is None or len(value) < _HEADER.size:
+def decode(value: bytes | None, kind: int, tokens: int, fp: str, nbytes: int, key: str,
+           peer: PeerKey) -> bytes | None:
+    """The payload, or None if ``value`` is missing or not the expected page / window. Raises
+    ``PeerAuthFailed`` when its tag (checked first, before anything in it is trusted) does not
+    check out under ``peer`` for ``key``: planted, moved, truncated or written under another key."""
+    if value is None:
         return None
-    magic, version, k, n, f, crc, size = _HEADER.unpack_from(value)
-    payload = value[_HEADER.size:]
-    if (magic, version, k, n, f) != (MAGIC, 1, kind, tokens, bytes.fromhex(fp)):
+    head = _HEADER.size + TAG_BYTES
+    mv = memoryview(value)
+    if len(value) < head or not peer.verify(mv[_HEADER.size:head], DOMAIN, key, mv[:_HEADER.size], mv[head:]):
+        raise PeerAuthFailed(key)
+    magic, version, k, n, f, size = _HEADER.unpack_from(value)
+    if (magic, version, k, n, f) != (MAGIC, VERSION, kind, tokens, bytes.fromhex(fp)):
         return None
-    if size != nbytes or len(payload) != nbytes or zlib.crc32(payload) != crc:
+    if size != nbytes or len(value) - head != nbytes:
         return None
-    return payload
+    return value[head:]
 
 
 @dataclass
@@ -94,8 +113,12 @@ class L3Store:
     """Redis-backed pages and windows for one model fingerprint (see the module doc)."""
 
     def __init__(self, url: str, fp: str, page: int, window: int, full_token_bytes: int, swa_token_bytes: int,
-                 ttl_s: int = 86400, timeout_s: float = 0.5, max_queue: int = 256) -> None:
+                 ttl_s: int = 86400, timeout_s: float = 0.5, max_queue: int = 256,
+                 peer: PeerKey | None = None) -> None:
+        """``peer``: the key values are tagged under, shared by every replica (None: the
+        development key, ``shared.peer_auth``)."""
         self.url = url
+        self.peer = peer or PeerKey.development()
         self._client_opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False)
         self._client = None
         self._client_lock = threading.Lock()
@@ -106,7 +129,7 @@ class L3Store:
         self._q: queue.Queue = queue.Queue(maxsize=max_queue)
         self._touched: dict[str, float] = {}
         self.stats = {
-            "l3_lookups": 0, "l3_hits": 0, "l3_hit_tokens": 0, "l3_misses": 0, "l3_corrupt": 0,
+            "l3_lookups": 0, "l3_hits": 0, "l3_hit_tokens": 0, "l3_misses": 0, "l3_corrupt": 0, "l3_auth_failures": 0,
             "l3_bytes_read": 0, "l3_bytes_written": 0, "l3_pages_written": 0, "l3_windows_written": 0,
             "l3_touches": 0, "l3_errors": 0, "l3_skipped": 0, "l3_dropped_writes": 0, "l3_rejected_writes": 0,
             "l3_up": 1,
@@ -135,6 +158,10 @@ class L3Store:
 
     def window_key(self, hashes: list[bytes], j: int) -> str:
         return f"{self._tag(hashes)}:w:{hashes[j - 1].hex()}"
+
+    def seal(self, kind: int, tokens: int, key: str, payload: bytes) -> bytes:
+        """The value to store under ``key`` (``encode`` with this store's fingerprint and key)."""
+        return encode(kind, tokens, self.fp, payload, key, self.peer)
 
     # ------------------------------------------------------------------ health
     @property
@@ -199,14 +226,21 @@ class L3Store:
             self._failed(e)
             return None
         pages = []
-        for v in values[:-1]:
-            p = decode(v, PAGE, self.page, self.fp, self.page * self.full_token_bytes)
-            if p is None:
-                self._count("l3_corrupt")
-                return None
-            pages.append(p)
         wt = min(self.window, best * self.page)
-        win = decode(values[-1], WINDOW, wt, self.fp, wt * self.swa_token_bytes)
+        try:
+            for j, v in zip(range(start + 1, best + 1), values[:-1]):
+                p = decode(v, PAGE, self.page, self.fp, self.page * self.full_token_bytes, self.page_key(hashes, j),
+                           self.peer)
+                if p is None:
+                    self._count("l3_corrupt")
+                    return None
+                pages.append(p)
+            win = decode(values[-1], WINDOW, wt, self.fp, wt * self.swa_token_bytes, self.window_key(hashes, best),
+                         self.peer)
+        except PeerAuthFailed:
+            self._count("l3_corrupt")
+            self._count("l3_auth_failures")
+            return None
         if win is None:
             self._count("l3_corrupt")
             return None

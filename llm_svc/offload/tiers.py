@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from llm_svc.attention import FULL, SLIDING
 from llm_svc.kv.manager import KVManager
 from llm_svc.offload.host_kv import HostKV
-from llm_svc.offload.l3 import PAGE, WINDOW, L3Hit, L3Store, chain_hashes, encode
+from llm_svc.offload.l3 import PAGE, WINDOW, L3Hit, L3Store, chain_hashes
 
 
 class KVTiers:
@@ -68,7 +68,8 @@ class KVTiers:
                     self._written.move_to_end(h)
                     continue
                 payload = self.host.pack(FULL, note.full[(j - 1) * p:j * p])
-                items.append((self.l3.page_key(hashes, j), encode(PAGE, p, self.l3.fp, payload)))
+                key = self.l3.page_key(hashes, j)
+                items.append((key, self.l3.seal(PAGE, p, key, payload)))
                 self._written[h] = None
                 n_pages += 1
             for b, slots in note.windows:
@@ -76,7 +77,8 @@ class KVTiers:
                 if j < 1 or j > len(hashes):
                     continue
                 payload = self.host.pack(SLIDING, slots)
-                items.append((self.l3.window_key(hashes, j), encode(WINDOW, len(slots), self.l3.fp, payload)))
+                key = self.l3.window_key(hashes, j)
+                items.append((key, self.l3.seal(WINDOW, len(slots), key, payload)))
                 n_windows += 1
         while len(self._written) > 200_000:
             self._written.popitem(last=False)

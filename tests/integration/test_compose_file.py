@@ -9,19 +9,73 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mmserve.compose_local import load_compose, local_services, redis_already_running
+from mmserve.compose_local import MissingVariable, load_compose, local_services, redis_already_running
 from mmserve.launcher import wait_ready
 from tests.conftest import make_png
+from tests.redis_acl import acl_user, clients_of
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
+SECRETS = ("MMSERVE_REDIS_PASSWORD", "MMSERVE_PEER_KEY", "MMSERVE_SERVICE_TOKEN")
+
+
+def dot_env(**extra: str) -> dict[str, str]:
+    """What .env holds once made as .env.example says (a fresh value per secret)."""
+    import secrets
+
+    return {**{k: secrets.token_hex(32) for k in SECRETS}, **extra}
 
 
 @pytest.fixture
-def compose(mimo_bundle):
-    env = {**os.environ, "MMSERVE_MODEL_DIR": str(mimo_bundle), "MMSERVE_DEVICE": "cpu"}
+def redis_user():
+    """Redis with a password, as compose runs it: an ACL user of the shared test Redis (its
+    default user, which other tests use, keeps no password)."""
+    with acl_user() as user:
+        yield user
+
+
+@pytest.fixture
+def compose(mimo_bundle, redis_user):
+    env = {**os.environ, "MMSERVE_MODEL_DIR": str(mimo_bundle), "MMSERVE_DEVICE": "cpu",
+           **dot_env(MMSERVE_REDIS_USER=redis_user.name, MMSERVE_REDIS_PASSWORD=redis_user.password)}
     return load_compose(ROOT / "compose.yaml", env)
+
+
+def test_compose_refuses_to_start_without_its_secrets(mimo_bundle):
+    base = {"MMSERVE_MODEL_DIR": str(mimo_bundle)}
+    for missing in SECRETS:
+        env = {**base, **dot_env()}
+        env[missing] = ""  # as .env.example ships it
+        with pytest.raises(MissingVariable, match=missing):
+            load_compose(ROOT / "compose.yaml", env)
+    example = (ROOT / ".env.example").read_text()
+    for name in SECRETS:  # shipped empty, never with a usable value
+        assert f"\n{name}=\n" in example, name
+    assert "openssl rand -hex 32" in example
+    assert "/.env" in (ROOT / ".gitignore").read_text().split() and ".env" in (ROOT / ".dockerignore").read_text().split()
+
+
+def test_every_service_authenticates_to_redis_and_its_peers(mimo_bundle):
+    env = {"MMSERVE_MODEL_DIR": str(mimo_bundle), **dot_env()}
+    svcs = load_compose(ROOT / "compose.yaml", env)["services"]
+    pw = env["MMSERVE_REDIS_PASSWORD"]
+    cmd = svcs["redis"]["command"]
+    assert cmd[cmd.index("--requirepass") + 1] == pw
+    assert svcs["redis"]["environment"]["REDISCLI_AUTH"] == pw  # the healthcheck's ping authenticates
+    assert "grep -q PONG" in svcs["redis"]["healthcheck"]["test"][-1]  # NOAUTH is no PONG
+    redis_urls = [(n, k, v) for n in ("encoder", "llm", "gateway") for k, v in svcs[n]["environment"].items()
+                  if k.endswith("_URL") and str(v).startswith("redis")]
+    assert len(redis_urls) == 5
+    for n, k, v in redis_urls:
+        assert v == f"redis://default:{pw}@redis:6379/0", (n, k)
+    for n in ("encoder", "llm", "gateway"):
+        e = svcs[n]["environment"]
+        assert e[f"MMSERVE_{n.upper()}_PEER_KEY"] == env["MMSERVE_PEER_KEY"], n
+        assert e[f"MMSERVE_{n.upper()}_SERVICE_TOKEN"] == env["MMSERVE_SERVICE_TOKEN"], n
+    # the LLMs fetch media only from the encoder replicas (the service name, resolved to every replica)
+    assert svcs["llm"]["environment"]["MMSERVE_LLM_MEDIA_FETCH_ALLOW"] == "encoder:8100"
+    assert svcs["gateway"]["environment"]["MMSERVE_GATEWAY_ENCODER_URLS"] == "http://encoder:8100"
 
 
 def test_compose_declares_the_topology(compose, mimo_bundle):
@@ -45,7 +99,7 @@ def test_compose_declares_the_topology(compose, mimo_bundle):
 
 
 def test_gpu_override_reserves_a_gpu_per_replica_and_defaults_to_cuda(mimo_bundle):
-    base = load_compose(ROOT / "compose.yaml", {"MMSERVE_MODEL_DIR": str(mimo_bundle)})
+    base = load_compose(ROOT / "compose.yaml", {"MMSERVE_MODEL_DIR": str(mimo_bundle), **dot_env()})
     gpu = load_compose(ROOT / "compose.gpu.yaml", {})
     assert base["services"]["encoder"]["environment"]["MMSERVE_ENCODER_DEVICE"] == "cpu"
     for name, var in (("encoder", "MMSERVE_ENCODER_DEVICE"), ("llm", "MMSERVE_LLM_DEVICE")):
@@ -57,7 +111,9 @@ def test_gpu_override_reserves_a_gpu_per_replica_and_defaults_to_cuda(mimo_bundl
     assert set(gpu["services"]) == {"encoder", "llm"}
 
 
-def test_compose_services_run_as_local_processes(compose, tmp_path):
+def test_compose_services_run_as_local_processes(compose, redis_user, tmp_path):
+    """The stack as compose runs it, against Redis with a password (an ACL user here): every
+    service connects as that user, and a chat with an image is answered."""
     if not redis_already_running(compose):
         pytest.fail("Redis must be running on 127.0.0.1:6379 for the compose test")
     services = local_services(compose, ROOT, tmp_path, order=["encoder", "llm", "gateway"])
@@ -85,6 +141,11 @@ def test_compose_services_run_as_local_processes(compose, tmp_path):
         out = r.json()
         assert out["object"] == "chat.completion"
         assert out["usage"]["completion_tokens"] >= 1
+        assert clients_of(redis_user) > 0  # the services hold Redis connections as the .env's user
+        llm = services[1]
+        m = httpx.get(f"{llm.url}/metrics", timeout=10).text
+        assert 'mmserve_peer_auth_failures_total{source="kv_page"} 0.0' in m
+        assert 'mmserve_peer_auth_failures_total{source="embedding"} 0.0' in m
     finally:
         for svc in reversed(services):
             svc.stop()

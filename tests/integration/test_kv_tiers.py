@@ -164,21 +164,24 @@ def test_corrupt_truncated_and_foreign_values_are_misses(mimo16, fp):
     r = redis.Redis.from_url(REDIS)
     key = store.page_key(hashes, 2)
     good = r.get(key)
-    payload = decode(good, PAGE, PAGE_TOKENS, fp, PAGE_TOKENS * store.full_token_bytes)
+    payload = decode(good, PAGE, PAGE_TOKENS, fp, PAGE_TOKENS * store.full_token_bytes, key, store.peer)
     assert payload is not None
+    # (value, whether it fails the HMAC): a tagged value of another model or size is no hit either
     bad_values = {
-        "checksum": good[:-1] + bytes([good[-1] ^ 0xFF]),
-        "truncated": good[: len(good) // 2],
-        "other model": encode(PAGE, PAGE_TOKENS, fingerprint({"other": 1}), payload),
-        "other dtype / page size": encode(PAGE, PAGE_TOKENS, fp, payload[: len(payload) // 2]),
-        "garbage": b"not a kv page",
+        "checksum": (good[:-1] + bytes([good[-1] ^ 0xFF]), True),
+        "truncated": (good[: len(good) // 2], True),
+        "other model": (encode(PAGE, PAGE_TOKENS, fingerprint({"other": 1}), payload, key, store.peer), False),
+        "other dtype / page size": (encode(PAGE, PAGE_TOKENS, fp, payload[: len(payload) // 2], key, store.peer),
+                                    False),
+        "garbage": (b"not a kv page", True),
     }
-    for i, (name, value) in enumerate(bad_values.items()):
+    for i, (name, (value, forged)) in enumerate(bad_values.items()):
         r.set(key, value)
         fresh = make_engine(lm, host=(1000, 300), l3_url=REDIS, fp=fp)
         out = run_to_end(fresh, [prep(f"c{i}")])[f"c{i}"]
         st = fresh.engine.stats()
         assert st["l3_corrupt"] == 1 and st["l3_hits"] == 0, (name, st)
+        assert st["l3_auth_failures"] == int(forged), (name, st)
         assert out.tokens == want, name
         assert out.outs[-1].cached_tokens == 0, name
     r.set(key, good)

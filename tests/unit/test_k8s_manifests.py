@@ -8,10 +8,13 @@ NetworkPolicies let only the gateway (and LLMs, for media) reach encoders and LL
 
 from __future__ import annotations
 
+import atexit
+import base64
 import inspect
 import math
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 from functools import cache
@@ -24,6 +27,7 @@ from kubernetes_validate import utils as kv
 
 import mmserve.cli
 from gateway.routes.health import router as gateway_router
+from shared.redis_client import parse_cluster_url
 from shared.settings import LENGTH_BUCKETS, EncoderSettings, GatewaySettings, LLMSettings
 from tests.unit.test_monitoring import exported_series
 
@@ -40,8 +44,29 @@ NAMESPACE = "mmserve"
 SETTINGS = {"gateway": GatewaySettings, "encoder": EncoderSettings, "llm": LLMSettings}
 # CRDs kubernetes-validate has no schema for (it ships the core API's only): checked by hand below
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
-# env vars the containers set that are not mmserve settings (huggingface_hub reads it)
-FOREIGN_ENV = {"HF_HUB_OFFLINE"}
+# env vars the containers set that are not mmserve settings (huggingface_hub reads the first; the
+# REDIS_* ones are the parts each Redis URL is built from)
+FOREIGN_ENV = {"HF_HUB_OFFLINE", "REDIS_PASSWORD", "REDIS_SCHEME", "REDIS_USER", "REDIS_HOSTS"}
+# the Secrets deploy/k8s/base generates, and their keys (files of deploy/k8s/make-secrets.sh)
+SECRETS = {"mmserve-redis-auth": ("password", "redis-password"), "mmserve-peer-key": ("key", "peer-key"),
+           "mmserve-service-token": ("token", "service-token"), "mmserve-api-keys": ("keys", "api-keys")}
+
+
+@cache
+def k8s_tree() -> Path:
+    """A copy of deploy/k8s whose Secrets' files were made by make-secrets.sh, as the README says
+    (the repository ships none)."""
+    tmp = Path(tempfile.mkdtemp(prefix="mmserve-k8s-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    tree = tmp / "k8s"
+    shutil.copytree(K8S, tree, ignore=lambda d, names: names if Path(d).name == "secrets" else [])
+    out = subprocess.run(["sh", str(tree / "make-secrets.sh")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return tree
+
+
+def secret_files() -> dict[str, str]:
+    return {f.name: f.read_text() for f in (k8s_tree() / "base" / "secrets").iterdir() if f.name != ".gitignore"}
 
 
 def test_overlays_cover_cpu_gpu_and_buckets():
@@ -54,10 +79,11 @@ def test_overlays_cover_cpu_gpu_and_buckets():
 def render(variant: str) -> tuple[dict, ...]:
     """The objects of an overlay, or of "all-components": base + every component, in a temporary
     kustomization (kustomize takes relative paths only)."""
+    tree = k8s_tree()
     if variant != "all-components":
-        return _kustomize(K8S / "overlays" / variant)
+        return _kustomize(tree / "overlays" / variant)
     with tempfile.TemporaryDirectory() as tmp:
-        rel = lambda p: os.path.relpath(K8S / p, tmp)  # noqa: E731
+        rel = lambda p: os.path.relpath(tree / p, tmp)  # noqa: E731
         (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump({
             "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": NAMESPACE,
             "resources": [rel("base")], "components": [rel(f"components/{c}") for c in ALL_COMPONENTS],
@@ -167,15 +193,23 @@ def test_service_monitor_scrapes_every_service_port():
 # ---- what the services read ------------------------------------------------------------------------------
 
 
+def secrets_of(objs) -> dict[str, dict[str, str]]:
+    return {o["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in o["data"].items()}
+            for o in of_kind(objs, "Secret")}
+
+
 def container_env(objs, c: dict) -> dict[str, str]:
-    """The container's environment as the kubelet would give it, secrets as a placeholder."""
+    """The container's environment as the kubelet would give it: a required reference to a missing
+    ConfigMap / Secret key fails, $(VAR) of an earlier entry is expanded."""
     config = {cm["metadata"]["name"]: cm["data"] for cm in of_kind(objs, "ConfigMap")}
+    secrets = secrets_of(objs)
     env = {}
     for e in c.get("env", []):
         assert e["name"] not in env, f"{e['name']} set twice"
         src = e.get("valueFrom")
         if src is None:
-            env[e["name"]] = e["value"]
+            env[e["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)),
+                                    e["value"])
         elif "configMapKeyRef" in src:
             ref = src["configMapKeyRef"]
             env[e["name"]] = config[ref["name"]][ref["key"]]
@@ -185,7 +219,8 @@ def container_env(objs, c: dict) -> dict[str, str]:
             kind, res = ref["resource"].split(".")
             env[e["name"]] = str(math.ceil(cpu_cores(c["resources"][kind][res])))
         elif "secretKeyRef" in src:
-            env[e["name"]] = "placeholder-secret"
+            ref = src["secretKeyRef"]
+            env[e["name"]] = secrets[ref["name"]][ref["key"]]
         else:
             raise AssertionError(f"unexpected env source {src}")
     return env
@@ -220,11 +255,15 @@ def test_env_names_are_settings_the_services_read(variant, monkeypatch):
         assert [p["containerPort"] for p in c["ports"]] == [s.port]
         assert s.port == cls.model_fields["port"].default  # the Dockerfile EXPOSEs the defaults
         assert str(s.port) in (ROOT / "Dockerfile").read_text().split("EXPOSE", 1)[1].splitlines()[0].split()
-        assert s.service_token == "placeholder-secret"
+        files = secret_files()
+        assert s.service_token == files["service-token"] and s.peer_key == files["peer-key"]
+        url = f"redis://default:{files['redis-password']}@mmserve-redis:6379/0"
         if svc == "gateway":
-            assert s.kv_events_url and s.kv_events_url.startswith("redis://")
+            assert s.kv_events_url == url and s.api_keys == [files["api-keys"]]
+        if svc == "encoder":
+            assert s.redis_url == url
         if svc == "llm":
-            assert s.kv_events_url and s.kv_l3_url and s.media_redis_url
+            assert s.kv_events_url == s.kv_l3_url == s.media_redis_url == url
             assert s.threads == math.ceil(cpu_cores(c["resources"]["limits"]["cpu"]))
     assert seen == set(SETTINGS)
 
@@ -439,13 +478,83 @@ def test_only_the_gateway_reaches_encoders_and_llms(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_service_token_comes_from_one_optional_secret(variant):
+def test_secrets_are_generated_and_required(variant):
+    """Every Secret a container reads is generated (secretGenerator, from make-secrets.sh's files)
+    and required: no ``optional``, so a pod never starts without its Redis password, peer key,
+    service token or API keys; each service reads the same token and key."""
     objs = render(variant)
-    refs = set()
+    generated = secrets_of(objs)
+    files = secret_files()
+    base_names = {}
+    for name in generated:
+        [base] = [b for b in SECRETS if re.fullmatch(rf"{b}-[a-z0-9]{{10}}", name)]  # hash: new values roll pods
+        key, file = SECRETS[base]
+        assert generated[name] == {key: files[file]}
+        base_names[base] = name
+    assert set(base_names) == set(SECRETS)
+    used: dict[str, set[str]] = {}
+    for d in of_kind(objs, "Deployment"):
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref is not None:
+                    assert "optional" not in ref, (d["metadata"]["name"], e["name"])
+                    assert ref["name"] in generated and ref["key"] in generated[ref["name"]], ref
+                    used.setdefault(component(d), set()).add(ref["name"])
+    redis_auth, peer, token, keys = (base_names[b] for b in SECRETS)
+    assert used["redis"] == {redis_auth}
+    assert used["encoder"] == used["llm"] == {redis_auth, peer, token}
+    assert used["gateway"] == {redis_auth, peer, token, keys}
+    # and no value of theirs in the manifests themselves
+    sources = "".join(p.read_text() for p in K8S.rglob("*.yaml"))
+    for value in files.values():
+        assert value not in sources
+    assert (K8S / "base" / "secrets" / ".gitignore").read_text().split("\n")[-3:-1] == ["*", "!.gitignore"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_redis_requires_the_password_every_url_carries(variant):
+    objs = render(variant)
+    files = secret_files()
+    redis_deps = [d for d in of_kind(objs, "Deployment") if component(d) == "redis"]
+    for d in redis_deps:  # none where components/redis-cluster names an external cluster
+        [c] = d["spec"]["template"]["spec"]["containers"]
+        env = container_env(objs, c)
+        assert env["REDISCLI_AUTH"] == files["redis-password"]
+        args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+        assert args[args.index("--requirepass") + 1] == files["redis-password"]
+        assert c["readinessProbe"]["exec"]["command"][-1].endswith("| grep -q PONG")  # NOAUTH is no PONG
     for _, c, svc in service_containers(objs):
-        [e] = [e for e in c["env"] if e["name"] == f"MMSERVE_{svc.upper()}_SERVICE_TOKEN"]
-        ref = e["valueFrom"]["secretKeyRef"]
-        assert ref["optional"] is True  # applies without the Secret; the services then ask for none
-        refs.add((ref["name"], ref["key"]))
-    assert len(refs) == 1  # the same token on every service
-    assert not of_kind(objs, "Secret")  # never a token in the manifests
+        env = container_env(objs, c)
+        urls = {k: v for k, v in env.items() if k.endswith("_URL") and v.startswith("redis")}
+        assert len(urls) == {"encoder": 1, "llm": 3, "gateway": 1}[svc], (svc, urls)
+        for k, v in urls.items():
+            assert f":{files['redis-password']}@" in v, (svc, k)
+
+
+def test_the_cluster_component_keeps_the_password():
+    with tempfile.TemporaryDirectory(dir=k8s_tree()) as tmp:
+        rel = lambda p: os.path.relpath(k8s_tree() / p, tmp)  # noqa: E731
+        (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": NAMESPACE,
+            "resources": [rel("base")], "components": [rel("components/redis-cluster")]}))
+        objs = _kustomize(Path(tmp))
+    assert not [d for d in of_kind(objs, "Deployment") if component(d) == "redis"]
+    pw = secret_files()["redis-password"]
+    urls = [v for _, c, _ in service_containers(objs) for k, v in container_env(objs, c).items()
+            if k.endswith("_URL") and v.startswith("redis")]
+    assert len(urls) == 5
+    for v in urls:  # the client connects to the first seed with the password, then discovers the rest
+        assert v.startswith(f"redis+cluster://default:{pw}@redis-cluster-0.")
+        c = parse_cluster_url(v)
+        assert len(c.seeds) == 3 and c.url.startswith(f"redis://default:{pw}@redis-cluster-0.")
+
+
+def test_llms_fetch_media_only_from_the_encoders_service():
+    objs = render("all-components")
+    gw = next(c for _, c, svc in service_containers(objs) if svc == "gateway")
+    [encoders] = container_env(objs, gw)["MMSERVE_GATEWAY_ENCODER_URLS"].split(",")
+    host_port = encoders.removeprefix("http://")
+    for d, c, svc in service_containers(objs):
+        if svc == "llm":  # every pool
+            assert container_env(objs, c)["MMSERVE_LLM_MEDIA_FETCH_ALLOW"] == host_port, d["metadata"]["name"]

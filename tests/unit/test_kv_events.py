@@ -114,8 +114,14 @@ def test_index_applies_in_order_and_distrusts_a_gap_until_a_snapshot():
     idx.forget("a")
     idx.check_integrity()
     assert idx.total == 0
-    with pytest.raises(ValueError):
-        KVEvent.parse({b"i": b"a", b"s": b"x"})
+    from shared.kv_events import DOMAIN, KVEventAuthError, _message
+    from shared.peer_auth import PeerKey
+
+    malformed = {"i": "a", "s": "x"}  # tagged as a publisher would, but no seq
+    malformed["m"] = PeerKey.development().tag(DOMAIN, "st", _message(malformed)).hex()
+    with pytest.raises(ValueError) as e:
+        KVEvent.parse(malformed, "st")
+    assert not isinstance(e.value, KVEventAuthError)
 
 
 def test_event_router_prefers_the_replica_that_holds_the_prefix():
