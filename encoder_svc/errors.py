@@ -41,6 +41,17 @@ class MediaTooLarge(EncodeError):
     type = "invalid_request_error"
 
 
+class DecodeTooSlow(MediaTooLarge):
+    """Decoding one item ran past ``decode_timeout_s``; the decoder stopped."""
+
+
+class ClientGone(EncodeError):
+    """The caller disconnected before its encode finished (nginx's 499; nobody reads it)."""
+
+    status = 499
+    type = "invalid_request_error"
+
+
 class NotReady(EncodeError):
     status = 503
     type = "server_error"

@@ -53,6 +53,10 @@ class EncoderMetrics:
         self.deadline_drops = Counter(
             "encoder_deadline_drops", "encode work dropped because its request's deadline passed", registry=r
         )
+        self.cancelled_encodes = Counter(
+            "encoder_cancelled_encodes", "encodes cancelled because every request waiting for them had gone",
+            registry=r,
+        )
         self.admitted_in_flight = Gauge("encoder_admitted_in_flight", "encode requests holding a slot", registry=r)
         self.admission_queued = Gauge("encoder_admission_queued", "encode requests waiting for a slot", registry=r)
 

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from encoder_svc.batching import encode_deadline
+from encoder_svc.disconnect import unless_disconnected
 from encoder_svc.errors import BadMedia, Busy, EncodeTimeout, MediaTooLarge, NotReady, error_body
 from encoder_svc.service import EncoderService, split_key
 from shared.admission import Overloaded, deadline_from
@@ -79,7 +80,7 @@ async def encode(request: Request, svc: ServiceDep) -> Response:
     try:
         with svc.ctx.batcher.incoming():  # a request still arriving may join the next batch
             body = await _read_body(request, svc.ctx.settings.max_media_bytes)
-        embeds, result = await svc.encode(params, body)
+        embeds, result = await unless_disconnected(request, svc.encode(params, body))
     finally:
         encode_deadline.reset(token)
         ticket.release()

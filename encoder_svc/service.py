@@ -75,6 +75,7 @@ class EncoderService:
         self.model_name = ctx.settings.model_name or ctx.models.spec.name
         self._pipelines = PIPELINES
         self._inflight: dict[str, asyncio.Task] = {}  # cache key -> the one encode of it running
+        self._waiters: dict[asyncio.Task, int] = {}  # an encode running -> requests awaiting it
         s = ctx.settings
         self.admission = Admission(AdmissionConfig(s.max_in_flight, s.max_queue, s.queue_timeout), "encoder")
         metrics.watch_admission(self.admission)
@@ -129,7 +130,8 @@ class EncoderService:
         if cached is not None:
             return cached, await self._result_of(params, body, digest, cached, True, t0, by_ref=params.by_ref)
         # Single flight: identical concurrent requests share one encode. It runs as its own
-        # task, so a client that disconnects does not cancel the work others wait for.
+        # task, so a client that disconnects does not cancel the work others wait for; when the
+        # last one has gone, nobody wants it and it is cancelled.
         task = self._inflight.get(key)
         shared = task is not None
         if task is None:
@@ -138,7 +140,7 @@ class EncoderService:
             task.add_done_callback(lambda t, k=key: self._finished(k, t))
         else:
             self.metrics.cache_lookups.labels("inflight", params.modality, "hit").inc()
-        embeds, stored = await asyncio.shield(task)
+        embeds, stored = await self._wait_for(task)
         # by reference only when the cache holds it: GET /v1/embeddings/{key} must find it
         return embeds, await self._result_of(params, body, digest, embeds, shared, t0, by_ref=params.by_ref and stored)
 
@@ -163,6 +165,21 @@ class EncoderService:
                 await self.cache.put(key + SEGMENTS_SUFFIX, params.modality, segments_to_tensor(segs))
             stored = await self.cache.put(key, params.modality, embeds)
         return embeds, stored
+
+    async def _wait_for(self, task: asyncio.Task):
+        """Await a (shared) encode as one of its requesters; the last requester to leave before it
+        finished (cancelled: its client disconnected) cancels it, which stops its decode and drops
+        its queued batcher items."""
+        self._waiters[task] = self._waiters.get(task, 0) + 1
+        try:
+            return await asyncio.shield(task)
+        finally:
+            self._waiters[task] -= 1
+            if not self._waiters[task]:
+                del self._waiters[task]
+                if not task.done():
+                    task.cancel()
+                    self.metrics.cancelled_encodes.inc()
 
     def _finished(self, key: str, task: asyncio.Task) -> None:
         if self._inflight.get(key) is task:
@@ -205,6 +222,7 @@ class EncoderService:
         """Batcher and cache invariants (raises AssertionError); cheap enough for tests."""
         self.ctx.batcher.check_integrity()
         assert all(not t.done() for t in self._inflight.values()), "finished encodes left in flight"
+        assert all(n > 0 for n in self._waiters.values()), "an encode kept with no requesters"
         if self.cache is not None:
             self.cache.check_integrity()
         self.admission.check_integrity()

@@ -92,6 +92,26 @@ class EncoderSettings(_ServiceSettings):
     dtype: str = "float32"
     max_media_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     max_image_pixels: int = Field(default=64_000_000, ge=1, description="decompression-bomb guard")
+    # decode budgets per item: past one a 413 naming it (README, security: how each default was measured)
+    max_audio_samples: int = Field(
+        default=57_600_000, ge=1, description="decoded audio samples x channels per item, from the stream info "
+        "before decoding: an hour at the towers' 16 kHz mono, 10 min of 48 kHz stereo. Decoding that many took "
+        "2.2 s and 1.1 GB peak (19 bytes a sample) on a 2-core Xeon",
+    )
+    max_audio_samples_per_second: int = Field(
+        default=3_072_000, ge=1, description="audio sample rate x channels: 384 kHz (the highest rate recordings "
+        "use) x 8 channels (7.1); the towers use 16 kHz mono, so anything above is a decompression bomb's shape",
+    )
+    max_video_pixels: int = Field(
+        default=265_420_800, ge=1, description="decoded video pixels per item, sampled frames x width x height: 32 "
+        "frames (video_max_frames) of 4K UHD. Checked from the stream info before decoding and on every decoded "
+        "frame (a stream may change size); decoding 32 sampled 1080p frames of a 32 s clip took 3.4 s here",
+    )
+    decode_timeout_s: float = Field(
+        default=30.0, gt=0, description="wall time to decode one video or audio item; past it the decode stops "
+        "between frames / blocks and the item gets a 413. About 9x the 1080p clip above and 2x its 4K estimate, "
+        "and under request_timeout so the client hears why",
+    )
     # batching
     max_batch_size: int = Field(default=16, ge=1)
     max_wait_ms: float = Field(default=5.0, ge=0)

@@ -15,15 +15,15 @@ shape carries the grid); the cache signature carries every preprocessing paramet
 from __future__ import annotations
 
 import asyncio
-import threading
 from concurrent.futures import Future
 
 import torch
 
-from encoder_svc.errors import BadMedia, MediaTooLarge
+from encoder_svc.decode_limits import Abandoned, DecodeGuard
+from encoder_svc.errors import BadMedia
 from encoder_svc.modalities.context import EncodeContext
 from encoder_svc.preprocess.image_decode import decode_rgb
-from encoder_svc.video.sampling import sample_indices
+from encoder_svc.video.plan import plan
 from shared.schemas import EncodeParams, MediaSegment
 
 
@@ -53,23 +53,19 @@ async def encode_image(ctx: EncodeContext, data: bytes, params: EncodeParams) ->
 
 
 def _sampled(ctx: EncodeContext, data: bytes, params: EncodeParams):
-    fps, max_frames = _fps_frames(ctx, params)
-    info = ctx.video_decoder.probe(data)
-    if info.width * info.height > ctx.settings.max_image_pixels:
-        raise MediaTooLarge(f"video frames are {info.width}x{info.height}; the limit is "
-                            f"{ctx.settings.max_image_pixels} pixels")
-    return info, sample_indices(info.num_frames, info.fps, fps, max_frames)
+    _, info, indices = plan(ctx.settings, ctx.video_decoder, data, *_fps_frames(ctx, params))
+    return info, indices
 
 
-def _decode_and_submit(ctx: EncodeContext, data: bytes, info, indices: list[int], cancelled) -> list[Future]:
+def _decode_and_submit(ctx: EncodeContext, data: bytes, info, indices: list[int], guard: DecodeGuard) -> list[Future]:
     pre = ctx.models.vision.preprocess
     tp = pre.temporal_patch
     size = pre.video_size(info.height, info.width, len(indices))
     futures: list[Future] = []
     carry: torch.Tensor | None = None  # frames of an unfinished temporal group
     try:
-        for _, frames in ctx.video_decoder.iter_chunks(data, indices):
-            if cancelled.is_set():
+        for _, frames in ctx.video_decoder.iter_chunks(data, indices, guard):
+            if guard.abandoned:
                 break
             frames = frames.to(ctx.models.device, non_blocking=True)
             if carry is not None:
@@ -79,9 +75,11 @@ def _decode_and_submit(ctx: EncodeContext, data: bytes, info, indices: list[int]
             if whole:
                 futures.append(ctx.batcher.submit("vision", pre.video(frames[:whole], size)))  # [g, lh, lw, m*m, P]
             del frames
-        if carry is not None and not cancelled.is_set():  # vLLM: pad by repeating the last frame
+        if carry is not None and not guard.abandoned:  # vLLM: pad by repeating the last frame
             pad = carry[-1:].expand(tp - carry.shape[0], *carry.shape[1:])
             futures.append(ctx.batcher.submit("vision", pre.video(torch.cat([carry, pad]), size)))
+        if guard.abandoned:  # the encode was cancelled while decoding: queue nothing for it
+            raise Abandoned()
     except BaseException:
         for f in futures:
             f.cancel()
@@ -91,14 +89,13 @@ def _decode_and_submit(ctx: EncodeContext, data: bytes, info, indices: list[int]
 
 async def encode_video(ctx: EncodeContext, data: bytes, params: EncodeParams) -> torch.Tensor:
     with ctx.batcher.incoming():
-        info, indices = await ctx.in_pool(_sampled, ctx, data, params)
-    cancelled = threading.Event()
+        guard, info, indices = await ctx.in_pool(plan, ctx.settings, ctx.video_decoder, data, *_fps_frames(ctx, params))
     try:
         with ctx.batcher.incoming():
-            futures = await ctx.in_pool(_decode_and_submit, ctx, data, info, indices, cancelled)
+            futures = await ctx.in_pool(_decode_and_submit, ctx, data, info, indices, guard)
         outs = await ctx.batcher.gather(futures)
     except asyncio.CancelledError:
-        cancelled.set()
+        guard.abandon()  # the decode thread stops at its next check
         raise
     groups = torch.cat(outs)  # [G, lh*lw, H]
     tp = ctx.models.vision.preprocess.temporal_patch

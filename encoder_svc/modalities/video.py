@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 from concurrent.futures import Future
 
 import torch
 
-from encoder_svc.errors import BadMedia, MediaTooLarge
+from encoder_svc.decode_limits import Abandoned, DecodeGuard
+from encoder_svc.errors import BadMedia
 from encoder_svc.modalities import mimo_vision
 from encoder_svc.modalities.context import EncodeContext
-from encoder_svc.video.sampling import sample_indices
+from encoder_svc.video.plan import plan
 from shared.schemas import EncodeParams, MediaSegment
 
 
@@ -43,15 +43,17 @@ def temporal_pool(frames: torch.Tensor, pool: int) -> torch.Tensor:
     return frames.reshape(groups, pool, *frames.shape[1:]).mean(dim=1)
 
 
-def _decode_and_submit(ctx: EncodeContext, data: bytes, indices: list[int], cancelled) -> list[Future]:
+def _decode_and_submit(ctx: EncodeContext, data: bytes, indices: list[int], guard: DecodeGuard) -> list[Future]:
     futures: list[Future] = []
     try:
-        for _, frames in ctx.video_decoder.iter_chunks(data, indices):
-            if cancelled.is_set():
+        for _, frames in ctx.video_decoder.iter_chunks(data, indices, guard):
+            if guard.abandoned:
                 break
             pixels = ctx.image_backend.frames(frames)  # [n, 3, h, w]
             del frames
             futures.append(ctx.batcher.submit("vision", pixels))
+        if guard.abandoned:  # the encode was cancelled while decoding: queue nothing for it
+            raise Abandoned()
     except BaseException:
         for f in futures:
             f.cancel()
@@ -70,19 +72,14 @@ async def segments(ctx: EncodeContext, data: bytes, params: EncodeParams,
 async def encode(ctx: EncodeContext, data: bytes, params: EncodeParams) -> torch.Tensor:
     if ctx.models.takes_patches:  # MiMo-V2.5: temporal groups of 2 frames, size-dependent tokens
         return await mimo_vision.encode_video(ctx, data, params)
-    fps, max_frames = _fps_frames(ctx, params)
     with ctx.batcher.incoming():
-        info = await ctx.in_pool(ctx.video_decoder.probe, data)
-    if info.width * info.height > ctx.settings.max_image_pixels:
-        raise MediaTooLarge(f"video frames are {info.width}x{info.height}; the limit is {ctx.settings.max_image_pixels} pixels")
-    indices = sample_indices(info.num_frames, info.fps, fps, max_frames)
-    cancelled = threading.Event()
+        guard, _, indices = await ctx.in_pool(plan, ctx.settings, ctx.video_decoder, data, *_fps_frames(ctx, params))
     try:
         with ctx.batcher.incoming():  # later chunks of this video may join earlier ones' batch
-            futures = await ctx.in_pool(_decode_and_submit, ctx, data, indices, cancelled)
+            futures = await ctx.in_pool(_decode_and_submit, ctx, data, indices, guard)
         outs = await ctx.batcher.gather(futures)
     except asyncio.CancelledError:
-        cancelled.set()
+        guard.abandon()  # the decode thread stops at its next check
         raise
     per_frame = torch.cat(outs)  # [F, T, H]
     if per_frame.shape[0] != len(indices):

@@ -121,8 +121,8 @@ def test_decoded_frames_held_at_once_are_bounded(videos):
     held = {"now": 0, "max": 0}
     real = dec._decode_chunk
 
-    def counting(data, indices):
-        frames = real(data, indices)
+    def counting(data, indices, guard):
+        frames = real(data, indices, guard)
         with lock:
             held["now"] += 1
             held["max"] = max(held["max"], held["now"])

@@ -1,0 +1,207 @@
+"""Decode budgets under attack, over real HTTP with real encoders (ffmpeg) and real decoders.
+
+Each attack is refused with a 413 naming its setting, and the same encoder serves an ordinary
+request right after: a 1-second 8-channel FLAC at 655,340 Hz (ffmpeg's FLAC encoder refuses
+768 kHz: 655,340 Hz is the highest it writes), a video whose frames each pass max_image_pixels
+but not max_video_pixels together, a decode past decode_timeout_s (stopped: its decoded-frame
+count stops short and stays put), and encodes whose every client disconnected (cancelled: the
+counter on /metrics moves, the batcher is left empty).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from encoder_svc.app import create_app
+from encoder_svc.server import serve_in_thread
+from shared.settings import EncoderSettings
+
+pytestmark = pytest.mark.integration
+
+
+def ffmpeg(out, *args: str) -> bytes:
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-y", *args, str(out)], check=True)
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    d = tmp_path_factory.mktemp("budget-media")
+    sine = "sine=frequency=440:duration=1:sample_rate={}"
+    x264 = ["-c:v", "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p"]
+    return {
+        # 5.2 M samples x channels per second of audio in a ~100 KB file
+        "flac_655k_8ch": ffmpeg(d / "hi.flac", "-f", "lavfi", "-i", sine.format(655340), "-ac", "8", "-c:a", "flac"),
+        "flac_ok": ffmpeg(d / "ok.flac", "-f", "lavfi", "-i", sine.format(48000), "-ac", "2", "-c:a", "flac"),
+        "flac_10s": ffmpeg(d / "ten.flac", "-f", "lavfi", "-i", "sine=frequency=300:duration=10:sample_rate=16000",
+                           "-c:a", "flac"),
+        "mp3_10s": ffmpeg(d / "ten.mp3", "-f", "lavfi", "-i", "sine=frequency=300:duration=10:sample_rate=16000",
+                          "-b:a", "32k"),
+        # 10 frames of 7680x4320 (33 MP each, under max_image_pixels=64 MP): 332 MP at 1 fps, over the
+        # default max_video_pixels (32 frames of 4K = 265 MP)
+        "video_8k": ffmpeg(d / "8k.mp4", "-f", "lavfi", "-i", "color=c=blue:size=7680x4320:rate=1", "-t", "10", *x264),
+        # 600 frames of 720p: sampled at 30 fps, seconds of decoding on two cores
+        "video_720p": ffmpeg(d / "720.mp4", "-f", "lavfi", "-i", "testsrc=size=1280x720:rate=30", "-t", "20", *x264),
+        "video_small": ffmpeg(d / "small.mp4", "-f", "lavfi", "-i", "testsrc=size=160x120:rate=10", "-t", "2", *x264),
+    }
+
+
+@pytest.fixture(scope="module")
+def defaults(mimo_bundle):
+    """An encoder with every budget at its default."""
+    app = create_app(EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0))
+    with serve_in_thread(app) as url:
+        yield url, app
+        app.state.service.check_integrity()
+        assert app.state.service.ctx.batcher.pending() == 0
+
+
+@pytest.fixture(scope="module")
+def small(mimo_bundle):
+    """An encoder with budgets small enough to reach with test-sized media."""
+    s = EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, max_audio_samples=150_000,
+                        decode_timeout_s=0.5, max_video_pixels=10**12)
+    app = create_app(s)
+    with serve_in_thread(app) as url:
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def patient(mimo_bundle):
+    """Budgets that let a long encode run, to be left by its clients."""
+    s = EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, decode_timeout_s=600, max_video_pixels=10**12)
+    app = create_app(s)
+    with serve_in_thread(app) as url:
+        yield url, app
+
+
+def post(url: str, data: bytes, **params) -> httpx.Response:
+    return httpx.post(f"{url}/v1/encode", params=params, content=data, timeout=300)
+
+
+def refused(r: httpx.Response, setting: str) -> str:
+    assert r.status_code == 413, r.text
+    msg = r.json()["error"]["message"]
+    assert setting in msg, msg
+    assert "Traceback" not in msg and ".py" not in msg, msg
+    return msg
+
+
+def served(url: str, media, modality: str = "video") -> None:
+    data = media["video_small"] if modality == "video" else media["flac_ok"]
+    r = post(url, data, modality=modality)
+    assert r.status_code == 200, r.text
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    m = re.search(rf"^{name}(?:_total)? (\S+)$", text, re.M)
+    assert m, f"{name} not on /metrics"
+    return float(m.group(1))
+
+
+def until(cond, timeout: float = 120.0, what: str = "") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+def test_hi_rate_many_channel_flac_refused_by_samples_per_second(defaults, media):
+    url, _ = defaults
+    assert len(media["flac_655k_8ch"]) < 400_000
+    msg = refused(post(url, media["flac_655k_8ch"], modality="audio"), "max_audio_samples_per_second=3072000")
+    assert "655340 Hz x 8 channels" in msg
+    served(url, media, "audio")
+
+
+def test_frames_under_the_frame_limit_over_the_item_budget_refused(defaults, media):
+    url, _ = defaults
+    msg = refused(post(url, media["video_8k"], modality="video"), "max_video_pixels=265420800")
+    assert "10 sampled frames of 7680x4320" in msg
+    served(url, media)
+
+
+@pytest.mark.parametrize("name", ["flac_10s", "mp3_10s"])  # libsndfile and FFmpeg (torchcodec) paths
+def test_audio_over_the_samples_budget_refused(small, media, name):
+    url, _ = small
+    msg = refused(post(url, media[name], modality="audio"), "max_audio_samples=150000")
+    assert "x 1 channels" in msg
+    served(url, media, "audio")  # 1 s of 48 kHz stereo: 96,000 samples x channels
+
+
+def test_video_pixels_enforced_while_decoding(mimo_bundle, media):
+    """A decoder given a budget its stream info was not checked against stops mid-decode."""
+    from encoder_svc.decode_limits import DecodeGuard
+    from encoder_svc.errors import MediaTooLarge
+    from encoder_svc.video.decode import ChunkedVideoDecoder
+
+    dec = ChunkedVideoDecoder("decord", workers=2, max_chunk=4)
+    try:
+        guard = DecodeGuard(60, "video", max_pixels=10 * 1280 * 720, frame_pixels=64_000_000)
+        got = 0
+        with pytest.raises(MediaTooLarge, match="max_video_pixels=9216000"):
+            for idx, frames in dec.iter_chunks(media["video_720p"], list(range(0, 600, 10)), guard):
+                got += len(idx)
+        assert got <= 10 and guard.pixels <= 10 * 1280 * 720 + 4 * 2 * 1280 * 720  # stopped near the budget
+        frame_guard = DecodeGuard(60, "video", frame_pixels=1280 * 720 - 1)
+        with pytest.raises(MediaTooLarge, match="max_image_pixels=921599"):
+            list(dec.iter_chunks(media["video_720p"], [0, 1], frame_guard))
+    finally:
+        dec.close()
+
+
+def test_decode_past_the_wall_time_limit_is_stopped(small, media):
+    url, app = small
+    dec = app.state.service.ctx.video_decoder
+    before = dec.decoded_frames
+    msg = refused(post(url, media["video_720p"], modality="video", fps=30, max_frames=600), "decode_timeout_s=0.5")
+    assert "stopped" in msg
+    time.sleep(1.0)  # chunks still decoding finish their sub-batch and stop
+    stopped_at = dec.decoded_frames
+    time.sleep(1.0)
+    assert dec.decoded_frames == stopped_at, "the decode went on after its 413"
+    assert stopped_at - before < 600, "all 600 sampled frames were decoded"
+    served(url, media)
+    app.state.service.check_integrity()
+    assert app.state.service.ctx.batcher.pending() == 0
+
+
+def open_encode(url: str, data: bytes, query: str) -> socket.socket:
+    """An encode request sent whole on a raw socket, its answer not read (closing it = leaving)."""
+    u = urlsplit(url)
+    s = socket.create_connection((u.hostname, u.port))
+    s.sendall(f"POST /v1/encode?{query} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/octet-stream\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def test_encode_nobody_waits_for_is_cancelled(patient, media):
+    url, app = patient
+    svc, dec = app.state.service, app.state.service.ctx.video_decoder
+    query = "modality=video&fps=30&max_frames=600"
+    base = metric(url, "encoder_cancelled_encodes")
+    first = open_encode(url, media["video_720p"], query)
+    second = open_encode(url, media["video_720p"], query)  # the same bytes: one shared encode
+    until(lambda: metric(url, "encoder_admitted_in_flight") == 2, what="both requests admitted")
+    until(lambda: dec.decoded_frames > 0, what="decoding started")
+    first.close()
+    time.sleep(0.5)
+    assert metric(url, "encoder_cancelled_encodes") == base, "cancelled while a requester still waited"
+    second.close()
+    until(lambda: metric(url, "encoder_cancelled_encodes") == base + 1, what="the encode cancelled")
+    until(lambda: metric(url, "encoder_admitted_in_flight") == 0, what="slots released")
+    until(lambda: svc.ctx.batcher.pending() == 0, what="queued items dropped")
+    time.sleep(1.0)
+    stopped_at = dec.decoded_frames
+    time.sleep(1.0)
+    assert dec.decoded_frames == stopped_at < 600, "the decode went on for nobody"
+    svc.check_integrity()
+    served(url, media)
