@@ -10,10 +10,15 @@ past what its header said is stopped by the same budget its header was checked a
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 
 from encoder_svc.errors import DecodeTooSlow, MediaTooLarge
+
+
+# this video's share of its request's max_request_video_pixels (the gateway's header), if any
+video_pixel_share: contextvars.ContextVar[int | None] = contextvars.ContextVar("video_pixel_share", default=None)
 
 
 class Abandoned(Exception):
@@ -22,12 +27,13 @@ class Abandoned(Exception):
 
 class DecodeGuard:
     def __init__(self, timeout_s: float, what: str = "media", max_pixels: int | None = None,
-                 frame_pixels: int | None = None) -> None:
+                 frame_pixels: int | None = None, pixels_setting: str = "max_video_pixels") -> None:
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.what = what
         self.max_pixels = max_pixels
         self.frame_pixels = frame_pixels
+        self.pixels_setting = pixels_setting  # what max_pixels is, for the 413
         self.pixels = 0  # decoded so far, all decoder threads together
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -35,6 +41,10 @@ class DecodeGuard:
 
     @classmethod
     def for_video(cls, settings) -> DecodeGuard:
+        share = video_pixel_share.get()
+        if share is not None and share < settings.max_video_pixels:
+            return cls(settings.decode_timeout_s, "video", share, settings.max_image_pixels,
+                       "its share of the request's max_request_video_pixels")
         return cls(settings.decode_timeout_s, "video", settings.max_video_pixels, settings.max_image_pixels)
 
     def restart(self) -> None:
@@ -81,8 +91,8 @@ class DecodeGuard:
             over = self.max_pixels is not None and self.pixels > self.max_pixels
         if over:
             raise self._fail(MediaTooLarge(
-                f"the video decoded to more than max_video_pixels={self.max_pixels} pixels (sampled frames x width "
-                "x height); send fewer frames (fps, max_frames) or a smaller resolution"
+                f"the video decoded to more than {self.pixels_setting}={self.max_pixels} pixels (sampled frames x "
+                "width x height); send fewer frames (fps, max_frames) or a smaller resolution"
             ))
 
 
@@ -92,9 +102,15 @@ def check_video_size(settings, num_frames: int, width: int, height: int) -> None
         raise MediaTooLarge(f"video frames are {width}x{height}; the limit is max_image_pixels="
                             f"{settings.max_image_pixels} pixels per frame")
     total = num_frames * width * height
+    what = f"the video would decode to {num_frames} sampled frames of {width}x{height} = {total} pixels"
     if total > settings.max_video_pixels:
         raise MediaTooLarge(
-            f"the video would decode to {num_frames} sampled frames of {width}x{height} = {total} pixels; the limit "
-            f"is max_video_pixels={settings.max_video_pixels}: send fewer frames (fps, max_frames) or a smaller "
-            "resolution"
+            f"{what}; the limit is max_video_pixels={settings.max_video_pixels}: send fewer frames (fps, max_frames) "
+            "or a smaller resolution"
+        )
+    share = video_pixel_share.get()
+    if share is not None and total > share:
+        raise MediaTooLarge(
+            f"{what}; its request's videos share max_request_video_pixels equally, and this one's share is {share}: "
+            "send fewer, shorter or smaller videos in one request"
         )

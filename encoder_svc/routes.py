@@ -10,11 +10,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from encoder_svc.batching import encode_deadline
+from encoder_svc.decode_limits import video_pixel_share
 from encoder_svc.disconnect import unless_disconnected
 from encoder_svc.errors import BadMedia, Busy, EncodeTimeout, MediaTooLarge, NotReady, error_body
 from encoder_svc.service import EncoderService, split_key
 from shared.admission import Overloaded, deadline_from
 from shared.schemas import EncodeParams, EncodeResult, HealthStatus
+from shared.video_budget import VIDEO_PIXEL_SHARE_HEADER, parse_share
 from shared.wire import SAFETENSORS_MIME, pack
 
 router = APIRouter()
@@ -77,11 +79,13 @@ async def encode(request: Request, svc: ServiceDep) -> Response:
         svc.metrics.overload_rejections.inc()
         raise Busy(e.message, e.retry_after) from None
     token = encode_deadline.set(deadline)  # the batcher drops this request's items past it
+    share = video_pixel_share.set(parse_share(request.headers.get(VIDEO_PIXEL_SHARE_HEADER)))
     try:
         with svc.ctx.batcher.incoming():  # a request still arriving may join the next batch
             body = await _read_body(request, svc.ctx.settings.max_media_bytes)
         embeds, result = await unless_disconnected(request, svc.encode(params, body))
     finally:
+        video_pixel_share.reset(share)
         encode_deadline.reset(token)
         ticket.release()
     return _wire(embeds, result, svc.cache_key(params, result.content_hash))

@@ -84,6 +84,7 @@ class GatewayState:
         encoders = EncoderClient(
             http, encoder_pool, ring, attempts=s.upstream_attempts, timeout=timeout,
             on_failover=metrics.encoder_retries.inc, load_factor=s.encoder_load_factor,
+            max_request_video_pixels=s.max_request_video_pixels,
         )
         router, kv_feed = cls._router(s, http, llm_pool, llm_limits)
         llms = LLMClient(http, llm_pool, router, attempts=s.upstream_attempts, timeout=timeout, limits=llm_limits)

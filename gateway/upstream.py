@@ -44,6 +44,7 @@ from shared.prefix_keys import prefix_blocks
 from gateway.routing.replicas import ReplicaPool
 from shared.admission import deadline_header
 from shared.schemas import EncodeResult, GenerateChunk, GenerateRequest, GenerateResponse, PromptText
+from shared.video_budget import VIDEO_PIXEL_SHARE_HEADER, video_share
 from shared.rawwire import SAFETENSORS_MIME, RawTensor, RawWireError, unpack_raw
 
 log = logging.getLogger("mmserve.gateway.upstream")
@@ -170,6 +171,7 @@ class EncoderClient:
         timeout: httpx.Timeout,
         on_failover: Callable[[], None] = lambda: None,
         load_factor: float = 1.5,
+        max_request_video_pixels: int | None = None,
     ) -> None:
         self._client = client
         self._pool = pool
@@ -178,6 +180,7 @@ class EncoderClient:
         self.timeout = timeout
         self._on_failover = on_failover
         self.load_factor = load_factor
+        self.max_request_video_pixels = max_request_video_pixels  # split over a request's videos
         self._in_flight: dict[str, int] = {}  # node -> encodes sent and not answered
         self.waits = InFlightWaits()
         pool.on_lost(self.waits.lose)
@@ -192,11 +195,13 @@ class EncoderClient:
         unique: dict[tuple[str, str], MediaItem] = {}
         for it in items:
             unique.setdefault((it.modality, it.content_hash), it)
-        done = await gather_or_cancel(*(self.encode(it, by_ref) for it in unique.values()))
+        share = video_share(self.max_request_video_pixels, sum(it.modality == "video" for it in unique.values()))
+        done = await gather_or_cancel(*(self.encode(it, by_ref, share) for it in unique.values()))
         by_key = {(e.item.modality, e.item.content_hash): e for e in done}
         return [replace(by_key[(it.modality, it.content_hash)], item=it) for it in items]
 
-    async def encode(self, item: MediaItem, by_ref: bool = True) -> Encoded:
+    async def encode(self, item: MediaItem, by_ref: bool = True, video_pixels: int | None = None) -> Encoded:
+        """``video_pixels``: this video's share of its request's decoded-pixel budget, if any."""
         nodes = self._ring.bounded_candidates(item.content_hash, self.load, self.attempts, self.load_factor)
         if not nodes:
             raise UpstreamError("no encoder replica is configured", status=503)
@@ -207,7 +212,7 @@ class EncoderClient:
             if errors:
                 await backoff(len(errors))
             try:
-                return await self._encode_on(node, item, by_ref)
+                return await self._encode_on(node, item, by_ref, video_pixels)
             except _Retry as e:
                 self._on_failover()
                 errors.append(f"{node}: {e}")
@@ -221,26 +226,28 @@ class EncoderClient:
             f"replica(s): {'; '.join(errors)}"
         )
 
-    async def _encode_on(self, node: str, item: MediaItem, by_ref: bool) -> Encoded:
+    async def _encode_on(self, node: str, item: MediaItem, by_ref: bool, video_pixels: int | None = None) -> Encoded:
         self._in_flight[node] = self._in_flight.get(node, 0) + 1
         try:
-            return await self._encode_once(node, item, by_ref)
+            return await self._encode_once(node, item, by_ref, video_pixels)
         finally:
             self._in_flight[node] -= 1
             if not self._in_flight[node]:
                 del self._in_flight[node]
 
-    async def _encode_once(self, node: str, item: MediaItem, by_ref: bool) -> Encoded:
+    async def _encode_once(self, node: str, item: MediaItem, by_ref: bool, video_pixels: int | None = None) -> Encoded:
         params = {"modality": item.modality, "content_hash": item.content_hash}
         if by_ref:
             params["by_ref"] = "true"
+        share = {VIDEO_PIXEL_SHARE_HEADER: str(video_pixels)} if video_pixels and item.modality == "video" else {}
         try:
             with self.waits.waiting(node):
                 r = await self._client.post(
                     f"{node}/v1/encode",
                     params=params,
                     content=item.data,
-                    headers={"content-type": "application/octet-stream", **deadline_header(upstream_deadline.get())},
+                    headers={"content-type": "application/octet-stream", **deadline_header(upstream_deadline.get()),
+                             **share},
                     timeout=self.timeout,
                 )
         except ReplicaLost as e:  # encoding is idempotent: the next node along the ring

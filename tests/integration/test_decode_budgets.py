@@ -5,11 +5,13 @@ request right after: a 1-second 8-channel FLAC at 655,340 Hz (ffmpeg's FLAC enco
 768 kHz: 655,340 Hz is the highest it writes), a video whose frames each pass max_image_pixels
 but not max_video_pixels together, a decode past decode_timeout_s (stopped: its decoded-frame
 count stops short and stays put), and encodes whose every client disconnected (cancelled: the
-counter on /metrics moves, the batcher is left empty).
+counter on /metrics moves, the batcher is left empty); and through the gateway, videos that
+each fit max_video_pixels but together pass the request's max_request_video_pixels.
 """
 
 from __future__ import annotations
 
+import base64
 import re
 import socket
 import subprocess
@@ -21,7 +23,10 @@ import pytest
 
 from encoder_svc.app import create_app
 from encoder_svc.server import serve_in_thread
-from shared.settings import EncoderSettings
+from gateway.app import create_app as create_gateway
+from mmserve.testing.fake_services import ServerThread, fake_llm_app
+from shared.settings import EncoderSettings, GatewaySettings
+from shared.video_budget import VIDEO_PIXEL_SHARE_HEADER
 
 pytestmark = pytest.mark.integration
 
@@ -50,6 +55,7 @@ def media(tmp_path_factory):
         # 600 frames of 720p: sampled at 30 fps, seconds of decoding on two cores
         "video_720p": ffmpeg(d / "720.mp4", "-f", "lavfi", "-i", "testsrc=size=1280x720:rate=30", "-t", "20", *x264),
         "video_small": ffmpeg(d / "small.mp4", "-f", "lavfi", "-i", "testsrc=size=160x120:rate=10", "-t", "2", *x264),
+        "video_small2": ffmpeg(d / "small2.mp4", "-f", "lavfi", "-i", "testsrc2=size=160x120:rate=10", "-t", "2", *x264),
     }
 
 
@@ -205,3 +211,48 @@ def test_encode_nobody_waits_for_is_cancelled(patient, media):
     assert dec.decoded_frames == stopped_at < 600, "the decode went on for nobody"
     svc.check_integrity()
     served(url, media)
+
+
+SMALL_VIDEO_PIXELS = 2 * 160 * 120  # video_small(2): 2 s sampled at 1 fps
+
+
+def video_part(data: bytes) -> dict:
+    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
+
+
+def test_encoder_refuses_a_video_past_its_share_of_the_request_budget(defaults, media):
+    url, _ = defaults
+    share = {VIDEO_PIXEL_SHARE_HEADER: str(SMALL_VIDEO_PIXELS - 1)}
+    r = httpx.post(f"{url}/v1/encode", params={"modality": "video"}, content=media["video_small"], headers=share,
+                   timeout=120)
+    msg = refused(r, "max_request_video_pixels")
+    assert f"share is {SMALL_VIDEO_PIXELS - 1}" in msg
+    share = {VIDEO_PIXEL_SHARE_HEADER: str(SMALL_VIDEO_PIXELS)}
+    r = httpx.post(f"{url}/v1/encode", params={"modality": "video"}, content=media["video_small"], headers=share,
+                   timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_request_video_pixels_split_over_a_requests_videos(defaults, media):
+    """Through the gateway: one small video fits the request's budget, two do not (each gets half)."""
+    url, _ = defaults
+    llm = ServerThread(fake_llm_app("l")).start()
+    gs = GatewaySettings(model_name="m", encoder_urls=[url], llm_urls=[llm.url], health_interval=0, dns_interval=0,
+                         max_request_video_pixels=SMALL_VIDEO_PIXELS + 1000)
+    gw = ServerThread(create_gateway(gs)).start()
+    try:
+        def chat(*videos):
+            body = {"model": "m", "messages": [{"role": "user", "content": [video_part(v) for v in videos]}]}
+            return httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=120)
+
+        r = chat(media["video_small"])
+        assert r.status_code == 200, r.text
+        r = chat(media["video_small"], media["video_small2"])
+        assert r.status_code == 400, r.text
+        msg = r.json()["error"]["message"]
+        assert "max_request_video_pixels" in msg and f"share is {(SMALL_VIDEO_PIXELS + 1000) // 2}" in msg, msg
+        r = chat(media["video_small"], media["video_small"])  # the same bytes twice: one encode, the whole budget
+        assert r.status_code == 200, r.text
+    finally:
+        gw.stop()
+        llm.stop()
