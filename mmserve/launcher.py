@@ -58,6 +58,20 @@ class StackSpec:
             raise ValueError(f"llm_routing must be cache_aware or round_robin, not {self.llm_routing!r}")
 
 
+PEER_KEY_VARS = ("MMSERVE_ENCODER_PEER_KEY", "MMSERVE_LLM_PEER_KEY", "MMSERVE_GATEWAY_PEER_KEY")
+
+
+def stack_peer_keys(env: dict[str, str]) -> dict[str, str]:
+    """Every service's peer key (shared.peer_auth): ``MMSERVE_PEER_KEY`` or a per-service one from
+    the environment when set (stacks sharing a Redis share its entries only under one key), else
+    a fresh random key for this stack (what an earlier stack left in Redis is then a miss)."""
+    import secrets
+
+    key = env.get("MMSERVE_PEER_KEY") or next((env[v] for v in PEER_KEY_VARS if env.get(v)), None)
+    key = key or secrets.token_hex(32)
+    return {v: env.get(v) or key for v in PEER_KEY_VARS}
+
+
 @dataclass
 class Service:
     name: str
@@ -190,6 +204,8 @@ class LocalStack:
         h = spec.host
         py = [sys.executable, "-m", "mmserve.cli"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **spec.extra_env}
+        if spec.redis_url:  # one HMAC key for what this stack's services read back from Redis
+            env.update(stack_peer_keys(env))
         self.encoders: list[Service] = []
         for i in range(spec.encoders):
             port = free_port(h)
@@ -198,8 +214,10 @@ class LocalStack:
                 argv += ["--redis-url", spec.redis_url]
             self.encoders.append(self._svc(f"encoder-{i}", h, port, argv, env))
         self.llms: list[Service] = []
-        # the LLMs fetch embeddings sent by reference from these encoders only
-        llm_env = {"MMSERVE_LLM_MEDIA_FETCH_ALLOW": h, **env}
+        # the LLMs fetch embeddings sent by reference from these encoders only (and send them alone
+        # their service token): each encoder's host:port, not every port of the host
+        allow = ",".join(s.url.removeprefix("http://") for s in self.encoders) or h
+        llm_env = {"MMSERVE_LLM_MEDIA_FETCH_ALLOW": allow, **env}
         for i in range(spec.llms):
             port = free_port(h)
             argv = py + ["llm", "--model", spec.model_dir, "--host", h, "--port", str(port)]
