@@ -109,6 +109,7 @@ def _torchcodec(data: bytes, limits: AudioLimits) -> tuple[torch.Tensor, int]:
         # the header may lie or be absent (raw streams): never decode past the limits
         stop = (limits.seconds(rate, channels) if rate > 0 and channels > 0 else MAX_AUDIO_SECONDS) + _OVER_LIMIT_S
         s = dec.get_samples_played_in_range(0.0, stop)
+        limits.check_samples(s.data.shape[1], s.data.shape[0], known=dur is not None)  # "over": it was cut
     except MediaTooLarge:
         raise
     except Exception as e:  # torchcodec raises RuntimeError/ValueError with FFmpeg's message
