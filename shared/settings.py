@@ -92,7 +92,7 @@ class EncoderSettings(_ServiceSettings):
     dtype: str = "float32"
     max_media_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     max_image_pixels: int = Field(default=64_000_000, ge=1, description="decompression-bomb guard")
-    # decode budgets per item: past one a 413 naming it (README, security: how each default was measured)
+    # decode budgets per item: past one a 413 naming it; each description says how its default was measured
     max_audio_samples: int = Field(
         default=57_600_000, ge=1, description="decoded audio samples x channels per item, from the stream info "
         "before decoding: an hour at the towers' 16 kHz mono, 10 min of 48 kHz stereo. Decoding that many took "
