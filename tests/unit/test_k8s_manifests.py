@@ -27,7 +27,6 @@ from kubernetes_validate import utils as kv
 
 import mmserve.cli
 from gateway.routes.health import router as gateway_router
-from shared.redis_client import parse_cluster_url
 from shared.settings import LENGTH_BUCKETS, EncoderSettings, GatewaySettings, LLMSettings
 from tests.unit.test_monitoring import exported_series
 
@@ -530,24 +529,6 @@ def test_redis_requires_the_password_every_url_carries(variant):
         assert len(urls) == {"encoder": 1, "llm": 3, "gateway": 1}[svc], (svc, urls)
         for k, v in urls.items():
             assert f":{files['redis-password']}@" in v, (svc, k)
-
-
-def test_the_cluster_component_keeps_the_password():
-    with tempfile.TemporaryDirectory(dir=k8s_tree()) as tmp:
-        rel = lambda p: os.path.relpath(k8s_tree() / p, tmp)  # noqa: E731
-        (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": NAMESPACE,
-            "resources": [rel("base")], "components": [rel("components/redis-cluster")]}))
-        objs = _kustomize(Path(tmp))
-    assert not [d for d in of_kind(objs, "Deployment") if component(d) == "redis"]
-    pw = secret_files()["redis-password"]
-    urls = [v for _, c, _ in service_containers(objs) for k, v in container_env(objs, c).items()
-            if k.endswith("_URL") and v.startswith("redis")]
-    assert len(urls) == 5
-    for v in urls:  # the client connects to the first seed with the password, then discovers the rest
-        assert v.startswith(f"redis+cluster://default:{pw}@redis-cluster-0.")
-        c = parse_cluster_url(v)
-        assert len(c.seeds) == 3 and c.url.startswith(f"redis://default:{pw}@redis-cluster-0.")
 
 
 def test_llms_fetch_media_only_from_the_encoders_service():

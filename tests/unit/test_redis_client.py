@@ -82,19 +82,23 @@ def test_every_redis_setting_takes_either_form_and_refuses_a_bad_cluster_url():
 
 
 def test_k8s_external_redis_cluster_component_points_every_service_at_it(monkeypatch):
-    """components/redis-cluster replaces the mmserve-redis url with a cluster URL and drops the
-    in-namespace Redis: every service container then reads that URL in each Redis setting."""
-    from tests.unit.test_k8s_manifests import K8S, NAMESPACE, SETTINGS, _kustomize, container_env, service_containers
+    """components/redis-cluster replaces the mmserve-redis scheme and hosts with a cluster's and
+    drops the in-namespace Redis: every service container then reads that cluster, with the
+    generated Redis password, in each Redis setting."""
+    from tests.unit.test_k8s_manifests import NAMESPACE, SETTINGS, _kustomize, container_env, k8s_tree, \
+        secret_files, service_containers
 
+    tree = k8s_tree()  # deploy/k8s with its Secrets' files made
     with tempfile.TemporaryDirectory() as tmp:
-        rel = lambda p: os.path.relpath(K8S / p, tmp)  # noqa: E731
+        rel = lambda p: os.path.relpath(tree / p, tmp)  # noqa: E731
         Path(tmp, "kustomization.yaml").write_text(
             "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
             f"namespace: {NAMESPACE}\nresources: [{rel('overlays/cpu')}]\ncomponents: [{rel('components/redis-cluster')}]\n")
         objs = _kustomize(Path(tmp))
-    assert not [o for o in objs if o["metadata"]["name"] == "mmserve-redis" and o["kind"] != "ConfigMap"]
+    assert not [o for o in objs if o["metadata"]["name"] == "mmserve-redis" and o["kind"] not in ("ConfigMap",)]
     [cm] = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("mmserve-redis")]
-    url = cm["data"]["url"]
+    d = cm["data"]
+    url = f"{d['scheme']}://{d['user']}:{secret_files()['redis-password']}@{d['hosts']}/0"
     assert is_cluster(url) and len(parse_cluster_url(url).seeds) >= 3
     redis_fields = {"encoder": ["redis_url"], "llm": ["kv_l3_url", "media_redis_url", "kv_events_url"],
                     "gateway": ["kv_events_url"]}
