@@ -169,6 +169,9 @@ class EmbeddingFetcher:
                  max_bytes: int = 256 * 1024 * 1024, peer: PeerKey | None = None):
         self.hidden_size = hidden_size
         self.allow = SourceAllowList(DEFAULT_ALLOW if allow is None else allow)
+        if not self.allow:
+            log.warning("%s is empty: media sent by reference is read from Redis only (a miss is re-sent by "
+                        "value); set it to the encoders' hosts", ALLOW_SETTING)
         self.max_bytes = max_bytes
         self.peer = peer or PeerKey.development()
         self.timeout = timeout

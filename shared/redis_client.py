@@ -10,6 +10,10 @@ Every Redis setting (``MMSERVE_ENCODER_REDIS_URL``, ``MMSERVE_LLM_KV_L3_URL``,
   a start-up survives one of them being down). A cluster has database 0 only: a path or ``db``
   other than 0 is refused.
 
+Credentials come from the URL (percent-encode what a URL must): ``user:password@`` (an ACL user)
+or ``:password@`` (``requirepass``); on a cluster they reach every node, the ones discovered
+from the seeds too (tests/integration/test_redis_auth.py, against real servers).
+
 What the users do is cluster-safe by construction: every command names one key, and a pipeline
 (never a transaction, never a Lua script or MGET) may span slots: redis-py's cluster pipeline
 sends each command to the node owning its key. Keys that are read together carry a ``{...}``
