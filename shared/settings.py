@@ -233,7 +233,23 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "decodes (each at least one, at most num_speculative_tokens)",
     )
     grammar_threads: int = Field(
-        default=1, ge=1, description="threads compiling structured-output grammars, off the engine loop",
+        default=1, ge=1, description="xgrammar threads of each grammar compile worker (grammar_workers)",
+    )
+    grammar_workers: int = Field(
+        default=2, ge=1, description="processes compiling structured-output grammars, off the engine loop, started "
+        "as compiles queue (about 3 s of CPU each to import xgrammar); a hostile schema holds one until "
+        "grammar_compile_timeout_s while the others serve the rest",
+    )
+    grammar_compile_timeout_s: float = Field(
+        default=10.0, gt=0, description="CPU seconds one grammar compile may use; past it the worker is killed and "
+        "the request gets a 400 naming this setting. Measured on the 2-core Xeon with a 150K-token vocabulary: the "
+        "120-schema test corpus compiles in 46 ms at the median and 0.76 s at most, 128 tools x 10 parameters "
+        "under tool_choice required in 1.3 s, a string of maxLength 5000 in 7.9 s; hostile schemas run for minutes",
+    )
+    max_grammar_bytes: int = Field(
+        default=256 * 1024, ge=1024, description="largest structured-output spec (JSON schema, regex, EBNF grammar or "
+        "choices; under a forced tool_choice every tool's parameters) in UTF-8 bytes; past it a 400 naming this "
+        "setting, before any compile. 128 tools x 10 parameters with descriptions are 197 KiB",
     )
     structured_any_whitespace: bool = Field(
         default=True, description="structured outputs: JSON may hold whitespace between tokens (vLLM's default); "

@@ -132,7 +132,8 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     tiers = build_tiers(settings, lm, model, runner, scheduler, kv_dtype) if host_full and host_swa else None
     # the front tries each source within media_fetch_timeout; this is the core's backstop
     grammars = GrammarCache(lm.tokenizer, lm.vocab_size, lm.eos_token_ids, threads=settings.grammar_threads,
-                            any_whitespace=settings.structured_any_whitespace)
+                            any_whitespace=settings.structured_any_whitespace, workers=settings.grammar_workers,
+                            max_bytes=settings.max_grammar_bytes, timeout_s=settings.grammar_compile_timeout_s)
     speculator = None
     if spec is not None:
         mtp = MTPRunner(runner, mtp_layers, lm.model.get_input_embeddings(), lm.model.get_output_embeddings(),

@@ -222,7 +222,7 @@ class CoreLoop:
         )
 
 
-TIER_STAT_PREFIXES = ("host_", "l3_", "tree_", "prefetching", "spec_")
+TIER_STAT_PREFIXES = ("host_", "l3_", "tree_", "prefetching", "spec_", "grammar_")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from llm_svc.core_messages import CoreNeed, CoreToken
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
 from llm_svc.engine.grammar import GrammarCache, GrammarError, Matcher, apply_grammars
+from llm_svc.engine.grammar_errors import CompilerUnavailable
 from llm_svc.engine.prompt_logprobs import PromptScores
 from llm_svc.engine.sampler import make_generator, sample, suppress
 from llm_svc.engine.scheduler import Scheduler
@@ -100,7 +101,8 @@ class Engine:
     def add(self, req: Request) -> None:
         """Queue ``req`` (built from the core's message by ``llm_svc.core.convert.request_from_core``;
         its id unique among live requests, which the front ensures). Raises ``InvalidRequest`` if it
-        can never run: too big for the KV pools, or structured with no grammar compiler."""
+        can never run: too big for the KV pools, structured with no grammar compiler, or with a
+        spec over the compiler's size limit."""
         try:
             self.scheduler.check_fits(req)
         except ValueError as e:
@@ -208,10 +210,13 @@ class Engine:
             c = self._compiling.pop(rid)
             self._affected = [rid]
             err = c.future.exception()
-            if err is not None:
+            if isinstance(err, CompilerUnavailable):  # the compiler's fault, not the request's
+                self._fail([rid], f"structured outputs are unavailable: {err}", status=503)
+                continue
+            if err is not None:  # the spec's fault (a timeout included): a 400 that says what to change
                 msg = str(err) if isinstance(err, GrammarError) else \
                     f"the grammar could not be compiled ({type(err).__name__}); check it"
-                self._fail([rid], msg, status=400)
+                self._fail([rid], msg, status=400, code=getattr(err, "code", None))
                 continue
             self._live[rid].matcher = self.grammars.matcher(c.future.result())
             self._queue(c.req)
@@ -446,21 +451,27 @@ class Engine:
             req = self.scheduler.requests.get(rid)
             cached = req.num_cached_tokens if req is not None else 0
             self._prefetching.pop(rid, None)
-            self._compiling.pop(rid, None)
+            self._drop_compile(rid)
             self._media_wait.pop(rid, None)
             self.scheduler.abort(rid)
             if self._live.pop(rid, None) is not None:
                 self._out.append(CoreToken(rid, finish_reason="abort", num_cached_tokens=cached))
 
-    def _fail(self, req_ids: list[str], message: str, status: int = 500) -> None:
+    def _drop_compile(self, rid: str) -> None:
+        """``rid`` no longer waits for its grammar: the compile stops unless another request waits too."""
+        c = self._compiling.pop(rid, None)
+        if c is not None:
+            c.future.cancel()
+
+    def _fail(self, req_ids: list[str], message: str, status: int = 500, code: str | None = None) -> None:
         try:
             for rid in req_ids:
                 self._prefetching.pop(rid, None)
-                self._compiling.pop(rid, None)
+                self._drop_compile(rid)
                 self._media_wait.pop(rid, None)
                 self.scheduler.abort(rid)
                 if self._live.pop(rid, None) is not None:
-                    self._out.append(CoreToken(rid, error=message, status=status))
+                    self._out.append(CoreToken(rid, error=message, status=status, code=code))
             self.scheduler.check_integrity()
         except Exception as e:
             raise EngineBroken(f"engine state inconsistent after a failure: {type(e).__name__}: {e}") from e
@@ -470,6 +481,8 @@ class Engine:
         out = {**self.scheduler.stats(), "steps": self.steps, "failures": self.failures,
                "prefetching": len(self._prefetching), "media_waiting": len(self._media_wait),
                "grammar_compiling": len(self._compiling)}
+        if self.grammars is not None:
+            out.update(self.grammars.stats())
         if self.tiers is not None:
             out.update(self.tiers.metrics())
         if self.speculator is not None:

@@ -4,46 +4,42 @@ one token bitmask per step applied to the constrained rows on the logits' device
 The grammar engine is xgrammar (vLLM's default backend). ``benchmarks/grammar_engines.py``
 measures it against llguidance on the same schema corpus; the README gives the figures and why.
 
-Compiles run on a small thread pool (xgrammar releases the GIL while compiling), keyed by a hash
-of the spec, so a request repeating a schema another request compiled shares its future, and a
-large schema never stalls the steps of other users: the engine admits a constrained request only
-once its grammar is ready (``GrammarCache.submit`` returns a ``Future``). xgrammar itself (seconds
-to import) and the tokenizer's token table are loaded by the first compile, on the pool, so an
-engine that never sees a constrained request never pays for them.
+Compiles run in worker processes (``grammar_pool``: a compile past its CPU-time limit, or one
+nobody waits for any more, is killed there), keyed by a hash of the spec, so a request repeating
+a schema another request compiled shares its compile, and a large schema never stalls the steps
+of other users: the engine admits a constrained request only once its grammar is ready
+(``GrammarCache.submit`` returns a ``Future``, one per caller: cancelling it drops the caller's
+interest, and the compile when nobody else waits). A spec larger than ``max_bytes`` is refused
+before any compile. xgrammar itself (seconds to import) and the tokenizer's token table are
+loaded by the first compile, on the pool's thread, so an engine that never sees a constrained
+request never pays for them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
+import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.schemas import StructuredSpec
 
+from .grammar_errors import CompileTimeout, GrammarError, timeout_message, too_large
+from .grammar_pool import CompilePool, Job
 
-def _lower_priority() -> None:
-    """A compile thread yields the CPU to the engine's step threads: a large schema's compile
-    (seconds) then costs other users' steps little, on a machine with few cores."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: this thread alone
-    except (AttributeError, OSError):
-        pass
+__all__ = ["GrammarCache", "GrammarError", "Matcher", "apply_grammars", "choice_grammar", "draft_masks",
+           "json_safe_lengths", "spec_key"]
 
 
 def _xgr():
     import xgrammar
 
     return xgrammar
-
-
-class GrammarError(ValueError):
-    """The spec cannot be compiled: the message names what the engine cannot honour."""
 
 
 _EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -104,83 +100,132 @@ def spec_key(spec: StructuredSpec) -> str:  # any_whitespace None and its settin
     return hashlib.sha256(json.dumps([spec.kind, spec.spec, spec.any_whitespace]).encode()).hexdigest()
 
 
-@dataclass
+@dataclass(eq=False)
+class _Pending:
+    job: Job
+    waiters: set = field(default_factory=set)  # the callers' Futures
+
+
 class GrammarCache:
     """The engine's compiler: ``submit(spec)`` -> a Future of an ``xgr.CompiledGrammar``. At most
-    ``capacity`` compiled grammars are kept (least recently submitted go first)."""
+    ``capacity`` results are kept (least recently submitted go first): compiled grammars, and the
+    specs that timed out (a repeat fails at once instead of burning another ``timeout_s``).
 
-    tokenizer: object
-    vocab_size: int
-    stop_token_ids: list[int]
-    threads: int = 1
-    capacity: int = 256
-    any_whitespace: bool = True  # a spec's default (vLLM's too); False: compact JSON, no whitespace at all
+    ``workers`` compile processes at most, ``threads`` xgrammar threads each; ``max_bytes``: the
+    largest spec (UTF-8 bytes) compiled at all; ``timeout_s``: CPU seconds one compile may use."""
 
-    def __post_init__(self) -> None:
-        self._compiler = None  # built by the first compile, on the pool
-        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="grammar",
-                                        initializer=_lower_priority)
-        self._futures: OrderedDict[str, Future] = OrderedDict()
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 1, capacity: int = 256,
+                 any_whitespace: bool = True, workers: int = 2, max_bytes: int = 256 * 1024,
+                 timeout_s: float = 10.0) -> None:
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, list(stop_token_ids)
+        self.capacity = capacity
+        self.any_whitespace = any_whitespace  # a spec's default (vLLM's too); False: compact JSON, no whitespace
+        self.max_bytes, self.timeout_s = max_bytes, timeout_s
+        self._info = None  # xgr.TokenizerInfo, built by the pool's first start (on its thread)
+        self._results: OrderedDict[str, object] = OrderedDict()  # key -> CompiledGrammar | CompileTimeout
+        self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self.compiled = 0
+        ref = weakref.ref(self)  # the pool's thread must not keep the cache alive
+
+        def init() -> str:
+            return ref()._token_table()
+
+        def done(job: Job, result: str | None, error: BaseException | None) -> None:
+            cache = ref()
+            if cache is not None:
+                cache._finished(job, result, error)
+
+        self._pool = CompilePool(init, workers=workers, threads=threads, timeout_s=timeout_s)
+        self._on_done = done
+        weakref.finalize(self, self._pool.close)
 
     def submit(self, spec: StructuredSpec) -> Future:
+        """A Future of ``spec``'s compiled grammar, or of its ``GrammarError`` (``CompileTimeout``
+        past the time limit). Raises ``GrammarTooLarge`` (an ``InvalidRequest``) at once for a spec
+        over ``max_bytes``. Cancel the Future when the result is no longer wanted."""
+        size = len(spec.spec.encode("utf-8", "replace"))
+        if size > self.max_bytes:
+            raise too_large(spec.kind, size, self.max_bytes)
         key = spec_key(spec)
+        fut: Future = Future()
         with self._lock:
-            fut = self._futures.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
-                self._futures.move_to_end(key)
+            hit = self._results.get(key)
+            if hit is not None:
+                self._results.move_to_end(key)
+                fut.set_exception(hit) if isinstance(hit, BaseException) else fut.set_result(hit)
                 return fut
-            fut = self._pool.submit(self._compile, spec)
-            self._futures[key] = fut
-            while len(self._futures) > self.capacity:
-                self._futures.popitem(last=False)
-            return fut
+            p = self._pending.get(key)
+            if p is None:
+                ws = self.any_whitespace if spec.any_whitespace is None else spec.any_whitespace
+                job = self._pool.submit([spec.kind, spec.spec, ws], self._on_done, key=key,
+                                        timeout_message=timeout_message(spec.kind, self.timeout_s))
+                p = self._pending[key] = _Pending(job)
+            p.waiters.add(fut)
+        fut.add_done_callback(lambda f: self._left(key, p, f))
+        return fut
 
     def compile(self, spec: StructuredSpec):
-        """Compile now on this thread (cached like ``submit``)."""
+        """Compile now, waiting on this thread (cached like ``submit``)."""
         return self.submit(spec).result()
 
-    def _compile(self, spec: StructuredSpec):
-        if self._compiler is None:
-            xgr = _xgr()
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=list(self.stop_token_ids))
-            # xgrammar's own cache is off: ours is keyed by the whole spec and bounded by count
-            self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=False)
-        c = self._compiler
-        ws = self.any_whitespace if spec.any_whitespace is None else spec.any_whitespace
-        # vLLM's mapping of disable_any_whitespace: no optional whitespace, and the compact separators
-        sep = None if ws else (",", ":")
-        try:
-            if spec.kind == "json":
-                schema = json_safe_lengths(json.loads(spec.spec))
-                out = c.compile_json_schema(json.dumps(schema), any_whitespace=ws, separators=sep, strict_mode=True)
-            elif spec.kind == "json_object":
-                out = c.compile_json_schema('{"type": "object"}', any_whitespace=ws, separators=sep)
-            elif spec.kind == "regex":
-                out = c.compile_regex(spec.spec)
-            elif spec.kind == "choice":
-                out = c.compile_grammar(choice_grammar(json.loads(spec.spec)))
-            elif spec.kind == "grammar":
-                out = c.compile_grammar(spec.spec)
-            elif spec.kind == "structural_tag":
-                out = c.compile_structural_tag(spec.spec)
-            else:  # the schema type says which kinds exist; this is a programming error
-                raise AssertionError(spec.kind)
-        except (RuntimeError, ValueError, TypeError) as e:
-            what = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
-                    "grammar": "grammar (EBNF)", "structural_tag": "structural_tag"}[spec.kind]
-            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise GrammarError(f"the {what} cannot be used for structured output: {detail[:400]}") from None
-        self.compiled += 1
-        return out
+    def stats(self) -> dict[str, int]:
+        """The compile pool's state: ``grammar_workers``, ``_queued``, ``_running``, ``_timeouts``, ..."""
+        return self._pool.stats()
+
+    def worker_pids(self) -> list[int]:
+        return self._pool.worker_pids()
+
+    def _token_table(self) -> str:
+        xgr = _xgr()
+        self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                        stop_token_ids=list(self.stop_token_ids))
+        return self._info.serialize_json()
+
+    def _left(self, key: str, p: _Pending, fut: Future) -> None:
+        """A caller's Future is done; if it was cancelled and nobody else waits, drop the compile."""
+        if not fut.cancelled():
+            return
+        with self._lock:
+            p.waiters.discard(fut)
+            if p.waiters or self._pending.get(key) is not p:
+                return
+            del self._pending[key]
+        self._pool.cancel(p.job)
+
+    def _finished(self, job: Job, result: str | None, error: BaseException | None) -> None:
+        """On the pool's thread: the job's grammar (deserialized here, off the engine loop) or error."""
+        out: object = error
+        if error is None:
+            try:
+                out = _xgr().CompiledGrammar.deserialize_json(result, self._info)
+            except (RuntimeError, ValueError) as e:
+                out = GrammarError(f"the compiled grammar could not be loaded: {e}")
+        key = job.key
+        with self._lock:
+            if error is None and not isinstance(out, BaseException):
+                self.compiled += 1
+            if not isinstance(out, BaseException) or isinstance(out, CompileTimeout):
+                self._results[key] = out
+                while len(self._results) > self.capacity:
+                    self._results.popitem(last=False)
+            p = self._pending.get(key)
+            waiters = []
+            if p is not None and p.job is job:
+                del self._pending[key]
+                waiters = list(p.waiters)
+        for fut in waiters:
+            try:
+                fut.set_exception(out) if isinstance(out, BaseException) else fut.set_result(out)
+            except InvalidStateError:  # cancelled meanwhile
+                pass
 
     def matcher(self, compiled) -> "Matcher":
         return Matcher(_xgr().GrammarMatcher(compiled))  # rollback is unlimited (speculative decoding's drafts)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the compile workers (killed and reaped); pending Futures fail."""
+        self._pool.close()
 
 
 class Matcher:
