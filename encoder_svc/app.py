@@ -23,6 +23,7 @@ from encoder_svc.video.decode import ChunkedVideoDecoder
 from shared.service_auth import ServiceTokenMiddleware
 from shared.bundle import load_bundle_spec
 from shared.settings import EncoderSettings
+from shared.exposure import log_warnings, service_token_warnings
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ def create_app(settings: EncoderSettings, *, shm_dir: str | None = None, redis_p
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        log_warnings(log, app.state.exposure_warnings)
         try:
             app.state.service = await asyncio.to_thread(build_service, settings, metrics, None, cache_opts)
         except Exception as e:
@@ -84,6 +86,9 @@ def create_app(settings: EncoderSettings, *, shm_dir: str | None = None, redis_p
     app.state.metrics = metrics
     app.state.service = None
     app.state.load_error = None
+    app.state.exposure_warnings = service_token_warnings(  # logged at start, listed on /readyz
+        settings.host, settings.service_token, "MMSERVE_ENCODER_", "encoder",
+        "/v1/encode and the embedding cache answer any caller")
     app.add_exception_handler(EncodeError, encode_error_handler)
     app.add_exception_handler(Exception, unexpected_error_handler)
     app.include_router(router)

@@ -121,11 +121,13 @@ async def healthz() -> HealthStatus:
 async def readyz(request: Request) -> JSONResponse:
     svc = getattr(request.app.state, "service", None)
     err = getattr(request.app.state, "load_error", None)
+    # what this encoder leaves open (no service token beyond loopback), naming the setting
+    warnings = {"warnings": getattr(request.app.state, "exposure_warnings", [])}
     if svc is None:
         st = HealthStatus(status="error" if err else "loading", service="encoder", detail=err)
-        return JSONResponse(st.model_dump(), status_code=503)
+        return JSONResponse({**st.model_dump(), **warnings}, status_code=503)
     st = HealthStatus(status="ok", service="encoder", model=svc.model_name, detail=",".join(svc.supported()))
-    return JSONResponse(st.model_dump())
+    return JSONResponse({**st.model_dump(), **warnings})
 
 
 @router.get("/metrics")

@@ -9,13 +9,27 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.errors import install_error_handlers
-from gateway.limits import BodyLimitMiddleware, ShedMiddleware, body_limit
+from gateway.door import ApiKeyMiddleware
+from gateway.exposure import log_exposure
+from gateway.limits import AdmissionMiddleware, BodyLimit, BodyLimitMiddleware, body_limit
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import install_openapi
 from gateway.routes import chat, completions, dashboard, health, models, responses, tokenize
 from gateway.state import GatewayState
 from shared.malloc_tuning import pin_mmap_threshold
 from shared.settings import GatewaySettings
+
+
+# generations: an admission slot each, taken before the body is read
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+
+
+def body_limits(settings: GatewaySettings) -> dict:
+    """``BodyLimitMiddleware``'s arguments: the media budget where media may come inline (chat,
+    responses), ``max_text_body_bytes`` everywhere else."""
+    media = BodyLimit(body_limit(settings.max_request_media_bytes), "max_request_media_bytes")
+    return {"limits": {"/v1/chat/completions": media, "/v1/responses": media},
+            "default": BodyLimit(settings.max_text_body_bytes, "max_text_body_bytes")}
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -25,6 +39,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pin_mmap_threshold(settings.malloc_mmap_threshold)
+        log_exposure(settings)
         state = GatewayState.build(settings, metrics)
         app.state.gateway = state
         state.start()
@@ -40,10 +55,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     for module in (chat, completions, responses, models, tokenize, health, dashboard):
         app.include_router(module.router)
         paths.update(getattr(r, "path", "") for r in module.router.routes)
-    app.add_middleware(BodyLimitMiddleware, limit=body_limit(settings.max_request_media_bytes))
-    # inside the metrics (a shed request is counted), before the body is read
-    app.add_middleware(ShedMiddleware, state_of=lambda: getattr(app.state, "gateway", None),
-                       paths=frozenset({"/v1/chat/completions"}), on_shed=metrics.rejected.labels("gateway").inc)
+    # pure ASGI, outermost first: metrics (every answer counted), the API key (401 before the
+    # body is read), the body size per endpoint (413), the admission slot (429) before the body
+    # is read or parsed; add_middleware puts each call outside the ones before it
+    app.add_middleware(AdmissionMiddleware, state_of=lambda: getattr(app.state, "gateway", None),
+                       paths=GENERATION_PATHS, on_shed=metrics.rejected.labels("gateway").inc)
+    app.add_middleware(BodyLimitMiddleware, **body_limits(settings))
+    app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys)
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=frozenset(paths))
     app.state.metrics = metrics
     return app

@@ -1,7 +1,11 @@
-"""Optional bearer-token auth for ``/v1/*`` and the dashboard: off when ``api_keys`` is empty.
+"""Optional bearer-token auth for ``/v1/*``, ``/tokenize``, ``/detokenize`` and the dashboard's
+data: off when ``api_keys`` is empty.
 
-The dashboard's page is opened by a browser, which sends no header on a navigation: it also
-takes the key as ``?key=`` (its script sends it on as a bearer header to ``/dashboard/data``)."""
+The key is checked first at the door (``gateway.door``, before the body is read); the routes'
+dependency checks it again, so a route is never open because a path was left out of the door's
+list. A key travels only in the ``Authorization`` header, never in a URL (URLs end up in access
+logs and browser history): the dashboard page takes it from the URL fragment, which the browser
+does not send, and sends it on as a bearer header."""
 
 from __future__ import annotations
 
@@ -33,17 +37,11 @@ def _bearer(request: Request) -> str:
 
 
 async def require_api_key(request: Request) -> None:
+    """401 unless the request carries one of ``api_keys`` as a bearer token (none set: open)."""
     keys = request.app.state.gateway.settings.api_keys
     if keys:
         _check(keys, _bearer(request))
 
 
-async def require_dashboard_key(request: Request) -> None:
-    """Like ``require_api_key``, or the key as the ``key`` query parameter."""
-    keys = request.app.state.gateway.settings.api_keys
-    if keys:
-        _check(keys, _bearer(request) or request.query_params.get("key", "").strip())
-
-
 ApiKeyDep = Depends(require_api_key)
-DashboardKeyDep = Depends(require_dashboard_key)
+DashboardKeyDep = ApiKeyDep  # the dashboard's data: the same bearer key, no query-string form

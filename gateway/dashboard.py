@@ -11,7 +11,9 @@ shows can be checked against ``/metrics`` directly:
   num_draft_tokens``) and mean acceptance length (``1 + accepted / drafts``, vLLM's);
 * encoder replica: embedding cache hit rate (hits / lookups over every tier), mean fused batch
   size (``forward_items / forward_passes``) and the batch-size histogram, queue wait;
-* gateway: requests in flight, TTFT histogram.
+* gateway: requests in flight, TTFT histogram;
+* warnings: what the gateway and each replica leave open (their ``/readyz`` ``warnings``: no API
+  key or service token while listening beyond loopback), each naming the setting that closes it.
 """
 
 from __future__ import annotations
@@ -151,6 +153,8 @@ class DashboardSnapshot:
     gateway: GatewayView
     llm: list[LLMReplica]
     encoder: list[EncoderReplica]
+    # what the gateway and each replica leave open (their /readyz ``warnings``), shown as a banner
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return _finite(asdict(self))
@@ -176,11 +180,25 @@ async def _scrape(http: httpx.AsyncClient, url: str, timeout: float) -> Samples 
         return None  # a replica that does not answer shows as down; the page keeps polling
 
 
+async def _warnings(http: httpx.AsyncClient, url: str, timeout: float) -> list[str]:
+    """A replica's /readyz ``warnings``, each prefixed with its address (none if it does not answer)."""
+    try:
+        body = (await http.get(f"{url}/readyz", timeout=timeout)).json()
+    except (httpx.HTTPError, ValueError):
+        return []
+    found = body.get("warnings") if isinstance(body, dict) else None
+    return [f"{url}: {w}" for w in found if isinstance(w, str)] if isinstance(found, list) else []
+
+
 async def snapshot(
-    http: httpx.AsyncClient, llm_urls: list[str], encoder_urls: list[str], gateway_text: str, timeout: float = 2.0
+    http: httpx.AsyncClient, llm_urls: list[str], encoder_urls: list[str], gateway_text: str, timeout: float = 2.0,
+    gateway_warnings: list[str] = (),
 ) -> DashboardSnapshot:
-    """Scrape every replica concurrently and reduce each to its dashboard view."""
-    scraped = await asyncio.gather(*(_scrape(http, u, timeout) for u in [*llm_urls, *encoder_urls]))
+    """Scrape every replica concurrently and reduce each to its dashboard view; ``warnings``:
+    the gateway's own (``gateway_warnings``), then every replica's."""
+    urls = [*llm_urls, *encoder_urls]
+    scraped, warned = await asyncio.gather(asyncio.gather(*(_scrape(http, u, timeout) for u in urls)),
+                                           asyncio.gather(*(_warnings(http, u, timeout) for u in urls)))
     llm_s, enc_s = scraped[: len(llm_urls)], scraped[len(llm_urls):]
     g = parse_metrics(gateway_text)
     return DashboardSnapshot(
@@ -189,4 +207,5 @@ async def snapshot(
         llm=[LLMReplica.from_samples(u, s) if s is not None else LLMReplica(u, False) for u, s in zip(llm_urls, llm_s)],
         encoder=[EncoderReplica.from_samples(u, s) if s is not None else EncoderReplica(u, False)
                  for u, s in zip(encoder_urls, enc_s)],
+        warnings=[*gateway_warnings, *(w for ws in warned for w in ws)],
     )

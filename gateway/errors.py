@@ -112,7 +112,7 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = "not_found" if exc.status_code == 404 else None
+    code = {404: "not_found", 413: "request_too_large"}.get(exc.status_code)
     # keep the exception's headers: a 405 must say which methods are allowed (RFC 9110)
     return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from shared.exposure import log_warnings, service_token_warnings
 from shared.service_auth import ServiceTokenMiddleware
 from shared.malloc_tuning import pin_mmap_threshold
 from shared.settings import LLMSettings
@@ -18,6 +20,8 @@ from .routes import router
 from .tokenize_routes import router as tokenize_router
 from .state import ServiceState
 
+log = logging.getLogger(__name__)
+
 
 def create_app(settings: LLMSettings) -> FastAPI:
     """Build the app; the model loads in the background at start-up (``/readyz`` says when)."""
@@ -26,6 +30,7 @@ def create_app(settings: LLMSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         pin_mmap_threshold(settings.malloc_mmap_threshold)  # this process only: the core is its own
+        log_warnings(log, app.state.exposure_warnings)
         task = asyncio.create_task(state.load())
         try:
             yield
@@ -37,6 +42,9 @@ def create_app(settings: LLMSettings) -> FastAPI:
     if settings.service_token:
         app.add_middleware(ServiceTokenMiddleware, token=settings.service_token)
     app.state.svc = state
+    app.state.exposure_warnings = service_token_warnings(  # logged at start, listed on /readyz
+        settings.host, settings.service_token, "MMSERVE_LLM_", "LLM service",
+        "/v1/generate, /tokenize and the KV snapshot answer any caller")
     app.include_router(router)
     app.include_router(tokenize_router)
 

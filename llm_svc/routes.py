@@ -59,7 +59,9 @@ async def healthz(state: StateDep) -> JSONResponse:
 
 
 @router.get("/readyz")
-async def readyz(state: StateDep) -> JSONResponse:
+async def readyz(state: StateDep, request: Request) -> JSONResponse:
+    # what this replica leaves open (no service token beyond loopback), naming the setting
+    warnings = {"warnings": getattr(request.app.state, "exposure_warnings", [])}
     if state.ready:
         limits = None
         if state.lm is not None:
@@ -69,10 +71,10 @@ async def readyz(state: StateDep) -> JSONResponse:
         body = HealthStatus(status="ok", service="llm", model=state.model_name, limits=limits,
                             kv_instance=state.kv_events.instance if state.kv_events is not None else None,
                             speculative_config=state.spec.to_dict() if state.spec is not None else None)
-        return JSONResponse(body.model_dump())
+        return JSONResponse({**body.model_dump(), **warnings})
     status = "error" if state.error else "loading"
     body = HealthStatus(status=status, service="llm", model=state.model_name, detail=state.not_ready_detail)
-    return JSONResponse(body.model_dump(), status_code=503)
+    return JSONResponse({**body.model_dump(), **warnings}, status_code=503)
 
 
 @router.get(SNAPSHOT_PATH)

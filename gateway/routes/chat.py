@@ -21,6 +21,8 @@ from gateway.prompt import build_generate_request, pack_generate
 from gateway.state import GatewayState, StateDep
 from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
 from gateway.openai_api.requests import ChatCompletionRequest
+from gateway.limits import TICKET_SCOPE_KEY
+from gateway.request_limits import check_chat_limits
 from gateway.upstream import MediaUnavailable, UpstreamError, upstream_deadline
 from gateway.validate import check_fits, check_template, check_text
 from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse
@@ -103,6 +105,7 @@ async def by_value(state: GatewayState, body: ChatCompletionRequest, cid: str, i
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Response:
     check_text(body)  # before anything may echo a string back
     check_template(body.chat_template_kwargs, state.settings.trust_request_chat_template)
+    check_chat_limits(body, state.settings)
     if body.model != state.model_name:
         raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
     cid, created, start = completion_id(), now(), time.monotonic()
@@ -124,7 +127,8 @@ async def answer(request: Request, state: GatewayState, cid: str, start: float, 
     to the encoders and the LLM as a deadline)."""
     timeout = state.settings.request_timeout
     upstream_deadline.set(start + timeout)  # copied into the tasks below
-    ticket = await admit(state)
+    # taken before the body was read (gateway.limits.AdmissionMiddleware), else here
+    ticket = request.scope.get(TICKET_SCOPE_KEY) or await admit(state)
     opened = False  # once a stream is open, the response's close releases the ticket
     try:
         if not stream:

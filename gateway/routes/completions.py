@@ -13,6 +13,7 @@ from gateway.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.openai_format import CompletionChunkWriter, completion_id, now, text_completion
 from gateway.prompt import sampling_params
+from gateway.request_limits import check_completion_prompts, check_grammar_size
 from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
 from gateway.openai_api.requests import CompletionRequest
 from gateway.routes.chat import ABORTED, answer
@@ -54,6 +55,8 @@ async def _open(state: GatewayState, gen: GenerateRequest, n: int) -> ChoiceStre
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     if body.model != state.model_name:
         raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
+    check_completion_prompts(body, state.settings)  # before one generation request is built
+    check_grammar_size(body, state.settings)
     cid, created, start = completion_id("cmpl"), now(), time.monotonic()
     gens = [_generate_request(state, body, p, f"{cid}-{i}") for i, p in enumerate(body.prompts())]
     logprobs = body.logprobs is not None

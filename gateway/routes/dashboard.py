@@ -1,7 +1,7 @@
 """``GET /dashboard`` (a page), ``GET /dashboard/data`` (the JSON it polls), and the page's
 vendored static files (uPlot, MIT, from npm: no CDN, the machines are offline). With API keys
-set, the page and its data need one (they show replica addresses, queues and cache figures);
-the static files (a vendored library, the page's script) do not."""
+set, the data needs one (it shows replica addresses, queues and cache figures); the page and
+the static files (a vendored library, the page's script) hold no data and do not."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from gateway.auth import DashboardKeyDep
 from gateway.dashboard import snapshot
 from gateway.errors import APIError
+from gateway.exposure import exposure_warnings
 from gateway.state import StateDep
 
 router = APIRouter()
@@ -21,16 +22,19 @@ _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".
 _FILES = {p.name: p for p in STATIC.iterdir() if p.suffix in _TYPES} if STATIC.is_dir() else {}
 
 
-@router.get("/dashboard", dependencies=[DashboardKeyDep])
+@router.get("/dashboard")
 async def dashboard_page() -> Response:
+    """The page (no data in it: with API keys set it asks for one, or takes it from the URL
+    fragment, ``/dashboard#key=...``, and sends it as a bearer header to ``/dashboard/data``)."""
     return FileResponse(STATIC / "dashboard.html", media_type="text/html")
 
 
 @router.get("/dashboard/data", dependencies=[DashboardKeyDep])
 async def dashboard_data(state: StateDep) -> JSONResponse:
-    """Every replica's /metrics, scraped now and reduced (``gateway.dashboard``)."""
+    """Every replica's /metrics, scraped now and reduced (``gateway.dashboard``), with the
+    gateway's and the replicas' open-by-default warnings."""
     snap = await snapshot(state.http, state.llm_pool.replicas(), state.encoder_pool.replicas(),
-                          state.metrics.render().decode())
+                          state.metrics.render().decode(), gateway_warnings=exposure_warnings(state.settings))
     return JSONResponse(snap.to_json(), headers={"cache-control": "no-store"})
 
 

@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from gateway.exposure import exposure_warnings
 from gateway.state import StateDep
 from shared.schemas import HealthStatus
 
@@ -28,18 +29,20 @@ async def health(state: StateDep) -> HealthStatus:
 @router.get("/readyz")
 async def readyz(state: StateDep) -> JSONResponse:
     """200 when at least one encoder and one LLM replica answer their /readyz now (no encoder
-    configured: a text-only model, the LLM replicas alone)."""
+    configured: a text-only model, the LLM replicas alone). ``warnings``: what this gateway
+    leaves open (``gateway.exposure``), each naming the setting that closes it."""
     enc_ok, llm_ok = await asyncio.gather(state.encoder_pool.any_ready(), state.llm_pool.any_ready())
     enc_ok = enc_ok or not state.settings.encoder_urls
+    warnings = exposure_warnings(state.settings)
     if enc_ok and llm_ok:
         body = HealthStatus(status="ok", service="gateway", model=state.model_name)
-        return JSONResponse(body.model_dump(), status_code=200)
+        return JSONResponse({**body.model_dump(), "warnings": warnings}, status_code=200)
     missing = [name for name, ok in (("encoder", enc_ok), ("llm", llm_ok)) if not ok]
     body = HealthStatus(
         status="loading", service="gateway", model=state.model_name,
         detail=f"no ready {' or '.join(missing)} replica",
     )
-    return JSONResponse(body.model_dump(), status_code=503)
+    return JSONResponse({**body.model_dump(), "warnings": warnings}, status_code=503)
 
 
 @router.get("/metrics")

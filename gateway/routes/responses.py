@@ -14,6 +14,7 @@ from gateway.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.openai_api.responses_api import ResponsesRequest
 from gateway.openai_format import completion_id, now
+from gateway.request_limits import check_chat_limits
 from gateway.responses_format import InputError, ResponsesEventWriter, ResponseShell, response_object, to_chat
 from gateway.routes.chat import _generate, _open, answer
 from gateway.state import StateDep
@@ -39,6 +40,7 @@ async def responses(body: ResponsesRequest, request: Request, state: StateDep) -
         raise APIError(400, f"{where}: {err.get('msg', 'invalid')}".strip(": "), param="input") from None
     check_text(chat)
     check_template(chat.chat_template_kwargs, state.settings.trust_request_chat_template)
+    check_chat_limits(chat, state.settings, format_param="text.format")
     cid, start = completion_id("chatcmpl"), time.monotonic()
     shell = ResponseShell(body, now())
 

@@ -165,15 +165,64 @@ function render(d) {
   document.body.dataset.ready = String(Number(document.body.dataset.ready) + 1);
 }
 
+// The API key (with API keys set): from the URL fragment, /dashboard#key=..., which the browser
+// never sends to the server (a ?key= query lands in access logs and proxies), or typed into the
+// form; kept for this tab in sessionStorage, taken out of the address bar, sent as a bearer header.
+const KEY_SLOT = "mmserve-dashboard-key";
+
+function takeKeyFromFragment() {
+  const key = new URLSearchParams(location.hash.slice(1)).get("key");
+  if (key) {
+    sessionStorage.setItem(KEY_SLOT, key);
+    window.history.replaceState(null, "", location.pathname);  // "history" here is the charts' series
+  }
+}
+
+function askForKey(message) {
+  document.getElementById("auth").textContent = message;
+  document.getElementById("keyform").hidden = false;
+}
+
+document.getElementById("keyform").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const input = document.getElementById("key");
+  sessionStorage.setItem(KEY_SLOT, input.value.trim());
+  input.value = "";
+  document.getElementById("keyform").hidden = true;
+  document.getElementById("auth").textContent = "";
+});
+
+// what the gateway and its replicas leave open (no API key / service token off loopback)
+function renderWarnings(warnings) {
+  const list = document.getElementById("warnings");
+  list.replaceChildren();
+  (warnings || []).forEach((w, i) => {
+    const li = document.createElement("li");
+    const span = document.createElement("span");
+    span.id = `warning-${i}`;
+    span.textContent = w;
+    li.appendChild(span);
+    list.appendChild(li);
+  });
+  list.hidden = !list.children.length;
+}
+
 async function poll() {
   try {
-    const key = new URLSearchParams(location.search).get("key");  // with API keys set: /dashboard?key=...
+    const key = sessionStorage.getItem(KEY_SLOT);
     const r = await fetch("/dashboard/data", { cache: "no-store", headers: key ? { authorization: `Bearer ${key}` } : {} });
-    if (r.ok) render(await r.json());
+    if (r.status === 401) {
+      askForKey(key ? "that API key was refused: enter another" : "this gateway needs an API key");
+    } else if (r.ok) {
+      const d = await r.json();
+      renderWarnings(d.warnings);
+      render(d);
+    }
   } catch (e) {
     document.getElementById("updated").textContent = "gateway unreachable (" + e + ")";
   }
   setTimeout(poll, POLL_MS);
 }
 
+takeKeyFromFragment();
 poll();

@@ -16,6 +16,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.app import create_app
+from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app
+from shared.settings import GatewaySettings
 from tests.conftest import make_png
 
 pytestmark = pytest.mark.e2e
@@ -118,3 +121,65 @@ def test_dashboard_shows_the_replicas_metrics_in_chromium(stack, tmp_path):
     r = chromium([f"--screenshot={shot}", f"{stack.url}/dashboard"], tmp_path / "profile-shot")
     assert r.returncode == 0, r.stderr[-2000:]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+class _URLSpy:
+    """Wraps the gateway app: records every request's path and query string."""
+
+    def __init__(self, app) -> None:
+        self.app, self.urls = app, []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            self.urls.append(scope["path"] + "?" + scope["query_string"].decode())
+        await self.app(scope, receive, send)
+
+
+@pytest.fixture
+def fake_gateway():
+    """A gateway in front of the fake services, built by ``make(**settings)``."""
+    enc, llm = ServerThread(fake_encoder_app("e")).start(), ServerThread(fake_llm_app("l")).start()
+    servers: list[ServerThread] = []
+
+    def make(**kw) -> tuple[ServerThread, _URLSpy]:
+        spy = _URLSpy(create_app(GatewaySettings(model_name="m", encoder_urls=[enc.url], llm_urls=[llm.url],
+                                                 dns_interval=0, health_interval=0, **kw)))
+        servers.append(ServerThread(spy).start())
+        return servers[-1], spy
+
+    yield make, llm
+    for s in servers:
+        s.stop()
+    enc.stop()
+    llm.stop()
+
+
+def _dom(url: str, profile: Path) -> _Cells:
+    page = chromium(["--dump-dom", url], profile)
+    assert page.returncode == 0, page.stderr[-2000:]
+    dom = _Cells()
+    dom.feed(page.stdout)
+    return dom
+
+
+def test_the_dashboard_takes_its_key_from_the_fragment_never_the_url(fake_gateway, tmp_path):
+    make, llm = fake_gateway
+    gw, spy = make(api_keys=["k-dash"])
+    dom = _dom(f"{gw.url}/dashboard#key=k-dash", tmp_path / "with-key")
+    assert int(dom.body_ready) >= 1  # the data answered: the key went as a bearer header
+    assert dom.cells["llm-0-url"].startswith(llm.url)  # (down: the fake LLM has no /metrics)
+    assert spy.urls and not [u for u in spy.urls if "k-dash" in u]  # no URL the server saw carried it
+    without = _dom(f"{gw.url}/dashboard", tmp_path / "without-key")
+    assert without.body_ready == "0" and without.cells["auth"] == "this gateway needs an API key"
+    wrong = _dom(f"{gw.url}/dashboard#key=nope", tmp_path / "wrong-key")
+    assert wrong.body_ready == "0" and "refused" in wrong.cells["auth"]
+
+
+def test_the_dashboard_shows_an_open_gateways_warning(fake_gateway, tmp_path):
+    make, _ = fake_gateway
+    gw, _ = make(host="0.0.0.0")  # no keys, said to listen beyond loopback
+    dom = _dom(f"{gw.url}/dashboard", tmp_path / "open")
+    assert int(dom.body_ready) >= 1
+    assert "MMSERVE_GATEWAY_API_KEYS" in dom.cells["warning-0"]
+    closed, _ = make(host="127.0.0.1")
+    assert "warning-0" not in _dom(f"{closed.url}/dashboard", tmp_path / "closed").cells

@@ -81,3 +81,25 @@ def test_snapshot_reduces_every_replica_and_marks_a_dead_one_down():
     j = snap.to_json()
     assert j["llm"][0]["ttft"]["le"][-1] is None  # +Inf has no JSON form
     assert j["llm"][1] == {**j["llm"][1], "up": False, "prefix_hit_rate": None, "spec_acceptance_rate": None}
+
+
+def test_snapshot_carries_the_gateways_and_every_replicas_warnings():
+    def handler(req: httpx.Request) -> httpx.Response:
+        base = f"{req.url.scheme}://{req.url.host}"
+        if req.url.path == "/metrics":
+            return httpx.Response(200, text=_llm_text() if "llm" in base else _encoder_text())
+        if base == "http://llm-a":
+            return httpx.Response(200, json={"status": "ok", "service": "llm", "warnings": ["no token"]})
+        if base == "http://enc-a":
+            return httpx.Response(503, json={"status": "loading", "service": "encoder", "warnings": ["no enc token"]})
+        return httpx.Response(200, text="not json")  # an older replica: no warnings, no failure
+
+    async def go() -> DashboardSnapshot:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            return await snapshot(http, ["http://llm-a", "http://llm-b"], ["http://enc-a"],
+                                  GatewayMetrics().render().decode(), gateway_warnings=["gateway open"])
+
+    snap = asyncio.run(go())
+    assert snap.warnings == ["gateway open", "http://llm-a: no token", "http://enc-a: no enc token"]
+    assert snap.to_json()["warnings"] == snap.warnings
+    assert [r.up for r in snap.llm] == [True, True]
