@@ -55,10 +55,6 @@ class DecodeGuard:
         """Nobody wants the result any more: decoder threads stop at their next ``check``."""
         self._stop.set()
 
-    @property
-    def abandoned(self) -> bool:
-        return self._stop.is_set()
-
     def _fail(self, err: MediaTooLarge) -> MediaTooLarge:
         """Stop every thread of this item with ``err`` (the first budget passed wins)."""
         with self._lock:
@@ -67,12 +63,16 @@ class DecodeGuard:
         self._stop.set()
         return err
 
-    def check(self) -> None:
-        """Raises ``DecodeTooSlow`` (413) once the wall-time budget is spent, the budget another
-        thread of this item passed, or ``Abandoned`` when the result is no longer wanted."""
+    def raise_if_stopped(self) -> None:
+        """Raises the budget that stopped this item (413), or ``Abandoned`` when its result is no
+        longer wanted; nothing while it may go on."""
         if self._stop.is_set():
             r = self._reason
             raise type(r)(r.message) if r is not None else Abandoned()
+
+    def check(self) -> None:
+        """``raise_if_stopped``, and ``DecodeTooSlow`` (413) once the wall-time budget is spent."""
+        self.raise_if_stopped()
         if time.monotonic() > self.deadline:
             raise self._fail(DecodeTooSlow(
                 f"decoding the {self.what} took longer than decode_timeout_s={self.timeout_s:g} s and was stopped; "

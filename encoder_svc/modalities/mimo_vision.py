@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 import torch
 
-from encoder_svc.decode_limits import Abandoned, DecodeGuard
+from encoder_svc.decode_limits import DecodeGuard
 from encoder_svc.errors import BadMedia
 from encoder_svc.modalities.context import EncodeContext
 from encoder_svc.preprocess.image_decode import decode_rgb
@@ -65,8 +65,7 @@ def _decode_and_submit(ctx: EncodeContext, data: bytes, info, indices: list[int]
     carry: torch.Tensor | None = None  # frames of an unfinished temporal group
     try:
         for _, frames in ctx.video_decoder.iter_chunks(data, indices, guard):
-            if guard.abandoned:
-                break
+            guard.raise_if_stopped()  # another chunk passed a budget, or the encode was cancelled
             frames = frames.to(ctx.models.device, non_blocking=True)
             if carry is not None:
                 frames = torch.cat([carry, frames])
@@ -75,11 +74,10 @@ def _decode_and_submit(ctx: EncodeContext, data: bytes, info, indices: list[int]
             if whole:
                 futures.append(ctx.batcher.submit("vision", pre.video(frames[:whole], size)))  # [g, lh, lw, m*m, P]
             del frames
-        if carry is not None and not guard.abandoned:  # vLLM: pad by repeating the last frame
+        if carry is not None:  # vLLM: pad by repeating the last frame
             pad = carry[-1:].expand(tp - carry.shape[0], *carry.shape[1:])
             futures.append(ctx.batcher.submit("vision", pre.video(torch.cat([carry, pad]), size)))
-        if guard.abandoned:  # the encode was cancelled while decoding: queue nothing for it
-            raise Abandoned()
+        guard.raise_if_stopped()  # cancelled while decoding: queue nothing for it
     except BaseException:
         for f in futures:
             f.cancel()

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 import torch
 
-from encoder_svc.decode_limits import Abandoned, DecodeGuard
+from encoder_svc.decode_limits import DecodeGuard
 from encoder_svc.errors import BadMedia
 from encoder_svc.modalities import mimo_vision
 from encoder_svc.modalities.context import EncodeContext
@@ -47,13 +47,11 @@ def _decode_and_submit(ctx: EncodeContext, data: bytes, indices: list[int], guar
     futures: list[Future] = []
     try:
         for _, frames in ctx.video_decoder.iter_chunks(data, indices, guard):
-            if guard.abandoned:
-                break
+            guard.raise_if_stopped()  # another chunk passed a budget, or the encode was cancelled
             pixels = ctx.image_backend.frames(frames)  # [n, 3, h, w]
             del frames
             futures.append(ctx.batcher.submit("vision", pixels))
-        if guard.abandoned:  # the encode was cancelled while decoding: queue nothing for it
-            raise Abandoned()
+        guard.raise_if_stopped()  # cancelled while decoding: queue nothing for it
     except BaseException:
         for f in futures:
             f.cancel()

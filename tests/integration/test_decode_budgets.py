@@ -52,7 +52,7 @@ def media(tmp_path_factory):
         # 10 frames of 7680x4320 (33 MP each, under max_image_pixels=64 MP): 332 MP at 1 fps, over the
         # default max_video_pixels (32 frames of 4K = 265 MP)
         "video_8k": ffmpeg(d / "8k.mp4", "-f", "lavfi", "-i", "color=c=blue:size=7680x4320:rate=1", "-t", "10", *x264),
-        # 600 frames of 720p: sampled at 30 fps, seconds of decoding on two cores
+        # 600 frames of 720p: sampled at 30 fps, seconds of decoding on two decoder threads (1.4 s at least here)
         "video_720p": ffmpeg(d / "720.mp4", "-f", "lavfi", "-i", "testsrc=size=1280x720:rate=30", "-t", "20", *x264),
         "video_small": ffmpeg(d / "small.mp4", "-f", "lavfi", "-i", "testsrc=size=160x120:rate=10", "-t", "2", *x264),
         "video_small2": ffmpeg(d / "small2.mp4", "-f", "lavfi", "-i", "testsrc2=size=160x120:rate=10", "-t", "2", *x264),
@@ -73,7 +73,7 @@ def defaults(mimo_bundle):
 def small(mimo_bundle):
     """An encoder with budgets small enough to reach with test-sized media."""
     s = EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, max_audio_samples=150_000,
-                        decode_timeout_s=0.5, max_video_pixels=10**12)
+                        decode_timeout_s=0.25, max_video_pixels=10**12, video_workers=2)
     app = create_app(s)
     with serve_in_thread(app) as url:
         yield url, app
@@ -82,7 +82,8 @@ def small(mimo_bundle):
 @pytest.fixture(scope="module")
 def patient(mimo_bundle):
     """Budgets that let a long encode run, to be left by its clients."""
-    s = EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, decode_timeout_s=600, max_video_pixels=10**12)
+    s = EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, decode_timeout_s=600, max_video_pixels=10**12,
+                        video_workers=2)
     app = create_app(s)
     with serve_in_thread(app) as url:
         yield url, app
@@ -168,7 +169,7 @@ def test_decode_past_the_wall_time_limit_is_stopped(small, media):
     url, app = small
     dec = app.state.service.ctx.video_decoder
     before = dec.decoded_frames
-    msg = refused(post(url, media["video_720p"], modality="video", fps=30, max_frames=600), "decode_timeout_s=0.5")
+    msg = refused(post(url, media["video_720p"], modality="video", fps=30, max_frames=600), "decode_timeout_s=0.25")
     assert "stopped" in msg
     time.sleep(1.0)  # chunks still decoding finish their sub-batch and stop
     stopped_at = dec.decoded_frames
