@@ -9,6 +9,7 @@ import json
 from gateway.errors import APIError
 from gateway.limits import setting_ref
 from gateway.openai_api.requests import ChatCompletionRequest, CompletionRequest, GenerationFields
+from shared.schemas import TokenizeRequest
 from shared.settings import GatewaySettings
 
 
@@ -45,8 +46,9 @@ def check_grammar_size(body: GenerationFields, settings: GatewaySettings,
         )
 
 
-def check_tools(body: ChatCompletionRequest, settings: GatewaySettings, param: str = "tools") -> None:
-    """400 past ``max_tools`` tools, or a tool whose parameters schema exceeds ``max_schema_bytes``."""
+def check_tools(body: ChatCompletionRequest | TokenizeRequest, settings: GatewaySettings, param: str = "tools") -> None:
+    """400 past ``max_tools`` tools, or a tool whose parameters schema exceeds ``max_schema_bytes``
+    (chat, and /tokenize, whose tools the chat template renders)."""
     tools = body.tools or []
     if len(tools) > settings.max_tools:
         raise APIError(

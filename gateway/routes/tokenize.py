@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 
 from gateway.auth import ApiKeyDep
 from gateway.errors import APIError
+from gateway.request_limits import check_tools
 from gateway.state import StateDep
 from gateway.validate import check_template
 from shared.schemas import DetokenizeRequest, TokenizeRequest
@@ -35,6 +36,7 @@ async def _forward(state, path: str, payload: dict) -> JSONResponse:
 async def tokenize(body: TokenizeRequest, state: StateDep) -> JSONResponse:
     _check_model(state, body.model)
     check_template(body.chat_template_kwargs, state.settings.trust_request_chat_template)
+    check_tools(body, state.settings)
     return await _forward(state, "/tokenize", body.model_dump(exclude={"model"}, exclude_none=True))
 
 

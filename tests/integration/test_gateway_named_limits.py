@@ -130,6 +130,9 @@ def test_tools_past_the_limit_are_refused(gw, upstreams):
                      "tools": [{"type": "function", "name": f"t{i}", "parameters": {"type": "object"}}
                                for i in range(129)]}
         refused(c.post("/v1/responses", json=responses), "max_tools", "too_many_tools")
+        tokenize = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                    "tools": [tool(i) for i in range(129)]}
+        refused(c.post("/tokenize", json=tokenize), "max_tools", "too_many_tools")
         assert sent(llm) == n
         assert c.post("/v1/chat/completions", json=chat(tools=[tool(i) for i in range(128)])).status_code == 200
 
