@@ -83,7 +83,7 @@ def small(mimo_bundle):
 def patient(mimo_bundle):
     """Budgets that let a long encode run, to be left by its clients."""
     s = EncoderSettings(model_dir=str(mimo_bundle), cache_bytes=0, decode_timeout_s=600, max_video_pixels=10**12,
-                        video_workers=2)
+                        video_workers=2, video_fps=30, video_max_frames=600)  # defaults: what the gateway asks for
     app = create_app(s)
     with serve_in_thread(app) as url:
         yield url, app
@@ -181,13 +181,17 @@ def test_decode_past_the_wall_time_limit_is_stopped(small, media):
     assert app.state.service.ctx.batcher.pending() == 0
 
 
-def open_encode(url: str, data: bytes, query: str) -> socket.socket:
-    """An encode request sent whole on a raw socket, its answer not read (closing it = leaving)."""
+def open_post(url: str, path: str, data: bytes, content_type: str = "application/octet-stream") -> socket.socket:
+    """A POST sent whole on a raw socket, its answer not read (closing the socket = leaving)."""
     u = urlsplit(url)
     s = socket.create_connection((u.hostname, u.port))
-    s.sendall(f"POST /v1/encode?{query} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/octet-stream\r\n"
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: {content_type}\r\n"
               f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return s
+
+
+def open_encode(url: str, data: bytes, query: str) -> socket.socket:
+    return open_post(url, f"/v1/encode?{query}", data)
 
 
 def test_encode_nobody_waits_for_is_cancelled(patient, media):
@@ -254,6 +258,31 @@ def test_request_video_pixels_split_over_a_requests_videos(defaults, media):
         assert "max_request_video_pixels" in msg and f"share is {(SMALL_VIDEO_PIXELS + 1000) // 2}" in msg, msg
         r = chat(media["video_small"], media["video_small"])  # the same bytes twice: one encode, the whole budget
         assert r.status_code == 200, r.text
+    finally:
+        gw.stop()
+        llm.stop()
+
+
+def test_chat_client_leaving_cancels_the_encode_behind_the_gateway(patient, media):
+    """The gateway drops its encode call when its client leaves; the encoder sees that and cancels."""
+    import json
+
+    url, app = patient
+    svc, dec = app.state.service, app.state.service.ctx.video_decoder
+    llm = ServerThread(fake_llm_app("l")).start()
+    gs = GatewaySettings(model_name="m", encoder_urls=[url], llm_urls=[llm.url], health_interval=0, dns_interval=0)
+    gw = ServerThread(create_gateway(gs)).start()
+    try:
+        base, frames = metric(url, "encoder_cancelled_encodes"), dec.decoded_frames
+        body = {"model": "m", "messages": [{"role": "user", "content": [video_part(media["video_720p"])]}]}
+        client = open_post(gw.url, "/v1/chat/completions", json.dumps(body).encode(), "application/json")
+        until(lambda: dec.decoded_frames > frames, what="decoding started")
+        client.close()
+        until(lambda: metric(url, "encoder_cancelled_encodes") == base + 1, what="the encode cancelled")
+        until(lambda: metric(url, "encoder_admitted_in_flight") == 0, what="slot released")
+        until(lambda: svc.ctx.batcher.pending() == 0, what="queued items dropped")
+        assert dec.decoded_frames - frames < 600, "all 600 sampled frames were decoded for nobody"
+        svc.check_integrity()
     finally:
         gw.stop()
         llm.stop()
