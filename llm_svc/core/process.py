@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         log.exception("engine core broken; exiting so the front restarts it")
         code = EXIT_BROKEN
+    if engine.grammars is not None:  # its compile workers are killed and reaped (they die with us anyway)
+        engine.grammars.close()
     inputs.close()
     outputs.close()
     ctx.term()

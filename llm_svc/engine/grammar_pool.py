@@ -12,8 +12,9 @@ compile runs in a process of its own and this pool enforces two things a thread 
   ``grace_s`` (it may be about to finish: its result is then kept by the caller's cache).
 
 Up to ``workers`` processes run at once, started as jobs queue (each one imports xgrammar:
-about 3 s of CPU), so a hostile compile holds one worker while the others serve the rest; a
-killed worker is reaped and replaced, and one stays warm once the pool has been used. One
+about 3 s of CPU and 300 MiB of its own), so a hostile compile holds one worker while the others
+serve the rest; a killed worker is reaped and replaced, one stays warm once the pool has been
+used, and the others exit after ``IDLE_RETIRE_S`` without work. One
 thread (``grammar-pool``) starts, feeds and watches the workers, and reports each job's end
 through its ``on_done``; it is started by the first ``submit``, so an engine that never sees a
 constrained request starts no process.
@@ -39,6 +40,9 @@ from .grammar_worker import read_frame, write_frame
 log = logging.getLogger(__name__)
 
 _TICK = 0.1  # seconds between limit checks while a compile runs
+# a worker holds about 300 MiB of its own (xgrammar imports torch): beyond the one kept warm,
+# workers idle this long exit
+IDLE_RETIRE_S = 60.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -62,6 +66,7 @@ class _Worker:
     ready: bool = False
     job: Job | None = None
     started: float = 0.0  # the job's start, wall clock
+    idle_since: float = field(default_factory=time.monotonic)
     cpu0: float = 0.0  # the worker's CPU seconds when the job started
 
 
@@ -99,7 +104,7 @@ class CompilePool:
         os.set_blocking(self._wake_w, False)
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._used = False  # a job was submitted: keep one worker warm from now on
+        self._warm = False  # a worker started fine: keep one ready from now on
         self._last_failed_start = 0.0
         self.counts = collections.Counter()  # timeouts, kills (abandoned), starts, crashes
 
@@ -110,7 +115,6 @@ class CompilePool:
             if self._closed:
                 raise CompilerUnavailable("the grammar compiler is shut down")
             self._queue.append(job)
-            self._used = True
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="grammar-pool", daemon=True)
                 self._thread.start()
@@ -185,7 +189,7 @@ class CompilePool:
         self._assign()
         busy = [w for w in self._workers if w.job is not None]
         starting = [w for w in self._workers if not w.ready]
-        wait = _TICK if busy else (1.0 if starting or self._queue else None)
+        wait = _TICK if busy else (1.0 if starting or self._queue or len(self._workers) > 1 else None)
         poll = select.poll()
         poll.register(self._wake_r, select.POLLIN)
         by_fd = {}
@@ -199,15 +203,14 @@ class CompilePool:
             else:
                 self._reply(by_fd[fd])
         self._enforce()
+        self._retire_idle()
         return False
 
     def _spawn_needed(self) -> None:
         with self._lock:
             queued = len(self._queue)
-        if not queued and not self._used:
-            return
         idle = sum(w.job is None for w in self._workers)
-        want = min(self.max_workers, max(1, len(self._workers) + queued - idle))
+        want = min(self.max_workers, max(int(self._warm), len(self._workers) + queued - idle))
         if len(self._workers) >= want:
             return
         if time.monotonic() - self._last_failed_start < 1.0:  # a broken environment: no spinning
@@ -220,12 +223,18 @@ class CompilePool:
                 self._last_failed_start = time.monotonic()
                 self._fail_queued(CompilerUnavailable(f"the grammar compiler could not start ({type(e).__name__})"))
                 return
-        while len(self._workers) < want:
+        while len(self._workers) < want and time.monotonic() - self._last_failed_start >= 1.0:
             self._start_worker()
 
     def _start_worker(self) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", "llm_svc.engine.grammar_worker", str(os.getpid())],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_worker_env())
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "llm_svc.engine.grammar_worker", str(os.getpid())],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_worker_env())
+        except OSError as e:  # out of processes or file descriptors
+            log.error("a grammar compile worker could not be started: %s", e)
+            self._last_failed_start, self._warm = time.monotonic(), False
+            self._fail_queued(CompilerUnavailable("the grammar compiler could not start; retry later"))
+            return
         w = _Worker(proc)
         self._workers.append(w)
         self.counts["starts"] += 1
@@ -256,9 +265,9 @@ class CompilePool:
             return
         ok, body = msg
         if not w.ready:
-            w.ready = True
+            w.ready = self._warm = True
             return
-        job, w.job = w.job, None
+        job, w.job, w.idle_since = w.job, None, time.monotonic()
         if job is None:
             return
         # a cancelled job's result is still reported: the caller's cache keeps it
@@ -286,6 +295,13 @@ class CompilePool:
                 self._kill(w)
                 job.on_done(job, None, CompileTimeout(job.timeout_message))
 
+    def _retire_idle(self) -> None:
+        """Workers past the warm one that had nothing to do for ``IDLE_RETIRE_S`` exit."""
+        now = time.monotonic()
+        for w in [w for w in self._workers if w.ready and w.job is None][1:]:
+            if now - w.idle_since >= IDLE_RETIRE_S:
+                self._kill(w)
+
     def _lost(self, w: _Worker) -> None:
         """``w`` died on its own (a crash, the OOM killer, a failed start): reaped, its job failed."""
         job = w.job
@@ -293,7 +309,7 @@ class CompilePool:
         code = w.proc.returncode
         if not w.ready:
             log.error("a grammar compile worker exited while starting (status %s)", code)
-            self._last_failed_start = time.monotonic()
+            self._last_failed_start, self._warm = time.monotonic(), False  # started again for the next job
             self._fail_queued(CompilerUnavailable("the grammar compiler could not start; retry later"))
             return
         self.counts["crashes"] += 1
