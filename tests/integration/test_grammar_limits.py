@@ -29,7 +29,8 @@ pytestmark = pytest.mark.integration
 # at the lowest priority on the shared 2-core Xeon); the cost grows faster than the square of the
 # count up to about 20,000 (past some count xgrammar no longer expands it: 32,000 compiles in 0.1 s).
 HOSTILE = json.dumps({"type": "object", "required": ["p0", "p1", "p2", "p3"], "properties": {
-    f"p{i}": {"type": "string", "pattern": f"({a}|{b}){{16000}}"} for i, (a, b) in enumerate(("ab", "cd", "ef", "gh"))}})
+    f"p{i}": {"type": "string", "pattern": f"({a}|{b}){{16000}}"}
+    for i, (a, b) in enumerate(("ab", "cd", "ef", "gh"))}})
 SIMPLE = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
 
 
