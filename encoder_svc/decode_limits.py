@@ -34,6 +34,7 @@ class DecodeGuard:
         self.max_pixels = max_pixels
         self.frame_pixels = frame_pixels
         self.pixels_setting = pixels_setting  # what max_pixels is, for the 413
+        self.frame_pixels_hint: int | None = None  # width x height from the stream info, once probed
         self.pixels = 0  # decoded so far, all decoder threads together
         self._lock = threading.Lock()
         self._stop = threading.Event()

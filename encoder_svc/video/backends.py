@@ -42,6 +42,10 @@ class VideoReader(ABC):
     def frames(self, indices: list[int]) -> torch.Tensor:
         """uint8 [len(indices), 3, H, W]; raises ``BadMedia`` if the data is corrupt."""
 
+    def key_indices(self) -> list[int] | None:
+        """Keyframe positions from the container's index (no decoding), or None if unknown."""
+        return None
+
 
 VIDEO_BACKENDS: Registry[Callable[[bytes], VideoReader]] = Registry("video backend")
 
@@ -61,6 +65,12 @@ class DecordReader(VideoReader):
     def info(self) -> VideoInfo:
         h, w, _ = self._vr[0].shape if len(self._vr) else (0, 0, 0)
         return VideoInfo(len(self._vr), float(self._vr.get_avg_fps()), w, h)
+
+    def key_indices(self) -> list[int] | None:
+        try:
+            return [int(i) for i in self._vr.get_key_indices()]
+        except Exception:  # noqa: BLE001 - no index: the decode goes on without stepping stones
+            return None
 
     def frames(self, indices: list[int]) -> torch.Tensor:
         try:
@@ -85,6 +95,12 @@ class TorchcodecReader(VideoReader):
     def info(self) -> VideoInfo:
         m = self._dec.metadata
         return VideoInfo(int(m.num_frames or 0), float(m.average_fps or 0.0), int(m.width or 0), int(m.height or 0))
+
+    def key_indices(self) -> list[int] | None:
+        try:  # private in torchcodec 0.17; without it the decode goes on without stepping stones
+            return [int(i) for i in self._dec._get_key_frame_indices().tolist()]
+        except Exception:  # noqa: BLE001
+            return None
 
     def frames(self, indices: list[int]) -> torch.Tensor:
         try:

@@ -17,5 +17,6 @@ def plan(settings, decoder: ChunkedVideoDecoder, data: bytes, fps: float,
     info = decoder.probe(data)
     indices = sample_indices(info.num_frames, info.fps, fps, max_frames)
     check_video_size(settings, len(indices), info.width, info.height)
+    guard.frame_pixels_hint = info.width * info.height
     guard.check()
     return guard, info, indices

@@ -20,8 +20,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import torch
 
 from encoder_svc.app import create_app
+from encoder_svc.decode_limits import DecodeGuard
 from encoder_svc.server import serve_in_thread
 from gateway.app import create_app as create_gateway
 from mmserve.testing.fake_services import ServerThread, fake_llm_app
@@ -54,6 +56,9 @@ def media(tmp_path_factory):
         "video_8k": ffmpeg(d / "8k.mp4", "-f", "lavfi", "-i", "color=c=blue:size=7680x4320:rate=1", "-t", "10", *x264),
         # 600 frames of 720p: sampled at 30 fps, seconds of decoding on two decoder threads (1.4 s at least here)
         "video_720p": ffmpeg(d / "720.mp4", "-f", "lavfi", "-i", "testsrc=size=1280x720:rate=30", "-t", "20", *x264),
+        # one keyframe in 21 s of 720p: reaching frame 600 is one forward decode of 600 frames
+        "video_one_key": ffmpeg(d / "onekey.mp4", "-f", "lavfi", "-i", "testsrc=size=1280x720:rate=30", "-t", "21",
+                                *x264, "-x264-params", "keyint=100000:min-keyint=100000:scenecut=0"),
         "video_small": ffmpeg(d / "small.mp4", "-f", "lavfi", "-i", "testsrc=size=160x120:rate=10", "-t", "2", *x264),
         "video_small2": ffmpeg(d / "small2.mp4", "-f", "lavfi", "-i", "testsrc2=size=160x120:rate=10", "-t", "2", *x264),
     }
@@ -179,6 +184,44 @@ def test_decode_past_the_wall_time_limit_is_stopped(small, media):
     served(url, media)
     app.state.service.check_integrity()
     assert app.state.service.ctx.batcher.pending() == 0
+
+
+class CountingGuard(DecodeGuard):
+    """A guard whose wall time runs out at its ``n``-th check: a deadline in decoder calls, not
+    seconds, so what it stops does not depend on this machine's speed."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(600, "video")
+        self.n, self.checks = n, 0
+        self.frame_pixels_hint = 1280 * 720
+
+    def check(self) -> None:
+        self.checks += 1
+        if self.checks >= self.n:
+            self.deadline = 0.0
+        super().check()
+
+
+@pytest.mark.parametrize("backend", ["decord", "torchcodec"])
+def test_one_long_forward_decode_is_stopped_between_stepping_stones(media, backend):
+    """Frame 600 of a video with one keyframe is 600 frames of forward decoding: in one decoder call
+    nothing could stop it; with the keyframe positions the decoder reaches it in calls of bounded
+    work, so a wall-time budget spent on the way stops it before frame 600 comes out."""
+    from encoder_svc.errors import DecodeTooSlow
+    from encoder_svc.video.decode import ChunkedVideoDecoder
+
+    dec = ChunkedVideoDecoder(backend, workers=1)
+    try:
+        g = CountingGuard(4)
+        with pytest.raises(DecodeTooSlow, match="decode_timeout_s"):
+            list(dec.iter_chunks(media["video_one_key"], [600], g))
+        assert dec.decoded_frames == 0 and g.checks == 4  # stopped on the way, frame 600 never decoded
+        ok = CountingGuard(10**9)
+        [(_, frames)] = dec.iter_chunks(media["video_one_key"], [600], ok)
+        assert torch.equal(frames, dec.decode(media["video_one_key"], [600]))  # stones change no pixel
+        assert ok.checks > 600 // (64_000_000 // (1280 * 720))  # one check per call of <= 69 frames
+    finally:
+        dec.close()
 
 
 def open_post(url: str, path: str, data: bytes, content_type: str = "application/octet-stream") -> socket.socket:

@@ -101,3 +101,38 @@ def test_audio_decode_past_its_wall_time_stopped(audio):
     g = DecodeGuard(0.0, "audio")
     with pytest.raises(DecodeTooSlow, match="decoding the audio took longer than decode_timeout_s=0 s"):
         decode_audio(audio["flac"], guard=g)
+
+
+def _work(calls, keys, after=-1):
+    """Frames each call decodes: forward from the previous frame, or from the keyframe before."""
+    from encoder_svc.video.stepping import _key_before
+
+    out, prev = [], after
+    for call in calls:
+        w = 0
+        for i in call:
+            w += i - (max(prev + 1, _key_before(keys, i)) if keys else prev + 1) + 1
+            prev = i
+        out.append(w)
+    return out
+
+
+def test_stepping_stones_cut_a_long_forward_decode_into_bounded_calls():
+    from encoder_svc.video.stepping import plan_calls
+
+    px = 1280 * 720
+    stride = 64_000_000 // px  # 69 frames of 720p per call
+    targets = [10, 5000, 5010, 9000]
+    calls = plan_calls(targets, [0], px, 64_000_000, 8)  # one keyframe: frame 9000 is 9000 frames away
+    flat = [i for c in calls for i in c]
+    assert flat == sorted(flat) and [i for i in flat if i in targets] == targets
+    assert max(_work(calls, [0])) <= stride and len(calls) > 9000 // stride
+    # a keyframe just before a target: the decoder seeks there, no stones before it
+    calls = plan_calls([9000], [0, 8990], px, 64_000_000, 8)
+    assert calls == [[9000]]
+    # no keyframe positions: no stones (one could force decoding a seek would skip)
+    assert plan_calls([10, 9000], None, px, 64_000_000, 8) == [[10], [9000]]
+    # close targets share a call, up to the frames a call may return
+    assert plan_calls(list(range(20)), [0], px, 64_000_000, 8) == [list(range(8)), list(range(8, 16)), list(range(16, 20))]
+    # frames larger than the work budget: one frame per call
+    assert plan_calls([0, 1, 2], [0], 64_000_000, 64_000_000, 8) == [[0], [1], [2]]
