@@ -66,6 +66,7 @@ class Attack:
     expected: frozenset[int]
     what: str
     prepare: Callable[[AttackContext], None] | None = None
+    slow: bool = False  # its refusal takes seconds by design (a timeout): sent once per run in --quick
 
 
 async def _post(url: str, path: str, body: dict, headers: dict, timeout: float = 120.0) -> int:
@@ -146,9 +147,9 @@ async def completions_10k(ctx: AttackContext) -> int:
 
 
 def _prep_flac(ctx: AttackContext) -> None:
-    # 1 s of 8-channel noise at 655,350 Hz, FLAC's largest rate ffmpeg writes: ~5.2 M samples
-    ctx.media["flac"] = _ffmpeg(["-f", "lavfi", "-i", "anoisesrc=r=655350:d=1", "-ac", "8", "-c:a", "flac",
-                                 "-compression_level", "0", "bomb.flac"])
+    # 1 s of an 8-channel tone at 655,340 Hz (ffmpeg refuses 768 kHz FLAC; this is its highest): ~5.2 M samples
+    ctx.media["flac"] = _ffmpeg(["-f", "lavfi", "-i", "sine=frequency=300:duration=1:sample_rate=655340",
+                                 "-ac", "8", "-c:a", "flac", "-compression_level", "0", "bomb.flac"])
 
 
 async def audio_samples(ctx: AttackContext) -> int:
@@ -158,8 +159,9 @@ async def audio_samples(ctx: AttackContext) -> int:
 
 
 def _prep_video(ctx: AttackContext) -> None:
-    # each frame 1920x1080 (2 MP: under the per-frame limit), 20 s at 30 fps: 1.2 G pixels decoded
-    ctx.media["video"] = _ffmpeg(["-f", "lavfi", "-i", "color=c=blue:s=1920x1080:r=30:d=20", "-c:v", "libx264",
+    # 8K frames (33 MP each: under the per-frame max_image_pixels), 10 s at 1 fps: the 10 sampled
+    # frames are 332 M pixels, past the encoder's per-item max_video_pixels (265 M)
+    ctx.media["video"] = _ffmpeg(["-f", "lavfi", "-i", "color=c=blue:s=7680x4320:r=1:d=10", "-c:v", "libx264",
                                   "-preset", "ultrafast", "-crf", "51", "-pix_fmt", "yuv420p", "big.mp4"])
 
 
@@ -189,6 +191,21 @@ async def outside_source(ctx: AttackContext) -> int:
         return 0
 
 
+_sent = {"schema": 0}
+
+
+async def hostile_schema(ctx: AttackContext) -> int:
+    """A JSON schema whose grammar compiles for minutes (four strings of ``(a|b){16000}``: 140 CPU-s
+    unbounded on a 2-core Xeon); each send a new count, so none is refused from the timed-out cache."""
+    _sent["schema"] += 1
+    count = 16000 - _sent["schema"]
+    schema = {"type": "object", "required": ["p0", "p1", "p2", "p3"], "properties": {
+        f"p{i}": {"type": "string", "pattern": f"({a}|{b}){{{count}}}"}
+        for i, (a, b) in enumerate(["ab", "cd", "ef", "gh"])}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "hostile", "schema": schema}}
+    return await _post(ctx.gateway, "/v1/chat/completions", _chat(ctx, response_format=fmt), ctx.auth, timeout=300)
+
+
 ATTACKS: dict[str, Attack] = {
     "template_tokenize": Attack(template_tokenize, frozenset({400}), "nested-loop Jinja on the gateway's /tokenize"),
     "template_chat": Attack(template_chat, frozenset({400}), "nested-loop Jinja in a chat's chat_template_kwargs"),
@@ -197,9 +214,11 @@ ATTACKS: dict[str, Attack] = {
     "body_no_key": Attack(body_no_key, frozenset({401}), "200 MB chat body without an API key"),
     "body_too_big": Attack(body_too_big, frozenset({413}), "200 MB completions body with a key"),
     "completions_10k": Attack(completions_10k, frozenset({400}), "10,000 prompts in one /v1/completions"),
-    "audio_samples": Attack(audio_samples, frozenset({400, 413}), "1 s 655 kHz 8-channel FLAC",
-                            prepare=_prep_flac),
-    "video_pixels": Attack(video_pixels, frozenset({400, 413}), "20 s of 1080p frames (per-frame ok, per-item not)",
+    "audio_samples": Attack(audio_samples, frozenset({400, 413}),
+                            "1 s 655 kHz 8-channel FLAC (ffmpeg writes no 768 kHz FLAC)", prepare=_prep_flac),
+    "video_pixels": Attack(video_pixels, frozenset({400, 413}), "10 s of 8K frames (per-frame ok, per-item not)",
                            prepare=_prep_video),
+    "hostile_schema": Attack(hostile_schema, frozenset({400}), "a JSON schema that compiles for minutes",
+                             slow=True),
     "outside_source": Attack(outside_source, frozenset({400}), "/v1/generate naming an outside media source"),
 }

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -81,43 +82,82 @@ async def _steady(url: str, model: str, clients: int, max_tokens: int, stop: asy
     return {"ttft": ttft, "itl": itl, "errors": errors}
 
 
-async def _healthz(urls: list[str], stop: asyncio.Event) -> float:
-    """The slowest /healthz answer (ms) of any of ``urls`` while polled every 50 ms until ``stop``."""
-    worst = 0.0
+async def _healthz(urls: dict[str, str], stop: asyncio.Event, in_flight) -> dict:
+    """The slowest /healthz answer (ms) of each of ``urls`` (name -> base URL), polled every 50 ms
+    until ``stop``, and the attack in flight (``in_flight[0]``) when it was slowest."""
+    worst = {name: (0.0, None) for name in urls}
     async with httpx.AsyncClient(timeout=10) as c:
         while not stop.is_set():
-            for u in urls:
+            for name, u in urls.items():
                 t0 = time.perf_counter()
                 try:
                     await c.get(u + "/healthz")
-                    worst = max(worst, (time.perf_counter() - t0) * 1000)
+                    ms = (time.perf_counter() - t0) * 1000
                 except httpx.HTTPError:
-                    worst = max(worst, 10_000.0)
+                    ms = 10_000.0
+                if ms > worst[name][0]:
+                    worst[name] = (round(ms, 1), in_flight[0])
             await asyncio.sleep(0.05)
     return worst
 
 
+def _attacker(ctx: AttackContext, names: list[str], repeats: int, slow_once: bool, current, out) -> None:
+    """The attack side, in a process of its own (building and sending the attacks must not take
+    the load generator's event loop): each attack ``repeats`` times, round-robin, one at a time;
+    ``current`` holds the name in flight; ``out`` gets {name: [(status, seconds), ...]}."""
+    async def go() -> dict:
+        sent: dict[str, list[tuple[int, float]]] = {}
+        for k in range(repeats):
+            for name in names:
+                if k and slow_once and ATTACKS[name].slow:
+                    continue
+                current.value = name.encode()
+                a0 = time.perf_counter()
+                code = await ATTACKS[name].send(ctx)
+                sent.setdefault(name, []).append((code, time.perf_counter() - a0))
+                current.value = b""
+        return sent
+
+    out.put(asyncio.run(go()))
+
+
 async def one_run(ctx: AttackContext, clients: int, max_tokens: int, seconds: float, attacks: list[str] | None,
-                  repeats: int) -> dict:
+                  repeats: int, slow_once: bool = False) -> dict:
     """One run: the steady load for ``seconds`` (quiet), or until every attack was sent ``repeats``
-    times (at least ``seconds``)."""
+    times (at least ``seconds``; ``slow_once``: the slow attacks once)."""
+    mp = multiprocessing.get_context("spawn")
+    current, out = mp.Array("c", 64), mp.Queue()
+    in_flight = _InFlight(current)
     stop = asyncio.Event()
     steady = asyncio.ensure_future(_steady(ctx.gateway, ctx.model, clients, max_tokens, stop))
-    health = asyncio.ensure_future(_healthz([ctx.gateway, ctx.llm], stop))
+    health = asyncio.ensure_future(_healthz({"gateway": ctx.gateway, "llm": ctx.llm}, stop, in_flight))
     t0 = time.monotonic()
     sent: dict[str, list[tuple[int, float]]] = {}
     await asyncio.sleep(min(2.0, seconds / 4))  # the load reaches its steady state first
     if attacks:
-        for _ in range(repeats):
-            for name in attacks:
-                a0 = time.perf_counter()
-                code = await ATTACKS[name].send(ctx)
-                sent.setdefault(name, []).append((code, time.perf_counter() - a0))
+        proc = mp.Process(target=_attacker, args=(ctx, attacks, repeats, slow_once, current, out), daemon=True)
+        proc.start()
+        while proc.is_alive() and out.empty():
+            await asyncio.sleep(0.2)
+        sent = out.get(timeout=30)
+        proc.join(timeout=30)
     await asyncio.sleep(max(0.0, seconds - (time.monotonic() - t0)))
     stop.set()
     load, worst = await steady, await health
     return {"ttft_p99": _pct(load["ttft"], 0.99), "itl_p99": _pct(load["itl"], 0.99), "requests": len(load["ttft"]),
-            "errors": len(load["errors"]), "max_healthz_ms": round(worst, 1), "attacks": sent}
+            "errors": len(load["errors"]), "max_healthz_ms": max(ms for ms, _ in worst.values()),
+            "healthz": {name: {"max_ms": ms, "during": during} for name, (ms, during) in worst.items()},
+            "attacks": sent}
+
+
+class _InFlight:
+    """``[0]``: the attack in flight in the attacker process (None between attacks)."""
+
+    def __init__(self, current) -> None:
+        self.current = current
+
+    def __getitem__(self, _: int) -> str | None:
+        return self.current.value.decode() or None
 
 
 def main() -> int:
@@ -165,10 +205,10 @@ def main() -> int:
         for k in range(runs):
             for side in (("quiet", "attack") if k % 2 == 0 else ("attack", "quiet")):
                 r = asyncio.run(one_run(ctx, args.clients, args.max_tokens, seconds,
-                                        names if side == "attack" else None, repeats))
+                                        names if side == "attack" else None, repeats, slow_once=mode != "full"))
                 (attacked if side == "attack" else quiet).append(r)
                 print(f"run {k} {side}: TTFT p99 {r['ttft_p99']}, ITL p99 {r['itl_p99']}, {r['requests']} chats, "
-                      f"{r['errors']} errors, slowest /healthz {r['max_healthz_ms']} ms", flush=True)
+                      f"{r['errors']} errors, slowest /healthz {r['healthz']}", flush=True)
         ctx.cleanup()
     figures = summarize(quiet, attacked, names)
     for name, a in figures["attacks"].items():
@@ -208,6 +248,8 @@ def summarize(quiet: list[dict], attacked: list[dict], names: list[str]) -> dict
         "ttft_p99_ratio": ratios["ttft_p99"], "itl_p99_ratio": ratios["itl_p99"],
         "max_p99_ratio": max((v for v in ratios.values() if v is not None), default=None),
         "max_healthz_ms": max(r["max_healthz_ms"] for r in quiet + attacked),
+        "slowest_healthz": max((dict(h, service=name) for r in attacked for name, h in r["healthz"].items()),
+                               key=lambda h: h["max_ms"]),
         "quiet_healthz_ms": max(r["max_healthz_ms"] for r in quiet),
         "steady_errors": sum(r["errors"] for r in quiet + attacked),
         "all_refused": all(a["refused"] for a in per_attack.values()),
