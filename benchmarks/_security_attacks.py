@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import random
 import shutil
 import subprocess
 import tempfile
@@ -191,14 +192,10 @@ async def outside_source(ctx: AttackContext) -> int:
         return 0
 
 
-_sent = {"schema": 0}
-
-
 async def hostile_schema(ctx: AttackContext) -> int:
     """A JSON schema whose grammar compiles for minutes (four strings of ``(a|b){16000}``: 140 CPU-s
     unbounded on a 2-core Xeon); each send a new count, so none is refused from the timed-out cache."""
-    _sent["schema"] += 1
-    count = 16000 - _sent["schema"]
+    count = random.randint(14000, 16000)
     schema = {"type": "object", "required": ["p0", "p1", "p2", "p3"], "properties": {
         f"p{i}": {"type": "string", "pattern": f"({a}|{b}){{{count}}}"}
         for i, (a, b) in enumerate(["ab", "cd", "ef", "gh"])}}

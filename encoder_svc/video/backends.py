@@ -50,6 +50,18 @@ class VideoReader(ABC):
 VIDEO_BACKENDS: Registry[Callable[[bytes], VideoReader]] = Registry("video backend")
 
 
+def _header_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) of the video stream from the container's header (torchcodec reads the
+    stream info without decoding a frame), or None if it does not say."""
+    try:
+        from torchcodec.decoders import VideoDecoder
+
+        m = VideoDecoder(data, seek_mode="approximate").metadata
+    except Exception:  # a container torchcodec cannot open: decord's own answer stands
+        return None
+    return (int(m.width), int(m.height)) if m.width and m.height else None
+
+
 @VIDEO_BACKENDS.register("decord")
 class DecordReader(VideoReader):
     name = "decord"
@@ -57,14 +69,20 @@ class DecordReader(VideoReader):
     def __init__(self, data: bytes) -> None:
         import decord
 
+        self._data = data
         try:
             self._vr = decord.VideoReader(io.BytesIO(data), num_threads=1)
         except Exception as e:  # decord raises DECORDError / RuntimeError
             raise BadMedia(f"cannot decode the video: not a supported or an intact video file ({_short(e)})") from e
 
     def info(self) -> VideoInfo:
-        h, w, _ = self._vr[0].shape if len(self._vr) else (0, 0, 0)
-        return VideoInfo(len(self._vr), float(self._vr.get_avg_fps()), w, h)
+        # decord tells a frame's size only by decoding one: an 8K frame took 250 ms of CPU, spent
+        # on a video the pixel budgets then refuse; the container's header says it for free
+        size = _header_size(self._data)
+        if size is None:
+            h, w, _ = self._vr[0].shape if len(self._vr) else (0, 0, 0)
+            size = (w, h)
+        return VideoInfo(len(self._vr), float(self._vr.get_avg_fps()), *size)
 
     def key_indices(self) -> list[int] | None:
         try:
