@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import sys
 import tempfile
 import threading
@@ -101,8 +102,14 @@ class Cluster:
 
     def __init__(self, fabric: Fabric, model_dir: str, log_dir: Path, plan: Plan) -> None:
         self.f, self.model_dir, self.log_dir, self.plan = fabric, model_dir, log_dir, plan
+        # one peer key for every service (their Redis is on another host), and the LLMs fetch
+        # embeddings from the encoders' subnet only
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    "PYTHONPATH": str(_results.REPO), "OMP_NUM_THREADS": "1"}
+                    "PYTHONPATH": str(_results.REPO), "OMP_NUM_THREADS": "1",
+                    "MMSERVE_LLM_MEDIA_FETCH_ALLOW": f"{fabric.subnet}.0/24"}
+        peer = secrets.token_hex(32)
+        for service in ("GATEWAY", "ENCODER", "LLM"):
+            self.env[f"MMSERVE_{service}_PEER_KEY"] = peer
         self.redis = fabric.add_host("redis")
         fabric.set_name("redis", [self.redis.ip])
         self.gateways: list[Host] = []

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app
+from mmserve.testing.fake_services import ServerThread
 from shared.settings import GatewaySettings
 
 pytestmark = pytest.mark.integration
@@ -49,15 +49,6 @@ class Upload:
         for _ in range(self.chunks):
             self.sent += 1
             yield self.fill * MiB
-
-
-@pytest.fixture(scope="module")
-def upstreams():
-    enc = ServerThread(fake_encoder_app("e0")).start()
-    llm = ServerThread(fake_llm_app("l0")).start()
-    yield enc, llm
-    enc.stop()
-    llm.stop()
 
 
 def settings(upstreams, **kw) -> GatewaySettings:

@@ -21,15 +21,6 @@ pytestmark = pytest.mark.integration
 MODEL = "tiny-test"
 
 
-@pytest.fixture(scope="module")
-def upstreams():
-    enc = ServerThread(fake_encoder_app("e0")).start()
-    llm = ServerThread(fake_llm_app("l0")).start()
-    yield enc, llm
-    enc.stop()
-    llm.stop()
-
-
 def settings(enc, llm, **kw) -> GatewaySettings:
     return GatewaySettings(model_name=MODEL, encoder_urls=[enc.url], llm_urls=[llm.url], dns_interval=0,
                            connect_timeout=2, **{"health_interval": 0, **kw})

@@ -12,21 +12,12 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app
+from mmserve.testing.fake_services import ServerThread
 from shared.settings import GatewaySettings
 
 pytestmark = pytest.mark.integration
 
 MODEL = "tiny-test"
-
-
-@pytest.fixture(scope="module")
-def upstreams():
-    enc = ServerThread(fake_encoder_app("e0")).start()
-    llm = ServerThread(fake_llm_app("l0")).start()
-    yield enc, llm
-    enc.stop()
-    llm.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,10 @@ import pytest
 from encoder_svc.app import create_app as encoder_app
 from gateway.app import create_app as gateway_app
 from llm_svc.app import create_app as llm_app
-from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app
+from mmserve.testing.fake_services import ServerThread
 from shared.settings import EncoderSettings, GatewaySettings, LLMSettings
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def upstreams():
-    enc, llm = ServerThread(fake_encoder_app("e")).start(), ServerThread(fake_llm_app("l")).start()
-    yield enc, llm
-    enc.stop()
-    llm.stop()
 
 
 def gateway(upstreams, **kw) -> ServerThread:

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.integration
 
 # a nested loop: 10^10 iterations (the sandbox's largest range is 100,000), hours of one CPU
 NESTED = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
-SLOW = "{% for a in range(1500) %}{% for b in range(1500) %}{% endfor %}{% endfor %}done"
+# about a second or more of rendering: long enough for /healthz to be asked while it runs
+SLOW = "{% for a in range(6000) %}{% for b in range(6000) %}{% endfor %}{% endfor %}done"
 MSGS = [{"role": "user", "content": "hi"}]
 
 
