@@ -7,7 +7,8 @@ tiny omni MiMo (it takes images, video and audio), with an API key, a service to
 encoders' embeddings and the LLMs' L3 KV tier in Redis (when one answers on 127.0.0.1:6379).
 The steady load: ``--clients`` closed-loop streaming chats (one user text, ``--max-tokens``
 tokens, ``ignore_eos``). Attacks go one at a time, round-robin over the kinds, from another
-task; ``/healthz`` of the gateway and of the LLM front is polled every 50 ms throughout.
+task; ``/healthz`` of the gateway and of the LLM front is polled every 50 ms throughout, from a
+process of its own.
 
 Per attack: the status codes answered and the refusal time (median, max). Per run: TTFT and ITL
 p99 of the steady load. Figures: the attack runs' p99 over the quiet runs' (``max_p99_ratio``:
@@ -85,23 +86,29 @@ async def _steady(url: str, model: str, clients: int, max_tokens: int, stop: asy
     return {"ttft": ttft, "itl": itl, "errors": errors}
 
 
-async def _healthz(urls: dict[str, str], stop: asyncio.Event, in_flight) -> dict:
+def _healthz(urls: dict[str, str], stop, current, out) -> None:
     """The slowest /healthz answer (ms) of each of ``urls`` (name -> base URL), polled every 50 ms
-    until ``stop``, and the attack in flight (``in_flight[0]``) when it was slowest."""
-    worst = {name: (0.0, None) for name in urls}
-    async with httpx.AsyncClient(timeout=10) as c:
-        while not stop.is_set():
-            for name, u in urls.items():
-                t0 = time.perf_counter()
-                try:
-                    await c.get(u + "/healthz")
-                    ms = (time.perf_counter() - t0) * 1000
-                except httpx.HTTPError:
-                    ms = 10_000.0
-                if ms > worst[name][0]:
-                    worst[name] = (round(ms, 1), in_flight[0])
-            await asyncio.sleep(0.05)
-    return worst
+    until ``stop`` is set, and the attack in flight (``current``) when it was slowest; put on
+    ``out``. In a process of its own: on the load generator's event loop, every probe would also
+    wait for that loop's turn (up to 60 ms with the steady load alone on 2 cores), a delay of
+    the client's, not of the server under test."""
+    async def go() -> dict:
+        worst = {name: (0.0, None) for name in urls}
+        async with httpx.AsyncClient(timeout=10) as c:
+            while not stop.is_set():
+                for name, u in urls.items():
+                    t0 = time.perf_counter()
+                    try:
+                        await c.get(u + "/healthz")
+                        ms = (time.perf_counter() - t0) * 1000
+                    except httpx.HTTPError:
+                        ms = 10_000.0
+                    if ms > worst[name][0]:
+                        worst[name] = (round(ms, 1), current.value.decode() or None)
+                await asyncio.sleep(0.05)
+        return worst
+
+    out.put(asyncio.run(go()))
 
 
 def _attacker(ctx: AttackContext, names: list[str], repeats: int, slow_repeats: int, current, out) -> None:
@@ -131,10 +138,12 @@ async def one_run(ctx: AttackContext, clients: int, max_tokens: int, seconds: fl
     times (the slow ones ``slow_repeats`` times; at least ``seconds``)."""
     mp = multiprocessing.get_context("spawn")
     current, out = mp.Array("c", 64), mp.Queue()
-    in_flight = _InFlight(current)
     stop = asyncio.Event()
     steady = asyncio.ensure_future(_steady(ctx.gateway, ctx.model, clients, max_tokens, stop))
-    health = asyncio.ensure_future(_healthz({"gateway": ctx.gateway, "llm": ctx.llm}, stop, in_flight))
+    health_stop, health_out = mp.Event(), mp.Queue()
+    health = mp.Process(target=_healthz, args=({"gateway": ctx.gateway, "llm": ctx.llm}, health_stop, current,
+                                               health_out), daemon=True)
+    health.start()
     t0 = time.monotonic()
     sent: dict[str, list[tuple[int, float]]] = {}
     await asyncio.sleep(min(2.0, seconds / 4))  # the load reaches its steady state first
@@ -147,21 +156,14 @@ async def one_run(ctx: AttackContext, clients: int, max_tokens: int, seconds: fl
         proc.join(timeout=30)
     await asyncio.sleep(max(0.0, seconds - (time.monotonic() - t0)))
     stop.set()
-    load, worst = await steady, await health
+    health_stop.set()
+    load = await steady
+    worst = await asyncio.to_thread(health_out.get, timeout=30)
+    health.join(timeout=30)
     return {"ttft_p99": _pct(load["ttft"], 0.99), "itl_p99": _pct(load["itl"], 0.99), "requests": len(load["ttft"]),
             "errors": len(load["errors"]), "max_healthz_ms": max(ms for ms, _ in worst.values()),
             "healthz": {name: {"max_ms": ms, "during": during} for name, (ms, during) in worst.items()},
             "attacks": sent}
-
-
-class _InFlight:
-    """``[0]``: the attack in flight in the attacker process (None between attacks)."""
-
-    def __init__(self, current) -> None:
-        self.current = current
-
-    def __getitem__(self, _: int) -> str | None:
-        return self.current.value.decode() or None
 
 
 def main() -> int:
