@@ -59,8 +59,8 @@ def _decoding_state(sched, req, ctx: int) -> None:
     token: full slots for every position, SWA slots for the last window, next step a decode.
     Uses only scheduler/KV calls that exist in both trees."""
     try:
-        from llm_svc.types import RequestStatus
-    except ImportError:  # the baseline tree (before llm_svc.types)
+        from llm_svc.types.request import RequestStatus
+    except ImportError:  # the baseline tree (before llm_svc.types.request)
         from llm_svc.engine.request import RequestStatus
 
     w = sched.config.window
@@ -80,8 +80,8 @@ def measure(lm, ctx: int, bs: int, steps: int, warmup: int, extra: dict) -> floa
     from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 
     try:
-        from llm_svc.types import Request
-    except ImportError:  # the baseline tree (before llm_svc.types)
+        from llm_svc.types.request import Request
+    except ImportError:  # the baseline tree (before llm_svc.types.request)
         from llm_svc.engine.request import Request
     from llm_svc.models import build_model
     from shared.schemas import SamplingParams
@@ -119,7 +119,7 @@ def measure(lm, ctx: int, bs: int, steps: int, warmup: int, extra: dict) -> floa
 def worker(spec: dict) -> dict:
     import torch
 
-    from llm_svc.loader import load_lm
+    from llm_svc.loading.loader import load_lm
 
     torch.set_num_threads(spec["threads"])
     if spec.get("attention_threads"):  # as the engine core sets it (this tree only)

@@ -129,7 +129,7 @@ def cmd_encoder(args: argparse.Namespace) -> int:
 
 
 def cmd_llm(args: argparse.Namespace) -> int:
-    from llm_svc.app import create_app
+    from llm_svc.front.app import create_app
 
     # its callers are the gateway (which logs each client request) and the pool's /readyz
     # probes: a formatted line for each costs the CPU the engine core's threads run on

@@ -1,4 +1,4 @@
-"""The CPU paged decode kernel (``cpu_paged.c``): built once per machine (``llm_svc.ckernels``), called through ctypes.
+"""The CPU paged decode kernel (``cpu_paged.c``): built once per machine (``llm_svc.kernels.ckernels``), called through ctypes.
 
 Decodes are bound by reading the context: gathering it out of the pool first (``LayerKV.gather``)
 reads it, writes a copy and reads the copy again. The kernel reads each K/V row once, in place,
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..ckernels import kv_dtype_builds
+from llm_svc.kernels.ckernels import kv_dtype_builds
 from .base import AttentionParams, LayerKV
 
 SOURCE = Path(__file__).with_name("cpu_paged.c")

@@ -20,12 +20,12 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from shared.settings import LLMSettings
 
-from ..errors import InvalidRequest
-from ..loader import LoadedLM
-from ..prompt import input_embeds
-from ..types import PreparedRequest
+from llm_svc.types.errors import InvalidRequest
+from llm_svc.loading.loader import LoadedLM
+from llm_svc.front.prompt import input_embeds
+from llm_svc.types.request import PreparedRequest
 from ..engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
-from ..textproc import OutputText, logprob_entry, min_tokens_banned, token_finish_reason
+from llm_svc.engine.textproc import OutputText, logprob_entry, min_tokens_banned, token_finish_reason
 from . import BACKENDS
 from .base import Backend, BackendStats, GenOutput, RequestStream
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llm_svc.ckernels import CKernel
+from llm_svc.kernels.ckernels import CKernel
 from llm_svc.models import cpu_gemv
 from llm_svc.models import linear as L
 

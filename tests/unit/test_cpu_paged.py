@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from llm_svc.ckernels import CKernel
+from llm_svc.kernels.ckernels import CKernel
 from llm_svc.attention import AttentionParams, LayerKV
 from llm_svc.attention import cpu_paged
 from llm_svc.attention.torch_common import attend, table_slots

@@ -10,12 +10,12 @@ from shared.chat_template import TemplateKwargsError, check_template_kwargs
 from shared.prefix_keys import key_positions, prefix_layout
 from shared.schemas import GenerateRequest, PromptMedia, PromptMessage, PromptText
 
-from .errors import InvalidRequest
-from .loader import LoadedLM
+from llm_svc.types.errors import InvalidRequest
+from llm_svc.loading.loader import LoadedLM
 from .output_shape import build_shaper
-from .prompt_bound import tokens_past
+from llm_svc.loading.prompt_bound import tokens_past
 from .tool_choice import forced_spec
-from .types import EmbeddingRef, PreparedRequest
+from llm_svc.types.request import EmbeddingRef, PreparedRequest
 
 SEED_RANGE = 1 << 63  # every backend's generator takes it (and msgpack, to the engine core)
 
