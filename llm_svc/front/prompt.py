@@ -306,12 +306,3 @@ def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items:
             f"the chat template placed {k} media placeholders for {len(media)} media parts", param="messages"
         )
     return out, spans, mm_items, mm_refs, mm_hashes, item_spans
-
-
-def input_embeds(lm: LoadedLM, prep: PreparedRequest) -> torch.Tensor:
-    """``[T, hidden]`` embeddings of the whole prompt with media rows in place of the pads."""
-    ids = torch.tensor(prep.prompt_ids, dtype=torch.long, device=lm.device)
-    emb = lm.embed(ids)
-    for start, length, item in prep.mm_spans:
-        emb[start : start + length] = prep.mm_items[item]
-    return emb
