@@ -63,7 +63,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 # one build per pool dtype: bfloat16 / float16 K / V rows are widened to float32 as they are loaded
-# (half the bytes of a long context's read; tiny MiMo, 16 x 32K, 2 threads: see the README)
+# (half the bytes of a long context's read; tiny MiMo, 16 x 32K, 2 threads: docs/engine.md, `kv_dtype`)
 KERNELS = kv_dtype_builds(SOURCE, "cpu_paged", _bind, what="CPU paged decode kernel",
                           fallback="decodes gather their context")
 KERNEL = KERNELS[torch.float32]
