@@ -19,10 +19,11 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
-CACHE_DIR = Path(os.environ.get("MMSERVE_CACHE_DIR", Path.home() / ".cache" / "mmserve"))
-DEFAULT_MODEL_DIR = CACHE_DIR / "tiny-mimo"
+from shared.cache_dir import DEFAULT_MODEL, cache_root
+
+CACHE_DIR = cache_root()
+DEFAULT_MODEL_DIR = CACHE_DIR / DEFAULT_MODEL
 
 
 # extra flags of a setting (its own flag is the field's name in kebab case): vLLM's names where the
