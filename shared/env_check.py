@@ -51,6 +51,8 @@ OTHER_VARS: dict[str, str] = {
     "MMSERVE_LLM_REPLICAS": "compose.yaml: LLM replicas (default 1)",
     "MMSERVE_PROMETHEUS_PORT": "compose.yaml (monitoring profile): Prometheus's published port (default 9090)",
     "MMSERVE_GRAFANA_PORT": "compose.yaml (monitoring profile): Grafana's published port (default 3000)",
+    "MMSERVE_LLM_CORE_SETTINGS": "llm_svc/core/process.py: the LLM service hands its settings (JSON) to its engine "
+    "core process; set by the service, not by hand",
     "MMSERVE_BENCH_CACHE": "benchmarks: where the encoder benchmarks keep their bundles",
     "MMSERVE_BENCH_RESULTS": "benchmarks: where the smoke runs write their results",
     "MMSERVE_BENCH_LOCK_WAIT": "benchmarks: seconds to wait for the machine-wide benchmark lock (default 3600)",
