@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 
 from benchmarks import _results
+from shared.cache_dir import cache_root
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_REF = "d5857b8"  # llm_svc before persistent slot tables (per-step slot lists)
-CACHE = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
+CACHE = cache_root()
 MAX_POS = 65536
 
 
