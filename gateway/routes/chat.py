@@ -13,7 +13,7 @@ from typing import TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.auth import ApiKeyDep
+from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.media import MediaItem, collect_media
 from gateway.openai_format import SSE_DONE, ChunkWriter, CompletionChunkWriter, chat_completion, completion_id, now
@@ -21,7 +21,7 @@ from gateway.prompt import build_generate_request, pack_generate
 from gateway.state import GatewayState, StateDep
 from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
 from gateway.openai_api.requests import ChatCompletionRequest
-from gateway.limits import TICKET_SCOPE_KEY
+from gateway.edge.limits import TICKET_SCOPE_KEY
 from gateway.request_limits import check_chat_limits
 from gateway.upstream import MediaUnavailable, UpstreamError, upstream_deadline
 from gateway.validate import check_fits, check_template, check_text
@@ -127,7 +127,7 @@ async def answer(request: Request, state: GatewayState, cid: str, start: float, 
     to the encoders and the LLM as a deadline)."""
     timeout = state.settings.request_timeout
     upstream_deadline.set(start + timeout)  # copied into the tasks below
-    # taken before the body was read (gateway.limits.AdmissionMiddleware), else here
+    # taken before the body was read (gateway.edge.limits.AdmissionMiddleware), else here
     ticket = request.scope.get(TICKET_SCOPE_KEY) or await admit(state)
     opened = False  # once a stream is open, the response's close releases the ticket
     try:

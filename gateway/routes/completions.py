@@ -9,7 +9,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway.auth import ApiKeyDep
+from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.openai_format import CompletionChunkWriter, completion_id, now, text_completion
 from gateway.prompt import sampling_params

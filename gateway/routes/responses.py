@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from gateway.auth import ApiKeyDep
+from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.openai_api.responses_api import ResponsesRequest
 from gateway.openai_format import completion_id, now

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from gateway.auth import ApiKeyDep
+from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.request_limits import check_tools
 from gateway.state import StateDep

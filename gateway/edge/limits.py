@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.door import refuse_unread
+from gateway.edge.door import refuse_unread
 from gateway.errors import APIError
 from shared.admission import Overloaded
 
