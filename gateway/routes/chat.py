@@ -16,15 +16,15 @@ from fastapi.responses import JSONResponse, Response
 from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.media import MediaItem, collect_media
-from gateway.openai_format import SSE_DONE, ChunkWriter, CompletionChunkWriter, chat_completion, completion_id, now
+from gateway.openai_api.answer_format import SSE_DONE, ChunkWriter, CompletionChunkWriter, chat_completion, completion_id, now
 from gateway.prompt import build_generate_request, pack_generate
 from gateway.state import GatewayState, StateDep
 from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
 from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.edge.limits import TICKET_SCOPE_KEY
-from gateway.request_limits import check_chat_limits
+from gateway.openai_api.request_limits import check_chat_limits
 from gateway.upstream import MediaUnavailable, UpstreamError, upstream_deadline
-from gateway.validate import check_fits, check_template, check_text
+from gateway.openai_api.validate import check_fits, check_template, check_text
 from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse
 from shared.admission import Overloaded, Ticket
 from shared.streaming import ClosingStreamingResponse, race_disconnect

@@ -11,15 +11,15 @@ from fastapi.responses import Response
 
 from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
-from gateway.openai_format import CompletionChunkWriter, completion_id, now, text_completion
+from gateway.openai_api.answer_format import CompletionChunkWriter, completion_id, now, text_completion
 from gateway.prompt import sampling_params
-from gateway.request_limits import check_completion_prompts, check_grammar_size
+from gateway.openai_api.request_limits import check_completion_prompts, check_grammar_size
 from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
 from gateway.openai_api.requests import CompletionRequest
 from gateway.routes.chat import ABORTED, answer
 from gateway.state import GatewayState, StateDep
 from gateway.upstream import UpstreamError
-from gateway.validate import check_context
+from gateway.openai_api.validate import check_context
 from shared.rawwire import pack_raw
 from shared.schemas import GenerateRequest, GenerateResponse
 

@@ -1,5 +1,5 @@
 """``POST /v1/responses`` (OpenAI's Responses API, the Agents SDK's default), stateless: the
-request becomes a chat request (``gateway.responses_format``) and runs the chat path, media,
+request becomes a chat request (``gateway.openai_api.responses_format``) and runs the chat path, media,
 tools, structured output and streaming included."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pydantic import ValidationError
 from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.openai_api.responses_api import ResponsesRequest
-from gateway.openai_format import completion_id, now
-from gateway.request_limits import check_chat_limits
-from gateway.responses_format import InputError, ResponsesEventWriter, ResponseShell, response_object, to_chat
+from gateway.openai_api.answer_format import completion_id, now
+from gateway.openai_api.request_limits import check_chat_limits
+from gateway.openai_api.responses_format import InputError, ResponsesEventWriter, ResponseShell, response_object, to_chat
 from gateway.routes.chat import _generate, _open, answer
 from gateway.state import StateDep
-from gateway.validate import check_template, check_text
+from gateway.openai_api.validate import check_template, check_text
 
 router = APIRouter(dependencies=[ApiKeyDep])
 

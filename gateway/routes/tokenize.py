@@ -8,9 +8,9 @@ from fastapi.responses import JSONResponse
 
 from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
-from gateway.request_limits import check_tools
+from gateway.openai_api.request_limits import check_tools
 from gateway.state import StateDep
-from gateway.validate import check_template
+from gateway.openai_api.validate import check_template
 from shared.schemas import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter(dependencies=[ApiKeyDep])

@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.openai_api.responses_api import RESPONSES_ITEM_NOOP_FIELDS, RESPONSES_ITEM_UNSUPPORTED, ResponsesRequest
-from gateway.openai_format import assistant_message
+from gateway.openai_api.answer_format import assistant_message
 from shared.schemas import GenerateResponse, SampledLogprob, ToolCallWire
 
 
