@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
-from gateway.media import MediaItem, collect_media
+from gateway.media.items import MediaItem, collect_media
 from gateway.openai_api.answer_format import SSE_DONE, ChunkWriter, CompletionChunkWriter, chat_completion, completion_id, now
 from gateway.prompt import build_generate_request, pack_generate
 from gateway.state import GatewayState, StateDep

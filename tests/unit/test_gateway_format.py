@@ -5,7 +5,7 @@ import httpx
 import pytest
 import torch
 
-from gateway.media import MediaItem
+from gateway.media.items import MediaItem
 from gateway.openai_api.answers import ChunkChoice, DeltaMessage
 from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.openai_api.answer_format import SSE_DONE, ChunkWriter, chat_completion
