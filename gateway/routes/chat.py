@@ -17,9 +17,9 @@ from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.media.items import MediaItem, collect_media
 from gateway.openai_api.answer_format import SSE_DONE, ChunkWriter, CompletionChunkWriter, chat_completion, completion_id, now
-from gateway.prompt import build_generate_request, pack_generate
+from gateway.pipeline.prompt import build_generate_request, pack_generate
 from gateway.state import GatewayState, StateDep
-from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
+from gateway.pipeline.choices import ChoiceStreams, fan_out, generate_all, open_all
 from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.edge.limits import TICKET_SCOPE_KEY
 from gateway.openai_api.request_limits import check_chat_limits

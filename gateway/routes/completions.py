@@ -12,9 +12,9 @@ from fastapi.responses import Response
 from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.openai_api.answer_format import CompletionChunkWriter, completion_id, now, text_completion
-from gateway.prompt import sampling_params
+from gateway.pipeline.prompt import sampling_params
 from gateway.openai_api.request_limits import check_completion_prompts, check_grammar_size
-from gateway.choices import ChoiceStreams, fan_out, generate_all, open_all
+from gateway.pipeline.choices import ChoiceStreams, fan_out, generate_all, open_all
 from gateway.openai_api.requests import CompletionRequest
 from gateway.routes.chat import ABORTED, answer
 from gateway.state import GatewayState, StateDep

@@ -9,7 +9,7 @@ from gateway.media.items import MediaItem
 from gateway.openai_api.answers import ChunkChoice, DeltaMessage
 from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.openai_api.answer_format import SSE_DONE, ChunkWriter, chat_completion
-from gateway.prompt import build_generate_request, pack_generate, sampling_params
+from gateway.pipeline.prompt import build_generate_request, pack_generate, sampling_params
 from mmserve.testing.fake_services import filled
 from gateway.routing.inflight import InFlightWaits
 from gateway.upstream import Encoded, LLMStream, UpstreamError

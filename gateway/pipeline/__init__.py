@@ -1,0 +1,3 @@
+"""The path a generation request walks, in one direction: the LLM's request built from the
+OpenAI one (``prompt``), sent as one generation per choice (``choices``), answered as JSON or
+as SSE (``answer``, ``stream``). ``chat`` strings the chat stages together."""
