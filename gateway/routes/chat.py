@@ -24,7 +24,7 @@ from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.edge.limits import TICKET_SCOPE_KEY
 from gateway.openai_api.request_limits import check_chat_limits
 from gateway.upstream import MediaUnavailable, UpstreamError, upstream_deadline
-from gateway.openai_api.validate import check_fits, check_template, check_text
+from gateway.openai_api.validate import check_fits, check_model, check_template, check_text
 from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse
 from shared.admission import Overloaded, Ticket
 from shared.streaming import ClosingStreamingResponse, race_disconnect
@@ -106,8 +106,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     check_text(body)  # before anything may echo a string back
     check_template(body.chat_template_kwargs, state.settings.trust_request_chat_template)
     check_chat_limits(body, state.settings)
-    if body.model != state.model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
+    check_model(body.model, state.model_name)
     cid, created, start = completion_id(), now(), time.monotonic()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 

@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway.edge.auth import ApiKeyDep
-from gateway.errors import APIError
 from gateway.openai_api.answer_format import CompletionChunkWriter, completion_id, now, text_completion
 from gateway.pipeline.prompt import sampling_params
 from gateway.openai_api.request_limits import check_completion_prompts, check_grammar_size
@@ -19,7 +18,7 @@ from gateway.openai_api.requests import CompletionRequest
 from gateway.routes.chat import ABORTED, answer
 from gateway.state import GatewayState, StateDep
 from gateway.upstream import UpstreamError
-from gateway.openai_api.validate import check_context
+from gateway.openai_api.validate import check_context, check_model
 from shared.rawwire import pack_raw
 from shared.schemas import GenerateRequest, GenerateResponse
 
@@ -53,8 +52,7 @@ async def _open(state: GatewayState, gen: GenerateRequest, n: int) -> ChoiceStre
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
-    if body.model != state.model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
+    check_model(body.model, state.model_name)
     check_completion_prompts(body, state.settings)  # before one generation request is built
     check_grammar_size(body, state.settings)
     cid, created, start = completion_id("cmpl"), now(), time.monotonic()

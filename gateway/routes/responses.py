@@ -18,15 +18,14 @@ from gateway.openai_api.request_limits import check_chat_limits
 from gateway.openai_api.responses_format import InputError, ResponsesEventWriter, ResponseShell, response_object, to_chat
 from gateway.routes.chat import _generate, _open, answer
 from gateway.state import StateDep
-from gateway.openai_api.validate import check_template, check_text
+from gateway.openai_api.validate import check_model, check_template, check_text
 
 router = APIRouter(dependencies=[ApiKeyDep])
 
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request, state: StateDep) -> Response:
-    if body.model != state.model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
+    check_model(body.model, state.model_name)
     try:
         chat = to_chat(body)
     except InputError as e:
