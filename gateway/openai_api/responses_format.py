@@ -252,7 +252,7 @@ def sse_event(payload: dict) -> bytes:
 
 
 class ResponsesEventWriter:
-    """The Responses stream's events, driven by ``gateway.routes.chat.sse_events`` like the chat
+    """The Responses stream's events, driven by ``gateway.pipeline.stream.sse_events`` like the chat
     writers: created / in_progress; then items as they arrive, each with the next
     ``output_index``: the reasoning so far (whole) before the first other item, the message
     (output_item.added, content_part.added, output_text.delta ...) and each function call
