@@ -15,7 +15,8 @@ from shared.rawwire import pack_raw
 from shared.schemas import GenerateRequest, GenerateResponse
 
 
-def generate_request(state: GatewayState, body: CompletionRequest, prompt: str | list[int], rid: str) -> GenerateRequest:
+def generate_request(state: GatewayState, body: CompletionRequest, prompt: str | list[int],
+                     rid: str) -> GenerateRequest:
     """One prompt's LLM request; 400 when it cannot fit the replicas' context."""
     limits = state.llm_limits.best()
     sp = sampling_params(body, state.settings.default_max_tokens)

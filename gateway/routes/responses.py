@@ -14,7 +14,8 @@ from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
 from gateway.openai_api.answer_format import completion_id, now
 from gateway.openai_api.responses_api import ResponsesRequest
-from gateway.openai_api.responses_format import InputError, ResponsesEventWriter, ResponseShell, response_object, to_chat
+from gateway.openai_api.responses_format import (InputError, ResponsesEventWriter, ResponseShell, response_object,
+                                                 to_chat)
 from gateway.openai_api.validate import check_model
 from gateway.pipeline import chat
 from gateway.state import StateDep
