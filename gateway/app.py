@@ -9,9 +9,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.errors import install_error_handlers
-from gateway.door import ApiKeyMiddleware
+from gateway.edge.door import ApiKeyMiddleware
 from gateway.exposure import log_exposure
-from gateway.limits import AdmissionMiddleware, BodyLimit, BodyLimitMiddleware, body_limit
+from gateway.edge.limits import AdmissionMiddleware, BodyLimit, BodyLimitMiddleware, body_limit
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import install_openapi
 from gateway.routes import chat, completions, dashboard, health, models, responses, tokenize

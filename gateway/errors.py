@@ -15,6 +15,8 @@ from shared.schemas import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("mmserve.gateway")
 
+ENV_PREFIX = "MMSERVE_GATEWAY_"
+
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -24,6 +26,11 @@ _TYPE_BY_STATUS = {
     413: "invalid_request_error",
     429: "rate_limit_error",
 }
+
+
+def setting_ref(field: str) -> str:
+    """How an error names a gateway setting: the field and its environment variable."""
+    return f"{field} ({ENV_PREFIX}{field.upper()})"
 
 
 class APIError(Exception):

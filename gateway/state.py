@@ -9,7 +9,7 @@ from typing import Annotated
 import httpx
 from fastapi import Depends, Request
 
-from gateway.fetch import MediaFetcher
+from gateway.media.fetch import MediaFetcher
 from gateway.metrics import GatewayMetrics
 from gateway.routing.capacity import ReplicaLimits
 from gateway.routing.encoder_ring import EncoderRing
@@ -17,7 +17,7 @@ from gateway.routing.kv_feed import KVEventFeed
 from gateway.routing.kv_index import KVIndex
 from gateway.routing.llm_router import EventRouter, LLMRouter, make_router
 from gateway.routing.replicas import ReplicaPool, http_prober
-from gateway.ssrf import SSRFGuard
+from gateway.media.ssrf import SSRFGuard
 from gateway.upstream import EncoderClient, LLMClient
 from shared.admission import Admission, AdmissionConfig
 from shared.peer_auth import resolve as resolve_peer_key

@@ -35,7 +35,7 @@ import httpx
 
 from gateway.errors import APIError
 from gateway.aio import gather_or_cancel
-from gateway.media import MediaError, MediaItem
+from gateway.media.items import MediaError, MediaItem
 from gateway.routing.capacity import ReplicaLimits, estimate_prompt_tokens
 from gateway.routing.encoder_ring import EncoderRing
 from gateway.routing.inflight import InFlightWaits, ReplicaLost

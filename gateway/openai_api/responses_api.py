@@ -49,7 +49,7 @@ RESPONSES_INCLUDE_NOOP: dict[str, str] = {
     "message.input_image.image_url": "input items are not stored, so never listed",
 }
 # Input-item fields ("ITEM_TYPE.FIELD", or "PART_TYPE.FIELD" for a content part) that change
-# nothing here, accepted and ignored (gateway.responses_format reads the items).
+# nothing here, accepted and ignored (gateway.openai_api.responses_format reads the items).
 RESPONSES_ITEM_NOOP_FIELDS: dict[str, str] = {
     **{f"{kind}.{name}": "an output item's bookkeeping, echoed back in the history"
        for kind in ("message", "function_call", "function_call_output", "reasoning") for name in ("id", "status")

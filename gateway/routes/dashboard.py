@@ -10,7 +10,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from gateway.auth import DashboardKeyDep
+from gateway.edge.auth import DashboardKeyDep
 from gateway.dashboard import snapshot
 from gateway.errors import APIError
 from gateway.exposure import exposure_warnings

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from gateway.auth import ApiKeyDep
+from gateway.edge.auth import ApiKeyDep
 from gateway.openai_api.answers import ModelCard, ModelList
 from gateway.state import StateDep
 

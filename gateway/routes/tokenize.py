@@ -6,19 +6,19 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from gateway.auth import ApiKeyDep
+from gateway.edge.auth import ApiKeyDep
 from gateway.errors import APIError
-from gateway.request_limits import check_tools
+from gateway.openai_api.request_limits import check_tools
 from gateway.state import StateDep
-from gateway.validate import check_template
+from gateway.openai_api.validate import check_model, check_template
 from shared.schemas import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter(dependencies=[ApiKeyDep])
 
 
 def _check_model(state, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
+    if model is not None:
+        check_model(model, state.model_name)
 
 
 async def _forward(state, path: str, payload: dict) -> JSONResponse:

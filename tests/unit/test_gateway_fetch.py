@@ -6,9 +6,9 @@ import zlib
 import httpx
 import pytest
 
-from gateway.fetch import MediaFetcher
-from gateway.media import ByteBudget, MediaError, MediaRef
-from gateway.ssrf import SSRFGuard
+from gateway.media.fetch import MediaFetcher
+from gateway.media.items import ByteBudget, MediaError, MediaRef
+from gateway.media.ssrf import SSRFGuard
 
 pytestmark = pytest.mark.unit
 

@@ -5,11 +5,11 @@ import httpx
 import pytest
 import torch
 
-from gateway.media import MediaItem
+from gateway.media.items import MediaItem
 from gateway.openai_api.answers import ChunkChoice, DeltaMessage
 from gateway.openai_api.requests import ChatCompletionRequest
-from gateway.openai_format import SSE_DONE, ChunkWriter, chat_completion
-from gateway.prompt import build_generate_request, pack_generate, sampling_params
+from gateway.openai_api.answer_format import SSE_DONE, ChunkWriter, chat_completion
+from gateway.pipeline.prompt import build_generate_request, pack_generate, sampling_params
 from mmserve.testing.fake_services import filled
 from gateway.routing.inflight import InFlightWaits
 from gateway.upstream import Encoded, LLMStream, UpstreamError
@@ -200,7 +200,7 @@ def _prompt_entries() -> list:
 
 
 def test_echo_with_logprobs_leads_with_the_prompt_and_vllm_prompt_logprobs():
-    from gateway.openai_format import CompletionChunkWriter, text_completion
+    from gateway.openai_api.answer_format import CompletionChunkWriter, text_completion
     from shared.schemas import SampledLogprob
 
     out = [SampledLogprob(token_id=9, token="!", logprob=-0.1)]
@@ -241,7 +241,7 @@ def test_prompt_logprobs_reach_the_sampling_params():
 def test_responses_logprobs_ride_on_text_deltas_and_concatenate_to_done():
     """A token that adds no text rides on the next delta; what is left goes on a last empty delta;
     the deltas' logprobs concatenate to the done event's and the item's (which has bytes)."""
-    from gateway.responses_format import ResponsesEventWriter, ResponseShell
+    from gateway.openai_api.responses_format import ResponsesEventWriter, ResponseShell
     from gateway.openai_api.responses_api import ResponsesRequest
     from shared.schemas import SampledLogprob, TokenLogprob
 

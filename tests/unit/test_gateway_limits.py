@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 
 from gateway.app import body_limits
 from gateway.errors import install_error_handlers
-from gateway.limits import BodyLimit, BodyLimitMiddleware, body_limit
+from gateway.edge.limits import BodyLimit, BodyLimitMiddleware, body_limit
 from shared.settings import GatewaySettings
 
 pytestmark = pytest.mark.unit

@@ -3,7 +3,7 @@ import base64
 import pytest
 
 from gateway.errors import APIError
-from gateway.media import (
+from gateway.media.items import (
     ByteBudget,
     MediaError,
     MediaRef,

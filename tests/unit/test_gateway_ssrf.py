@@ -3,7 +3,7 @@ import ipaddress
 
 import pytest
 
-from gateway.ssrf import SSRFError, SSRFGuard, Target, is_public
+from gateway.media.ssrf import SSRFError, SSRFGuard, Target, is_public
 
 pytestmark = pytest.mark.unit
 

@@ -29,7 +29,7 @@ from gateway.openai_api.responses_api import (
     RESPONSES_NOOP_FIELDS, RESPONSES_UNSUPPORTED, ResponsesReasoning, ResponsesRequest, ResponsesStreamOptions,
     ResponsesText, ResponsesTool,
 )
-from gateway.responses_format import InputError, to_chat
+from gateway.openai_api.responses_format import InputError, to_chat
 from tests.unit.test_request_fields import PROBE, _with, field_paths
 
 pytestmark = pytest.mark.unit

@@ -11,8 +11,8 @@ import random
 import pytest
 
 from gateway.openai_api.responses_api import ResponsesRequest
-from gateway.openai_format import ChunkWriter, chat_completion
-from gateway.responses_format import ResponsesEventWriter, ResponseShell, response_object
+from gateway.openai_api.answer_format import ChunkWriter, chat_completion
+from gateway.openai_api.responses_format import ResponsesEventWriter, ResponseShell, response_object
 from llm_svc.front.output_shape import OutputShaper, merge_calls
 from llm_svc.parsers import output_parser
 from shared.schemas import GenerateResponse

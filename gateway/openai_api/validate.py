@@ -89,6 +89,12 @@ def check_context(at_least: int, max_tokens: int, limits: ServiceLimits | None, 
     )
 
 
+def check_model(requested: str, served: str) -> None:
+    """404 ``model_not_found`` unless ``requested`` names the model this gateway serves."""
+    if requested != served:
+        raise APIError(404, f"The model `{requested}` does not exist", param="model", code="model_not_found")
+
+
 def check_template(kwargs: dict | None, trust_request_template: bool) -> None:
     """400 for ``chat_template_kwargs`` the server refuses: a request's own Jinja template
     (unless ``trust_request_chat_template``) or an argument the server sets itself."""

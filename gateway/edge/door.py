@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.auth import key_ok
+from gateway.edge.auth import key_ok
 from gateway.errors import APIError
 
 PROTECTED_PREFIXES = ("/v1/",)

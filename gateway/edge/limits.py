@@ -11,18 +11,12 @@ from dataclasses import dataclass
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.door import refuse_unread
-from gateway.errors import APIError
+from gateway.edge.door import refuse_unread
+from gateway.errors import APIError, setting_ref
 from shared.admission import Overloaded
 
-ENV_PREFIX = "MMSERVE_GATEWAY_"
 # the scope key under which AdmissionMiddleware hands its ticket to the route
 TICKET_SCOPE_KEY = "mmserve.admission_ticket"
-
-
-def setting_ref(field: str) -> str:
-    """How an error names a gateway setting: the field and its environment variable."""
-    return f"{field} ({ENV_PREFIX}{field.upper()})"
 
 
 def body_limit(max_request_media_bytes: int) -> int:

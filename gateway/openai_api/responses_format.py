@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.openai_api.requests import ChatCompletionRequest
 from gateway.openai_api.responses_api import RESPONSES_ITEM_NOOP_FIELDS, RESPONSES_ITEM_UNSUPPORTED, ResponsesRequest
-from gateway.openai_format import assistant_message
+from gateway.openai_api.answer_format import assistant_message
 from shared.schemas import GenerateResponse, SampledLogprob, ToolCallWire
 
 
@@ -252,7 +252,7 @@ def sse_event(payload: dict) -> bytes:
 
 
 class ResponsesEventWriter:
-    """The Responses stream's events, driven by ``gateway.routes.chat.sse_events`` like the chat
+    """The Responses stream's events, driven by ``gateway.pipeline.stream.sse_events`` like the chat
     writers: created / in_progress; then items as they arrive, each with the next
     ``output_index``: the reasoning so far (whole) before the first other item, the message
     (output_item.added, content_part.added, output_text.delta ...) and each function call

@@ -1,7 +1,7 @@
 """Media items of a chat request: find them, decode ``data:`` URLs and base64, enforce limits.
 
 Items are named by where they sit in the request (``messages[0].content[1]``) so every error
-the client sees points at the offending part.  Fetching http(s) URLs lives in ``gateway.fetch``.
+the client sees points at the offending part.  Fetching http(s) URLs lives in ``gateway.media.fetch``.
 """
 
 from __future__ import annotations

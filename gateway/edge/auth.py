@@ -1,7 +1,7 @@
 """Optional bearer-token auth for ``/v1/*``, ``/tokenize``, ``/detokenize`` and the dashboard's
 data: off when ``api_keys`` is empty.
 
-The key is checked first at the door (``gateway.door``, before the body is read); the routes'
+The key is checked first at the door (``gateway.edge.door``, before the body is read); the routes'
 dependency checks it again, so a route is never open because a path was left out of the door's
 list. A key travels only in the ``Authorization`` header, never in a URL (URLs end up in access
 logs and browser history): the dashboard page takes it from the URL fragment, which the browser

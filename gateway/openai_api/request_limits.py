@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.errors import APIError
-from gateway.limits import setting_ref
+from gateway.errors import APIError, setting_ref
 from gateway.openai_api.requests import ChatCompletionRequest, CompletionRequest, GenerationFields
 from shared.schemas import TokenizeRequest
 from shared.settings import GatewaySettings

@@ -10,9 +10,9 @@ from urllib.parse import urljoin
 import httpx
 
 from gateway.aio import gather_or_cancel
-from gateway.fetch_decode import ACCEPT_ENCODING, BoundedDecoder, DecodedTooLarge, UnsupportedEncoding
-from gateway.media import ByteBudget, MediaError, MediaItem, MediaRef, decode_inline, make_item
-from gateway.ssrf import SSRFError, SSRFGuard
+from gateway.media.fetch_decode import ACCEPT_ENCODING, BoundedDecoder, DecodedTooLarge, UnsupportedEncoding
+from gateway.media.items import ByteBudget, MediaError, MediaItem, MediaRef, decode_inline, make_item
+from gateway.media.ssrf import SSRFError, SSRFGuard
 
 _REDIRECTS = (301, 302, 303, 307, 308)
 

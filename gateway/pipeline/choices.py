@@ -3,7 +3,8 @@ the first find the prompt in its prefix cache (its scheduler holds an identical 
 first one's prefill is cached: the prompt is computed once, not n times).
 
 Choice ``i`` is request ``{id}-{i}``; with a ``seed``, choice ``i`` samples with ``seed + i`` (a
-reproducible, distinct stream per choice).
+reproducible, distinct stream per choice). A choice the LLM aborted (it is shutting down or
+restarting) fails the request with a 503 (``raise_if_aborted``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from gateway.upstream import LLMClient, LLMStream
+from gateway.upstream import LLMClient, LLMStream, UpstreamError
 from shared.rawwire import pack_raw, unpack_raw
 from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse
+
+ABORTED = "the LLM service aborted the generation (it is shutting down or restarting); retry the request"
 
 
 def fan_out(gen: GenerateRequest, packed: bytes, n: int) -> list[tuple[GenerateRequest, bytes]]:
@@ -54,6 +57,12 @@ async def generate_all(llms: LLMClient, pairs: list[tuple[GenerateRequest, bytes
     finally:
         for s in streams:
             await s.aclose()
+
+
+def raise_if_aborted(resps: list[GenerateResponse]) -> None:
+    """503 when the LLM aborted any choice (it is shutting down or restarting)."""
+    if any(r.finish_reason == "abort" for r in resps):
+        raise UpstreamError(ABORTED, status=503)
 
 
 class ChoiceStreams:
