@@ -10,6 +10,7 @@ from shared.chat_template import TemplateKwargsError, check_template_kwargs
 from shared.prefix_keys import key_positions, prefix_layout
 from shared.schemas import GenerateRequest, PromptMedia, PromptMessage, PromptText
 
+from .engine.grammar_keywords import check_request_schemas
 from .errors import InvalidRequest
 from .loader import LoadedLM
 from .output_shape import build_shaper
@@ -178,6 +179,7 @@ def prepare_request(
                      if isinstance(p, PromptText)) + len((req.prompt or "").encode("utf-8", "replace"))
     check_length(lm.min_tokens(text_bytes) + len(req.prompt_ids or ()), s.max_tokens, max_model_len, "messages",
                  at_least=True, text_bytes=text_bytes)
+    check_request_schemas(s.structured, req.tools)
     if req.tools is not None:
         forced = forced_spec(req.tools)
         if forced is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+from shared.schema_keywords import rebase_refs
 from shared.schemas import StructuredSpec, ToolSpec
 
 from .parsers.base import ParsedDelta, ToolCallDelta, new_call_id as call_id
@@ -31,8 +32,10 @@ def forced_spec(spec: ToolSpec) -> StructuredSpec | None:
     if spec.choice != "required":
         return None
     items = {"type": "object", "anyOf": [
-        {"properties": {"name": {"type": "string", "enum": [n]}, "parameters": p}, "required": ["name", "parameters"]}
-        for n, p in params.items()]}
+        {"properties": {"name": {"type": "string", "enum": [n]},
+                        "parameters": rebase_refs(p, f"/items/anyOf/{i}/properties/parameters")},  # its $refs resolve there
+         "required": ["name", "parameters"]}
+        for i, (n, p) in enumerate(params.items())]}
     arr: dict = {"type": "array", "minItems": 1, "items": items}
     if not spec.parallel:
         arr["maxItems"] = 1
