@@ -62,7 +62,8 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMAS = ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else", "contains",
             "unevaluatedProperties", "unevaluatedItems", "additionalItems")
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_NAME = re.compile(r"^[A-Za-z_$][A-Za-z0-9_$]*$")
+MAX_DEPTH = 128  # schema nesting walked; deeper is refused (the walk recurses)
 
 
 class UnsupportedSchemaKeyword(ValueError):
@@ -81,16 +82,19 @@ class UnsupportedSchemaKeyword(ValueError):
 def check_schema(schema: Any, path: str) -> None:
     """Raise ``UnsupportedSchemaKeyword`` for the first keyword of ``schema`` (at ``path``, e.g.
     ``response_format.json_schema.schema``) that the grammar would not enforce."""
-    _walk(schema, path)
+    _walk(schema, path, 0)
 
 
 def _child(path: str, key: str) -> str:
     return f"{path}.{key}" if _NAME.match(key) else f"{path}[{key!r}]"
 
 
-def _walk(node: Any, path: str) -> None:
+def _walk(node: Any, path: str, depth: int) -> None:
     if not isinstance(node, dict):
         return  # true / false / a malformed node: the compiler's own error names it
+    if depth > MAX_DEPTH:
+        raise UnsupportedSchemaKeyword(next(iter(node), "{}"), path, f"schemas nested more than {MAX_DEPTH} levels "
+                                       "deep are not served; flatten the schema")
     for kw in node:
         if kw in REFUSED:
             raise UnsupportedSchemaKeyword(kw, path, REFUSED[kw])
@@ -103,15 +107,18 @@ def _walk(node: Any, path: str) -> None:
     _check_combinations(node, path)
     for k in _SCHEMAS:
         if k in node:
-            _walk(node[k], _child(path, k))
+            sub = node[k]
+            if k == "propertyNames" and isinstance(sub, dict):
+                sub = {"type": "string", **sub}  # names are strings: a pattern here needs no type
+            _walk(sub, _child(path, k), depth + 1)
     for k in _SCHEMA_LISTS:
         if isinstance(node.get(k), list):
             for i, sub in enumerate(node[k]):
-                _walk(sub, f"{_child(path, k)}[{i}]")
+                _walk(sub, f"{_child(path, k)}[{i}]", depth + 1)
     for k in _SCHEMA_MAPS:
         if isinstance(node.get(k), dict):
             for name, sub in node[k].items():
-                _walk(sub, _child(_child(path, k), str(name)))
+                _walk(sub, _child(_child(path, k), str(name)), depth + 1)
 
 
 def _types(node: dict) -> set[str]:
