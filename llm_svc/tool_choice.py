@@ -31,9 +31,9 @@ def forced_spec(spec: ToolSpec) -> StructuredSpec | None:
         return StructuredSpec(kind="json", spec=json.dumps(params[name]))
     if spec.choice != "required":
         return None
-    items = {"type": "object", "anyOf": [
+    items = {"type": "object", "anyOf": [  # each tool's parameters sit at /items/anyOf/i/...: its $refs moved there
         {"properties": {"name": {"type": "string", "enum": [n]},
-                        "parameters": rebase_refs(p, f"/items/anyOf/{i}/properties/parameters")},  # its $refs resolve there
+                        "parameters": rebase_refs(p, f"/items/anyOf/{i}/properties/parameters")},
          "required": ["name", "parameters"]}
         for i, (n, p) in enumerate(params.items())]}
     arr: dict = {"type": "array", "minItems": 1, "items": items}

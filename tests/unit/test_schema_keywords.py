@@ -208,7 +208,8 @@ def test_the_gateway_refuses_at_validation_naming_the_field():
         (lambda: check_format_schema(CompletionRequest(model="m", prompt="p", structured_outputs={"json": bad})),
          "structured_outputs.json.properties.n"),
         (lambda: check_tool_schemas(ChatCompletionRequest(model="m", messages=msgs, tool_choice="required", tools=[
-            {"type": "function", "function": {"name": "f", "parameters": bad}}])), "tools[0].function.parameters.properties.n"),
+            {"type": "function", "function": {"name": "f", "parameters": bad}}])),
+         "tools[0].function.parameters.properties.n"),
     ]
     resp = ResponsesRequest(model="m", input="hi", tools=[{"type": "function", "name": "f", "parameters": bad,
                                                            "strict": True}],
