@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from llm_svc.types import Request
+from llm_svc.types.request import Request
 
 BLOCK = 16
 

@@ -42,7 +42,7 @@ async def main() -> None:
     ap.add_argument("--no-host-tier", action="store_true", help="host (L2) KV pools off")
     args = ap.parse_args()
     write_tiny_model(args.model, arch="mimo")
-    from llm_svc.app import create_app
+    from llm_svc.front.app import create_app
 
     host = {"host_kv_full_bytes": 0, "host_kv_swa_bytes": 0} if args.no_host_tier else {}
     app = create_app(LLMSettings(model_dir=args.model, max_model_len=1024, kv_bytes=args.kv_bytes, **host))

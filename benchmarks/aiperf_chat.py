@@ -23,8 +23,9 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import _results
+from shared.cache_dir import cache_root
 
-CACHE = Path(os.environ.get("MMSERVE_CACHE_DIR", Path.home() / ".cache" / "mmserve"))
+CACHE = cache_root()
 AIPERF = CACHE / "aiperf-venv" / "bin" / "aiperf"
 METRICS = {  # aiperf's export name -> our label
     "time_to_first_token": "TTFT",

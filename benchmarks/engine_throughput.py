@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import _results
-from llm_svc.types import GenOutput, RequestStream
-from llm_svc.loader import load_lm
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import GenOutput, RequestStream
+from llm_svc.loading.loader import load_lm
+from llm_svc.types.request import PreparedRequest
 from shared.schemas import SamplingParams
 from shared.settings import LLMSettings
 

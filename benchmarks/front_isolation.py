@@ -163,7 +163,9 @@ def main() -> None:
     if model is None:
         from mmserve.tiny_model import write_tiny_model
 
-        cache = Path(os.environ.get("MMSERVE_CACHE_DIR", Path.home() / ".cache" / "mmserve")) / "bench-tiny-mimo"
+        from shared.cache_dir import cache_path
+
+        cache = cache_path("bench-tiny-mimo")
         if not (cache / "mmserve_bundle.json").exists():
             write_tiny_model(cache, arch="mimo")
         model = str(cache)

@@ -56,9 +56,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import _results
-from llm_svc.types import GenOutput, RequestStream
-from llm_svc.loader import load_lm
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import GenOutput, RequestStream
+from llm_svc.loading.loader import load_lm
+from llm_svc.types.request import PreparedRequest
 from shared.schemas import SamplingParams
 from shared.settings import LLMSettings
 
@@ -382,7 +382,7 @@ def _attention_alone(device: str, seqs: int, ctx: int, iters: int = 50) -> dict:
     context: ms per forward (K/V write + attention) of each backend, and their max abs diff."""
     from llm_svc.attention import FULL, AttentionParams, LayerKV, create_attention_backend
     from llm_svc.attention.slot_tables import DeviceSlotTables
-    from llm_svc.types import ForwardBatch, SeqForward
+    from llm_svc.types.request import ForwardBatch, SeqForward
 
     hq, hkv, d = 16, 4, 128
     gen = torch.Generator().manual_seed(0)

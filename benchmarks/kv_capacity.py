@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from benchmarks import _results
-from llm_svc.types import Request
+from llm_svc.types.request import Request
 from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.kv.budget import KVGeometry, size_pools

@@ -156,8 +156,8 @@ def main() -> None:
     from benchmarks.engine_throughput import _Collect
     from llm_svc.core.build import build_engine
     from mmserve.testing.in_process import InProcessEngine
-    from llm_svc.loader import load_lm
-    from llm_svc.types import PreparedRequest, SamplingParams
+    from llm_svc.loading.loader import load_lm
+    from llm_svc.types.request import PreparedRequest, SamplingParams
     from shared.settings import LLMSettings
 
     model_dir = ensure_checkpoint(MODELS["mimo"])

@@ -39,7 +39,7 @@ from encoder_svc.app import create_app as encoder_app
 from encoder_svc.server import serve_in_thread
 from gateway.app import create_app as gateway_app
 from mmserve.testing.fake_services import ServerThread
-from llm_svc.app import create_app as llm_app
+from llm_svc.front.app import create_app as llm_app
 from shared.settings import EncoderSettings, GatewaySettings, LLMSettings
 from mmserve.tiny_model import write_tiny_model
 

@@ -18,7 +18,7 @@ Sides, same scheduler, same budget, no model (``SimRunner`` with scripted tokens
 * ours (headline): dual pools split by ``size_pools``' default rule, window-safe SWA-aware
   radix tree, out-of-window SWA released while requests run, no SWA checkpoints;
 * ours + retention: the same with the SWA retention points the service sets
-  (``llm_svc.retention.retention_points``: end of the system message, every 1024 tokens of
+  (``llm_svc.kv.retention.retention_points``: end of the system message, every 1024 tokens of
   prompts up to 8192, the service's defaults), reported beside it.
 * baseline keep-everything: a cache that keeps SWA KV for every token (``release_swa=False``,
   both pools the same size, so every cached token costs all 70 layers): the pre-hybrid design;
@@ -45,11 +45,11 @@ from dataclasses import dataclass
 
 from benchmarks import _results
 from benchmarks._hybrid_lru import BLOCK, HybridLRU
-from llm_svc.types import Request
+from llm_svc.types.request import Request
 from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.kv.budget import KVGeometry, size_pools
-from llm_svc.retention import retention_points
+from llm_svc.kv.retention import retention_points
 from shared.schemas import SamplingParams
 
 GEOMETRY = KVGeometry(full_layers=10, swa_layers=60, window=128, kv_heads=4, qk_head_dim=192, v_head_dim=128)
@@ -125,7 +125,7 @@ def run_side(
             prompt = context[sid] + new
             rid = f"s{sid}t{turn_of[sid]}"
             scripts[rid] = answer
-            # as the service does (llm_svc/prompt.py): the system message's end and every K tokens
+            # as the service does (llm_svc/front/prompt.py): the system message's end and every K tokens
             marks = retention_points(len(prompt), len(trace[sid].system), 1024, 8192) if checkpoints else []
             req = Request(rid, prompt, SamplingParams(max_tokens=len(answer), ignore_eos=True), swa_checkpoints=marks)
             sched.add(req)

@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks import _results
-from llm_svc.types import Request
+from llm_svc.types.request import Request
 from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from shared.schemas import SamplingParams

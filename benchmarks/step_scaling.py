@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 
 from benchmarks import _results
+from shared.cache_dir import cache_root
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_REF = "d5857b8"  # llm_svc before persistent slot tables (per-step slot lists)
-CACHE = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
+CACHE = cache_root()
 MAX_POS = 65536
 
 
@@ -59,8 +60,8 @@ def _decoding_state(sched, req, ctx: int) -> None:
     token: full slots for every position, SWA slots for the last window, next step a decode.
     Uses only scheduler/KV calls that exist in both trees."""
     try:
-        from llm_svc.types import RequestStatus
-    except ImportError:  # the baseline tree (before llm_svc.types)
+        from llm_svc.types.request import RequestStatus
+    except ImportError:  # the baseline tree (before llm_svc.types.request)
         from llm_svc.engine.request import RequestStatus
 
     w = sched.config.window
@@ -80,8 +81,8 @@ def measure(lm, ctx: int, bs: int, steps: int, warmup: int, extra: dict) -> floa
     from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 
     try:
-        from llm_svc.types import Request
-    except ImportError:  # the baseline tree (before llm_svc.types)
+        from llm_svc.types.request import Request
+    except ImportError:  # the baseline tree (before llm_svc.types.request)
         from llm_svc.engine.request import Request
     from llm_svc.models import build_model
     from shared.schemas import SamplingParams
@@ -119,7 +120,7 @@ def measure(lm, ctx: int, bs: int, steps: int, warmup: int, extra: dict) -> floa
 def worker(spec: dict) -> dict:
     import torch
 
-    from llm_svc.loader import load_lm
+    from llm_svc.loading.loader import load_lm
 
     torch.set_num_threads(spec["threads"])
     if spec.get("attention_threads"):  # as the engine core sets it (this tree only)

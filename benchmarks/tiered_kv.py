@@ -84,7 +84,7 @@ class Sink:
 
 
 def run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> Sink:
-    from llm_svc.types import PreparedRequest
+    from llm_svc.types.request import PreparedRequest
     from shared.schemas import SamplingParams
 
     sink = Sink()
@@ -276,7 +276,7 @@ def main() -> None:
     import torch
 
     from benchmarks._vs_vllm_servers import CheckpointSpec, ensure_checkpoint
-    from llm_svc.loader import load_lm
+    from llm_svc.loading.loader import load_lm
     from shared.settings import LLMSettings
     from mmserve.tiny_model import write_tiny_model
 

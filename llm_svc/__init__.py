@@ -1,20 +1,23 @@
 """LLM service: generate from a chat whose media arrive as embeddings.
 
-Layout (one job per module):
+Layout, top to bottom (imports point down):
 
-* ``app.py`` / ``routes.py`` / ``state.py`` / ``metrics.py`` - the HTTP service
-  (``create_app(LLMSettings)``: ``POST /v1/generate``, ``/healthz``, ``/readyz``, ``/metrics``).
-* ``loader.py`` (HF model + tokenizer from a bundle), ``prompt.py`` (chat template, placeholder
-  expansion, validation -> ``PreparedRequest``), ``textproc.py`` (streaming detokenization, stop
-  strings), ``errors.py``.
+* ``front/`` - the HTTP service (``create_app(LLMSettings)``: ``POST /v1/generate``, ``/tokenize``,
+  probes, ``/metrics``), its state, and the request shaping done before the engine core: the
+  chat template and media spans (``prompt.py``), tool choice, output shape, KV events publisher.
 * ``backends/`` - one async interface (``submit`` / iterate / ``abort``) with a registry:
   ``hf`` (transformers ``generate``, one request at a time: the reference) and ``swa`` (ours).
-* ``types.py`` - the core types: ``PreparedRequest``, the scheduler's ``Request``, and
-  ``ForwardBatch``, where the scheduler and the runner meet.
+* ``core/`` - the engine in its own process (``process.py``), the front's client of it, the
+  output conversion, and the media fetch by key.
 * ``engine/`` - the swa engine: ``scheduler.py`` (bookkeeping) and ``model_runner.py``
-  (tensors) meet at ``ForwardBatch``; ``engine.py`` is the step loop; ``sampler.py`` samples.
-* ``core/`` - the engine in its own process (``process.py``) and the front's client of it.
-* ``kv/`` - slot pools, pool sizing, the SWA-aware radix prefix cache (no tensors).
-* ``models/`` - our forward passes (MiMo-V2-Flash, Gemma 3) over the HF weights.
+  (tensors) meet at ``ForwardBatch``; ``engine.py`` is the step loop; ``sampler.py`` samples;
+  ``textproc.py`` detokenizes and stops.
+* ``parsers/`` - reasoning and tool-call parsers of the model's output.
+* ``loading/`` - model and tokenizer from a bundle, context length, media layout, prompt bounds.
+* ``models/`` - our forward passes (MiMo-V2-Flash, Gemma 3, gpt-oss) over the HF weights.
 * ``attention/`` - attention backends (pool KV through index tensors) with a registry.
+* ``kv/`` - slot pools, pool sizing, the SWA-aware radix prefix cache (no tensors);
+  ``offload/`` - the host and Redis tiers.
+* ``kernels/`` - the C kernels' build and load; ``types/`` - the core types (``PreparedRequest``,
+  the scheduler's ``Request``, ``ForwardBatch``), the front <-> core messages, errors.
 """

@@ -19,10 +19,12 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
-CACHE_DIR = Path(os.environ.get("MMSERVE_CACHE_DIR", Path.home() / ".cache" / "mmserve"))
-DEFAULT_MODEL_DIR = CACHE_DIR / "tiny-mimo"
+from shared.cache_dir import DEFAULT_MODEL, cache_root
+from shared.env_check import STRICT_FLAG, STRICT_VAR, check_service_env
+
+CACHE_DIR = cache_root()
+DEFAULT_MODEL_DIR = CACHE_DIR / DEFAULT_MODEL
 
 
 # extra flags of a setting (its own flag is the field's name in kebab case): vLLM's names where the
@@ -52,6 +54,7 @@ def _settings(args: argparse.Namespace):
     from pydantic import ValidationError
 
     cls = args.settings_cls
+    check_service_env(args.cmd, args.strict_env)  # before any model is written or loaded
     if "model_dir" in cls.model_fields and not getattr(args, "model_dir", None) and not _in_env(cls, "model_dir"):
         args.model_dir = ensure_default_model(None)
     flags = argparse.Namespace(**{k: v for k, v in vars(args).items() if k in cls.model_fields})
@@ -67,6 +70,11 @@ def _settings(args: argparse.Namespace):
 def _in_env(settings_cls, field: str) -> bool:
     name = (settings_cls.model_config.get("env_prefix", "") + field).lower()
     return any(k.lower() == name for k in os.environ)
+
+
+def _add_strict_env(p: argparse.ArgumentParser) -> None:
+    p.add_argument(STRICT_FLAG, action="store_true", help="an MMSERVE_* variable that names no setting is a "
+                   f"start-up error (exit code 2), not a warning; also {STRICT_VAR}=1")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -129,7 +137,7 @@ def cmd_encoder(args: argparse.Namespace) -> int:
 
 
 def cmd_llm(args: argparse.Namespace) -> int:
-    from llm_svc.app import create_app
+    from llm_svc.front.app import create_app
 
     # its callers are the gateway (which logs each client request) and the pool's /readyz
     # probes: a formatted line for each costs the CPU the engine core's threads run on
@@ -146,6 +154,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from shared.bundle import load_bundle_spec
     from mmserve.launcher import LocalStack, StackSpec
 
+    check_service_env("up", args.strict_env)  # every service's variables, before any starts
     model_dir = ensure_default_model(args.model)
     spec = StackSpec(
         model_dir=model_dir,
@@ -196,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=f"{help_}; every flag is also MMSERVE_"
                            f"{name.upper()}_<FLAG> in the environment (flags win)")
         _add_settings_flags(p, settings_cls)
+        _add_strict_env(p)
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("up", help="run gateway + encoders + LLM services as local processes")
@@ -209,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="gateway and LLMs render a chat template a request sends (vLLM's flag); off: a 400")
+    _add_strict_env(p)
     p.set_defaults(fn=cmd_up)
     return ap
 

@@ -103,7 +103,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def train(args) -> dict:
-    from llm_svc.loader import load_lm
+    from llm_svc.loading.loader import load_lm
     from mmserve.tiny import mimo_published as mp
 
     torch.manual_seed(args.seed)
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-every", type=int, default=25)
     args = ap.parse_args(argv)
     run = train(args)
-    from llm_svc.loader import load_lm
+    from llm_svc.loading.loader import load_lm
 
     lm = load_lm(args.out)  # the written bfloat16 checkpoint, as served
     figures = evaluate(lm.model, run["held_out"], args.seq, args.eval_rows, args.seed, args.eval_prompts,

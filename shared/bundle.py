@@ -1,6 +1,6 @@
 """The model bundle: one directory that holds the LM, its tokenizer and the media encoders.
 
-Two layouts are read (see README, "Model bundle format"):
+Two layouts are read (see docs/models.md, "Models: the bundle format"):
 
 1. **mmserve bundle** (what ``mmserve tiny-model`` writes), with ``mmserve_bundle.json``::
 

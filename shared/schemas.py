@@ -7,7 +7,7 @@
 * the LLM protocol (``GenerateRequest`` in, ``GenerateResponse`` / ``GenerateChunk`` out).
 
 The rest of OpenAI's API (the request and answer bodies only the gateway reads) is in
-``gateway.openai_api``; the engine-core messages inside the LLM service are in ``llm_svc.core_messages``.
+``gateway.openai_api``; the engine-core messages inside the LLM service are in ``llm_svc.types.messages``.
 Embeddings never travel as JSON floats: they travel as safetensors bytes (see ``shared.wire``),
 with the typed header of the message stored in the safetensors metadata.
 """

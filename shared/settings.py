@@ -50,9 +50,9 @@ UPSTREAM_KEEPALIVE_EXPIRY_S = 10.0  # the gateway's pooled connections to encode
 
 
 class _ServiceSettings(BaseSettings):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    log_level: str = "info"
+    host: str = Field(default="127.0.0.1", description="address to listen on; 0.0.0.0: every interface")
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port to listen on")
+    log_level: str = Field(default="info", description="log level: critical, error, warning, info, debug, trace")
     service_token: str | None = Field(
         default=None, description="shared secret between the services (header x-mmserve-service-token): encoders and "
         "LLMs refuse callers without it (health, readiness and metrics stay open), the gateway and LLMs send it; for "
@@ -85,12 +85,16 @@ class _AsyncioHeapSettings(BaseSettings):
 class EncoderSettings(_ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="MMSERVE_ENCODER_", extra="ignore")
 
-    port: int = 8100
-    model_dir: str = Field(description="model bundle directory (see README: bundle format)")
+    port: int = Field(default=8100, ge=0, le=65535, description="TCP port to listen on")
+    model_dir: str = Field(description="model bundle directory (see README: bundle format); mmserve encoder "
+                           "without one: the default tiny model")
     model_name: str | None = Field(default=None, description="served name; default: dir name")
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_media_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    device: str = Field(default="cpu", description="torch device of the towers: cpu, cuda or cuda:N")
+    dtype: str = Field(default="float32", description="dtype of the towers: float32, bfloat16 or float16")
+    max_media_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1, description="largest media item (image, audio or video file) one encode "
+        "request carries; past it a 413"
+    )
     max_image_pixels: int = Field(default=64_000_000, ge=1, description="decompression-bomb guard")
     # decode budgets per item: past one a 413 naming it; each description says how its default was measured
     max_audio_samples: int = Field(
@@ -113,27 +117,39 @@ class EncoderSettings(_ServiceSettings):
         "and under request_timeout so the client hears why",
     )
     # batching
-    max_batch_size: int = Field(default=16, ge=1)
-    max_wait_ms: float = Field(default=5.0, ge=0)
-    request_timeout: float = Field(default=120.0, gt=0)
+    max_batch_size: int = Field(default=16, ge=1, description="items per tower forward")
+    max_wait_ms: float = Field(
+        default=5.0, ge=0, description="milliseconds a batch waits for more items before it runs below max_batch_size"
+    )
+    request_timeout: float = Field(
+        default=120.0, gt=0, description="seconds an encode request may wait and run; past it a timeout error"
+    )
     # admission control: past max_in_flight + max_queue an encode is a 429 with Retry-After
     max_in_flight: int = Field(default=64, ge=1, description="encode requests served at once")
     max_queue: int = Field(default=256, ge=0, description="encode requests waiting for a slot")
     queue_timeout: float = Field(default=30.0, gt=0, description="longest wait for a slot before a 429")
     # video
-    video_backend: str = "decord"
-    video_fps: float = Field(default=1.0, gt=0)
-    video_max_frames: int = Field(default=32, ge=1)
+    video_backend: str = Field(default="decord", description="video decoder: decord or torchcodec")
+    video_fps: float = Field(default=1.0, gt=0, description="frames sampled per second of video")
+    video_max_frames: int = Field(default=32, ge=1, description="most frames sampled from one video")
     video_workers: int = Field(default=0, ge=0, description="0: one per core")
-    image_backend: str = "torchvision"
+    image_backend: str = Field(
+        default="torchvision", description="image decode and preprocess: torchvision, or dali (NVIDIA DALI on the "
+        "GPU; pip install mmserve[dali])"
+    )
     # cache
-    cache_bytes: int = Field(default=512 * 1024 * 1024, ge=0)
-    shm_cache_bytes: int = Field(default=0, ge=0)
+    cache_bytes: int = Field(
+        default=512 * 1024 * 1024, ge=0, description="in-process LRU of embeddings, in bytes; 0 turns it off"
+    )
+    shm_cache_bytes: int = Field(
+        default=0, ge=0, description="embedding tier in host shared memory (/dev/shm), shared by the encoders of one "
+        "host, in bytes; 0 turns it off"
+    )
     redis_url: RedisURL | None = Field(
         default=None, description="Redis embedding tier shared by the encoders: redis://host:port/db, or "
         "redis+cluster://host:port[,host:port...] for a Redis Cluster (same form for every Redis URL setting)"
     )
-    redis_ttl_s: int = Field(default=3600, ge=1)
+    redis_ttl_s: int = Field(default=3600, ge=1, description="seconds an embedding stays in Redis")
     redis_max_bytes: int = Field(
         default=1024 * 1024 * 1024, ge=0,
         description="largest entry stored in Redis; the total is Redis's maxmemory (allkeys-lru evicts)",
@@ -143,12 +159,13 @@ class EncoderSettings(_ServiceSettings):
 class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     model_config = SettingsConfigDict(env_prefix="MMSERVE_LLM_", extra="ignore")
 
-    port: int = 8200
-    model_dir: str
-    model_name: str | None = None
+    port: int = Field(default=8200, ge=0, le=65535, description="TCP port to listen on")
+    model_dir: str = Field(description="model bundle or checkpoint directory; mmserve llm without one: the default "
+                           "tiny model")
+    model_name: str | None = Field(default=None, description="served name; default: dir name")
     backend: str = Field(default="swa", description="swa (our hybrid SWA engine) or hf (transformers reference)")
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = Field(default="cpu", description="torch device of the engine: cpu, cuda or cuda:N")
+    dtype: str = Field(default="float32", description="dtype of the weights: float32, bfloat16 or float16")
     max_model_len: int | None = Field(
         default=None, ge=16, description="longest prompt + output in tokens; unset: the checkpoint's context length "
         "(its text config's max_position_embeddings, as vLLM), at most what the KV pool holds",
@@ -175,9 +192,18 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
             length_bucket_range(v)  # raises on a bad label
         return v
     # swa engine
-    kv_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
-    kv_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
-    swa_fraction: float | None = Field(default=None, gt=0.0, lt=1.0)
+    kv_bytes: int = Field(
+        default=256 * 1024 * 1024, ge=0, description="bytes of the device KV pools (full and SWA layers together) "
+        "while kv_fraction is 0"
+    )
+    kv_fraction: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="the KV pools take this fraction of the device's free memory at "
+        "start instead of kv_bytes; 0: kv_bytes"
+    )
+    swa_fraction: float | None = Field(
+        default=None, gt=0.0, lt=1.0, description="share of the KV bytes for the SWA-layer pool; unset: sized from "
+        "the window and the full pool (llm_svc/kv/budget.py)"
+    )
     max_batch_tokens: int = Field(
         default=2048, ge=16, description="tokens per engine step (decodes + prefill chunks); vLLM's default too: 2048 "
         "gave 7-12% more throughput than 512 on a 2-core CPU (README, Engine speed)",
@@ -187,8 +213,11 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "prompts (they start next step, so prompts that arrive together finish one after another); 0: fill "
         "max_batch_tokens; unset: 256 on CPU (4 chats in flight on 2 cores, TTFT p50 193 -> 174 ms), 0 on CUDA",
     )
-    max_running: int = Field(default=64, ge=1)
-    enable_prefix_cache: bool = True
+    max_running: int = Field(default=64, ge=1, description="sequences running at once (vLLM's --max-num-seqs)")
+    enable_prefix_cache: bool = Field(
+        default=True, description="reuse the KV of prompt prefixes seen before (the prefix tree); vLLM's "
+        "--enable-prefix-caching"
+    )
     schedule_policy: str = Field(
         default="compute_aware",
         description="admission order: compute_aware (fewest uncached tokens first, with aging) or fcfs",
@@ -280,7 +309,7 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         default=None, description="Redis URL of the L3 KV tier shared by every LLM replica (needs the host tier)"
     )
     kv_l3_page_tokens: int = Field(default=32, ge=1, description="tokens per L3 page; SWA windows at page boundaries")
-    kv_l3_ttl_s: int = Field(default=86400, ge=1)
+    kv_l3_ttl_s: int = Field(default=86400, ge=1, description="seconds an L3 page stays in Redis")
     kv_l3_timeout: float = Field(default=0.5, gt=0, description="seconds per Redis command before L3 counts as down")
     kv_l3_prefetch_timeout: float = Field(
         default=0.5, gt=0, description="longest wait for an L3 lookup before a request is admitted without it"
@@ -289,7 +318,9 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         default=1024, ge=0, description="K: keep SWA windows every K prompt tokens (and at the system message's end) "
         "for prompts up to swa_retention_max_len; 0 turns the every-K points off"
     )
-    swa_retention_max_len: int = Field(default=8192, ge=0)
+    swa_retention_max_len: int = Field(
+        default=8192, ge=0, description="prompts up to this many tokens keep SWA windows every swa_retention_interval"
+    )
     # media by reference: embeddings fetched from the encoders for spans the prefix cache misses
     media_fetch_timeout: float = Field(
         default=10.0, gt=0, description="seconds to fetch one item's embeddings from its encoders by key"
@@ -344,21 +375,31 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
 class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
     model_config = SettingsConfigDict(env_prefix="MMSERVE_GATEWAY_", extra="ignore")
 
-    port: int = 8000
-    # the served name; None: the name the LLM replicas report (their model directory's), and
-    # "mmserve-tiny" until one has answered
-    model_name: str | None = None
-    encoder_urls: StrList = Field(default_factory=lambda: ["http://127.0.0.1:8100"])
-    llm_urls: StrList = Field(default_factory=lambda: ["http://127.0.0.1:8200"])
-    api_keys: StrList = Field(default_factory=list)
-    default_max_tokens: int = Field(default=64, ge=1)
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port to listen on")
+    model_name: str | None = Field(
+        default=None, description="served name; unset: the name the LLM replicas report (their model directory's), "
+        "and mmserve-tiny until one has answered"
+    )
+    encoder_urls: StrList = Field(
+        default_factory=lambda: ["http://127.0.0.1:8100"], description="encoder replicas' base URLs (comma-separated "
+        "or JSON list); a host name is re-resolved every dns_interval, one replica per address"
+    )
+    llm_urls: StrList = Field(
+        default_factory=lambda: ["http://127.0.0.1:8200"], description="LLM replicas' base URLs (comma-separated or "
+        "JSON list); a host name is re-resolved every dns_interval, one replica per address"
+    )
+    api_keys: StrList = Field(
+        default_factory=list, description="client keys (Authorization: Bearer KEY), comma-separated or JSON list; "
+        "empty: /v1/* is open"
+    )
+    default_max_tokens: int = Field(default=64, ge=1, description="max_tokens of a request that sets none")
     trust_request_chat_template: bool = Field(
         default=False, description="render a chat template a request sends in chat_template_kwargs.chat_template "
         "(vLLM's --trust-request-chat-template); off: such a request gets a 400. A request's Jinja runs on this "
         "server's CPU: a nested loop holds it for minutes, so allow it only for callers you trust"
     )
-    request_timeout: float = Field(default=300.0, gt=0)
-    max_media_items: int = Field(default=16, ge=0)
+    request_timeout: float = Field(default=300.0, gt=0, description="seconds one call to an encoder or LLM may take")
+    max_media_items: int = Field(default=16, ge=0, description="images, audio clips and videos per request")
     max_media_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1, description="per item, counted after any Content-Encoding (gzip, "
         "deflate) is undone, as it inflates: a gzip bomb stops here"
@@ -394,13 +435,19 @@ class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
         "vocabulary, the 2-core Xeon); tool schemas are a few KiB. Shape, not size, makes the slow ones (16 KiB of "
         "optional properties: 31 s), which the grammar compile time limit bounds"
     )
-    fetch_timeout: float = Field(default=20.0, gt=0)
-    max_redirects: int = Field(default=3, ge=0)
+    fetch_timeout: float = Field(default=20.0, gt=0, description="seconds to fetch one media URL")
+    max_redirects: int = Field(
+        default=3, ge=0, description="redirects followed when fetching a media URL, each hop checked by the SSRF guard"
+    )
     allowed_hosts: StrList = Field(
         default_factory=list, description="hosts/CIDRs exempt from the SSRF private-address guard"
     )
     # routing (appended by the gateway)
-    llm_routing: Literal["cache_aware", "round_robin"] = "cache_aware"
+    llm_routing: Literal["cache_aware", "round_robin"] = Field(
+        default="cache_aware", description="how a generation picks its LLM replica: cache_aware (the one whose prefix "
+        "cache holds the longest prefix of its prompt, unless it is overloaded against the least-loaded one) or "
+        "round_robin"
+    )
     router_index_blocks: int = Field(
         default=65536, ge=1, description="prefix blocks (64 chars each) the cache-aware router remembers per LLM "
         "replica; about 15 MB per replica when full"
@@ -436,7 +483,7 @@ class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
     max_in_flight: int = Field(default=256, ge=1, description="chat, completions and responses requests served at once")
     max_queue: int = Field(default=512, ge=0, description="chat, completions and responses requests waiting for a slot")
     queue_timeout: float = Field(default=30.0, gt=0, description="longest wait for a slot before a 429")
-    connect_timeout: float = Field(default=5.0, gt=0)
+    connect_timeout: float = Field(default=5.0, gt=0, description="seconds to connect to an encoder or LLM")
     upstream_keepalive_expiry: float = Field(
         default=UPSTREAM_KEEPALIVE_EXPIRY_S, gt=0, description="seconds a pooled connection to an encoder or LLM may "
         "sit idle before the gateway drops it; keep it below their keep_alive_timeout (30 s by default)"

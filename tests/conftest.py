@@ -77,8 +77,8 @@ SMALL_W = 16  # a window small enough that a few hundred tokens span several win
 
 @pytest.fixture(scope="session")
 def mimo16(tmp_path_factory):
-    """The tiny MiMo bundle with sliding window 16, loaded by llm_svc.loader."""
-    from llm_svc.loader import load_lm
+    """The tiny MiMo bundle with sliding window 16, loaded by llm_svc.loading.loader."""
+    from llm_svc.loading.loader import load_lm
     from mmserve.tiny_model import write_tiny_model
 
     return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "mimo16", sliding_window=SMALL_W)))
@@ -86,8 +86,8 @@ def mimo16(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gemma16(tmp_path_factory):
-    """The tiny Gemma 3 checkpoint with sliding window 16, loaded by llm_svc.loader."""
-    from llm_svc.loader import load_lm
+    """The tiny Gemma 3 checkpoint with sliding window 16, loaded by llm_svc.loading.loader."""
+    from llm_svc.loading.loader import load_lm
     from mmserve.tiny_model import write_tiny_model
 
     return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "gemma16", arch="gemma3", sliding_window=SMALL_W)))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from llm_svc.types import ForwardBatch
+from llm_svc.types.request import ForwardBatch
 from llm_svc.attention.slot_tables import StepTables
 
 FULL, SLIDING = "full", "sliding"

@@ -1,4 +1,4 @@
-"""The CPU paged decode kernel (``cpu_paged.c``): built once per machine (``llm_svc.ckernels``), called through ctypes.
+"""The CPU paged decode kernel (``cpu_paged.c``): built once per machine (``llm_svc.kernels.ckernels``), called through ctypes.
 
 Decodes are bound by reading the context: gathering it out of the pool first (``LayerKV.gather``)
 reads it, writes a copy and reads the copy again. The kernel reads each K/V row once, in place,
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..ckernels import kv_dtype_builds
+from llm_svc.kernels.ckernels import kv_dtype_builds
 from .base import AttentionParams, LayerKV
 
 SOURCE = Path(__file__).with_name("cpu_paged.c")
@@ -63,7 +63,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 # one build per pool dtype: bfloat16 / float16 K / V rows are widened to float32 as they are loaded
-# (half the bytes of a long context's read; tiny MiMo, 16 x 32K, 2 threads: see the README)
+# (half the bytes of a long context's read; tiny MiMo, 16 x 32K, 2 threads: docs/engine.md, `kv_dtype`)
 KERNELS = kv_dtype_builds(SOURCE, "cpu_paged", _bind, what="CPU paged decode kernel",
                           fallback="decodes gather their context")
 KERNEL = KERNELS[torch.float32]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..ckernels import kv_dtype_builds
+from llm_svc.kernels.ckernels import kv_dtype_builds
 from . import cpu_paged
 from .base import AttentionParams, LayerKV
 

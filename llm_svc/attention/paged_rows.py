@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llm_svc.types import ForwardBatch
+from llm_svc.types.request import ForwardBatch
 from llm_svc.attention.slot_tables import StepTables
 
 from .base import FULL, SLIDING

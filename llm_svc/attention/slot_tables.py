@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.types.request import ForwardBatch, SeqForward
 
 NO_SLOT = -1
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.types.request import ForwardBatch, SeqForward
 from llm_svc.attention.slot_tables import StepTables
 
 from . import ATTENTION_BACKENDS

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llm_svc.types import SeqForward
+from llm_svc.types.request import SeqForward
 
 from .base import FULL, AttentionParams
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.types.request import ForwardBatch, SeqForward
 from llm_svc.attention.slot_tables import StepTables
 
 from . import ATTENTION_BACKENDS

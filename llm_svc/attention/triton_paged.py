@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from llm_svc.types import ForwardBatch
+from llm_svc.types.request import ForwardBatch
 from llm_svc.attention.slot_tables import StepTables
 
 from . import ATTENTION_BACKENDS

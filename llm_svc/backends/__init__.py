@@ -9,7 +9,7 @@ from collections.abc import Callable
 from shared.registry import Registry
 from shared.settings import LLMSettings
 
-from ..loader import LoadedLM
+from llm_svc.loading.loader import LoadedLM
 from .base import Backend, BackendStats, GenOutput, RequestStream
 
 BackendFactory = Callable[[LLMSettings, LoadedLM], Backend]

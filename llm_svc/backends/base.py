@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from ..types import BackendStats, GenOutput, PreparedRequest, RequestStream  # noqa: F401  (re-exported)
+from llm_svc.types.request import BackendStats, GenOutput, PreparedRequest, RequestStream  # noqa: F401  (re-exported)
 
 
 class Backend(ABC):
@@ -21,9 +21,9 @@ class Backend(ABC):
     # True: ``submit`` takes requests with media by reference and fetches only what its prefix
     # cache misses (through ``media``, set before ``start``); False: the routes fetch every item
     fetches_media: bool = False
-    media = None  # llm_svc.media_fetch.EmbeddingFetcher
+    media = None  # llm_svc.core.media_fetch.EmbeddingFetcher
     # True: the backend reports its prefix tree's router keys to ``kv_events`` (a
-    # llm_svc.kv_publish.KVPublisher, set before ``start`` when the service publishes KV events)
+    # llm_svc.front.kv_publish.KVPublisher, set before ``start`` when the service publishes KV events)
     publishes_kv_events: bool = False
     kv_events = None
 

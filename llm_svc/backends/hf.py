@@ -20,12 +20,11 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from shared.settings import LLMSettings
 
-from ..errors import InvalidRequest
-from ..loader import LoadedLM
-from ..prompt import input_embeds
-from ..types import PreparedRequest
+from llm_svc.types.errors import InvalidRequest
+from llm_svc.loading.loader import LoadedLM
+from llm_svc.types.request import PreparedRequest
 from ..engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
-from ..textproc import OutputText, logprob_entry, min_tokens_banned, token_finish_reason
+from llm_svc.engine.textproc import OutputText, logprob_entry, min_tokens_banned, token_finish_reason
 from . import BACKENDS
 from .base import Backend, BackendStats, GenOutput, RequestStream
 
@@ -258,3 +257,12 @@ class HFBackend(Backend):
             )
         if not tap.finished:  # generate stopped on its own (it should not): close the stream
             tap.finish(GenOutput(text=tap.text.flush()), "length")
+
+
+def input_embeds(lm: LoadedLM, prep: PreparedRequest) -> torch.Tensor:
+    """``[T, hidden]`` embeddings of the whole prompt with media rows in place of the pads."""
+    ids = torch.tensor(prep.prompt_ids, dtype=torch.long, device=lm.device)
+    emb = lm.embed(ids)
+    for start, length, item in prep.mm_spans:
+        emb[start : start + length] = prep.mm_items[item]
+    return emb

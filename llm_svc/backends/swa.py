@@ -7,9 +7,9 @@ from shared.settings import LLMSettings
 
 from ..core.build import build_engine  # noqa: F401  (the in-process engine, for tests and benchmarks)
 from ..core.client import EngineCoreClient
-from ..loader import LoadedLM
-from ..types import PreparedRequest
-from ..retention import retention_points
+from llm_svc.loading.loader import LoadedLM
+from llm_svc.types.request import PreparedRequest
+from llm_svc.kv.retention import retention_points
 from . import BACKENDS
 from .base import Backend, BackendStats, RequestStream
 

@@ -21,7 +21,7 @@ from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine.mtp_runner import MTPRunner
 from ..engine.speculate import Speculator
 from ..kv.budget import size_pools
-from ..loader import DTYPES, LoadedLM
+from llm_svc.loading.loader import DTYPES, LoadedLM
 from ..models import build_model
 from ..models.linear import warm_buckets
 from ..spec import SpeculativeConfig

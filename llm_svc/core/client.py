@@ -45,15 +45,15 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from llm_svc.core_messages import (
+from llm_svc.types.messages import (
     CoreAbort, CoreFailed, CoreMedia, CoreNeed, CoreOutput, CoreOutputs, CoreReady, CoreShutdown, CoreStats, CoreToken,
 )
 from shared.settings import LLMSettings
 
-from ..types import BackendStats, RequestStream
-from ..errors import InvalidRequest
-from ..types import PreparedRequest
-from ..media_fetch import MediaUnavailable
+from llm_svc.types.request import BackendStats, RequestStream
+from llm_svc.types.errors import InvalidRequest
+from llm_svc.types.request import PreparedRequest
+from llm_svc.core.media_fetch import MediaUnavailable
 from .convert import tensor_to_wire, to_core_add
 from .output import OutputProcessor
 from .process import SETTINGS_ENV, core_env
@@ -102,8 +102,8 @@ class EngineCoreClient:
         self.restarts = 0
         self.capacity: CoreReady | None = None
         self.core_stats = CoreStats()
-        self.media = None  # an EmbeddingFetcher (llm_svc.media_fetch), set before requests by reference
-        self.kv_events = None  # a KVPublisher (llm_svc.kv_publish) when KV events are published
+        self.media = None  # an EmbeddingFetcher (llm_svc.core.media_fetch), set before requests by reference
+        self.kv_events = None  # a KVPublisher (llm_svc.front.kv_publish) when KV events are published
         self._refs: dict[str, tuple[int, set[int]]] = {}  # core id -> (items by reference, items needed)
         self._core_ids: dict[str, str] = {}  # client request_id -> core id, while in flight
         self._seq = itertools.count()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from llm_svc.core_messages import CoreAdd, CoreSampling, CoreTensor
+from llm_svc.types.messages import CoreAdd, CoreSampling, CoreTensor
 from shared.schemas import SamplingParams, StructuredSpec
 
-from ..types import PreparedRequest, Request, make_prompt_keys
+from llm_svc.types.request import PreparedRequest, Request, make_prompt_keys
 
 
 def tensor_to_wire(t: torch.Tensor) -> CoreTensor:

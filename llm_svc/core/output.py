@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llm_svc.core_messages import CoreToken
+from llm_svc.types.messages import CoreToken
 
-from ..types import GenOutput
-from ..types import PreparedRequest
-from ..textproc import OutputText, logprob_entry, prompt_logprob_entries
+from llm_svc.types.request import GenOutput
+from llm_svc.types.request import PreparedRequest
+from llm_svc.engine.textproc import OutputText, logprob_entry, prompt_logprob_entries
 
 
 @dataclass

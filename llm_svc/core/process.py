@@ -23,13 +23,13 @@ import time
 import msgspec
 import zmq
 
-from llm_svc.core_messages import (
+from llm_svc.types.messages import (
     CoreAbort, CoreAdd, CoreFailed, CoreInput, CoreMedia, CoreNeed, CoreOutputs, CoreReady, CoreShutdown, CoreStats,
     CoreToken,
 )
 from shared.settings import LLMSettings
 
-from ..errors import InvalidRequest
+from llm_svc.types.errors import InvalidRequest
 
 log = logging.getLogger("llm_svc.core")
 
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     inputs.connect(args.inputs)
     enc = msgspec.msgpack.Encoder()
     try:
-        from ..loader import load_lm
+        from llm_svc.loading.loader import load_lm
         from .build import build_engine
 
         import torch

@@ -35,7 +35,7 @@ import torch
 
 from llm_svc.attention import FULL, SLIDING
 from llm_svc.attention.paged_rows import RowRanges
-from llm_svc.types import ForwardBatch
+from llm_svc.types.request import ForwardBatch
 
 log = logging.getLogger(__name__)
 

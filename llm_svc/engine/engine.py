@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llm_svc.core_messages import CoreNeed, CoreToken
+from llm_svc.types.messages import CoreNeed, CoreToken
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
 from llm_svc.engine.grammar import GrammarCache, GrammarError, Matcher, apply_grammars
@@ -35,9 +35,9 @@ from llm_svc.engine.grammar_errors import CompilerUnavailable
 from llm_svc.engine.prompt_logprobs import PromptScores
 from llm_svc.engine.sampler import make_generator, sample, suppress
 from llm_svc.engine.scheduler import Scheduler
-from llm_svc.errors import InvalidRequest
-from llm_svc.textproc import min_tokens_banned
-from llm_svc.types import Request, StepOutput
+from llm_svc.types.errors import InvalidRequest
+from llm_svc.engine.textproc import min_tokens_banned
+from llm_svc.types.request import Request, StepOutput
 
 if TYPE_CHECKING:
     from llm_svc.engine.speculate import Speculator

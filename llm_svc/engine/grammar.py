@@ -2,7 +2,7 @@
 one token bitmask per step applied to the constrained rows on the logits' device.
 
 The grammar engine is xgrammar (vLLM's default backend). ``benchmarks/grammar_engines.py``
-measures it against llguidance on the same schema corpus; the README gives the figures and why.
+measures it against llguidance on the same schema corpus; docs/api.md gives the figures and why.
 
 Compiles run in worker processes (``grammar_pool``: a compile past its CPU-time limit, or one
 nobody waits for any more, is killed there), keyed by a hash of the spec, so a request repeating

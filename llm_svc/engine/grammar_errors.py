@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llm_svc.errors import InvalidRequest
+from llm_svc.types.errors import InvalidRequest
 
 # the settings a refusal names (LLMSettings' fields, by their environment names)
 MAX_BYTES_SETTING = "MMSERVE_LLM_MAX_GRAMMAR_BYTES"

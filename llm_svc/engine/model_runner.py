@@ -2,7 +2,7 @@
 one ``ForwardBatch``. No policy.
 
 Input: the scheduler's batch (prefill chunks and decodes mixed, in any order; only the slots
-that changed, see ``llm_svc.types.ForwardBatch``). Output: logits of the last token of every
+that changed, see ``llm_svc.types.request.ForwardBatch``). Output: logits of the last token of every
 sequence with ``need_logits``, of every token of a sequence with ``all_logits``, and of the
 input token and each draft of a decode verifying drafts.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from llm_svc.attention import FULL, LayerKV, create_attention_backend
-from llm_svc.types import ForwardBatch
+from llm_svc.types.request import ForwardBatch
 from llm_svc.attention.slot_tables import DeviceSlotTables
 from llm_svc.models import HybridModel
 from llm_svc.engine.step_threads import StepThreads

@@ -35,7 +35,7 @@ from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.models.base import apply_rope
 from llm_svc.models.fused_mlp import GatedMLP
 from llm_svc.models.linear import fuse_linears, pack_linears
-from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.types.request import ForwardBatch, SeqForward
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llm_svc.core_messages import CorePromptLogprob
+from llm_svc.types.messages import CorePromptLogprob
 
 _BLOCK_ROWS = 64  # rows per log-softmax: bounds the float32 [rows, vocab] copies of a long chunk
 

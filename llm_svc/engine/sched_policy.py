@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
-from llm_svc.types import Request
+from llm_svc.types.request import Request
 from shared.registry import Registry
 
 

@@ -38,12 +38,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from llm_svc.types import ForwardBatch, Request, RequestStatus, SeqForward, StepOutput
+from llm_svc.types.request import ForwardBatch, Request, RequestStatus, SeqForward, StepOutput
 from llm_svc.engine.sched_config import SchedulerConfig
 from llm_svc.engine.sched_policy import make_policy
 from llm_svc.kv.manager import KVManager
 from llm_svc.kv.radix import NO_SLOT
-from llm_svc.textproc import token_finish_reason
+from llm_svc.engine.textproc import token_finish_reason
 
 AWAIT_MEDIA = object()  # ``_admit``'s answer for a request that needs embeddings it lacks
 

@@ -24,8 +24,8 @@ from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, 
 from llm_svc.engine.mtp_runner import MTPInput, MTPRunner
 from llm_svc.engine.sampler import suppress
 from llm_svc.spec import NgramProposer, SpecStats, SpeculativeConfig, verify
-from llm_svc.textproc import min_tokens_banned
-from llm_svc.types import Request
+from llm_svc.engine.textproc import min_tokens_banned
+from llm_svc.types.request import Request
 from shared.schemas import SamplingParams
 
 

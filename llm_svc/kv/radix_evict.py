@@ -2,7 +2,7 @@
 tombstones, and the host pools' own eviction. Pure bookkeeping: copies are recorded in the
 tree's ``ops`` as slot lists for the engine to run.
 
-Policy (documented in the README, "Tiered KV"):
+Policy (documented in docs/engine.md, "Prefix tree and tiers"):
 * Device full KV: least recently used *device leaves* (no child on the device) go first, those
   whose last token has no SWA before others (no match can end there). With a host tier the leaf
   is demoted (write-back: copied down only if the host lacks it); without one, or when the host

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..ckernels import CKernel
+from llm_svc.kernels.ckernels import CKernel
 from . import cpu_gemv
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")

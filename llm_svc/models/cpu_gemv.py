@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..ckernels import FAST_FLAGS, CKernel
+from llm_svc.kernels.ckernels import FAST_FLAGS, CKernel
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 MAX_ROWS = 8

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..ckernels import FAST_FLAGS, CKernel
+from llm_svc.kernels.ckernels import FAST_FLAGS, CKernel
 from . import cpu_gemv
 
 SOURCE = Path(__file__).with_name("cpu_packed.c")

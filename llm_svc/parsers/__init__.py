@@ -35,6 +35,6 @@ def output_parser(family: str, tokenizer, *, tools: list[dict] | None, reasoning
 
 
 def family_of(arch: str) -> str | None:
-    """Our loader's arch names (``llm_svc.loader._arch_of``: "mimo", "gemma3", "gpt_oss",
+    """Our loader's arch names (``llm_svc.loading.loader._arch_of``: "mimo", "gemma3", "gpt_oss",
     "other") -> parser family, or None."""
     return arch if arch in OUTPUT_PARSERS else None

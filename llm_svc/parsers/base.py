@@ -20,7 +20,7 @@ def new_call_id() -> str:
 class ToolCallDelta:
     """A piece of one tool call. A call's first delta has its id and name (arguments usually
     empty); the arguments of all its deltas, concatenated in order, are its JSON arguments. The
-    non-streamed answer is the same concatenation (``llm_svc.output_shape.merge_calls``), so the
+    non-streamed answer is the same concatenation (``llm_svc.front.output_shape.merge_calls``), so the
     two agree by construction."""
 
     index: int                # the call's position in this output: 0, 1, ...

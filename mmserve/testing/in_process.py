@@ -6,7 +6,7 @@ from __future__ import annotations
 from llm_svc.core.convert import request_from_core, to_core_add
 from llm_svc.core.output import OutputProcessor
 from llm_svc.engine.engine import Engine
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import PreparedRequest
 
 
 class InProcessEngine:

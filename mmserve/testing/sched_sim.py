@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llm_svc.types import ForwardBatch, Request, SeqForward
+from llm_svc.types.request import ForwardBatch, Request, SeqForward
 from llm_svc.attention.slot_tables import HostSlotTables
 
 

@@ -49,7 +49,7 @@ def test_video_answers_with_timestamped_layout(client, stack):
     from transformers import AutoTokenizer
 
     from encoder_svc.video.sampling import sample_indices
-    from llm_svc.media_layout import format_timestamp
+    from llm_svc.loading.media_layout import format_timestamp
     from shared.settings import EncoderSettings
 
     mp4 = make_mp4(seconds=3.0, fps=8, seed=5)  # 24 frames, 64x64

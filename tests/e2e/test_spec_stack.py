@@ -19,8 +19,8 @@ import torch
 
 from llm_svc.core.build import build_engine
 from mmserve.testing.in_process import InProcessEngine
-from llm_svc.loader import load_lm
-from llm_svc.types import PreparedRequest
+from llm_svc.loading.loader import load_lm
+from llm_svc.types.request import PreparedRequest
 from mmserve.launcher import LocalStack, Service, StackSpec, free_port
 from shared.schemas import SamplingParams
 from shared.settings import LLMSettings

@@ -53,7 +53,7 @@ def gen_body(rid: str, max_tokens: int = 8, stream: bool = False, text: str = "h
 
 
 def start(mimo_bundle, **kw) -> ServerThread:
-    from llm_svc.app import create_app
+    from llm_svc.front.app import create_app
     from shared.settings import LLMSettings
 
     settings = LLMSettings(model_dir=str(mimo_bundle), max_model_len=4096, kv_bytes=32 * 1024 * 1024,
@@ -194,7 +194,7 @@ def test_first_core_that_cannot_load_is_reported_not_looped(mimo_bundle, tmp_pat
     starts): ``/healthz`` is 500 with the reason, ``/readyz`` 503, and no core is left running."""
     import shutil
 
-    from llm_svc.app import create_app
+    from llm_svc.front.app import create_app
     from shared.settings import LLMSettings
 
     bad = tmp_path / "bad"

@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
-from llm_svc.loader import load_lm
+from llm_svc.loading.loader import load_lm
 from llm_svc.models import build_model
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import PreparedRequest
 from shared.bundle import CheckpointError
 from shared.schemas import SamplingParams
 from mmserve.tiny.gpt_oss import write_gpt_oss

@@ -90,7 +90,7 @@ def test_engine_times_out_a_hostile_schema_and_serves_the_others(mimo16):
 def test_engine_drops_an_aborted_compile_and_refuses_oversized_specs(mimo16):
     """An abort while the hostile schema compiles kills its worker (not the limit: it is far
     away), and the pool serves the next request; a spec over max_bytes is refused by ``add``."""
-    from llm_svc.errors import InvalidRequest
+    from llm_svc.types.errors import InvalidRequest
 
     eng = _engine(mimo16, workers=1, timeout_s=600.0, max_bytes=4096)
     grammars = eng.engine.grammars

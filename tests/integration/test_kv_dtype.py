@@ -8,7 +8,7 @@ import torch
 
 from llm_svc.core.build import build_engine
 from mmserve.testing.in_process import InProcessEngine
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import PreparedRequest
 from shared.schemas import SamplingParams
 from shared.settings import LLMSettings
 

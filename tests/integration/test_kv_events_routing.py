@@ -13,7 +13,7 @@ import pytest
 
 from gateway.app import create_app as gateway_app
 from mmserve.testing.fake_services import ServerThread, free_port_url
-from llm_svc.app import create_app as llm_app
+from llm_svc.front.app import create_app as llm_app
 from shared.prefix_keys import prefix_blocks
 from shared.redis_client import sync_client
 from shared.schemas import GenerateRequest, PromptMessage, PromptText, SamplingParams

@@ -20,7 +20,7 @@ from llm_svc.models import build_model
 from llm_svc.offload.host_kv import HostKV
 from llm_svc.offload.l3 import PAGE, L3Store, chain_hashes, decode, encode, fingerprint
 from llm_svc.offload.tiers import KVTiers
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import PreparedRequest
 from shared.schemas import SamplingParams
 from tests.conftest import SMALL_W
 from tests.integration.test_llm_engine import conversation_trace, run_to_end

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import StoppingCriteriaList
 
-from llm_svc.types import GenOutput, RequestStream
+from llm_svc.types.request import GenOutput, RequestStream
 from llm_svc.backends.hf import generate_kwargs, generation_config, media_rows_injected
 from mmserve.testing.in_process import InProcessEngine
 from llm_svc.engine.engine import Engine
@@ -17,7 +17,7 @@ from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from tests.conftest import SMALL_W
 from llm_svc.models import build_model
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import PreparedRequest
 from shared.schemas import SamplingParams
 
 pytestmark = pytest.mark.integration

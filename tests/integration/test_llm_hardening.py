@@ -45,7 +45,7 @@ async def served(app):
 @pytest.fixture(scope="module")
 def service(mimo_bundle):
     """The app with its state loaded in this test's event loop (no server: ASGI calls)."""
-    from llm_svc.app import create_app
+    from llm_svc.front.app import create_app
 
     settings = LLMSettings(model_dir=str(mimo_bundle), backend="hf", max_model_len=512, max_request_bytes=64 * 1024)
     return create_app(settings)
@@ -92,7 +92,7 @@ def test_stream_is_aborted_when_the_client_is_gone_before_the_first_byte(service
 
 
 def test_body_over_the_limit_is_a_413_and_readyz_reports_limits(mimo_bundle):
-    from llm_svc.app import create_app
+    from llm_svc.front.app import create_app
 
     app = create_app(LLMSettings(model_dir=str(mimo_bundle), backend="hf", max_model_len=512,
                                  max_request_bytes=64 * 1024))
@@ -127,7 +127,7 @@ def test_body_over_the_limit_is_a_413_and_readyz_reports_limits(mimo_bundle):
 
 
 def test_deadline_stops_generation_and_admission_bound_is_a_429(mimo_bundle):
-    from llm_svc.app import create_app
+    from llm_svc.front.app import create_app
 
     app = create_app(LLMSettings(model_dir=str(mimo_bundle), backend="hf", max_model_len=512, max_in_flight=1))
     headers = {"content-type": SAFETENSORS_MIME}
@@ -160,7 +160,7 @@ def test_deadline_stops_generation_and_admission_bound_is_a_429(mimo_bundle):
 
 def test_a_request_id_in_flight_is_refused_and_free_again_once_it_ended(mimo_bundle):
     """The front's one check of duplicate ids (the engine core keys requests by ids of its own)."""
-    from llm_svc.app import create_app
+    from llm_svc.front.app import create_app
 
     app = create_app(LLMSettings(model_dir=str(mimo_bundle), backend="hf", max_model_len=512))
     headers = {"content-type": SAFETENSORS_MIME}

@@ -53,7 +53,7 @@ class ServerThread:
 
 
 def start_service(model_dir, backend: str, **kw) -> ServerThread:
-    from llm_svc.app import create_app
+    from llm_svc.front.app import create_app
 
     settings = LLMSettings(model_dir=str(model_dir), backend=backend, max_model_len=512,
                            kv_bytes=32 * 1024 * 1024, **kw)

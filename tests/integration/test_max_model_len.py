@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 def served_limits(settings: LLMSettings, past_pool: list | None = None) -> tuple[int, int, int | None]:
     """(/readyz's max_model_len, /tokenize's, the KV pool's full slots) of a service started in-process;
     ``past_pool``: gets the answers to a request one token past the pool, plain and streamed."""
-    from llm_svc.app import create_app
+    from llm_svc.front.app import create_app
 
     app = create_app(settings)
 

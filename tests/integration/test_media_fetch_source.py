@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from encoder_svc.cache.redis_tier import RedisTier
 from mmserve.testing.fake_services import ServerThread, fake_encoder_app, filled
-from llm_svc.media_fetch import EmbeddingFetcher
-from llm_svc.metrics import LLMMetrics
-from llm_svc.types import BackendStats, EmbeddingRef
+from llm_svc.core.media_fetch import EmbeddingFetcher
+from llm_svc.front.metrics import LLMMetrics
+from llm_svc.types.request import BackendStats, EmbeddingRef
 from shared.redis_client import sync_client
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from llm_svc.types import EmbeddingRef, PreparedRequest
+from llm_svc.types.request import EmbeddingRef, PreparedRequest
 from shared.schemas import SamplingParams
 from tests.integration.test_llm_engine import ListStream, make_engine, run_to_end
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from mmserve.testing.fake_services import ServerThread, fake_encoder_app, filled, free_port_url
-from llm_svc.media_fetch import EmbeddingFetcher, MediaUnavailable
-from llm_svc.types import EmbeddingRef
+from llm_svc.core.media_fetch import EmbeddingFetcher, MediaUnavailable
+from llm_svc.types.request import EmbeddingRef
 
 pytestmark = pytest.mark.integration
 HIDDEN = 8

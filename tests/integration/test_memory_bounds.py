@@ -22,7 +22,7 @@ from llm_svc.kv.radix_node import Node
 from llm_svc.models import build_model
 from llm_svc.offload.host_kv import HostKV
 from llm_svc.offload.tiers import KVTiers
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import PreparedRequest
 from shared.schemas import SamplingParams
 from shared.settings import GatewaySettings
 from tests.conftest import SMALL_W

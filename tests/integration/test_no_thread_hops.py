@@ -49,7 +49,7 @@ def _sync_calls(app: FastAPI) -> Iterator[str]:
 def _apps(tmp_path) -> dict[str, FastAPI]:
     from encoder_svc.app import create_app as encoder_app
     from gateway.app import create_app as gateway_app
-    from llm_svc.app import create_app as llm_app
+    from llm_svc.front.app import create_app as llm_app
     from shared.settings import EncoderSettings, GatewaySettings, LLMSettings
 
     return {

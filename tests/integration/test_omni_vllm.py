@@ -7,7 +7,7 @@ vLLM's processor writes for a video (timestamps, start/end tokens). We compare:
 
 * patch rows: ours (``preprocess/mimo_vision.py``) == vLLM's, per image and per video;
 * tower output: ours (``models/mimo_vit.py``, one item per temporal group) within 1e-4 of vLLM's;
-* prompt ids: ours (``llm_svc/prompt.py`` + ``media_layout.py``) == vLLM's processor's.
+* prompt ids: ours (``llm_svc/front/prompt.py`` + ``media_layout.py``) == vLLM's processor's.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from encoder_svc.models.loader import load_models
-from llm_svc.loader import load_lm
-from llm_svc.prompt import prepare_request
+from llm_svc.loading.loader import load_lm
+from llm_svc.front.prompt import prepare_request
 from shared.bundle import load_bundle_spec
 from shared.schemas import GenerateRequest, MediaSegment, PromptMedia, PromptMessage, PromptText
 from mmserve.tiny.mimo_omni import write_mimo_omni

@@ -11,7 +11,7 @@ import pytest
 
 from encoder_svc.app import create_app as encoder_app
 from gateway.app import create_app as gateway_app
-from llm_svc.app import create_app as llm_app
+from llm_svc.front.app import create_app as llm_app
 from mmserve.testing.fake_services import ServerThread
 from shared.settings import EncoderSettings, GatewaySettings, LLMSettings
 

@@ -29,10 +29,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway.metrics import GatewayMetrics
 from gateway.routing.kv_feed import KVEventFeed
 from gateway.routing.kv_index import KVIndex
-from llm_svc.kv_publish import KVPublisher
-from llm_svc.media_fetch import EmbeddingFetcher, MediaSourceRefused, MediaUnavailable
+from llm_svc.front.kv_publish import KVPublisher
+from llm_svc.core.media_fetch import EmbeddingFetcher, MediaSourceRefused, MediaUnavailable
 from llm_svc.offload.l3 import _HEADER, DOMAIN
-from llm_svc.types import EmbeddingRef
+from llm_svc.types.request import EmbeddingRef
 from mmserve.testing.fake_services import ServerThread
 from shared.embedding_store import entry_key, seal_entry, to_bytes
 from shared.kv_events import KVEvent
@@ -118,7 +118,7 @@ def test_a_planted_page_leaves_the_engine_consistent(mimo16):
     a miss counted as an auth failure, the tokens are the uncached ones, and the scheduler's
     books balance after."""
     from llm_svc.offload.l3 import chain_hashes, fingerprint
-    from llm_svc.types import PreparedRequest
+    from llm_svc.types.request import PreparedRequest
     from shared.schemas import SamplingParams
     from tests.integration.test_kv_tiers import PAGE_TOKENS, drop_keys, flush_l3, make_engine, run_to_end, \
         session_turns

@@ -11,14 +11,14 @@ import shutil
 import pytest
 import torch
 
-from llm_svc.loader import load_lm
+from llm_svc.loading.loader import load_lm
 from llm_svc.models.geometry import SLIDING_T, mimo_geometry
 from shared.bundle import CheckpointError
 from mmserve.tiny import mimo_published as mp
 from tests.conftest import SMALL_W
 from tests.integration.test_llm_engine import ListStream, make_engine, run_to_end
 from tests.unit.test_llm_runner import SlotSim, hf_logits, make_runner, run_chunked
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import PreparedRequest
 from shared.schemas import SamplingParams
 
 pytestmark = pytest.mark.integration

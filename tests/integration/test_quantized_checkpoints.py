@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llm_svc.loader import load_lm
-from llm_svc.types import PreparedRequest
+from llm_svc.loading.loader import load_lm
+from llm_svc.types.request import PreparedRequest
 from shared.bundle import CheckpointError
 from shared.schemas import SamplingParams
 from mmserve.tiny import mimo_published as mp

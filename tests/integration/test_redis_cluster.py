@@ -20,9 +20,9 @@ from encoder_svc.cache.redis_tier import RedisTier
 from encoder_svc.server import serve_in_thread
 from gateway.routing.kv_feed import KVEventFeed
 from gateway.routing.kv_index import KVIndex
-from llm_svc.kv_publish import KVPublisher
+from llm_svc.front.kv_publish import KVPublisher
 from llm_svc.offload.l3 import L3Store, chain_hashes, fingerprint
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import PreparedRequest
 from shared.redis_client import sync_client
 from shared.schemas import SamplingParams
 from shared.settings import EncoderSettings
@@ -270,8 +270,8 @@ def test_kv_events_of_two_replicas_reach_a_gateway_index_through_the_cluster(red
 def test_llm_media_fetch_reads_every_item_from_the_cluster_tier(redis_cluster, prefix):
     """Items an encoder stored on the cluster (on several nodes) are read there: the encoder URL
     named in the refs answers nothing, so an item not found in Redis would fail the fetch."""
-    from llm_svc.media_fetch import EmbeddingFetcher
-    from llm_svc.types import EmbeddingRef
+    from llm_svc.core.media_fetch import EmbeddingFetcher
+    from llm_svc.types.request import EmbeddingRef
 
     hidden = 8
     items = {f"m@1:image:s:f{i}": torch.full((i + 1, hidden), float(i)) for i in range(9)}

@@ -10,7 +10,7 @@ import pytest
 from encoder_svc.app import create_app as encoder_app
 from gateway.app import create_app as gateway_app
 from mmserve.testing.fake_services import ServerThread, fake_encoder_app, fake_llm_app
-from llm_svc.app import create_app as llm_app
+from llm_svc.front.app import create_app as llm_app
 from shared.service_auth import SERVICE_TOKEN_HEADER, ServiceTokenMiddleware
 from shared.settings import EncoderSettings, GatewaySettings, LLMSettings
 

@@ -15,7 +15,7 @@ from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.engine.speculate import Speculator
 from llm_svc.models import build_model
 from llm_svc.spec import SpeculativeConfig
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import PreparedRequest
 from shared.schemas import SamplingParams
 from tests.conftest import SMALL_W
 from tests.integration.test_llm_engine import ListStream, conversation_trace, run_to_end
@@ -248,7 +248,7 @@ MTP = {"method": "mtp", "num_speculative_tokens": 3}
 @pytest.fixture(scope="module")
 def mimo_mtp(tmp_path_factory):
     """The tiny published-layout MiMo-V2.5 (3 MTP layers), window 32: loaded with its MTP layers."""
-    from llm_svc.loader import load_lm
+    from llm_svc.loading.loader import load_lm
     from mmserve.tiny_model import write_tiny_model
 
     lm = load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "v25", arch="mimo-v2.5", sliding_window=32)))
@@ -332,7 +332,7 @@ def test_published_mimo_greedy_tokens_equal_without_speculation(mimo_mtp, spec, 
 
 def test_gpt_oss_greedy_tokens_equal_with_ngram(tmp_path):
     """gpt-oss (sinks, alternating sliding layers, MoE): n-gram speculation, same tokens."""
-    from llm_svc.loader import load_lm
+    from llm_svc.loading.loader import load_lm
     from mmserve.tiny_model import write_tiny_model
 
     lm = load_lm(str(write_tiny_model(tmp_path / "oss", arch="gpt-oss", sliding_window=W)))

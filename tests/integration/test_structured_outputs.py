@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from llm_svc.engine.grammar import GrammarCache
-from llm_svc.types import PreparedRequest
+from llm_svc.types.request import PreparedRequest
 from shared.schemas import SamplingParams, StructuredSpec
 from mmserve.tiny.schemas import schema_corpus
 from tests.integration.test_llm_engine import ListStream, make_engine, run_to_end
@@ -140,7 +140,7 @@ def test_min_tokens_ignore_eos_and_aborts(mimo16):
 
 
 def test_no_grammar_engine_refuses_structured_requests(mimo16):
-    from llm_svc.errors import InvalidRequest
+    from llm_svc.types.errors import InvalidRequest
 
     eng = make_engine(mimo16)
     with pytest.raises(InvalidRequest, match="structured outputs"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llm_svc.loader import load_lm
+from llm_svc.loading.loader import load_lm
 from mmserve.tiny import mimo_published as mp
 from mmserve.tiny_model import TRAINED_MIMO, write_tiny_model
 

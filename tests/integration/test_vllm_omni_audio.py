@@ -105,10 +105,10 @@ def test_vllm_batch_is_batch_dependent_ours_is_not(run):
 
 @pytest.mark.parametrize("i", [0, 4])
 def test_audio_prompt_ids_equal_vllm_processor(run, i):
-    """The LLM's prompt for a chat with one clip (``llm_svc/prompt.py`` from the checkpoint's own
+    """The LLM's prompt for a chat with one clip (``llm_svc/front/prompt.py`` from the checkpoint's own
     tokenizer and placeholders) == the ids vLLM's MiMo processor writes: start, n pads, end."""
-    from llm_svc.loader import load_lm
-    from llm_svc.prompt import prepare_request
+    from llm_svc.loading.loader import load_lm
+    from llm_svc.front.prompt import prepare_request
     from shared.schemas import GenerateRequest, PromptMedia, PromptMessage, PromptText
 
     tower, waves, ref, ckpt = run

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_svc.loader import load_lm
-from llm_svc.types import PreparedRequest
+from llm_svc.loading.loader import load_lm
+from llm_svc.types.request import PreparedRequest
 from mmserve.cli import CACHE_DIR
 from shared.schemas import SamplingParams
 from mmserve.tiny import mimo_published as mp

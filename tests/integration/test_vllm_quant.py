@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_svc.loader import load_lm
+from llm_svc.loading.loader import load_lm
 from mmserve.tiny import mimo_published as mp
 from tests.conftest import SMALL_W
 from tests.integration.test_vllm_oracle import vllm_python  # noqa: F401  (fixture)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_svc.context_len import DEFAULT_CONTEXT_LEN, context_length
+from llm_svc.loading.context_len import DEFAULT_CONTEXT_LEN, context_length
 
 pytestmark = pytest.mark.unit
 
@@ -38,6 +38,6 @@ def test_context_length_follows_vllm(raw, tokenizer_max, expected):
 
 
 def test_the_tiny_bundles_report_their_config(mimo_bundle):
-    from llm_svc.loader import load_lm
+    from llm_svc.loading.loader import load_lm
 
     assert load_lm(str(mimo_bundle), weights=False).context_len == 8192  # its max_position_embeddings

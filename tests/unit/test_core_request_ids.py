@@ -12,9 +12,9 @@ import zmq
 from transformers import AutoTokenizer
 
 from llm_svc.core.client import EngineCoreClient, _Core
-from llm_svc.core_messages import CoreAbort, CoreAdd, CoreInput, CoreToken
-from llm_svc.media_fetch import MEDIA_UNAVAILABLE
-from llm_svc.types import PreparedRequest
+from llm_svc.types.messages import CoreAbort, CoreAdd, CoreInput, CoreToken
+from llm_svc.core.media_fetch import MEDIA_UNAVAILABLE
+from llm_svc.types.request import PreparedRequest
 from shared.schemas import SamplingParams
 from shared.settings import LLMSettings
 

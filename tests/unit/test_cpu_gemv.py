@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llm_svc.ckernels import CKernel
+from llm_svc.kernels.ckernels import CKernel
 from llm_svc.models import cpu_gemv
 from llm_svc.models import linear as L
 
@@ -91,7 +91,7 @@ def test_onednn_linear_takes_few_rows_here_and_many_to_onednn(monkeypatch):
 
 
 def test_no_compiler_leaves_the_onednn_path(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(cpu_gemv, "KERNEL", CKernel(cpu_gemv.SOURCE, "cpu_gemv", cpu_gemv._bind, what="gemv",
                                                    fallback="oneDNN"))

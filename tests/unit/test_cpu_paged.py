@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from llm_svc.ckernels import CKernel
+from llm_svc.kernels.ckernels import CKernel
 from llm_svc.attention import AttentionParams, LayerKV
 from llm_svc.attention import cpu_paged
 from llm_svc.attention.torch_common import attend, table_slots
@@ -156,7 +156,7 @@ def test_supports_only_cpu_float_contiguous():
 
 def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
     """No compiler and no cached build: ``available()`` is False with a warning, nothing raises."""
-    monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(cpu_paged, "KERNEL", CKernel(cpu_paged.SOURCE, "cpu_paged", cpu_paged._bind,
                                                      what="CPU paged decode kernel", fallback="gather"))
@@ -168,7 +168,7 @@ def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog):
 
 def test_a_header_the_source_includes_is_part_of_the_build_key(tmp_path, monkeypatch):
     """Both KV kernels include kv_elem.h: editing it must rebuild them, not load a stale build."""
-    monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path / "cache"))
     src, hdr = tmp_path / "k.c", tmp_path / "k.h"
     src.write_text('#include "k.h"\nint f(void) { return K; }\n')
     hdr.write_text("#define K 1\n")

@@ -124,7 +124,7 @@ def test_other_tilings_agree(tiling, monkeypatch):
     AVX-512 Zen 4; 16 wide: 64 rows x 6 / 6 on other AVX-512 CPUs) and others, built here too
     (16-wide vectors run as two halves on an AVX2 machine): same answers as the reference,
     remainders included (odd key counts, head dims not a multiple of 6 or 3, the 4-column tail)."""
-    from llm_svc.ckernels import FAST_FLAGS, CKernel
+    from llm_svc.kernels.ckernels import FAST_FLAGS, CKernel
 
     lib = CKernel(cpu_prefill.SOURCE, "cpu_prefill_t" + "".join(t[-1] for t in tiling), cpu_prefill._bind,
                   what="test tiling", fallback="none", flags=FAST_FLAGS + tiling,

@@ -14,7 +14,7 @@ import torch
 from llm_svc.engine.decode_graphs import graph_buckets
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.models import build_model
-from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.types.request import ForwardBatch, SeqForward
 from tests.unit.test_llm_runner import SlotSim, hf_logits
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ import pytest
 import llm_svc.kv.radix_evict as radix_evict
 from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
-from llm_svc.types import Request
+from llm_svc.types.request import Request
 from shared.schemas import SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -15,10 +15,10 @@ import gc
 
 import pytest
 
-from llm_svc.loader import load_lm
-from llm_svc.routes import _prepare
-from llm_svc.state import PrepPool
-from llm_svc.word_cache import WORD_CACHE_WORDS, bound_word_cache
+from llm_svc.loading.loader import load_lm
+from llm_svc.front.routes import _prepare
+from llm_svc.front.state import PrepPool
+from llm_svc.front.word_cache import WORD_CACHE_WORDS, bound_word_cache
 from shared.schemas import GenerateRequest, PromptMessage, PromptText, SamplingParams
 from shared.wire import pack
 

@@ -10,8 +10,8 @@ import pytest
 from encoder_svc.metrics import EncoderMetrics
 from gateway.dashboard import DashboardSnapshot, histogram, parse_metrics, snapshot
 from gateway.metrics import GatewayMetrics
-from llm_svc.metrics import LLMMetrics
-from llm_svc.types import BackendStats
+from llm_svc.front.metrics import LLMMetrics
+from llm_svc.types.request import BackendStats
 
 pytestmark = pytest.mark.unit
 

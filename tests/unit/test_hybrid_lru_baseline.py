@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks._hybrid_lru import BLOCK, HybridLRU
-from llm_svc.types import Request
+from llm_svc.types.request import Request
 from shared.schemas import SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -286,7 +286,7 @@ def _route_paths(svc: str) -> set[str]:
     if svc == "gateway":
         return {r.path for r in gateway_router.routes}
     from encoder_svc.routes import router as encoder_router
-    from llm_svc.routes import router as llm_router
+    from llm_svc.front.routes import router as llm_router
 
     return {r.path for r in {"encoder": encoder_router, "llm": llm_router}[svc].routes}
 

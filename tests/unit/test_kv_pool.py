@@ -135,7 +135,7 @@ def test_geometry_from_hf_config_matches_the_runner_kv_tensors(arch, mimo_bundle
 
     from llm_svc.attention import FULL
     from llm_svc.engine.model_runner import ModelRunner
-    from llm_svc.loader import load_lm
+    from llm_svc.loading.loader import load_lm
     from llm_svc.models import build_model
 
     lm = load_lm(str(mimo_bundle if arch == "mimo" else gemma3_bundle), dtype="float32")

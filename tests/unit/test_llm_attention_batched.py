@@ -11,7 +11,7 @@ import torch
 
 from llm_svc.attention import FULL, SLIDING, AttentionParams, LayerKV, create_attention_backend
 from llm_svc.attention.torch_batched import BucketPolicy, TorchBatchedAttention, plan_buckets
-from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.types.request import ForwardBatch, SeqForward
 from llm_svc.attention.slot_tables import DeviceSlotTables
 
 pytestmark = pytest.mark.unit

@@ -1,12 +1,12 @@
-"""SWA retention points chosen by the service (``llm_svc.retention``) and the system message's
+"""SWA retention points chosen by the service (``llm_svc.kv.retention``) and the system message's
 end as the chat template renders it."""
 
 from __future__ import annotations
 
 import pytest
 
-from llm_svc.prompt import render_prompt_ids, system_prefix_len
-from llm_svc.retention import retention_points
+from llm_svc.front.prompt import render_prompt_ids, system_prefix_len
+from llm_svc.kv.retention import retention_points
 from shared.schemas import GenerateRequest, PromptMessage, PromptText, SamplingParams
 
 pytestmark = pytest.mark.unit

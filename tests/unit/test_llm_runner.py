@@ -13,7 +13,7 @@ import torch
 
 from llm_svc.attention import create_attention_backend
 from llm_svc.attention.torch_batched import BucketPolicy, TorchBatchedAttention
-from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.types.request import ForwardBatch, SeqForward
 from llm_svc.engine.model_runner import ModelRunner
 from tests.conftest import SMALL_W
 from llm_svc.models import build_model

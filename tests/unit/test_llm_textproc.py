@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_svc.textproc import (
+from llm_svc.engine.textproc import (
     IncrementalDetokenizer,
     OutputText,
     StopStringFilter,

@@ -61,7 +61,7 @@ assert client.get("/healthz").status_code == 200
 LLM_FRONT = """
 import tempfile
 from fastapi.testclient import TestClient
-from llm_svc.app import create_app
+from llm_svc.front.app import create_app
 from shared.settings import LLMSettings
 app = create_app(LLMSettings(model_dir=tempfile.mkdtemp(), malloc_mmap_threshold={threshold}))
 client = TestClient(app)
@@ -80,7 +80,7 @@ def test_the_service_pins_it_at_start_unless_told_not_to(service, threshold, own
 @pytest.mark.parametrize("service", ["gateway", "llm"])
 def test_the_service_reports_its_heap(service):
     from gateway.metrics import GatewayMetrics
-    from llm_svc.metrics import LLMMetrics
+    from llm_svc.front.metrics import LLMMetrics
 
     from prometheus_client import generate_latest
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_svc.prompt import prepare_request
-from llm_svc.types import make_prompt_keys
+from llm_svc.front.prompt import prepare_request
+from llm_svc.types.request import make_prompt_keys
 from shared.hashing import content_hash, media_key
 from shared.schemas import GenerateRequest, PromptMedia, PromptMessage, PromptText
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from llm_svc.loader import load_lm
+from llm_svc.loading.loader import load_lm
 from llm_svc.models import mimo_mtp
 from llm_svc.models.mimo_reference import lm_hidden
 from shared.bundle import CheckpointError

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from encoder_svc.metrics import EncoderMetrics
 from gateway.metrics import GatewayMetrics
-from llm_svc.metrics import LLMMetrics
-from llm_svc.types import BackendStats
+from llm_svc.front.metrics import LLMMetrics
+from llm_svc.types.request import BackendStats
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_svc.errors import InvalidRequest
-from llm_svc.loader import load_lm
-from llm_svc.prompt import prepare_request
-from llm_svc.types import make_prompt_keys
+from llm_svc.types.errors import InvalidRequest
+from llm_svc.loading.loader import load_lm
+from llm_svc.front.prompt import prepare_request
+from llm_svc.types.request import make_prompt_keys
 from shared.schemas import GenerateRequest, MediaSegment, PromptMedia, PromptMessage, PromptText
 from mmserve.tiny.mimo_omni import write_mimo_omni
 

@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from llm_svc import prompt_bound
-from llm_svc.errors import InvalidRequest
-from llm_svc.loader import load_lm
-from llm_svc.prompt import prepare_request, render_prompt_text
-from llm_svc.prompt_bound import TokenBound, chunked_at_least, tokens_past
-from llm_svc.routes import _prepare
+from llm_svc.loading import prompt_bound
+from llm_svc.types.errors import InvalidRequest
+from llm_svc.loading.loader import load_lm
+from llm_svc.front.prompt import prepare_request, render_prompt_text
+from llm_svc.loading.prompt_bound import TokenBound, chunked_at_least, tokens_past
+from llm_svc.front.routes import _prepare
 from shared.schemas import GenerateRequest, PromptMessage, PromptText, SamplingParams
 from shared.wire import pack
 from mmserve.testing.real_bpe import pseudo_words as _words, train_real_size_bpe
@@ -189,7 +189,7 @@ def test_the_header_bound_never_counts_more_text_than_the_prompt_has():
     the header's bytes less ``_ESCAPE_LOSS`` per backslash and at least a 7th of them, for text of
     any escapes (control characters, quotes, backslashes, non-ASCII, astral), with a structure
     overhead far below the slack."""
-    from llm_svc import routes
+    from llm_svc.front import routes
 
     rng = random.Random(11)
     alphabet = ["a", " ", "\n", "\t", "\"", "\\", "\x01", "\x1f", "é", "中", "😀", "/", "<", "\u2028"]
@@ -207,7 +207,7 @@ def test_the_header_bound_never_counts_more_text_than_the_prompt_has():
 def test_an_8_mb_prompt_without_escapes_is_refused_before_its_header_is_parsed(lm, text, monkeypatch):
     """With a 256-byte longest token, 8 MB of plain text at an 8K context is refused by its header's
     size alone (its few backslashes are the JSON's own quotes): ``unpack`` never runs."""
-    from llm_svc import routes
+    from llm_svc.front import routes
 
     rng = random.Random(4)
     if text == "words":
@@ -226,7 +226,7 @@ def test_a_prompt_of_escapes_goes_on_to_the_parse_and_the_token_bounds(lm, monke
     """A control character takes 7 header bytes (``\\\\u0001``): a header of 21 KB of them holds
     3,000 text bytes, under the 16 KB that 64 tokens of 256 bytes may hold, so the header bound lets
     it through (with no slack, where bytes alone would refuse it) and the token bounds decide."""
-    from llm_svc import routes
+    from llm_svc.front import routes
 
     monkeypatch.setattr(routes, "_HEADER_SLACK", 0)
     body = pack({}, _chat("\x01" * 3000, max_tokens=8))

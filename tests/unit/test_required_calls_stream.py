@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from llm_svc.tool_choice import RequiredCallsParser
+from llm_svc.front.tool_choice import RequiredCallsParser
 
 pytestmark = pytest.mark.unit
 

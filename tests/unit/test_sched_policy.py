@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from llm_svc.types import Request
+from llm_svc.types.request import Request
 from llm_svc.engine.sched_policy import ComputeAwarePolicy, FCFSPolicy, make_policy, uncached_tokens
 from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
@@ -193,7 +193,7 @@ def test_fcfs_through_the_scheduler_admits_in_arrival_order():
 @pytest.mark.parametrize("env, expected", [(None, ComputeAwarePolicy), ("fcfs", FCFSPolicy)])
 def test_llm_settings_choose_the_engine_policy(mimo_bundle, monkeypatch, env, expected):
     from llm_svc.backends.swa import build_engine
-    from llm_svc.loader import load_lm
+    from llm_svc.loading.loader import load_lm
     from shared.settings import LLMSettings
 
     if env is not None:
@@ -227,7 +227,7 @@ def test_vllm_priority_orders_admission_lower_first(policy):
 
 def test_priority_crosses_the_engine_core_protocol():
     from llm_svc.core.convert import request_from_core, to_core_add
-    from llm_svc.types import PreparedRequest
+    from llm_svc.types.request import PreparedRequest
 
     prep = PreparedRequest(request_id="p", prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=3, priority=-7))
     back = request_from_core(to_core_add(prep, epoch=1), "cpu", torch.float32, [0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_svc.types import Request
+from llm_svc.types.request import Request
 from llm_svc.engine.sched_policy import ComputeAwarePolicy, FCFSPolicy
 from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
@@ -391,7 +391,7 @@ def test_drafts_share_the_steps_draft_budget():
     """Speculative decoding: 16 decodes with 4 drafts each under a budget of 32 draft tokens
     verify 2 each; one decode alone verifies all 4."""
     from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
-    from llm_svc.types import Request
+    from llm_svc.types.request import Request
     from shared.schemas import SamplingParams
 
     cfg = SchedulerConfig(max_batch_tokens=512, window=16, max_draft_tokens=32)

@@ -8,7 +8,7 @@ import pytest
 
 from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
-from llm_svc.types import Request, make_prompt_keys
+from llm_svc.types.request import Request, make_prompt_keys
 from shared.schemas import SamplingParams
 
 pytestmark = pytest.mark.unit

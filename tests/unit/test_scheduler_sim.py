@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from llm_svc.types import Request, make_prompt_keys
+from llm_svc.types.request import Request, make_prompt_keys
 from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from shared.schemas import SamplingParams

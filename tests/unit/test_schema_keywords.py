@@ -153,7 +153,7 @@ def test_rebased_refs_resolve_inside_the_required_tools_grammar():
     """tool_choice "required" nests each tool's parameters at /items/anyOf/i/properties/parameters:
     their #/$defs/... and # references are rewritten to that place, and the grammar enforces them."""
     from llm_svc.engine.grammar import json_safe_lengths
-    from llm_svc.tool_choice import forced_spec
+    from llm_svc.front.tool_choice import forced_spec
     from shared.schemas import ToolDef, ToolSpec
 
     params = {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"},
@@ -172,8 +172,8 @@ def test_rebased_refs_resolve_inside_the_required_tools_grammar():
 
 
 def test_the_llm_service_refuses_for_direct_callers():
-    from llm_svc.engine.grammar_keywords import check_request_schemas, enforced_tools
-    from llm_svc.errors import InvalidRequest
+    from llm_svc.front.schema_check import check_request_schemas, enforced_tools
+    from llm_svc.types.errors import InvalidRequest
     from shared.schemas import StructuredSpec, ToolDef, ToolSpec
 
     bad = {"type": "object", "properties": {"s": {"type": "string", "format": "date", "maxLength": 4}}}

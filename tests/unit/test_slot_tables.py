@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.types.request import ForwardBatch, SeqForward
 from llm_svc.attention.slot_tables import DeviceSlotTables, HostSlotTables, TableProtocolError
 
 pytestmark = pytest.mark.unit

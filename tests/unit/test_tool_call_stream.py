@@ -1,5 +1,5 @@
 """Tool calls streamed through the services without a model: a family parser's pieces through the
-LLM service's shaper (``llm_svc.output_shape``), the chat SSE writer and the Responses event
+LLM service's shaper (``llm_svc.front.output_shape``), the chat SSE writer and the Responses event
 writer. A call's id and name come once, on its first piece; its argument pieces concatenate to
 the non-streamed answer's arguments, whatever the increments; finish_reason is tool_calls."""
 
@@ -13,7 +13,7 @@ import pytest
 from gateway.openai_api.responses_api import ResponsesRequest
 from gateway.openai_format import ChunkWriter, chat_completion
 from gateway.responses_format import ResponsesEventWriter, ResponseShell, response_object
-from llm_svc.output_shape import OutputShaper, merge_calls
+from llm_svc.front.output_shape import OutputShaper, merge_calls
 from llm_svc.parsers import output_parser
 from shared.schemas import GenerateResponse
 from tests.unit.test_output_parsers import TOOLS

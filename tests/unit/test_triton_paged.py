@@ -19,7 +19,7 @@ from llm_svc.attention.paged_ref import paged_attention_ref
 from llm_svc.attention.paged_rows import row_ranges
 from llm_svc.attention.slot_tables import DeviceSlotTables
 from llm_svc.attention.triton_paged import TritonPagedAttention, paged_attention_triton
-from llm_svc.types import ForwardBatch, SeqForward
+from llm_svc.types.request import ForwardBatch, SeqForward
 
 pytestmark = pytest.mark.unit
 POOL = 512

@@ -87,7 +87,7 @@ class PreparedRequest:
     swa_checkpoints: list[int] = field(default_factory=list)
     # chat: the gateway's router block keys with the prompt tokens each needs (KV events)
     router_keys: list[tuple[int, int]] = field(default_factory=list)
-    # chat: splits the text into content, reasoning and tool calls (``llm_svc.output_shape``); front only
+    # chat: splits the text into content, reasoning and tool calls (``llm_svc.front.output_shape``); front only
     shaper: object | None = None
 
     def __post_init__(self) -> None:

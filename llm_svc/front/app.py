@@ -15,7 +15,7 @@ from shared.service_auth import ServiceTokenMiddleware
 from shared.malloc_tuning import pin_mmap_threshold
 from shared.settings import LLMSettings
 
-from .errors import error_body
+from llm_svc.types.errors import error_body
 from .routes import router
 from .tokenize_routes import router as tokenize_router
 from .state import ServiceState

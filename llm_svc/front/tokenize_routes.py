@@ -10,9 +10,9 @@ from shared.schemas import (
     DetokenizeRequest, DetokenizeResponse, PromptMessage, PromptText, TextPart, TokenizeRequest, TokenizeResponse,
 )
 
-from .errors import InvalidRequest, error_body
+from llm_svc.types.errors import InvalidRequest, error_body
 from .prompt import check_length, render_text_ids
-from .prompt_bound import tokens_past
+from llm_svc.loading.prompt_bound import tokens_past
 from .routes import StateDep
 
 router = APIRouter()

@@ -1,7 +1,7 @@
 """Small C kernels of the engine, built once per machine and called through ctypes.
 
 Plain C (no torch headers: a build takes about a second), compiled with the machine's own
-vector width (``-march=native``) into ``$MMSERVE_CACHE/kernels`` (default ``~/.cache/mmserve``),
+vector width (``-march=native``) into ``$MMSERVE_CACHE_DIR/kernels`` (default ``~/.cache/mmserve``),
 keyed by the source, the flags and the CPU's flags. A missing compiler or a failed build leaves
 ``available()`` False (logged once) and the callers on their torch path.
 """
@@ -55,7 +55,8 @@ class CKernel:
         flags = " ".join(self.flags + ("|",) + self.link_flags + self.libs)
         code = self.source.read_bytes() + b"".join(h.read_bytes() for h in self.headers)
         digest = hashlib.sha256(code + flags.encode() + _cpu_key().encode()).hexdigest()[:16]
-        cache = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
+        from shared.cache_dir import cache_root
+        cache = cache_root()  # $MMSERVE_CACHE_DIR ($MMSERVE_CACHE still read, deprecated)
         return cache / "kernels" / f"{self.name}-{digest}.so"
 
     def _build(self, out: Path) -> None:

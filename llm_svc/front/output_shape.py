@@ -1,7 +1,7 @@
 """A chat request's generated text as OpenAI answers it: content, reasoning and tool calls.
 
 The model family's parser (``llm_svc.parsers``) splits reasoning and tool-call text out of what
-the model writes; a forced tool choice (``llm_svc.tool_choice``) reads calls from the JSON its
+the model writes; a forced tool choice (``llm_svc.front.tool_choice``) reads calls from the JSON its
 grammar imposes. ``finish_reason`` becomes ``tool_calls`` as OpenAI's (and vLLM's) does: for
 "auto" and "required" when calls were made and the output ended by itself, never for a named
 function.
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from shared.schemas import GenerateRequest, ToolCallWire
 
-from .errors import InvalidRequest
-from .parsers import ToolCallDelta, family_of, output_parser
+from llm_svc.types.errors import InvalidRequest
+from llm_svc.parsers import ToolCallDelta, family_of, output_parser
 from .tool_choice import NamedCallParser, RequiredCallsParser, named_function
 
 

@@ -25,12 +25,12 @@ from shared.settings import length_bucket_range
 from shared.streaming import ClosingStreamingResponse, race_disconnect
 from shared.wire import WireError, unpack
 
-from .backends import BackendStats, GenOutput, RequestStream
-from .errors import InvalidRequest, error_body
-from .media_fetch import MEDIA_UNAVAILABLE, MediaUnavailable
+from llm_svc.backends import BackendStats, GenOutput, RequestStream
+from llm_svc.types.errors import InvalidRequest, error_body
+from llm_svc.core.media_fetch import MEDIA_UNAVAILABLE, MediaUnavailable
 from .output_shape import merge_calls
 from .prompt import prepare_request
-from .types import PreparedRequest
+from llm_svc.types.request import PreparedRequest
 from .state import ServiceState
 
 router = APIRouter()

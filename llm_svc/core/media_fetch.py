@@ -39,7 +39,7 @@ from shared.redis_client import ERRORS, async_client
 from shared.schemas import EncodeResult
 from shared.wire import WireError, unpack
 
-from .types import EmbeddingRef
+from llm_svc.types.request import EmbeddingRef
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,13 @@ from shared.chat_template import TemplateKwargsError, check_template_kwargs
 from shared.prefix_keys import key_positions, prefix_layout
 from shared.schemas import GenerateRequest, PromptMedia, PromptMessage, PromptText
 
-from .engine.grammar_keywords import check_request_schemas
-from .errors import InvalidRequest
-from .loader import LoadedLM
+from llm_svc.types.errors import InvalidRequest
+from llm_svc.loading.loader import LoadedLM
 from .output_shape import build_shaper
-from .prompt_bound import tokens_past
+from llm_svc.loading.prompt_bound import tokens_past
+from .schema_check import check_request_schemas
 from .tool_choice import forced_spec
-from .types import EmbeddingRef, PreparedRequest
+from llm_svc.types.request import EmbeddingRef, PreparedRequest
 
 SEED_RANGE = 1 << 63  # every backend's generator takes it (and msgpack, to the engine core)
 
@@ -308,12 +308,3 @@ def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items:
             f"the chat template placed {k} media placeholders for {len(media)} media parts", param="messages"
         )
     return out, spans, mm_items, mm_refs, mm_hashes, item_spans
-
-
-def input_embeds(lm: LoadedLM, prep: PreparedRequest) -> torch.Tensor:
-    """``[T, hidden]`` embeddings of the whole prompt with media rows in place of the pads."""
-    ids = torch.tensor(prep.prompt_ids, dtype=torch.long, device=lm.device)
-    emb = lm.embed(ids)
-    for start, length, item in prep.mm_spans:
-        emb[start : start + length] = prep.mm_items[item]
-    return emb

@@ -18,11 +18,11 @@ from shared.peer_auth import resolve as resolve_peer_key
 from shared.service_auth import token_headers
 from shared.settings import LLMSettings
 
-from .backends import BACKENDS, Backend
-from .loader import LoadedLM, load_lm
+from llm_svc.backends import BACKENDS, Backend
+from llm_svc.loading.loader import LoadedLM, load_lm
 from .kv_publish import KVPublisher
-from .media_fetch import EmbeddingFetcher
-from .spec import SpeculativeConfig
+from llm_svc.core.media_fetch import EmbeddingFetcher
+from llm_svc.spec import SpeculativeConfig
 from .metrics import LLMMetrics
 from .word_cache import bound_word_cache
 
@@ -45,7 +45,7 @@ class PrepPool:
     """Runs ``fn(lm, *args)`` on a worker thread, each thread with its own tokenizer copy (an HF
     fast tokenizer must not be used from two threads at once), so that unpacking a big body
     or tokenizing a long prompt never blocks ``/readyz`` or other requests. Each copy's word
-    cache is bounded (``llm_svc.word_cache``; a fresh copy would keep up to 10,000 words)."""
+    cache is bounded (``llm_svc.front.word_cache``; a fresh copy would keep up to 10,000 words)."""
 
     def __init__(self, lm: LoadedLM, workers: int = PREP_THREADS):
         self._lm = lm

@@ -14,7 +14,7 @@ import json
 from shared.schema_keywords import rebase_refs
 from shared.schemas import StructuredSpec, ToolSpec
 
-from .parsers.base import ParsedDelta, ToolCallDelta, new_call_id as call_id
+from llm_svc.parsers.base import ParsedDelta, ToolCallDelta, new_call_id as call_id
 
 _NO_ARGS = {"type": "object", "properties": {}}
 

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from shared.malloc_tuning import heap_gauge
 
-from .types import BackendStats
+from llm_svc.types.request import BackendStats
 
 MEDIA_SOURCES = ("redis", "http")
 PEER_SOURCES = ("kv_page", "embedding")

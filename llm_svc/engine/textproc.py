@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from llm_svc.core_messages import CorePromptLogprob
+from llm_svc.types.messages import CorePromptLogprob
 from shared.schemas import PromptTokenLogprob, SampledLogprob, SamplingParams, TokenLogprob
 
 

@@ -37,7 +37,7 @@ class LoadedLM:
     # lower bounds on a text's tokens (longest entry, byte changes), so a prompt that cannot fit
     # is refused before it is tokenized whole
     bound: TokenBound = TokenBound(max_bytes=64)
-    context_len: int = DEFAULT_CONTEXT_LEN  # the checkpoint's (llm_svc.context_len): max_model_len's default
+    context_len: int = DEFAULT_CONTEXT_LEN  # the checkpoint's (llm_svc.loading.context_len): max_model_len's default
 
     @property
     def text_config(self):
@@ -165,7 +165,7 @@ def _config_json(lm_dir: Path) -> tuple[dict, Path]:
 
 
 def _mimo_geometry(lm_dir: Path):
-    from .models.geometry import mimo_geometry
+    from llm_svc.models.geometry import mimo_geometry
 
     return mimo_geometry(*_config_json(lm_dir))
 
@@ -173,7 +173,7 @@ def _mimo_geometry(lm_dir: Path):
 def _gpt_oss_scheme(lm_dir: Path):
     """openai/gpt-oss-* store their experts MXFP4-packed (``*_blocks`` / ``*_scales``,
     ``quantization_config.quant_method = "mxfp4"``): the scheme that dequantizes them at load."""
-    from .models.quant import scheme_for
+    from llm_svc.models.quant import scheme_for
 
     raw, path = _config_json(lm_dir)
     return scheme_for(raw.get("quantization_config"), path, allowed=("mxfp4",))
@@ -196,7 +196,7 @@ def _load_dequantized_hf(cls, lm_dir: Path, scheme, dtype: torch.dtype, device: 
     weights dequantized by mmserve at load (``models/quant.py``) instead of transformers' quantizer."""
     import transformers
 
-    from .models.weights import load_strict
+    from llm_svc.models.weights import load_strict
 
     config = transformers.AutoConfig.from_pretrained(lm_dir)
     if hasattr(config, "quantization_config"):
@@ -215,7 +215,7 @@ def _load_native_mimo(lm_dir: Path, geometry, dtype: torch.dtype, device: str, w
     other layer shapes from this file); ``config`` carries the sizes and token ids."""
     from transformers import PretrainedConfig
 
-    from .models.mimo_native import load_mimo
+    from llm_svc.models.mimo_native import load_mimo
 
     raw = json.loads((Path(lm_dir) / "config.json").read_text())
     config = PretrainedConfig(

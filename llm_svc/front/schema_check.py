@@ -9,7 +9,7 @@ import json
 from shared.schema_keywords import UnsupportedSchemaKeyword, check_schema
 from shared.schemas import StructuredSpec, ToolSpec
 
-from ..errors import InvalidRequest
+from llm_svc.types.errors import InvalidRequest
 
 
 def enforced_tools(spec: ToolSpec) -> list[int]:

@@ -1,0 +1,1 @@
+"""Loading a bundle: model and tokenizer, context length, media layout, prompt bounds."""

@@ -1,0 +1,1 @@
+"""Core types shared by the front and the engine core: requests, messages between processes, errors."""
