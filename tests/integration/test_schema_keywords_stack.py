@@ -53,7 +53,7 @@ ENDPOINTS = ("chat.response_format", "chat.tools", "responses.text.format", "res
 
 @pytest.fixture(scope="module")
 def stack(mimo_bundle):
-    from llm_svc.app import create_app as llm_app
+    from llm_svc.front.app import create_app as llm_app
 
     # compact JSON: a random model would otherwise pad with whitespace until max_tokens
     settings = LLMSettings(model_dir=str(mimo_bundle), backend="swa", max_model_len=2048, kv_bytes=32 << 20,
