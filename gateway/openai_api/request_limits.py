@@ -8,6 +8,7 @@ import json
 
 from gateway.errors import APIError, setting_ref
 from gateway.openai_api.requests import ChatCompletionRequest, CompletionRequest, GenerationFields
+from gateway.openai_api.schema_check import check_format_schema, check_tool_schemas
 from shared.schemas import TokenizeRequest
 from shared.settings import GatewaySettings
 
@@ -31,7 +32,8 @@ def check_completion_prompts(body: CompletionRequest, settings: GatewaySettings)
 
 def check_grammar_size(body: GenerationFields, settings: GatewaySettings,
                        format_param: str = "response_format") -> None:
-    """400 when the response_format / structured_outputs grammar spec exceeds ``max_schema_bytes``."""
+    """400 when the response_format / structured_outputs grammar spec exceeds ``max_schema_bytes``,
+    or holds a schema keyword the grammar would not enforce."""
     spec = body.structured_spec()
     if spec is None or not spec.spec:
         return
@@ -43,6 +45,7 @@ def check_grammar_size(body: GenerationFields, settings: GatewaySettings,
             400, f"{param}: the {spec.kind} spec is {size} bytes, over the limit of {settings.max_schema_bytes} "
             f"(setting {setting_ref('max_schema_bytes')}); send a smaller schema", param=param, code="schema_too_large",
         )
+    check_format_schema(body, format_param)
 
 
 def check_tools(body: ChatCompletionRequest | TokenizeRequest, settings: GatewaySettings, param: str = "tools") -> None:
@@ -72,3 +75,4 @@ def check_chat_limits(body: ChatCompletionRequest, settings: GatewaySettings, *,
     into one: its parameter names differ, hence the params)."""
     check_tools(body, settings, tools_param)
     check_grammar_size(body, settings, format_param)
+    check_tool_schemas(body, responses=format_param == "text.format")

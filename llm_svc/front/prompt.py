@@ -14,6 +14,7 @@ from llm_svc.types.errors import InvalidRequest
 from llm_svc.loading.loader import LoadedLM
 from .output_shape import build_shaper
 from llm_svc.loading.prompt_bound import tokens_past
+from .schema_check import check_request_schemas
 from .tool_choice import forced_spec
 from llm_svc.types.request import EmbeddingRef, PreparedRequest
 
@@ -178,6 +179,7 @@ def prepare_request(
                      if isinstance(p, PromptText)) + len((req.prompt or "").encode("utf-8", "replace"))
     check_length(lm.min_tokens(text_bytes) + len(req.prompt_ids or ()), s.max_tokens, max_model_len, "messages",
                  at_least=True, text_bytes=text_bytes)
+    check_request_schemas(s.structured, req.tools)
     if req.tools is not None:
         forced = forced_spec(req.tools)
         if forced is not None:

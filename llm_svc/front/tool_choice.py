@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+from shared.schema_keywords import rebase_refs
 from shared.schemas import StructuredSpec, ToolSpec
 
 from llm_svc.parsers.base import ParsedDelta, ToolCallDelta, new_call_id as call_id
@@ -30,9 +31,11 @@ def forced_spec(spec: ToolSpec) -> StructuredSpec | None:
         return StructuredSpec(kind="json", spec=json.dumps(params[name]))
     if spec.choice != "required":
         return None
-    items = {"type": "object", "anyOf": [
-        {"properties": {"name": {"type": "string", "enum": [n]}, "parameters": p}, "required": ["name", "parameters"]}
-        for n, p in params.items()]}
+    items = {"type": "object", "anyOf": [  # each tool's parameters sit at /items/anyOf/i/...: its $refs moved there
+        {"properties": {"name": {"type": "string", "enum": [n]},
+                        "parameters": rebase_refs(p, f"/items/anyOf/{i}/properties/parameters")},
+         "required": ["name", "parameters"]}
+        for i, (n, p) in enumerate(params.items())]}
     arr: dict = {"type": "array", "minItems": 1, "items": items}
     if not spec.parallel:
         arr["maxItems"] = 1
