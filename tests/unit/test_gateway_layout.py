@@ -5,12 +5,13 @@ imported."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 
-GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
+from tests.import_graph import REPO, find_cycle
+from tests.import_graph import import_graph as graph_of
+from tests.import_graph import layer_violations as violations
+
+GATEWAY = REPO / "gateway"
 
 # bottom first; a unit (a package, or a module loose at the top) imports only from layers below its own
 LAYERS: list[set[str]] = [
@@ -30,91 +31,17 @@ LOOSE_MODULES = {"__init__", "__main__", "aio", "app", "dashboard", "errors", "e
                  "state", "upstream"}
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(GATEWAY.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def gateway_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(GATEWAY.rglob("*.py"))}
-
-
-def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
-    """The gateway modules ``name`` imports (anywhere in the file, lazily or under TYPE_CHECKING too)."""
-    is_package = path.name == "__init__.py"
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: from the module's own package upwards
-                package = name.split(".") if is_package else name.split(".")[:-1]
-                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
-            # ``from gateway.pipeline import chat`` imports the module gateway.pipeline.chat
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-        else:
-            continue
-        for t in targets:
-            while t and t not in modules:  # ``import gateway.a.b`` as its nearest module
-                t = t.rpartition(".")[0]
-            if t.startswith("gateway.") and t != name:
-                found.add(t)
-    return found
-
-
 def import_graph() -> dict[str, set[str]]:
-    modules = gateway_modules()
-    return {name: imports_of(name, path, set(modules)) for name, path in modules.items()}
-
-
-def unit_of(module: str) -> str:
-    """``gateway.pipeline.chat`` -> ``pipeline``; ``gateway.state`` -> ``state``."""
-    return module.split(".")[1] if module != "gateway" else "__init__"
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle (its modules, the first repeated at the end), or None."""
-    WHITE, GREY, BLACK = 0, 1, 2
-    colour = dict.fromkeys(graph, WHITE)
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        colour[node] = GREY
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if colour.get(nxt, BLACK) == GREY:
-                return stack[stack.index(nxt):] + [nxt]
-            if colour.get(nxt) == WHITE and (cycle := visit(nxt)):
-                return cycle
-        stack.pop()
-        colour[node] = BLACK
-        return None
-
-    for node in sorted(graph):
-        if colour[node] == WHITE and (cycle := visit(node)):
-            return cycle
-    return None
+    return graph_of(GATEWAY)
 
 
 def layer_violations(graph: dict[str, set[str]]) -> list[str]:
-    """Every import that does not point down: to a unit of the same or a higher layer, or from one
-    route module to another."""
-    bad = []
-    for src, targets in sorted(graph.items()):
-        for dst in sorted(targets):
-            a, b = unit_of(src), unit_of(dst)
-            if a == b:
-                if a == "routes" and dst != "gateway.routes":
-                    bad.append(f"{src} -> {dst}: a route must not import another route (move the helper down)")
-                continue
-            if a not in RANK or b not in RANK:
-                bad.append(f"{src} -> {dst}: {a if a not in RANK else b} has no place in LAYERS")
-            elif RANK[b] >= RANK[a]:
-                bad.append(f"{src} -> {dst}: {a} (layer {RANK[a]}) may import only layers below, not {b} "
-                           f"(layer {RANK[b]})")
-    return bad
+    """Every import that does not point down, or from one route module to another."""
+    def no_route_to_route(unit: str, src: str, dst: str) -> bool:
+        return unit != "routes" or dst == "gateway.routes"
+
+    return [v.replace("a routes module must not import another", "a route must not import another route")
+            for v in violations(graph, RANK, no_route_to_route)]
 
 
 def test_gateway_imports_point_down():
