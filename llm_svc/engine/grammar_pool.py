@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from .grammar_errors import CompilerUnavailable, CompileTimeout, GrammarError
-from .grammar_worker import read_frame, write_frame
+from .grammar_frames import read_frame, write_frame
 
 log = logging.getLogger(__name__)
 

@@ -23,30 +23,13 @@ import os
 import re
 import resource
 import signal
-import struct
 import sys
-from typing import BinaryIO
 
 import msgspec
 
-_LEN = struct.Struct(">I")
+from .grammar_frames import read_frame, write_frame
+
 _SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
-
-
-def write_frame(out: BinaryIO, obj) -> None:
-    body = msgspec.msgpack.encode(obj)
-    out.write(_LEN.pack(len(body)) + body)
-    out.flush()
-
-
-def read_frame(inp: BinaryIO):
-    """The next frame's object, or None at end of input (a frame cut short counts as the end)."""
-    head = inp.read(_LEN.size)
-    if len(head) < _LEN.size:
-        return None
-    n = _LEN.unpack(head)[0]
-    body = inp.read(n)
-    return msgspec.msgpack.decode(body) if len(body) == n else None
 
 
 def compile_spec(compiler, kind: str, spec: str, any_whitespace: bool):
