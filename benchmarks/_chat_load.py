@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import openai
 
+from benchmarks._stats import percentile, scaled
+
 
 # ---- trace -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -184,14 +186,6 @@ async def run_agent(url: str, model: str, system: str, sessions: list[AgentSessi
 
 
 # ---- numbers -----------------------------------------------------------------------------------
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
 def run_stats(records: list[Record], wall: float, trace: list[Item] | None = None) -> dict:
     ok = [r for r in records if r.error is None]
     prompt = sum(r.prompt_tokens for r in ok)
@@ -212,11 +206,11 @@ def run_stats(records: list[Record], wall: float, trace: list[Item] | None = Non
         "output_tokens": tokens,
         "output_tok_s": round(tokens / wall, 2),
         "req_s": round(len(ok) / wall, 4),
-        "ttft_p50_ms": round(1000 * pct(ttfts, 50), 1),
-        "ttft_p90_ms": round(1000 * pct(ttfts, 90), 1),
-        "itl_p50_ms": round(1000 * pct(gaps, 50), 1),
-        "tpot_p50_ms": round(1000 * pct(tpots, 50), 1),
-        "e2e_p50_s": round(pct([r.e2e for r in ok], 50), 2),
+        "ttft_p50_ms": scaled(percentile(ttfts, 50), 1000),
+        "ttft_p90_ms": scaled(percentile(ttfts, 90), 1000),
+        "itl_p50_ms": scaled(percentile(gaps, 50), 1000),
+        "tpot_p50_ms": scaled(percentile(tpots, 50), 1000),
+        "e2e_p50_s": scaled(percentile([r.e2e for r in ok], 50), 1, 2),
         "_ttfts": ttfts, "_gaps": gaps, "_tpots": tpots,
     }  # fmt: skip
 
@@ -229,10 +223,10 @@ def side_summary(runs: list[dict]) -> dict:
         "output_tok_s": round(statistics.fmean(r["output_tok_s"] for r in runs), 2),
         "output_tok_s_runs": [r["output_tok_s"] for r in runs],
         "req_s": round(statistics.fmean(r["req_s"] for r in runs), 4),
-        "ttft_p50_ms": round(1000 * pct(pool["_ttfts"], 50), 1),
-        "ttft_p90_ms": round(1000 * pct(pool["_ttfts"], 90), 1),
-        "itl_p50_ms": round(1000 * pct(pool["_gaps"], 50), 1),
-        "tpot_p50_ms": round(1000 * pct(pool["_tpots"], 50), 1),
+        "ttft_p50_ms": scaled(percentile(pool["_ttfts"], 50), 1000),
+        "ttft_p90_ms": scaled(percentile(pool["_ttfts"], 90), 1000),
+        "itl_p50_ms": scaled(percentile(pool["_gaps"], 50), 1000),
+        "tpot_p50_ms": scaled(percentile(pool["_tpots"], 50), 1000),
         "errors": sum(r["errors"] for r in runs),
         "short_outputs": sum(r["short_outputs"] for r in runs),
         "disturbed_runs": sum(bool(r.get("disturbed")) for r in runs),

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import openai
 
 from benchmarks import _results
+from benchmarks._stats import percentile, scaled
 from benchmarks._stack_util import audio_part, image_part, make_mp4, make_png, make_wav, scrape, total, user, video_part
 from mmserve.launcher import LocalStack, StackSpec
 
@@ -173,14 +174,6 @@ async def run_workload(url: str, model: str, workload: list[Session], pools, con
     return result
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
 def encoder_hits(stack: LocalStack) -> tuple[float, float]:
     hits = misses = 0.0
     for e in stack.encoders:
@@ -219,8 +212,8 @@ def run_side(model_dir: str, policy: str, workload, pools, concurrency: int, log
         "first_error": res.errors[0] if res.errors else None,
         "wall_s": round(res.wall_s, 2),
         "requests_per_s": round(len(res.records) / res.wall_s, 3) if res.wall_s else 0.0,
-        "ttft_p50_ms": round(1000 * pct(ttfts, 50), 1),
-        "ttft_p90_ms": round(1000 * pct(ttfts, 90), 1),
+        "ttft_p50_ms": scaled(percentile(ttfts, 50), 1000),
+        "ttft_p90_ms": scaled(percentile(ttfts, 90), 1000),
         "encoder_cache_hit_ratio": round((h1 - h0) / lookups, 4) if lookups else 0.0,
         "prefix_cache_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
         "prompt_tokens": prompt,

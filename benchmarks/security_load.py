@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import _results
+from benchmarks._stats import percentile
 from benchmarks._security_attacks import ATTACKS, AttackContext
 from mmserve.launcher import LocalStack, StackSpec
 from mmserve.tiny_model import write_tiny_model
@@ -42,13 +43,6 @@ from mmserve.tiny_model import write_tiny_model
 API_KEY = "bench-security-key"
 SERVICE_TOKEN = "bench-security-service-token"
 PEER_KEY = "bench-security-peer-key-0123456789"
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 async def _steady(url: str, model: str, clients: int, max_tokens: int, stop: asyncio.Event) -> dict:
@@ -160,7 +154,7 @@ async def one_run(ctx: AttackContext, clients: int, max_tokens: int, seconds: fl
     load = await steady
     worst = await asyncio.to_thread(health_out.get, timeout=30)
     health.join(timeout=30)
-    return {"ttft_p99": _pct(load["ttft"], 0.99), "itl_p99": _pct(load["itl"], 0.99), "requests": len(load["ttft"]),
+    return {"ttft_p99": percentile(load["ttft"], 99), "itl_p99": percentile(load["itl"], 99), "requests": len(load["ttft"]),
             "errors": len(load["errors"]), "max_healthz_ms": max(ms for ms, _ in worst.values()),
             "healthz": {name: {"max_ms": ms, "during": during} for name, (ms, during) in worst.items()},
             "attacks": sent}
