@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import openai
 
 from benchmarks import _results
+from benchmarks._chat_load import openai_client
 from benchmarks._stats import percentile, scaled
 from benchmarks._stack_util import audio_part, image_part, make_mp4, make_png, make_wav, scrape, total, user, video_part
 from mmserve.launcher import LocalStack, StackSpec
@@ -160,7 +161,7 @@ async def run_session(client, model: str, session: Session, pools, result: SideR
 
 async def run_workload(url: str, model: str, workload: list[Session], pools, concurrency: int) -> SideResult:
     result = SideResult()
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+    client = openai_client(url, timeout=300)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(s: Session) -> None:

@@ -29,9 +29,8 @@ import tempfile
 import time
 import uuid
 
-import openai
-
 from benchmarks import _results
+from benchmarks._chat_load import openai_client
 from benchmarks._stats import percentile, scaled
 from benchmarks.e2e_load import SYSTEM_PROMPTS, SideResult, make_workload, media_pools, stream_turn
 from benchmarks._stack_util import user
@@ -57,7 +56,7 @@ async def run_session(clients, model: str, session, pools, result: SideResult, t
 
 async def run_workload(urls: list[str], model: str, workload, pools, concurrency: int, tag: str) -> SideResult:
     result = SideResult()
-    clients = [openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="unused", timeout=300, max_retries=0) for u in urls]
+    clients = [openai_client(u, timeout=300) for u in urls]
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int, s) -> None:

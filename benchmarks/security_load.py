@@ -36,6 +36,7 @@ import httpx
 
 from benchmarks import _results
 from benchmarks._stats import percentile
+from benchmarks._chat_load import closed_loop
 from benchmarks._security_attacks import ATTACKS, AttackContext
 from mmserve.launcher import LocalStack, StackSpec
 from mmserve.tiny_model import write_tiny_model
@@ -52,12 +53,11 @@ async def _steady(url: str, model: str, clients: int, max_tokens: int, stop: asy
     errors: list[str] = []
     headers = {"authorization": f"Bearer {API_KEY}"}
 
-    async def client(c: httpx.AsyncClient, k: int) -> None:
-        i = 0
-        while not stop.is_set():
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+
+        async def turn(k: int, i: int) -> None:
             body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
                     "messages": [{"role": "user", "content": f"steady client {k} turn {i} tell me a story"}]}
-            i += 1
             t0 = last = time.perf_counter()
             first = True
             try:
@@ -65,7 +65,7 @@ async def _steady(url: str, model: str, clients: int, max_tokens: int, stop: asy
                     if r.status_code != 200:
                         errors.append(f"HTTP {r.status_code}")
                         await r.aread()
-                        continue
+                        return
                     async for line in r.aiter_lines():
                         if not line.startswith("data: {") or '"content"' not in line:
                             continue
@@ -75,8 +75,7 @@ async def _steady(url: str, model: str, clients: int, max_tokens: int, stop: asy
             except httpx.HTTPError as e:
                 errors.append(type(e).__name__)
 
-    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-        await asyncio.gather(*(client(c, k) for k in range(clients)))
+        await closed_loop(clients, turn, stop.is_set)
     return {"ttft": ttft, "itl": itl, "errors": errors}
 
 

@@ -49,7 +49,7 @@ import openai
 from benchmarks import _results
 from benchmarks import _vs_vllm_servers as srv
 from benchmarks._bench_host import CpuMeter, bench_lock, wait_quiet
-from benchmarks._chat_load import PromptMaker
+from benchmarks._chat_load import PromptMaker, openai_client
 from benchmarks._stats import percentile, scaled
 from benchmarks._vs_vllm_runs import DISTURBED, SIDES, Group, resolve_preload
 from benchmarks.grammar_engines import json_checkpoint
@@ -91,7 +91,7 @@ async def stream(client, model: str, prompt: str, max_tokens: int, schema: dict 
 
 
 def client_for(url: str):
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
+    return openai_client(url, timeout=600)
 
 
 async def batch(url: str, model: str, prompts: list[str], schema: dict | None) -> tuple[list[dict], float]:
