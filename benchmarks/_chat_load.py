@@ -1,8 +1,11 @@
-"""The client side of ``benchmarks.vs_vllm``: seeded traces of random pseudo-word prompts with
-exact token counts (single chats, and multi-turn agent sessions that share one system prompt
-and grow by each answer plus a tool result), a streaming OpenAI client that times every content
-chunk and reads the usage chunk (completion and cached prompt tokens), and the numbers (tok/s,
-TTFT / ITL / TPOT percentiles, prefix-cache hit rate, greedy agreement between two servers)."""
+"""The load client of the benchmarks that drive a server: seeded traces of random pseudo-word
+prompts with exact token counts (single chats, and multi-turn agent sessions that share one
+system prompt and grow by each answer plus a tool result), the one OpenAI client factory
+(``openai_client``), a streaming request that times every content chunk and reads the usage
+chunk (completion and cached prompt tokens), the drivers (``run_load``: a trace at a
+concurrency or arrival times; ``run_agent``; ``closed_loop``: N workers each sending its next
+turn as soon as the last one ends) and the numbers (tok/s, TTFT / ITL / TPOT percentiles from
+``benchmarks._stats``, prefix-cache hit rate, greedy agreement between two servers)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,12 @@ import asyncio
 import random
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import openai
+
+from benchmarks._stats import percentile, scaled
 
 
 # ---- trace -------------------------------------------------------------------------------------
@@ -88,6 +94,24 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 # ---- client ------------------------------------------------------------------------------------
+def openai_client(url: str, timeout: float = 900) -> openai.AsyncOpenAI:
+    """The client every load sends with: ``{url}/v1``, no retries (a failed request is a figure)."""
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=timeout, max_retries=0)
+
+
+async def closed_loop(workers: int, turn: Callable[[int, int], Awaitable[None]], done: Callable[[], bool]) -> None:
+    """``workers`` closed loops at once: worker ``k`` awaits ``turn(k, i)`` for i = 0, 1, ...,
+    each as soon as the one before ends, until ``done()`` (asked before every turn)."""
+
+    async def worker(k: int) -> None:
+        i = 0
+        while not done():
+            await turn(k, i)
+            i += 1
+
+    await asyncio.gather(*(worker(k) for k in range(workers)))
+
+
 @dataclass
 class Record:
     ttft: float | None = None
@@ -138,7 +162,7 @@ async def one_request(client: openai.AsyncOpenAI, model: str, item: Item | list[
 async def run_load(url: str, model: str, trace: list[Item], concurrency: int | None, arrivals: list[float] | None):
     """Records in trace order and the wall time (first send -> last answer); ``concurrency`` caps
     the requests in flight, ``arrivals`` (seconds from the start) delays each request."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=900, max_retries=0)
+    client = openai_client(url)
     sem = asyncio.Semaphore(concurrency or len(trace))
     t0 = time.perf_counter()
 
@@ -159,7 +183,7 @@ async def run_agent(url: str, model: str, system: str, sessions: list[AgentSessi
     """Every session at once, its turns one after another (each turn's messages: the system
     prompt, the task, then per earlier turn the model's own answer and the next tool result).
     Records in (session, turn) order and the wall time."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=900, max_retries=0)
+    client = openai_client(url)
     t0 = time.perf_counter()
 
     async def session(s: AgentSession) -> list[Record]:
@@ -184,14 +208,6 @@ async def run_agent(url: str, model: str, system: str, sessions: list[AgentSessi
 
 
 # ---- numbers -----------------------------------------------------------------------------------
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
 def run_stats(records: list[Record], wall: float, trace: list[Item] | None = None) -> dict:
     ok = [r for r in records if r.error is None]
     prompt = sum(r.prompt_tokens for r in ok)
@@ -212,11 +228,11 @@ def run_stats(records: list[Record], wall: float, trace: list[Item] | None = Non
         "output_tokens": tokens,
         "output_tok_s": round(tokens / wall, 2),
         "req_s": round(len(ok) / wall, 4),
-        "ttft_p50_ms": round(1000 * pct(ttfts, 50), 1),
-        "ttft_p90_ms": round(1000 * pct(ttfts, 90), 1),
-        "itl_p50_ms": round(1000 * pct(gaps, 50), 1),
-        "tpot_p50_ms": round(1000 * pct(tpots, 50), 1),
-        "e2e_p50_s": round(pct([r.e2e for r in ok], 50), 2),
+        "ttft_p50_ms": scaled(percentile(ttfts, 50), 1000),
+        "ttft_p90_ms": scaled(percentile(ttfts, 90), 1000),
+        "itl_p50_ms": scaled(percentile(gaps, 50), 1000),
+        "tpot_p50_ms": scaled(percentile(tpots, 50), 1000),
+        "e2e_p50_s": scaled(percentile([r.e2e for r in ok], 50), 1, 2),
         "_ttfts": ttfts, "_gaps": gaps, "_tpots": tpots,
     }  # fmt: skip
 
@@ -229,10 +245,10 @@ def side_summary(runs: list[dict]) -> dict:
         "output_tok_s": round(statistics.fmean(r["output_tok_s"] for r in runs), 2),
         "output_tok_s_runs": [r["output_tok_s"] for r in runs],
         "req_s": round(statistics.fmean(r["req_s"] for r in runs), 4),
-        "ttft_p50_ms": round(1000 * pct(pool["_ttfts"], 50), 1),
-        "ttft_p90_ms": round(1000 * pct(pool["_ttfts"], 90), 1),
-        "itl_p50_ms": round(1000 * pct(pool["_gaps"], 50), 1),
-        "tpot_p50_ms": round(1000 * pct(pool["_tpots"], 50), 1),
+        "ttft_p50_ms": scaled(percentile(pool["_ttfts"], 50), 1000),
+        "ttft_p90_ms": scaled(percentile(pool["_ttfts"], 90), 1000),
+        "itl_p50_ms": scaled(percentile(pool["_gaps"], 50), 1000),
+        "tpot_p50_ms": scaled(percentile(pool["_tpots"], 50), 1000),
         "errors": sum(r["errors"] for r in runs),
         "short_outputs": sum(r["short_outputs"] for r in runs),
         "disturbed_runs": sum(bool(r.get("disturbed")) for r in runs),

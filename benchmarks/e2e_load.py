@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 import openai
 
 from benchmarks import _results
+from benchmarks._chat_load import openai_client
+from benchmarks._stats import percentile, scaled
 from benchmarks._stack_util import audio_part, image_part, make_mp4, make_png, make_wav, scrape, total, user, video_part
 from mmserve.launcher import LocalStack, StackSpec
 
@@ -159,7 +161,7 @@ async def run_session(client, model: str, session: Session, pools, result: SideR
 
 async def run_workload(url: str, model: str, workload: list[Session], pools, concurrency: int) -> SideResult:
     result = SideResult()
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+    client = openai_client(url, timeout=300)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(s: Session) -> None:
@@ -171,14 +173,6 @@ async def run_workload(url: str, model: str, workload: list[Session], pools, con
     result.wall_s = time.perf_counter() - t0
     await client.close()
     return result
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 def encoder_hits(stack: LocalStack) -> tuple[float, float]:
@@ -219,8 +213,8 @@ def run_side(model_dir: str, policy: str, workload, pools, concurrency: int, log
         "first_error": res.errors[0] if res.errors else None,
         "wall_s": round(res.wall_s, 2),
         "requests_per_s": round(len(res.records) / res.wall_s, 3) if res.wall_s else 0.0,
-        "ttft_p50_ms": round(1000 * pct(ttfts, 50), 1),
-        "ttft_p90_ms": round(1000 * pct(ttfts, 90), 1),
+        "ttft_p50_ms": scaled(percentile(ttfts, 50), 1000),
+        "ttft_p90_ms": scaled(percentile(ttfts, 90), 1000),
         "encoder_cache_hit_ratio": round((h1 - h0) / lookups, 4) if lookups else 0.0,
         "prefix_cache_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
         "prompt_tokens": prompt,

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import _results
+from benchmarks._stats import percentile, scaled
 
 from shared.schemas import GenerateRequest, PromptMessage, PromptText, SamplingParams
 from shared.wire import pack
@@ -47,13 +48,6 @@ def _body(rid: str, text: str, max_tokens: int) -> bytes:
     req = GenerateRequest(request_id=rid, messages=[PromptMessage(role="user", content=[PromptText(text=text)])],
                           sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return pack({}, req)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 # the 8 MB sender: its own process (so building and sending 8 MB never takes the measuring
@@ -228,15 +222,15 @@ def main() -> None:
     for name, phases in (("quiet", quiet), ("big", big)):
         res[name] = {
             "small_n": len(agg(phases, "small")),
-            "small_p50_ms": 1000 * _pct(agg(phases, "small"), 0.5),
-            "small_p99_ms": 1000 * _pct(agg(phases, "small"), 0.99),
+            "small_p50_ms": scaled(percentile(agg(phases, "small"), 50), 1000, None),
+            "small_p99_ms": scaled(percentile(agg(phases, "small"), 99), 1000, None),
             "readyz_n": len(agg(phases, "ready")),
-            "readyz_p50_ms": 1000 * _pct(agg(phases, "ready"), 0.5),
-            "readyz_p99_ms": 1000 * _pct(agg(phases, "ready"), 0.99),
+            "readyz_p50_ms": scaled(percentile(agg(phases, "ready"), 50), 1000, None),
+            "readyz_p99_ms": scaled(percentile(agg(phases, "ready"), 99), 1000, None),
             "errors": sum(p.errors for p in phases),
             # per repeat, for the spread
-            "small_p99_ms_each": [round(1000 * _pct(p.small, 0.99), 1) for p in phases],
-            "readyz_p99_ms_each": [round(1000 * _pct(p.ready, 0.99), 1) for p in phases],
+            "small_p99_ms_each": [scaled(percentile(p.small, 99), 1000) for p in phases],
+            "readyz_p99_ms_each": [scaled(percentile(p.ready, 99), 1000) for p in phases],
         }
     bigs = [b for p in big for b in p.big]
     res["big_prompts"] = {
@@ -245,8 +239,9 @@ def main() -> None:
         "refused_in_ms_max": 1000 * max((t for _, t in bigs), default=0.0),
         "size_mb": args.big_mb,
     }
-    res["ratio_small_p99"] = res["big"]["small_p99_ms"] / res["quiet"]["small_p99_ms"]
-    res["ratio_readyz_p99"] = res["big"]["readyz_p99_ms"] / res["quiet"]["readyz_p99_ms"]
+    for key in ("small", "readyz"):
+        b, q = res["big"][f"{key}_p99_ms"], res["quiet"][f"{key}_p99_ms"]
+        res[f"ratio_{key}_p99"] = b / q if b is not None and q else None
     res["target"] = "<= 1.2x"
     res["config"] = {"clients": args.clients, "seconds": seconds, "repeats": repeats, "big_every_s": args.big_every,
                      "order": "quiet,big alternated", "kind": "wall-clock",

@@ -51,6 +51,7 @@ import torch
 
 from benchmarks import _results
 from benchmarks._bench_host import bench_lock
+from benchmarks._stats import percentile
 from mmserve.tiny.schemas import schema_corpus, wide_schema
 
 ENGINES = ("xgrammar", "llguidance")
@@ -234,13 +235,6 @@ def large_tokenizer(target: int, seed: int = 0):
 
 
 # ---- measurements ------------------------------------------------------------------------------
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
-
-
 def ms(x):
     return None if x is None else round(1000 * x, 3)
 
@@ -373,12 +367,12 @@ def run_vocab(args, tok, vocab: int, stops: list[int], label: str) -> dict:
         c = comp[e]
         rec = {
             "setup_s": setup[e],
-            "compile_ms": {"median": ms(pct(c["compile"], 50)), "p90": ms(pct(c["compile"], 90)),
-                           "p99": ms(pct(c["compile"], 99)), "max": ms(max(c["compile"], default=None)),
+            "compile_ms": {"median": ms(percentile(c["compile"], 50)), "p90": ms(percentile(c["compile"], 90)),
+                           "p99": ms(percentile(c["compile"], 99)), "max": ms(max(c["compile"], default=None)),
                            "mean": ms(statistics.fmean(c["compile"]) if c["compile"] else None)},
-            "compile_plus_first_mask_ms": {"median": ms(pct(c["first"], 50)), "p99": ms(pct(c["first"], 99))},
-            "wide_schema_200_compile_ms": ms(pct(c["wide"], 50)),
-            "wide_schema_200_compile_plus_first_mask_ms": ms(pct(c["wide_first"], 50)),
+            "compile_plus_first_mask_ms": {"median": ms(percentile(c["first"], 50)), "p99": ms(percentile(c["first"], 99))},
+            "wide_schema_200_compile_ms": ms(percentile(c["wide"], 50)),
+            "wide_schema_200_compile_plus_first_mask_ms": ms(percentile(c["wide_first"], 50)),
             "wide_schema_200_failed": c.get("wide_fail"),
             "schemas": len(corpus), "compile_failures": len(c["fails"]),
             "failed": {str(i): m for i, m in list(c["fails"].items())[:8]},
@@ -387,10 +381,10 @@ def run_vocab(args, tok, vocab: int, stops: list[int], label: str) -> dict:
             steps = [t for t, _ in m["fills"][e]]
             per_row = [t / k for t, k in m["fills"][e]]
             key = f"batch{batch}"
-            rec[key] = {"fill_us_per_step_median": us(pct(steps, 50)), "fill_us_per_step_p99": us(pct(steps, 99)),
-                        "fill_us_per_row_median": us(pct(per_row, 50)), "fill_us_per_row_p99": us(pct(per_row, 99)),
-                        "accept_us_median": us(pct(m["accepts"][e], 50)),
-                        "accept_us_p99": us(pct(m["accepts"][e], 99)), "steps": len(steps)}  # fmt: skip
+            rec[key] = {"fill_us_per_step_median": us(percentile(steps, 50)), "fill_us_per_step_p99": us(percentile(steps, 99)),
+                        "fill_us_per_row_median": us(percentile(per_row, 50)), "fill_us_per_row_p99": us(percentile(per_row, 99)),
+                        "accept_us_median": us(percentile(m["accepts"][e], 50)),
+                        "accept_us_p99": us(percentile(m["accepts"][e], 99)), "steps": len(steps)}  # fmt: skip
         out[e] = rec
     out["walk"] = {f"batch{b}": {"tokens": m["tokens"], "mask_rows_identical": m["mask_same"],
                                  "mask_rows_different": m["mask_differ"]} for b, m in mask.items()}  # fmt: skip

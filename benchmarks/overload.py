@@ -48,6 +48,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import _results
+from benchmarks._stats import percentile, scaled
 from benchmarks._lean_client import LeanClient
 from benchmarks._stack_util import image_part, make_png, user
 from mmserve.launcher import LocalStack, Service, StackSpec, free_port, wait_ready
@@ -184,8 +185,8 @@ async def open_loop(url: str, model: str, rate: float, seconds: float, timeout: 
         "offered_rps": round(rate, 2), "sent": n, "goodput_rps": round(counts["ok"] / wall, 3),
         "share_429": round(counts["429"] / n, 3), "n_5xx": counts["5xx"], "timeouts": counts["timeout"],
         "other": counts["other"], "conn_errors": counts["conn_error"],
-        "p50_s": round(lat[len(lat) // 2], 3) if lat else None,
-        "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+        "p50_s": scaled(percentile(lat, 50), 1, 3),
+        "p99_s": scaled(percentile(lat, 99), 1, 3),
     }
 
 

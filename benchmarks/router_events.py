@@ -29,10 +29,10 @@ import tempfile
 import time
 import uuid
 
-import openai
-
 from benchmarks import _results
-from benchmarks.e2e_load import SYSTEM_PROMPTS, SideResult, make_workload, media_pools, pct, stream_turn
+from benchmarks._chat_load import openai_client
+from benchmarks._stats import percentile, scaled
+from benchmarks.e2e_load import SYSTEM_PROMPTS, SideResult, make_workload, media_pools, stream_turn
 from benchmarks._stack_util import user
 from mmserve.launcher import LocalStack, Service, StackSpec, free_port, wait_ready
 
@@ -56,7 +56,7 @@ async def run_session(clients, model: str, session, pools, result: SideResult, t
 
 async def run_workload(urls: list[str], model: str, workload, pools, concurrency: int, tag: str) -> SideResult:
     result = SideResult()
-    clients = [openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="unused", timeout=300, max_retries=0) for u in urls]
+    clients = [openai_client(u, timeout=300) for u in urls]
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int, s) -> None:
@@ -109,7 +109,7 @@ def run_side(stack: LocalStack, side: str, stream: str, workload, pools, concurr
         "first_error": res.errors[0] if res.errors else None, "wall_s": round(res.wall_s, 2),
         "prefix_cache_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
         "prompt_tokens": prompt, "cached_tokens": cached,
-        "ttft_p50_ms": round(1000 * pct(ttfts, 50), 1), "ttft_p90_ms": round(1000 * pct(ttfts, 90), 1),
+        "ttft_p50_ms": scaled(percentile(ttfts, 50), 1000), "ttft_p90_ms": scaled(percentile(ttfts, 90), 1000),
         "ttfts": ttfts,
     }
 
@@ -123,7 +123,7 @@ def _pooled(runs: list[dict]) -> dict:
         "runs": len(runs), "requests": sum(r["requests"] for r in runs), "errors": sum(r["errors"] for r in runs),
         "prefix_cache_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
         "prefix_hit_runs": [r["prefix_cache_hit_ratio"] for r in runs],
-        "ttft_p50_ms": round(1000 * pct(ttfts, 50), 1), "ttft_p90_ms": round(1000 * pct(ttfts, 90), 1),
+        "ttft_p50_ms": scaled(percentile(ttfts, 50), 1000), "ttft_p90_ms": scaled(percentile(ttfts, 90), 1000),
         "ttft_p90_ms_runs": [r["ttft_p90_ms"] for r in runs],
     }
 

@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks import _results
+from benchmarks._stats import summary
 from llm_svc.types.request import Request
 from mmserve.testing.sched_sim import SimRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
@@ -165,8 +166,8 @@ def replay(trace: list[TraceItem], policy: str) -> dict:
     makespan = clock.now - trace[0].arrival
     res = {
         "policy": policy,
-        "ttft": summarize(list(ttft.values())),
-        "by_class": {c: summarize([v for r, v in ttft.items() if kind[r] == c]) for c in CLASSES},
+        "ttft": summary(list(ttft.values())),
+        "by_class": {c: summary([v for r, v in ttft.items() if kind[r] == c]) for c in CLASSES},
         "max_wait_s": round(max(wait.values()), 3),
         "long_max_wait_s": round(max(v for r, v in wait.items() if kind[r] == "long"), 3),
         "makespan_s": round(makespan, 2),
@@ -181,23 +182,6 @@ def replay(trace: list[TraceItem], policy: str) -> dict:
     return res
 
 
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def summarize(xs: list[float]) -> dict:
-    return {
-        "n": len(xs),
-        "p50": round(pct(xs, 0.5), 3),
-        "p90": round(pct(xs, 0.9), 3),
-        "p99": round(pct(xs, 0.99), 3),
-        "mean": round(sum(xs) / len(xs), 3),
-        "max": round(max(xs), 3),
-    }
 
 
 def main() -> None:

@@ -35,6 +35,8 @@ from pathlib import Path
 import httpx
 
 from benchmarks import _results
+from benchmarks._stats import percentile
+from benchmarks._chat_load import closed_loop
 from benchmarks._security_attacks import ATTACKS, AttackContext
 from mmserve.launcher import LocalStack, StackSpec
 from mmserve.tiny_model import write_tiny_model
@@ -44,13 +46,6 @@ SERVICE_TOKEN = "bench-security-service-token"
 PEER_KEY = "bench-security-peer-key-0123456789"
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 async def _steady(url: str, model: str, clients: int, max_tokens: int, stop: asyncio.Event) -> dict:
     """Closed-loop streaming chats until ``stop``: TTFT and ITL samples (seconds), errors."""
     ttft: list[float] = []
@@ -58,12 +53,11 @@ async def _steady(url: str, model: str, clients: int, max_tokens: int, stop: asy
     errors: list[str] = []
     headers = {"authorization": f"Bearer {API_KEY}"}
 
-    async def client(c: httpx.AsyncClient, k: int) -> None:
-        i = 0
-        while not stop.is_set():
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+
+        async def turn(k: int, i: int) -> None:
             body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
                     "messages": [{"role": "user", "content": f"steady client {k} turn {i} tell me a story"}]}
-            i += 1
             t0 = last = time.perf_counter()
             first = True
             try:
@@ -71,7 +65,7 @@ async def _steady(url: str, model: str, clients: int, max_tokens: int, stop: asy
                     if r.status_code != 200:
                         errors.append(f"HTTP {r.status_code}")
                         await r.aread()
-                        continue
+                        return
                     async for line in r.aiter_lines():
                         if not line.startswith("data: {") or '"content"' not in line:
                             continue
@@ -81,8 +75,7 @@ async def _steady(url: str, model: str, clients: int, max_tokens: int, stop: asy
             except httpx.HTTPError as e:
                 errors.append(type(e).__name__)
 
-    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-        await asyncio.gather(*(client(c, k) for k in range(clients)))
+        await closed_loop(clients, turn, stop.is_set)
     return {"ttft": ttft, "itl": itl, "errors": errors}
 
 
@@ -160,7 +153,7 @@ async def one_run(ctx: AttackContext, clients: int, max_tokens: int, seconds: fl
     load = await steady
     worst = await asyncio.to_thread(health_out.get, timeout=30)
     health.join(timeout=30)
-    return {"ttft_p99": _pct(load["ttft"], 0.99), "itl_p99": _pct(load["itl"], 0.99), "requests": len(load["ttft"]),
+    return {"ttft_p99": percentile(load["ttft"], 99), "itl_p99": percentile(load["itl"], 99), "requests": len(load["ttft"]),
             "errors": len(load["errors"]), "max_healthz_ms": max(ms for ms, _ in worst.values()),
             "healthz": {name: {"max_ms": ms, "during": during} for name, (ms, during) in worst.items()},
             "attacks": sent}

@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import _results
+from benchmarks._chat_load import closed_loop
 from benchmarks._stack_util import image_part, make_png, scrape, total, user
 from benchmarks.overload import rss_mb
 from mmserve.launcher import LocalStack, StackSpec
@@ -56,9 +57,12 @@ def slope_pct_per_30min(ts: list[float], ys: list[float]) -> float | None:
 
 
 async def clients(url: str, model: str, n: int, stop_at: float, counts: dict) -> None:
-    async def one(c: httpx.AsyncClient, k: int) -> None:
-        rng, i = random.Random(k), k
-        while time.monotonic() < stop_at:
+    rngs = [random.Random(k) for k in range(n)]  # client k's own stream of choices, turn after turn
+
+    async with httpx.AsyncClient(timeout=120) as c:
+
+        async def turn(k: int, j: int) -> None:
+            rng, i = rngs[k], k + j * n
             words = " ".join(rng.choice(["red", "blue", "cat", "dog", "sky", "sea"]) for _ in range(rng.randint(5, 50)))
             parts = [image_part(make_png(seed=i % 64))] if i % 3 == 0 else []
             body = {"model": model, "max_tokens": rng.randint(4, 24), "stream": i % 2 == 1,
@@ -69,10 +73,8 @@ async def clients(url: str, model: str, n: int, stop_at: float, counts: dict) ->
             except httpx.HTTPError as e:
                 key = type(e).__name__
             counts[key] = counts.get(key, 0) + 1
-            i += n
 
-    async with httpx.AsyncClient(timeout=120) as c:
-        await asyncio.gather(*(one(c, k) for k in range(n)))
+        await closed_loop(n, turn, lambda: time.monotonic() >= stop_at)
 
 
 def own_rss_mb(pid: int) -> float:

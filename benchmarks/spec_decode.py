@@ -67,14 +67,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import openai
-
 from benchmarks import _results
 from benchmarks import _spec_sides as sides_mod
 from benchmarks import _spec_traces as traces
 from benchmarks import _vs_vllm_servers as srv
 from benchmarks._bench_host import CpuMeter, bench_lock, idle_cpu, wait_quiet
-from benchmarks._chat_load import one_request, run_stats, side_summary
+from benchmarks._chat_load import one_request, openai_client, run_stats, side_summary
 
 NAME = "spec_decode"
 SERVED = "spec-bench"
@@ -130,7 +128,7 @@ def make_requests(args, tok, trace: str, conc: int, seed: int) -> list[traces.Re
 
 async def _send(url: str, reqs: list[traces.Request], conc: int):
     """Records in request order and the wall time (first send -> last answer), ``conc`` in flight."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=900, max_retries=0)
+    client = openai_client(url)
     sem = asyncio.Semaphore(conc)
     t0 = time.perf_counter()
 

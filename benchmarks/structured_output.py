@@ -49,7 +49,8 @@ import openai
 from benchmarks import _results
 from benchmarks import _vs_vllm_servers as srv
 from benchmarks._bench_host import CpuMeter, bench_lock, wait_quiet
-from benchmarks._chat_load import PromptMaker, pct
+from benchmarks._chat_load import PromptMaker, openai_client
+from benchmarks._stats import percentile, scaled
 from benchmarks._vs_vllm_runs import DISTURBED, SIDES, Group, resolve_preload
 from benchmarks.grammar_engines import json_checkpoint
 from mmserve.tiny.schemas import wide_schema
@@ -90,7 +91,7 @@ async def stream(client, model: str, prompt: str, max_tokens: int, schema: dict 
 
 
 def client_for(url: str):
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
+    return openai_client(url, timeout=600)
 
 
 async def batch(url: str, model: str, prompts: list[str], schema: dict | None) -> tuple[list[dict], float]:
@@ -116,7 +117,7 @@ async def stall_run(url: str, model: str, prompts: list[str], wide: dict | None)
     finally:
         await client.close()
     gaps = [b - a for r in recs for a, b in zip(r["times"], r["times"][1:]) if t_send <= b <= t_send + STALL_WINDOW]
-    return {"itl_p99_ms": round(1000 * pct(gaps, 99), 1), "itl_p50_ms": round(1000 * pct(gaps, 50), 1),
+    return {"itl_p99_ms": scaled(percentile(gaps, 99), 1000), "itl_p50_ms": scaled(percentile(gaps, 50), 1000),
             "gaps": len(gaps), "errors": sum(r["error"] is not None for r in recs),
             "streams_done_before_window_end": sum(r["t1"] < t_send + STALL_WINDOW for r in recs),
             "wide": None if w is None else {"e2e_s": round(w["t1"] - w["t0"], 2), "error": w["error"],
@@ -133,7 +134,7 @@ def batch_stats(recs: list[dict], wall: float) -> dict:
         with contextlib.suppress(ValueError):
             json.loads(r["text"])
             valid += 1
-    return {"output_tok_s": round(toks / wall, 2), "ttft_p50_ms": round(1000 * pct(ttft, 50), 1),
+    return {"output_tok_s": round(toks / wall, 2), "ttft_p50_ms": scaled(percentile(ttft, 50), 1000),
             "wall_s": round(wall, 2), "completion_tokens": toks, "errors": len(recs) - len(ok),
             "first_error": next((r["error"] for r in recs if r["error"]), None),
             "short_outputs": sum(r["tokens"] < MAX_TOKENS for r in ok), "complete_json_docs": valid}  # fmt: skip

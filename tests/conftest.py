@@ -26,6 +26,20 @@ if "TRITON_INTERPRET" not in os.environ and _no_cuda():
     os.environ["TRITON_INTERPRET"] = "1"
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test gets the marker of its tier folder (tests/unit, tests/integration, tests/e2e),
+    so ``-m unit`` selects by where a test lives and never skips a file without ``pytestmark``."""
+    root = Path(__file__).parent
+    for item in items:
+        try:
+            tier = Path(item.path).relative_to(root).parts[0]
+        except ValueError:
+            continue
+        if tier in TIERS and item.get_closest_marker(tier) is None:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,5 @@
-"""Every README benchmark figure comes from a results file: the committed table is the one
-``benchmarks.table`` generates from ``benchmarks/results/``, and results files say where their
-figures came from."""
+"""Results files say where their figures came from (the tables built from them:
+tests/unit/test_bench_tables.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +12,9 @@ import sys
 import pytest
 
 from benchmarks import _bench_host, _results, table
+from benchmarks._table_select import TRANSCRIBED
 
 pytestmark = pytest.mark.unit
-
-
-def test_readme_table_is_generated_from_the_results_files():
-    text = table.README.read_text()
-    start, end = table.readme_table(text)
-    assert text[start:end] == table.render(table.load_results()), "run: python -m benchmarks.table --write"
 
 
 def test_every_results_file_names_its_provenance():
@@ -31,15 +25,10 @@ def test_every_results_file_names_its_provenance():
             assert d["kind"] in _results.KINDS, d["_file"]
             assert d["mode"] in ("quick", "full", None), d["_file"]
             assert d["summary"] and d["baseline"], d["_file"]
-            if d["source"] == table.TRANSCRIBED:
+            if d["source"] == TRANSCRIBED:
                 assert len(d["readme_commit"]) == 40, d["_file"]  # the README text it was copied from
             else:
                 assert d["source"] == "measured" and d["commit"] and d["date"] and d["machine"]["cores"], d["_file"]
-
-
-def test_every_readme_row_has_a_results_file():
-    results = table.load_results()
-    assert [r["benchmark"] for r in table.load_rows() if not results.get(r["benchmark"])] == []
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,10 +55,6 @@ def test_record_writes_a_file_and_prints_the_figures_last(tmp_path, monkeypatch,
     doc = json.loads(path.read_text())
     assert doc["options"] == ["--tower so400m"] and doc["source"] == "measured" and doc["summary"] == "2.50x"
     assert {"cpu_model", "cores", "isa", "ram_gib"} <= set(doc["machine"])
-    # a measured file renders with its mode and commit
-    doc["_file"] = path.name
-    rendered = table.cell(doc)
-    assert rendered.startswith(f"`--quick --tower so400m` at `{doc['commit'][:7]}`") and rendered.endswith(": 2.50x")
 
 
 def test_smoke_results_never_land_beside_the_figures(monkeypatch):
