@@ -197,7 +197,7 @@ def test_the_gateway_refuses_at_validation_naming_the_field():
     from gateway.openai_api.requests import ChatCompletionRequest, CompletionRequest
     from gateway.openai_api.responses_api import ResponsesRequest
     from gateway.openai_api.schema_check import check_format_schema, check_tool_schemas
-    from gateway.responses_format import to_chat
+    from gateway.openai_api.responses_format import to_chat
 
     bad = {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.1}}}
     msgs = [{"role": "user", "content": "hi"}]
