@@ -15,6 +15,7 @@ from encoder_svc.disconnect import unless_disconnected
 from encoder_svc.errors import BadMedia, Busy, EncodeTimeout, MediaTooLarge, NotReady, error_body
 from encoder_svc.service import EncoderService, split_key
 from shared.admission import Overloaded, deadline_from
+from shared.bounded_read import TooLarge, read_bounded
 from shared.schemas import EncodeParams, EncodeResult, HealthStatus
 from shared.video_budget import VIDEO_PIXEL_SHARE_HEADER, parse_share
 from shared.wire import SAFETENSORS_MIME, pack
@@ -54,16 +55,12 @@ def _wire(embeds, result: EncodeResult, key: str | None = None) -> Response:
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit`` (never buffered)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise MediaTooLarge(f"media is {declared} bytes; the limit is {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise MediaTooLarge(f"media is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        return await read_bounded(request.stream(), limit, request.headers.get("content-length"))
+    except TooLarge as e:
+        if e.declared is not None:
+            raise MediaTooLarge(f"media is {e.declared} bytes; the limit is {limit} bytes") from None
+        raise MediaTooLarge(f"media is over the limit of {limit} bytes") from None
 
 
 @router.post("/v1/encode")

@@ -33,6 +33,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 import torch
 
+from shared.bounded_read import TooLarge, read_bounded
 from shared.embedding_store import DEFAULT_PREFIX, entry_key, from_bytes, open_entry
 from shared.peer_auth import PeerKey
 from shared.redis_client import ERRORS, async_client
@@ -51,10 +52,6 @@ _THREAD_BYTES = 256 * 1024  # bodies past this are unpacked off the event loop
 DEFAULT_ALLOW = ["127.0.0.1", "::1", "localhost"]  # MMSERVE_LLM_MEDIA_FETCH_ALLOW's default
 RESOLVE_S = 5.0  # an allowed name's addresses are re-resolved at most this often
 _HEADER_SLACK = 1024 * 1024  # an embeddings response beyond its tensor's bytes: the wire header
-
-
-class _TooLarge(Exception):
-    pass
 
 
 class MediaUnavailable(Exception):
@@ -275,7 +272,7 @@ class EmbeddingFetcher:
         except httpx.HTTPError as e:
             why.append(f"{src}: {type(e).__name__}")
             return None
-        except _TooLarge:
+        except TooLarge:
             why.append(f"{src}: a response past {limit} bytes ({MAX_BYTES_SETTING}, or more than the item needs)")
             return None
         if isinstance(content, int):
@@ -297,20 +294,11 @@ class EmbeddingFetcher:
         return t
 
     async def _get(self, url: str, limit: int) -> bytes | int:
-        """The body of a 200 (decoded; at most ``limit`` bytes, else ``_TooLarge``), or the status."""
+        """The body of a 200 (decoded; at most ``limit`` bytes, else ``TooLarge``), or the status."""
         async with self._client.stream("GET", url) as r:
             if r.status_code != 200:
                 return r.status_code
-            declared = r.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > limit:
-                raise _TooLarge
-            chunks, n = [], 0
-            async for chunk in r.aiter_bytes():
-                n += len(chunk)
-                if n > limit:
-                    raise _TooLarge
-                chunks.append(chunk)
-            return b"".join(chunks)
+            return await read_bounded(r.aiter_bytes(), limit, r.headers.get("content-length"))
 
     def _check(self, t: torch.Tensor | None, ref: EmbeddingRef) -> torch.Tensor:
         if t is None or t.ndim != 2:

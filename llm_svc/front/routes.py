@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from shared.admission import Overloaded, Ticket, deadline_from
+from shared.bounded_read import TooLarge, read_bounded
 from shared.kv_events import SNAPSHOT_PATH
 from shared.schemas import GenerateChunk, GenerateRequest, GenerateResponse, HealthStatus, ServiceLimits
 from shared.settings import length_bucket_range
@@ -272,19 +273,12 @@ def _release(state: ServiceState, rid: str) -> None:
 
 async def _read_body(request: Request, limit: int) -> bytes | JSONResponse:
     """The body, or a 413 as soon as it is known to exceed ``limit`` (never buffered past it)."""
-    declared = request.headers.get("content-length")
-    too_big = JSONResponse(status_code=413, content=error_body(
-        f"the request body exceeds {limit} bytes (MMSERVE_LLM_MAX_REQUEST_BYTES); send a shorter prompt "
-        "or fewer media", param="body", code="request_too_large"))
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        return too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        return await read_bounded(request.stream(), limit, request.headers.get("content-length"))
+    except TooLarge:
+        return JSONResponse(status_code=413, content=error_body(
+            f"the request body exceeds {limit} bytes (MMSERVE_LLM_MAX_REQUEST_BYTES); send a shorter prompt "
+            "or fewer media", param="body", code="request_too_large"))
 
 
 # The header is JSON inside the safetensors metadata's JSON, so a byte of text may take 7 bytes
