@@ -1,10 +1,13 @@
 """The load client of the benchmarks that drive a server: seeded traces of random pseudo-word
 prompts with exact token counts (single chats, and multi-turn agent sessions that share one
-system prompt and grow by each answer plus a tool result), the one OpenAI client factory
-(``openai_client``), a streaming request that times every content chunk and reads the usage
-chunk (completion and cached prompt tokens), the drivers (``run_load``: a trace at a
-concurrency or arrival times; ``run_agent``; ``closed_loop``: N workers each sending its next
-turn as soon as the last one ends) and the numbers (tok/s, TTFT / ITL / TPOT percentiles from
+system prompt and grow by each answer plus a tool result), the client factories
+(``openai_client`` for the OpenAI endpoints, ``http_client`` for the others, e.g. the
+encoder's ``/v1/encode``), a streaming chat request that times every content chunk and reads the
+usage chunk (completion and cached prompt tokens), the one load driver (``drive``: n requests,
+each an awaitable the caller supplies, at a fixed concurrency or at given arrival times, results
+in request order; ``closed_loop``: N workers each sending its next turn as soon as the last one
+ends, until told to stop — ``drive`` at a fixed concurrency runs on it), the chat loads built on
+them (``run_load``, ``run_agent``) and the numbers (tok/s, TTFT / ITL / TPOT percentiles from
 ``benchmarks._stats``, prefix-cache hit rate, greedy agreement between two servers)."""
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import asyncio
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+import httpx
 import openai
 
 from benchmarks._stats import percentile, scaled
@@ -99,6 +104,17 @@ def openai_client(url: str, timeout: float = 900) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=timeout, max_retries=0)
 
 
+def http_client(url: str, timeout: float = 300, max_connections: int | None = None) -> httpx.AsyncClient:
+    """The client for a server's non-OpenAI endpoints: paths relative to ``url``, no retries (as
+    httpx: none), at most ``max_connections`` open connections (None: httpx's default, 100)."""
+    limits = httpx.Limits() if max_connections is None else httpx.Limits(max_connections=max_connections)
+    return httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
+
+
+# ---- driver ------------------------------------------------------------------------------------
+T = TypeVar("T")
+
+
 async def closed_loop(workers: int, turn: Callable[[int, int], Awaitable[None]], done: Callable[[], bool]) -> None:
     """``workers`` closed loops at once: worker ``k`` awaits ``turn(k, i)`` for i = 0, 1, ...,
     each as soon as the one before ends, until ``done()`` (asked before every turn)."""
@@ -112,6 +128,45 @@ async def closed_loop(workers: int, turn: Callable[[int, int], Awaitable[None]],
     await asyncio.gather(*(worker(k) for k in range(workers)))
 
 
+async def drive(n: int, send: Callable[[int], Awaitable[T]], concurrency: int | None = None,
+                arrivals: Sequence[float] | None = None) -> tuple[list[T], float]:
+    """Await ``send(i)`` for i = 0 .. n-1; return the results in index order (the per-request
+    records, whatever ``send`` returns) and the wall time, first send -> last answer.
+
+    ``concurrency``: at most this many in flight, started in index order, each as soon as one
+    ends (a closed loop of that many workers over the shared index); None: no cap.
+    ``arrivals`` (seconds from the start, one per request): open loop, request i is sent at
+    ``arrivals[i]`` (at once when that has passed), whatever is still in flight; with a
+    ``concurrency`` too, a request that arrives when the cap is reached waits for a slot.
+    An exception out of ``send`` ends the run with it (a failed request a benchmark counts is
+    a result ``send`` returns)."""
+    if arrivals is not None and len(arrivals) != n:
+        raise ValueError(f"{len(arrivals)} arrival times for {n} requests")
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, not {concurrency}")
+    results: list = [None] * n
+    t0 = time.perf_counter()
+    if arrivals is None:
+        nxt = 0
+
+        async def turn(k: int, i: int) -> None:
+            nonlocal nxt
+            j, nxt = nxt, nxt + 1
+            results[j] = await send(j)
+
+        await closed_loop(min(concurrency or n, n), turn, lambda: nxt >= n)
+    else:
+        sem = asyncio.Semaphore(concurrency or max(n, 1))
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            async with sem:
+                results[i] = await send(i)
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return results, time.perf_counter() - t0
+
+
 @dataclass
 class Record:
     ttft: float | None = None
@@ -123,10 +178,14 @@ class Record:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (None: not sent)
     max_tokens: int = 0
     error: str | None = None
+    usage: bool = False  # the stream ended with a usage chunk
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, item: Item | list[dict], max_tokens: int = 0) -> Record:
-    """One streamed chat completion: ``item`` (one user message) or a message list with ``max_tokens``."""
+async def one_request(client: openai.AsyncOpenAI, model: str, item: Item | list[dict], max_tokens: int = 0,
+                      ignore_eos: bool = True) -> Record:
+    """One streamed greedy chat completion: ``item`` (one user message) or a message list with
+    ``max_tokens``; ``ignore_eos`` (sent as an extra body field): every answer is ``max_tokens``
+    long. An API error is the record's ``error``, not raised."""
     messages = [{"role": "user", "content": item.prompt}] if isinstance(item, Item) else item
     max_tokens = item.max_tokens if isinstance(item, Item) else max_tokens
     rec, pieces = Record(max_tokens=max_tokens), []
@@ -134,10 +193,11 @@ async def one_request(client: openai.AsyncOpenAI, model: str, item: Item | list[
     try:
         stream = await client.chat.completions.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True} if ignore_eos else None,
         )  # fmt: skip
         async for chunk in stream:
             if chunk.usage is not None:
+                rec.usage = True
                 rec.completion_tokens = chunk.usage.completion_tokens
                 rec.prompt_tokens = chunk.usage.prompt_tokens or 0
                 details = getattr(chunk.usage, "prompt_tokens_details", None)
@@ -163,20 +223,10 @@ async def run_load(url: str, model: str, trace: list[Item], concurrency: int | N
     """Records in trace order and the wall time (first send -> last answer); ``concurrency`` caps
     the requests in flight, ``arrivals`` (seconds from the start) delays each request."""
     client = openai_client(url)
-    sem = asyncio.Semaphore(concurrency or len(trace))
-    t0 = time.perf_counter()
-
-    async def one(i: int) -> Record:
-        if arrivals is not None:
-            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
-        async with sem:
-            return await one_request(client, model, trace[i])
-
     try:
-        records = await asyncio.gather(*(one(i) for i in range(len(trace))))
+        return await drive(len(trace), lambda i: one_request(client, model, trace[i]), concurrency, arrivals)
     finally:
         await client.close()
-    return list(records), time.perf_counter() - t0
 
 
 async def run_agent(url: str, model: str, system: str, sessions: list[AgentSession]):
@@ -184,7 +234,6 @@ async def run_agent(url: str, model: str, system: str, sessions: list[AgentSessi
     prompt, the task, then per earlier turn the model's own answer and the next tool result).
     Records in (session, turn) order and the wall time."""
     client = openai_client(url)
-    t0 = time.perf_counter()
 
     async def session(s: AgentSession) -> list[Record]:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": s.task}]
@@ -201,10 +250,10 @@ async def run_agent(url: str, model: str, system: str, sessions: list[AgentSessi
         return recs
 
     try:
-        per = await asyncio.gather(*(session(s) for s in sessions))
+        per, wall = await drive(len(sessions), lambda i: session(sessions[i]))
     finally:
         await client.close()
-    return [r for recs in per for r in recs], time.perf_counter() - t0
+    return [r for recs in per for r in recs], wall
 
 
 # ---- numbers -----------------------------------------------------------------------------------

@@ -41,10 +41,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-import openai
-
 from benchmarks import _results
-from benchmarks._chat_load import openai_client
+from benchmarks._chat_load import drive, one_request, openai_client
 from benchmarks._stats import percentile, scaled
 from benchmarks._stack_util import audio_part, image_part, make_mp4, make_png, make_wav, scrape, total, user, video_part
 from mmserve.launcher import LocalStack, StackSpec
@@ -121,32 +119,17 @@ class SideResult:
 
 async def stream_turn(client, model: str, messages: list[dict], max_tokens: int, result: SideResult,
                       turn: int) -> str | None:
-    """One streamed greedy chat turn: its ``Record`` (TTFT, prompt and cached tokens) goes to
-    ``result``; returns the answer's text, or None after recording the error."""
-    t0 = time.perf_counter()
-    ttft, pieces, usage = None, [], None
-    try:
-        stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True},
-        )  # fmt: skip
-        async for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for c in chunk.choices:
-                if c.delta.content:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    pieces.append(c.delta.content)
-    except openai.APIError as e:
-        result.errors.append(f"{type(e).__name__}: {e}")
+    """One streamed greedy chat turn (``benchmarks._chat_load.one_request``, answers may stop at
+    EOS): its ``Record`` (TTFT, prompt and cached tokens) goes to ``result``; returns the answer's
+    text, or None after recording the error."""
+    rec = await one_request(client, model, messages, max_tokens, ignore_eos=False)
+    if rec.error is None and not rec.usage:
+        rec.error = "stream ended without a usage chunk"
+    if rec.error is not None:
+        result.errors.append(rec.error)
         return None
-    if usage is None:
-        result.errors.append("stream ended without a usage chunk")
-        return None
-    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    result.records.append(Record(turn, ttft, usage.prompt_tokens, cached or 0))
-    return "".join(pieces)
+    result.records.append(Record(turn, rec.ttft, rec.prompt_tokens, rec.cached_tokens or 0))
+    return rec.text
 
 
 async def run_session(client, model: str, session: Session, pools, result: SideResult) -> None:
@@ -160,18 +143,14 @@ async def run_session(client, model: str, session: Session, pools, result: SideR
 
 
 async def run_workload(url: str, model: str, workload: list[Session], pools, concurrency: int) -> SideResult:
+    """Every session, ``concurrency`` at a time (``benchmarks._chat_load.drive``)."""
     result = SideResult()
     client = openai_client(url, timeout=300)
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(s: Session) -> None:
-        async with sem:
-            await run_session(client, model, s, pools, result)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(s) for s in workload))
-    result.wall_s = time.perf_counter() - t0
-    await client.close()
+    try:
+        _, result.wall_s = await drive(len(workload), lambda i: run_session(client, model, workload[i], pools, result),
+                                       concurrency)
+    finally:
+        await client.close()
     return result
 
 

@@ -30,7 +30,7 @@ import time
 import uuid
 
 from benchmarks import _results
-from benchmarks._chat_load import openai_client
+from benchmarks._chat_load import drive, openai_client
 from benchmarks._stats import percentile, scaled
 from benchmarks.e2e_load import SYSTEM_PROMPTS, SideResult, make_workload, media_pools, stream_turn
 from benchmarks._stack_util import user
@@ -55,19 +55,17 @@ async def run_session(clients, model: str, session, pools, result: SideResult, t
 
 
 async def run_workload(urls: list[str], model: str, workload, pools, concurrency: int, tag: str) -> SideResult:
+    """Every session, ``concurrency`` at a time (``benchmarks._chat_load.drive``); session i's
+    first turn goes to gateway i mod len(urls)."""
     result = SideResult()
     clients = [openai_client(u, timeout=300) for u in urls]
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(i: int, s) -> None:
-        async with sem:
-            await run_session(clients, model, s, pools, result, tag, first=i)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(i, s) for i, s in enumerate(workload)))
-    result.wall_s = time.perf_counter() - t0
-    for c in clients:
-        await c.close()
+    try:
+        _, result.wall_s = await drive(
+            len(workload), lambda i: run_session(clients, model, workload[i], pools, result, tag, first=i), concurrency
+        )
+    finally:
+        for c in clients:
+            await c.close()
     return result
 
 

@@ -72,7 +72,7 @@ from benchmarks import _spec_sides as sides_mod
 from benchmarks import _spec_traces as traces
 from benchmarks import _vs_vllm_servers as srv
 from benchmarks._bench_host import CpuMeter, bench_lock, idle_cpu, wait_quiet
-from benchmarks._chat_load import one_request, openai_client, run_stats, side_summary
+from benchmarks._chat_load import drive, one_request, openai_client, run_stats, side_summary
 
 NAME = "spec_decode"
 SERVED = "spec-bench"
@@ -129,18 +129,11 @@ def make_requests(args, tok, trace: str, conc: int, seed: int) -> list[traces.Re
 async def _send(url: str, reqs: list[traces.Request], conc: int):
     """Records in request order and the wall time (first send -> last answer), ``conc`` in flight."""
     client = openai_client(url)
-    sem = asyncio.Semaphore(conc)
-    t0 = time.perf_counter()
-
-    async def one(r: traces.Request):
-        async with sem:
-            return await one_request(client, SERVED, list(r.messages), r.max_tokens)
-
     try:
-        recs = await asyncio.gather(*(one(r) for r in reqs))
+        return await drive(len(reqs), lambda i: one_request(client, SERVED, list(reqs[i].messages), reqs[i].max_tokens),
+                           conc)
     finally:
         await client.close()
-    return list(recs), time.perf_counter() - t0
 
 
 def measure(args, side: sides_mod.Side, meter: CpuMeter, reqs: list[traces.Request], conc: int):

@@ -1,4 +1,5 @@
-"""benchmarks._chat_load's closed-loop driver and client factory, with a fake turn."""
+"""benchmarks._chat_load's load driver (``drive``, ``closed_loop``) and client factories, with fake
+requests: what is sent, in which order, how many at once, and what comes back."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import pytest
 
-from benchmarks._chat_load import closed_loop, openai_client
+from benchmarks._chat_load import closed_loop, drive, http_client, openai_client
 
 pytestmark = pytest.mark.unit
 
@@ -39,3 +40,108 @@ def test_closed_loop_done_at_start_sends_nothing():
 def test_openai_client_points_at_v1_without_retries():
     c = openai_client("http://127.0.0.1:9", timeout=12)
     assert str(c.base_url).rstrip("/") == "http://127.0.0.1:9/v1" and c.max_retries == 0 and c.timeout == 12
+
+
+def _fake_send(log: list, delays: dict[int, int] | None = None):
+    """A request i that yields ``delays[i]`` times (default 1) and returns i * 10; ``log`` gets
+    ("start", i, in flight) and ("end", i)."""
+    state = {"in_flight": 0}
+
+    async def send(i: int) -> int:
+        state["in_flight"] += 1
+        log.append(("start", i, state["in_flight"]))
+        for _ in range((delays or {}).get(i, 1)):
+            await asyncio.sleep(0)
+        state["in_flight"] -= 1
+        log.append(("end", i))
+        return i * 10
+
+    return send
+
+
+def test_drive_returns_every_result_in_request_order_and_a_wall_time():
+    log: list = []
+    results, wall = asyncio.run(drive(5, _fake_send(log, {0: 5, 1: 1, 2: 3, 3: 0, 4: 2}), concurrency=2))
+    assert results == [0, 10, 20, 30, 40] and wall >= 0
+    assert sorted(e[1] for e in log if e[0] == "start") == [0, 1, 2, 3, 4]  # each request sent once
+
+
+def test_drive_caps_requests_in_flight_and_starts_them_in_order():
+    log: list = []
+    asyncio.run(drive(7, _fake_send(log, {i: i % 3 + 1 for i in range(7)}), concurrency=3))
+    starts = [e for e in log if e[0] == "start"]
+    assert [e[1] for e in starts] == list(range(7))
+    assert max(e[2] for e in starts) == 3  # the cap is reached and never passed
+
+
+def test_drive_refills_a_slot_as_soon_as_a_request_ends():
+    log: list = []
+    asyncio.run(drive(3, _fake_send(log, {0: 10, 1: 1, 2: 1}), concurrency=2))
+    # request 1 ends while 0 is still running: 2 starts next, before 0 ends
+    assert log.index(("start", 2, 2)) < log.index(("end", 0))
+
+
+def test_drive_without_a_cap_sends_everything_at_once():
+    log: list = []
+    asyncio.run(drive(4, _fake_send(log)))
+    assert [e[2] for e in log if e[0] == "start"] == [1, 2, 3, 4]
+
+
+def test_drive_with_no_requests_sends_nothing():
+    assert asyncio.run(drive(0, _fake_send([]), concurrency=4))[0] == []
+    assert asyncio.run(drive(0, _fake_send([]), arrivals=[]))[0] == []
+
+
+def test_drive_open_loop_sends_at_the_arrival_times_whatever_is_in_flight():
+    log: list = []
+    sent_at: dict[int, float] = {}
+    loop_t0: list[float] = []
+
+    async def send(i: int) -> int:
+        sent_at[i] = asyncio.get_running_loop().time() - loop_t0[0]
+        log.append(("start", i))
+        await asyncio.sleep(0.2)  # longer than the gaps: an open loop does not wait for answers
+        log.append(("end", i))
+        return i
+
+    async def main():
+        loop_t0.append(asyncio.get_running_loop().time())
+        return await drive(3, send, arrivals=[0.0, 0.05, 0.1])
+
+    results, wall = asyncio.run(main())
+    assert results == [0, 1, 2]
+    assert [e[1] for e in log if e[0] == "start"] == [0, 1, 2]
+    assert log.index(("start", 2)) < log.index(("end", 0))  # sent while 0 was still in flight
+    assert sent_at[1] >= 0.05 - 0.01 and sent_at[2] >= 0.1 - 0.01  # not before its time
+
+
+def test_drive_open_loop_with_a_cap_makes_late_arrivals_wait_for_a_slot():
+    log: list = []
+    asyncio.run(drive(4, _fake_send(log, {i: 3 for i in range(4)}), concurrency=1, arrivals=[0, 0, 0, 0]))
+    assert max(e[2] for e in log if e[0] == "start") == 1
+
+
+def test_drive_refuses_a_bad_plan():
+    with pytest.raises(ValueError):
+        asyncio.run(drive(3, _fake_send([]), arrivals=[0.0]))
+    with pytest.raises(ValueError):
+        asyncio.run(drive(3, _fake_send([]), concurrency=0))
+
+
+def test_drive_passes_an_exception_of_a_request_on():
+    async def send(i: int) -> int:
+        if i == 1:
+            raise RuntimeError("boom")
+        return i
+
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(drive(3, send, concurrency=2))
+
+
+def test_http_client_sends_relative_to_the_server_url():
+    async def main():
+        async with http_client("http://127.0.0.1:9", timeout=7, max_connections=3) as c:
+            return c.build_request("POST", "/v1/encode", params={"modality": "image"}), c.timeout
+
+    req, timeout = asyncio.run(main())
+    assert str(req.url) == "http://127.0.0.1:9/v1/encode?modality=image" and timeout.read == 7
