@@ -13,63 +13,60 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import time
 
 import httpx
 import numpy as np
 
 from benchmarks import _results
+from benchmarks._chat_load import drive, http_client
 from benchmarks._enc_bundle import bench_bundle, random_images
 from benchmarks._enc_server import forward_passes, spawn_encoder
+from benchmarks._stats import percentile
 from shared.schemas import EncodeResult
 from shared.wire import unpack
 
 
-def timed_encode(c: httpx.Client, url: str, body: bytes) -> tuple[float, bool]:
+async def timed_encode(c: httpx.AsyncClient, body: bytes) -> tuple[float, bool]:
+    """(seconds from send to the whole answer read, whether the encoder answered from its cache)."""
     t = time.perf_counter()
-    r = c.post(f"{url}/v1/encode", params={"modality": "image"}, content=body)
+    r = await c.post("/v1/encode", params={"modality": "image"}, content=body)
     dt = time.perf_counter() - t
     r.raise_for_status()
     return dt, unpack(r.content, EncodeResult)[1].cached
 
 
-def cold_and_hit(url: str, cold_imgs: list[bytes], repeated: bytes, blocks: int = 4) -> tuple[list[float], list[float], float]:
+async def cold_and_hit(url: str, cold_imgs: list[bytes], repeated: bytes, blocks: int = 4) -> tuple[list[float], list[float], float]:
     """Blocks of never-seen images (misses) alternating with blocks of one repeated image
-    (hits), on one keep-alive connection; returns cold and hit latencies and the forwards
-    the hits ran."""
+    (hits), one request at a time on one keep-alive connection (``benchmarks._chat_load.drive``
+    at concurrency 1); returns cold and hit latencies and the forwards the hits ran."""
     cold, hit, hit_forwards = [], [], 0.0
     per = max(1, len(cold_imgs) // blocks)
-    with httpx.Client(timeout=120) as c:
-        timed_encode(c, url, repeated)  # cached from now on; warms the connection
+    async with http_client(url, timeout=120, max_connections=1) as c:
+        await timed_encode(c, repeated)  # cached from now on; warms the connection
         for k in range(0, len(cold_imgs), per):
-            for img in cold_imgs[k : k + per]:
-                t, was_cached = timed_encode(c, url, img)
-                assert not was_cached
-                cold.append(t)
+            block = cold_imgs[k : k + per]
+            recs, _ = await drive(len(block), lambda i: timed_encode(c, block[i]), concurrency=1)
+            assert not any(was_cached for _, was_cached in recs)
+            cold += [t for t, _ in recs]
             f0 = forward_passes(url)
-            for _ in range(per):
-                t, was_cached = timed_encode(c, url, repeated)
-                assert was_cached
-                hit.append(t)
+            recs, _ = await drive(per, lambda i: timed_encode(c, repeated), concurrency=1)
+            assert all(was_cached for _, was_cached in recs)
+            hit += [t for t, _ in recs]
             hit_forwards += forward_passes(url) - f0
     return cold, hit, hit_forwards
 
 
 async def stream(url: str, bodies: list[bytes], concurrency: int) -> tuple[float, int]:
-    sem = asyncio.Semaphore(concurrency)
-    hits = 0
-    async with httpx.AsyncClient(timeout=300) as c:
-        async def one(b: bytes) -> None:
-            nonlocal hits
-            async with sem:
-                r = await c.post(f"{url}/v1/encode", params={"modality": "image"}, content=b)
-                r.raise_for_status()
-                hits += unpack(r.content, EncodeResult)[1].cached
+    """(requests/s, cache hits) of ``bodies`` sent ``concurrency`` at a time."""
+    async with http_client(url, timeout=300) as c:
+        async def one(i: int) -> bool:
+            r = await c.post("/v1/encode", params={"modality": "image"}, content=bodies[i])
+            r.raise_for_status()
+            return unpack(r.content, EncodeResult)[1].cached
 
-        t = time.perf_counter()
-        await asyncio.gather(*(one(b) for b in bodies))
-        return len(bodies) / (time.perf_counter() - t), hits
+        cached, wall = await drive(len(bodies), one, concurrency)
+        return len(bodies) / wall, sum(cached)
 
 
 def zipf_workload(n_items: int, n_requests: int, s: float, seed: int) -> list[int]:
@@ -91,16 +88,16 @@ def main() -> None:
     order = zipf_workload(n_items, n_req, args.zipf_s, seed=0)
     common = dict(model_dir=bundle, max_batch_size=16, max_wait_ms=5.0)
     with spawn_encoder(cache_bytes=256 << 20, **common) as cached_url, spawn_encoder(cache_bytes=0, **common) as plain_url:
-        cold, hit, hit_forwards = cold_and_hit(cached_url, cold_imgs, random_images(1, seed=11)[0])
+        cold, hit, hit_forwards = asyncio.run(cold_and_hit(cached_url, cold_imgs, random_images(1, seed=11)[0]))
         assert hit_forwards == 0
         bodies = [zipf_imgs[i] for i in order]
         rate_plain, _ = asyncio.run(stream(plain_url, bodies, 4))
         rate_cached, hits = asyncio.run(stream(cached_url, bodies, 4))
-    cold_ms, hit_ms = statistics.median(cold) * 1e3, statistics.median(hit) * 1e3
+    cold_ms, hit_ms = percentile(cold, 50) * 1e3, percentile(hit, 50) * 1e3
     speedup = cold_ms / hit_ms
     ideal_hit_ratio = 1 - len(set(order)) / n_req
-    print(f"cold encode   median {cold_ms:7.2f} ms   (p90 {np.percentile(cold, 90) * 1e3:.2f})")
-    print(f"cache hit     median {hit_ms:7.2f} ms   (p90 {np.percentile(hit, 90) * 1e3:.2f}), forwards on hits: {hit_forwards:.0f}")
+    print(f"cold encode   median {cold_ms:7.2f} ms   (p90 {percentile(cold, 90) * 1e3:.2f})")
+    print(f"cache hit     median {hit_ms:7.2f} ms   (p90 {percentile(hit, 90) * 1e3:.2f}), forwards on hits: {hit_forwards:.0f}")
     print(f"hit speedup   {speedup:.1f}x (target >= 10x)")
     print(f"zipf s={args.zipf_s}: {n_req} requests over {n_items} images, concurrency 4")
     print(f"  hit ratio {hits / n_req:.3f} (upper bound with an unbounded cache {ideal_hit_ratio:.3f})")

@@ -17,26 +17,23 @@ import asyncio
 import json
 import os
 import statistics
-import time
-
-import httpx
 
 from benchmarks import _results
+from benchmarks._chat_load import drive, http_client
 from benchmarks._enc_bundle import TOWERS, bench_bundle, random_images
 from benchmarks._enc_server import forward_passes, spawn_encoder
 
 
 async def one_round(url: str, images: list[bytes], concurrency: int) -> float:
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency)) as c:
-        async def one(data: bytes) -> None:
-            async with sem:
-                r = await c.post(f"{url}/v1/encode", params={"modality": "image"}, content=data)
-                r.raise_for_status()
+    """Images/s of one round: every image encoded, ``concurrency`` in flight
+    (``benchmarks._chat_load.drive``)."""
+    async with http_client(url, timeout=300, max_connections=concurrency) as c:
+        async def one(i: int) -> None:
+            r = await c.post("/v1/encode", params={"modality": "image"}, content=images[i])
+            r.raise_for_status()
 
-        t = time.perf_counter()
-        await asyncio.gather(*(one(d) for d in images))
-        return len(images) / (time.perf_counter() - t)
+        _, wall = await drive(len(images), one, concurrency)
+        return len(images) / wall
 
 
 def main() -> None:

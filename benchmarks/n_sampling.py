@@ -23,11 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from benchmarks import _vs_vllm_servers as srv
 from benchmarks import _results
 from benchmarks._bench_host import bench_lock
+from benchmarks._chat_load import drive, openai_client
 
 N = 4
 
@@ -55,23 +54,21 @@ def _computed(side: str, before: dict, after: dict) -> float:
     return (after.get(queries, 0) - before.get(queries, 0)) - (after.get(hits, 0) - before.get(hits, 0))
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    r = await client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
-    r.raise_for_status()
-    return r.json()
-
-
 async def _run(url: str, model: str, messages: list[dict], mode: str, max_tokens: int) -> tuple[float, int]:
-    base = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 1.0,
-            "ignore_eos": True}
-    async with httpx.AsyncClient() as client:
-        t0 = time.perf_counter()
-        if mode == "n":
-            out = [await _one(client, url, {**base, "n": N, "seed": 1})]
-        else:
-            out = await asyncio.gather(*(_one(client, url, {**base, "seed": 1 + i}) for i in range(N)))
-        wall = time.perf_counter() - t0
-    return wall, out[0]["usage"]["prompt_tokens"]
+    """(wall time, prompt tokens of the first answer): one request with ``n`` = N, or N separate
+    requests at once (``benchmarks._chat_load.drive``), not streamed."""
+    client = openai_client(url, timeout=600)
+
+    async def one(i: int):
+        extra = {"n": N, "seed": 1} if mode == "n" else {"seed": 1 + i}
+        return await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                    temperature=1.0, extra_body={"ignore_eos": True}, **extra)
+
+    try:
+        out, wall = await drive(1 if mode == "n" else N, one)
+    finally:
+        await client.close()
+    return wall, out[0].usage.prompt_tokens
 
 
 def measure(side: str, url: str, metrics_url: str, model: str, messages: list[dict], mode: str,
