@@ -13,8 +13,9 @@ unbounded side: closed loops of ``--clients``, 2x, 4x, ... concurrent requests (
 batches, so a few clients are not the stack's capacity), until throughput stops rising by 10%;
 capacity is the best of them, and our admission window (in flight = queue) is the concurrency
 that reached it. Mixed traffic: text chats and small-image chats (one in four). Open-loop
-Poisson arrivals from a lean keep-alive HTTP client (``benchmarks._lean_client``: httpx itself
-took 0.85 of the 2 cores at 250 rps), bodies built before the clock starts; a client gives up
+Poisson arrivals (the shared driver, ``benchmarks._chat_load.drive``, as are the closed loops)
+from a lean keep-alive HTTP client (``benchmarks._lean_client``: httpx itself took 0.85 of the 2
+cores at 250 rps), bodies built before the clock starts; a client gives up
 after ``--client-timeout`` s (counted as failed, not as goodput). Before each run both stacks
 are let settle: nothing in flight in either LLM or gateway, and the machine quiet. The unbounded
 side's backlog can take minutes to drain (httpcore's pool matches its queued requests to
@@ -48,6 +49,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import _results
+from benchmarks._chat_load import closed_loop, drive
 from benchmarks._stats import percentile, scaled
 from benchmarks._lean_client import LeanClient
 from benchmarks._stack_util import image_part, make_png, user
@@ -125,61 +127,52 @@ class CpuMeter:
         self.cores = {k: round((v - self.start[k]) / wall, 2) for k, v in self._read().items()}
 
 
-async def closed_loop(url: str, model: str, clients: int, seconds: float) -> float:
-    """Requests per second a closed loop of ``clients`` sustains: the stack's capacity."""
+async def closed_loop_rps(url: str, model: str, clients: int, seconds: float) -> float:
+    """Requests per second a closed loop of ``clients`` sustains: the stack's capacity
+    (``benchmarks._chat_load.closed_loop``; client k sends bodies k, k + clients, ...)."""
     done, stop = 0, time.monotonic() + seconds
     rng = random.Random(1)
 
-    async def client(c: LeanClient, k: int) -> None:
-        nonlocal done
-        i = k
-        while time.monotonic() < stop:
-            status, _ = await c.post(encoded(model, i, rng))
-            done += status == 200
-            i += clients
-
     t0 = time.monotonic()
     async with LeanClient(url, timeout=120) as c:
-        await asyncio.gather(*(client(c, k) for k in range(clients)))
+        async def turn(k: int, i: int) -> None:
+            nonlocal done
+            status, _ = await c.post(encoded(model, k + i * clients, rng))
+            done += status == 200
+
+        await closed_loop(clients, turn, lambda: time.monotonic() >= stop)
     return done / (time.monotonic() - t0)
 
 
 async def open_loop(url: str, model: str, rate: float, seconds: float, timeout: float, seed: int) -> dict:
+    """Poisson arrivals at ``rate`` for ``seconds`` (``benchmarks._chat_load.drive``, open loop):
+    what came back, and the latency of the 200s."""
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     while t < seconds:
         t += rng.expovariate(rate)
         arrivals.append(t)
     bodies = [encoded(model, i, rng) for i in range(len(arrivals))]
-    lat: list[float] = []
-    counts = {"ok": 0, "429": 0, "5xx": 0, "other": 0, "timeout": 0, "conn_error": 0}
 
-    async def one(c: LeanClient, at: float, i: int) -> None:
-        await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
-        start = time.monotonic()
-        try:
-            status, _ = await c.post(bodies[i])
-        except TimeoutError:
-            counts["timeout"] += 1
-            return
-        except (OSError, asyncio.IncompleteReadError):
-            counts["conn_error"] += 1
-            return
-        if status == 200:
-            counts["ok"] += 1
-            lat.append(time.monotonic() - start)
-        elif status == 429:
-            counts["429"] += 1
-        elif status >= 500:
-            counts["5xx"] += 1
-        else:
-            counts["other"] += 1
-
-    t0 = time.monotonic()
     async with LeanClient(url, timeout=timeout) as c:
-        await asyncio.gather(*(one(c, at, i) for i, at in enumerate(arrivals)))
-    wall = time.monotonic() - t0
-    lat.sort()
+        async def one(i: int) -> tuple[str, float | None]:
+            """(outcome, latency of a 200)."""
+            start = time.monotonic()
+            try:
+                status, _ = await c.post(bodies[i])
+            except TimeoutError:
+                return "timeout", None
+            except (OSError, asyncio.IncompleteReadError):
+                return "conn_error", None
+            if status == 200:
+                return "ok", time.monotonic() - start
+            return "429" if status == 429 else "5xx" if status >= 500 else "other", None
+
+        outcomes, wall = await drive(len(arrivals), one, arrivals=arrivals)
+    counts = {k: 0 for k in ("ok", "429", "5xx", "other", "timeout", "conn_error")}
+    for outcome, _ in outcomes:
+        counts[outcome] += 1
+    lat = [x for _, x in outcomes if x is not None]
     n = len(arrivals)
     return {
         "offered_rps": round(rate, 2), "sent": n, "goodput_rps": round(counts["ok"] / wall, 3),
@@ -194,7 +187,7 @@ async def saturation(url: str, model: str, clients: int, seconds: float, max_cli
     """(best rps, its concurrency) over closed loops of ``clients``, doubling while rps rises >10%."""
     best, best_c, c = 0.0, clients, clients
     while c <= max_clients:
-        rps = await closed_loop(url, model, c, seconds)
+        rps = await closed_loop_rps(url, model, c, seconds)
         print(f"closed loop, {c} clients: {rps:.2f} rps", flush=True)
         if rps > best:
             best_prev, best, best_c = best, rps, c
