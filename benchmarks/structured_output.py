@@ -49,7 +49,7 @@ import openai
 from benchmarks import _results
 from benchmarks import _vs_vllm_servers as srv
 from benchmarks._bench_host import CpuMeter, bench_lock, wait_quiet
-from benchmarks._chat_load import PromptMaker, openai_client
+from benchmarks._chat_load import PromptMaker, drive, openai_client
 from benchmarks._stats import percentile, scaled
 from benchmarks._vs_vllm_runs import DISTURBED, SIDES, Group, resolve_preload
 from benchmarks.grammar_engines import json_checkpoint
@@ -95,34 +95,38 @@ def client_for(url: str):
 
 
 async def batch(url: str, model: str, prompts: list[str], schema: dict | None) -> tuple[list[dict], float]:
+    """Every prompt at once (``benchmarks._chat_load.drive``): records in prompt order, wall time."""
     client = client_for(url)
-    t0 = time.perf_counter()
     try:
-        recs = await asyncio.gather(*(stream(client, model, p, MAX_TOKENS, schema) for p in prompts))
+        return await drive(len(prompts), lambda i: stream(client, model, prompts[i], MAX_TOKENS, schema))
     finally:
         await client.close()
-    return list(recs), time.perf_counter() - t0
 
 
 async def stall_run(url: str, model: str, prompts: list[str], wide: dict | None) -> dict:
-    """8 unconstrained streams; ``STALL_AT`` s in, a 9th request under ``wide`` (None: unconstrained)."""
+    """8 unconstrained streams; ``STALL_AT`` s in, a 9th request under ``wide`` (None: unconstrained)
+    (``benchmarks._chat_load.drive`` with those arrival times)."""
     client = client_for(url)
-    t0 = time.perf_counter()
+    sent: list[float] = []
+
+    async def one(i: int) -> dict:
+        if i < STALL_STREAMS:
+            return await stream(client, model, prompts[i], STALL_TOKENS, None)
+        sent.append(time.perf_counter())
+        return await stream(client, model, prompts[-1], 16, wide)
+
     try:
-        tasks = [asyncio.create_task(stream(client, model, p, STALL_TOKENS, None)) for p in prompts[:STALL_STREAMS]]
-        await asyncio.sleep(STALL_AT)
-        t_send = time.perf_counter()
-        w = await stream(client, model, prompts[-1], 16, wide)
-        recs = await asyncio.gather(*tasks)
+        out, wall = await drive(STALL_STREAMS + 1, one, arrivals=[0.0] * STALL_STREAMS + [STALL_AT])
     finally:
         await client.close()
+    recs, w, t_send = out[:STALL_STREAMS], out[STALL_STREAMS], sent[0]
     gaps = [b - a for r in recs for a, b in zip(r["times"], r["times"][1:]) if t_send <= b <= t_send + STALL_WINDOW]
     return {"itl_p99_ms": scaled(percentile(gaps, 99), 1000), "itl_p50_ms": scaled(percentile(gaps, 50), 1000),
             "gaps": len(gaps), "errors": sum(r["error"] is not None for r in recs),
             "streams_done_before_window_end": sum(r["t1"] < t_send + STALL_WINDOW for r in recs),
             "wide": None if w is None else {"e2e_s": round(w["t1"] - w["t0"], 2), "error": w["error"],
                                             "ttft_s": round(w["times"][0] - w["t0"], 2) if w["times"] else None},
-            "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+            "wall_s": round(wall, 2)}  # fmt: skip
 
 
 def batch_stats(recs: list[dict], wall: float) -> dict:
