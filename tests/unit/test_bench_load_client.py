@@ -4,10 +4,13 @@ requests: what is sent, in which order, how many at once, and what comes back.""
 from __future__ import annotations
 
 import asyncio
+import json
 
+import httpx
+import openai
 import pytest
 
-from benchmarks._chat_load import closed_loop, drive, http_client, openai_client
+from benchmarks._chat_load import Item, closed_loop, drive, http_client, one_request, openai_client
 
 pytestmark = pytest.mark.unit
 
@@ -145,3 +148,56 @@ def test_http_client_sends_relative_to_the_server_url():
 
     req, timeout = asyncio.run(main())
     assert str(req.url) == "http://127.0.0.1:9/v1/encode?modality=image" and timeout.read == 7
+
+
+def _sse(*events: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def _chunk(content: str | None = None, usage: dict | None = None) -> dict:
+    choices = [] if content is None else [{"index": 0, "delta": {"content": content}, "finish_reason": None}]
+    return {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": choices,
+            "usage": usage}
+
+
+def _fake_openai(handler) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://fake/v1", api_key="unused", max_retries=0,
+                              http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+
+
+def test_one_request_streams_and_reads_the_usage_chunk():
+    sent: list[dict] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(req.content))
+        usage = {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12,
+                 "prompt_tokens_details": {"cached_tokens": 4}}
+        body = _sse(_chunk("a"), _chunk("b"), _chunk(""), _chunk("c"), _chunk(usage=usage))
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    rec = asyncio.run(one_request(_fake_openai(handler), "m", Item("hi", 1, 3)))
+    assert rec.error is None and rec.usage and rec.text == "abc"
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens, rec.max_tokens) == (9, 3, 4, 3)
+    assert rec.ttft is not None and len(rec.gaps) == 2  # one gap per content chunk after the first
+    (body,) = sent
+    assert body["messages"] == [{"role": "user", "content": "hi"}] and body["max_tokens"] == 3
+    assert body["stream"] is True and body["temperature"] == 0 and body["ignore_eos"] is True
+
+
+def test_one_request_without_ignore_eos_sends_no_such_field_and_notes_a_missing_usage_chunk():
+    sent: list[dict] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(req.content))
+        return httpx.Response(200, content=_sse(_chunk("x")), headers={"content-type": "text/event-stream"})
+
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    rec = asyncio.run(one_request(_fake_openai(handler), "m", msgs, 5, ignore_eos=False))
+    assert rec.error is None and not rec.usage and rec.text == "x" and rec.cached_tokens is None
+    assert "ignore_eos" not in sent[0] and sent[0]["messages"] == msgs and sent[0]["max_tokens"] == 5
+
+
+def test_one_request_records_an_api_error_instead_of_raising():
+    rec = asyncio.run(one_request(_fake_openai(lambda req: httpx.Response(503, json={"error": "busy"})), "m",
+                                  Item("hi", 1, 2)))
+    assert rec.error and rec.error.startswith("InternalServerError") and rec.text == "" and not rec.usage
