@@ -36,7 +36,8 @@ async def timed_encode(c: httpx.AsyncClient, body: bytes) -> tuple[float, bool]:
     return dt, unpack(r.content, EncodeResult)[1].cached
 
 
-async def cold_and_hit(url: str, cold_imgs: list[bytes], repeated: bytes, blocks: int = 4) -> tuple[list[float], list[float], float]:
+async def cold_and_hit(url: str, cold_imgs: list[bytes], repeated: bytes,
+                       blocks: int = 4) -> tuple[list[float], list[float], float]:
     """Blocks of never-seen images (misses) alternating with blocks of one repeated image
     (hits), one request at a time on one keep-alive connection (``benchmarks._chat_load.drive``
     at concurrency 1); returns cold and hit latencies and the forwards the hits ran."""
@@ -97,7 +98,8 @@ def main() -> None:
     speedup = cold_ms / hit_ms
     ideal_hit_ratio = 1 - len(set(order)) / n_req
     print(f"cold encode   median {cold_ms:7.2f} ms   (p90 {percentile(cold, 90) * 1e3:.2f})")
-    print(f"cache hit     median {hit_ms:7.2f} ms   (p90 {percentile(hit, 90) * 1e3:.2f}), forwards on hits: {hit_forwards:.0f}")
+    print(f"cache hit     median {hit_ms:7.2f} ms   (p90 {percentile(hit, 90) * 1e3:.2f}), "
+          f"forwards on hits: {hit_forwards:.0f}")
     print(f"hit speedup   {speedup:.1f}x (target >= 10x)")
     print(f"zipf s={args.zipf_s}: {n_req} requests over {n_items} images, concurrency 4")
     print(f"  hit ratio {hits / n_req:.3f} (upper bound with an unbounded cache {ideal_hit_ratio:.3f})")
