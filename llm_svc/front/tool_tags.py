@@ -131,44 +131,58 @@ def mimo_format(tools: list[ToolDef], parallel: bool, enable_thinking: bool | No
                                              calls]}
 
 
-# --- gpt-oss (our harmony template; llm_svc.parsers.harmony) ---------------------------------------
-
-_H_NEXT = "<|start|>assistant"  # a further message of the turn
+_H_NEXT = ("<|start|>", "assistant")  # a further message of the turn
 _H_END = "<|end|>"
+
+
+# --- gpt-oss (our harmony template; llm_svc.parsers.harmony) ---------------------------------------
+# The parser reads harmony's markers by token id, so the grammar writes them as their tokens (a
+# marker spelled from ordinary tokens would be text to the parser), and free text is any tokens
+# but the markers.
+
+
+def _tok(marker: str) -> dict:
+    return {"type": "token", "token": marker}
+
+
+def _seq(*parts: str | dict) -> dict:
+    """Markers as their tokens, other strings as text, formats as they are."""
+    elements = [(_tok(p) if p in HARMONY_SPECIALS else _const(p)) if isinstance(p, str) else p for p in parts]
+    return {"type": "sequence", "elements": elements}
+
+
+def _or(*elements: dict) -> dict:
+    return {"type": "or", "elements": list(elements)}
 
 
 @TOOL_FORMATS.register("gpt_oss")
 def harmony_format(tools: list[ToolDef], parallel: bool, enable_thinking: bool | None, stops: set[str]) -> dict:
     """The final message the prompt opened, then further messages: analysis, a commentary
     preamble, final, or a call (its body the arguments' JSON, ended by ``<|call|>``). Free text
-    holds no harmony special token, so a header is only ever written where this grammar has one
-    and a call can not slip past it. The output ends with the stop token after a final message's
-    text, or after a call. A call takes our template's header or the forms xgrammar's own harmony
+    holds no marker token, so a header is only ever written where this grammar has one and a call
+    can not slip past it. The output ends with the stop token after a final message's text, or
+    after a call. A call takes our template's header or one of the forms xgrammar's own harmony
     builder accepts; the parser reads them all. Where ``<|call|>`` is a stop token (gpt-oss's
     generation config) it ends the output: the call is then the last message, and only one."""
     call_stops = "<|call|>" in stops
-    text = _any_text(HARMONY_SPECIALS)
+    text = {"type": "any_tokens", "exclude_tokens": list(HARMONY_SPECIALS)}
     calls = []
     for t in tools:
-        body = {"type": "json_schema", "json_schema": _schema(t, "json")}
-        name, end = t.function.name, "" if call_stops else "<|call|>"
-        calls += [_tag(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", body, end),
-                  _tag(f"<|channel|>commentary to=functions.{name}<|constrain|>json<|message|>", body, end),
-                  _tag(f" to=functions.{name}<|channel|>commentary <|constrain|>json<|message|>", body, end),
-                  _tag(f" to=functions.{name}<|channel|>commentary json<|message|>", body, end)]
-    call = {"type": "or", "elements": calls}
-    message = {"type": "or", "elements": [_tag(f"<|channel|>{ch}<|message|>", text, _H_END)
-                                          for ch in ("analysis", "commentary", "final")]}
-    many = parallel and not call_stops
-    item = {"type": "or", "elements": [message, call]} if many else message
-    first = {"type": "or", "elements": [_tag("", text, _H_END), item]}  # the open final message, or a header at once
-    last = {"type": "or", "elements": [
-        {"type": "sequence", "elements": [_const(_H_NEXT + "<|channel|>final<|message|>"), text]},
-        {"type": "sequence", "elements": [_const(_H_NEXT), call]}]}
-    turn = {"type": "sequence", "elements": [
-        first, {"type": "star", "content": {"type": "sequence", "elements": [_const(_H_NEXT), item]}},
-        {"type": "optional", "content": last}]}
-    return {"type": "or", "elements": [text, turn, call]}
+        # a JSON string holds no marker either: the parser would end the call there
+        body = {"type": "json_schema", "json_schema": _schema(t, "json"), "excludes": list(HARMONY_SPECIALS)}
+        to = f"to=functions.{t.function.name}"
+        headers = [_seq("<|channel|>", f"commentary {to} ", "<|constrain|>", "json", "<|message|>"),
+                   _seq("<|channel|>", f"commentary {to}", "<|constrain|>", "json", "<|message|>"),
+                   _seq(f" {to}", "<|channel|>", "commentary ", "<|constrain|>", "json", "<|message|>"),
+                   _seq(f" {to}", "<|channel|>", "commentary json", "<|message|>")]
+        calls.append(_seq(_or(*headers), body, *([] if call_stops else ["<|call|>"])))
+    call = _or(*calls)
+    message = _or(*(_seq("<|channel|>", ch, "<|message|>", text, _H_END) for ch in ("analysis", "commentary", "final")))
+    item = _or(message, call) if parallel and not call_stops else message
+    first = _or(_seq(text, _H_END), item)  # the open final message's text, or a header at once
+    last = _or(_seq(*_H_NEXT, "<|channel|>", "final", "<|message|>", text), _seq(*_H_NEXT, call))
+    turn = _seq(first, {"type": "star", "content": _seq(*_H_NEXT, item)}, {"type": "optional", "content": last})
+    return _or(text, turn, call)
 
 
 def _const(value: str) -> dict:
