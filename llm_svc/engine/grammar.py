@@ -96,22 +96,6 @@ def json_safe_lengths(node):
     return out
 
 
-def bounded_whitespace(tag_json: str) -> str:
-    """A structural tag whose JSON / XML arguments allow one whitespace character at a time (a
-    ``json_schema`` format's ``max_whitespace_cnt``, where it set none): the structural tag's form of
-    compact JSON. One, not none: a template's newline between XML parameters stays writable."""
-    def walk(node):
-        if isinstance(node, list):
-            return [walk(x) for x in node]
-        if not isinstance(node, dict):
-            return node
-        out = {k: walk(v) if k != "json_schema" else v for k, v in node.items()}
-        if out.get("type") == "json_schema" and out.get("max_whitespace_cnt") is None:
-            out["max_whitespace_cnt"] = 1
-        return out
-    return json.dumps(walk(json.loads(tag_json)))
-
-
 def spec_key(spec: StructuredSpec) -> str:  # any_whitespace None and its setting may differ: both kept
     return hashlib.sha256(json.dumps([spec.kind, spec.spec, spec.any_whitespace]).encode()).hexdigest()
 

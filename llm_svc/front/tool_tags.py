@@ -110,7 +110,8 @@ def _any_text(excludes: list[str] = ()) -> dict:
 
 MIMO_CALL_START = "<tool_call>"
 # text a raw string value may not hold: the parser would end the value, the function or the call there
-_MIMO_VALUE_EXCLUDES = ["<parameter=", "</parameter>", "</function>", "</tool_call>"]
+# (xgrammar excludes "</parameter>" itself)
+_MIMO_VALUE_EXCLUDES = ["<parameter=", "</function>", "</tool_call>"]
 
 
 @TOOL_FORMATS.register("mimo")

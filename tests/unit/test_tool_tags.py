@@ -15,6 +15,7 @@ xgr = pytest.importorskip("xgrammar")
 
 from shared.schemas import StructuredSpec, ToolDef, ToolSpec  # noqa: E402
 
+from llm_svc.engine.grammar_worker import compile_spec  # noqa: E402
 from llm_svc.front.tool_tags import auto_spec  # noqa: E402
 from llm_svc.parsers import output_parser  # noqa: E402
 from llm_svc.types.errors import InvalidRequest  # noqa: E402
@@ -46,9 +47,10 @@ def harmony_tok():
     return build_tokenizer(HARMONY_SPECIALS, 640, HARMONY_TEMPLATE, eos="<|return|>", pad_token="<|endoftext|>")
 
 
-def compiled(tok, spec: StructuredSpec):
+def compiled(tok, spec: StructuredSpec, any_whitespace: bool = True):
+    """``spec`` compiled as the engine's compile worker does."""
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=[tok.eos_token_id])
-    return xgr.GrammarCompiler(info, cache_enabled=False).compile_structural_tag(spec.spec)
+    return compile_spec(xgr.GrammarCompiler(info, cache_enabled=False), spec.kind, spec.spec, any_whitespace)
 
 
 def accepts(tok, grammar, text: str) -> bool:
@@ -176,3 +178,80 @@ def test_harmony_call_as_a_stop_token_ends_the_output(harmony_tok):
     head = "x<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
     assert accepts(harmony_tok, g, head + '{"city": "Rome", "days": 2}')
     assert not accepts(harmony_tok, g, head + '{"city": "Rome"}')
+
+
+def random_walk(tok, grammar, prefix: str, rng, steps: int = 400) -> str | None:
+    """``prefix``, then tokens drawn uniformly from those the grammar allows (the stop token taken
+    whenever allowed, after the prefix); the text, or None if it did not finish in ``steps``."""
+    import torch
+
+    m = xgr.GrammarMatcher(grammar)
+    ids = tok(prefix, add_special_tokens=False)["input_ids"]
+    assert all(m.accept_token(i) for i in ids)
+    mask = xgr.allocate_token_bitmask(1, len(tok))
+    for _ in range(steps):
+        m.fill_next_token_bitmask(mask)
+        allowed = torch.nonzero(_bits(mask[0], len(tok))).flatten().tolist()
+        if tok.eos_token_id in allowed:
+            return tok.decode(ids, skip_special_tokens=False)
+        ids.append(rng.choice(allowed))
+        assert m.accept_token(ids[-1])
+    return None
+
+
+def _bits(row, n: int):
+    """A bitmask row (int32 words, bit j of word w: token 32 w + j) -> a bool per token."""
+    import torch
+
+    bits = torch.arange(32, dtype=torch.int32)
+    return ((row.unsqueeze(1) >> bits) & 1).flatten()[:n].bool()
+
+
+@pytest.mark.parametrize("family, prefix", [("mimo", "ok\n<tool_call>"), ("gpt_oss", "x<|end|><|start|>assistant")])
+def test_any_walk_the_grammar_allows_parses_to_calls_that_validate(family, prefix, mimo_tok, harmony_tok):
+    """Whatever tokens a model picks inside a call (uniformly random here, as a random-weight
+    model might), our parser reads the result as calls of the request's tools, and a strict tool's
+    arguments validate."""
+    import random
+
+    tok = mimo_tok if family == "mimo" else harmony_tok
+    g = compiled(tok, auto_spec(family, tool_spec(parallel=False), None, False, {tok.eos_token}))
+    rng, finished, strict_calls = random.Random(0), 0, 0
+    for _ in range(40):
+        text = random_walk(tok, g, prefix, rng)
+        if text is None:
+            continue
+        finished += 1
+        for name, args in parsed_calls(family, tok, text, False if family == "mimo" else None):
+            assert name in ("get_weather", "search")
+            if name == "get_weather":
+                jsonschema.validate(args, WEATHER)
+                strict_calls += 1
+    assert finished >= 20 and strict_calls >= 5, (finished, strict_calls)
+
+
+def test_mimo_values_take_no_whitespace_padding_and_compact_bounds_the_separators(mimo_tok):
+    """xgrammar's XML style pads a constrained value with whitespace the parser would keep
+    (``grammar_tags``): taken out. Compact (``structured_any_whitespace`` false): one whitespace
+    character at a time between parameters, as the template's newline."""
+    head = "<tool_call>\n<function=get_weather>\n"
+    tail = "</function>\n</tool_call>"
+    for ws in (True, False):
+        g = compiled(mimo_tok, auto_spec("mimo", tool_spec(), None, False), any_whitespace=ws)
+        assert accepts(mimo_tok, g, head + "<parameter=city>Rome</parameter>\n<parameter=days>2</parameter>\n" + tail)
+        assert not accepts(mimo_tok, g, head + "<parameter=city> Rome</parameter>\n<parameter=days>2</parameter>\n" + tail)
+        assert not accepts(mimo_tok, g, head + "<parameter=city>Rome</parameter>\n<parameter=days>2 </parameter>\n" + tail)
+        two_newlines = head + "<parameter=city>Rome</parameter>\n\n<parameter=days>2</parameter>\n" + tail
+        assert accepts(mimo_tok, g, two_newlines) is ws
+
+
+def test_harmony_markers_spelled_from_ordinary_tokens_are_text(harmony_tok):
+    """The parser reads markers by token id, and so does the grammar: ``<|end|>`` spelled from
+    ordinary tokens is text of the message (no new header may follow it), the token ends it."""
+    g = compiled(harmony_tok, auto_spec("gpt_oss", tool_spec(), None, None, {"<|return|>"}))
+    start, end = (harmony_tok.convert_tokens_to_ids(t) for t in ("<|start|>", "<|end|>"))
+    spelled = [i for c in "x<|end|>" for i in harmony_tok(c, add_special_tokens=False)["input_ids"]]
+    assert end not in spelled
+    m = xgr.GrammarMatcher(g)
+    assert all(m.accept_token(i) for i in spelled) and not m.accept_token(start)
+    assert m.accept_token(end) and m.accept_token(start)
