@@ -255,3 +255,18 @@ def test_harmony_markers_spelled_from_ordinary_tokens_are_text(harmony_tok):
     m = xgr.GrammarMatcher(g)
     assert all(m.accept_token(i) for i in spelled) and not m.accept_token(start)
     assert m.accept_token(end) and m.accept_token(start)
+
+
+def test_the_gateway_refuses_strict_auto_with_a_response_format_naming_both():
+    from gateway.openai_api.requests import ChatCompletionRequest
+
+    msgs = [{"role": "user", "content": "hi"}]
+    strict = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}]
+    loose = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    rf = {"type": "json_object"}
+    with pytest.raises(ValueError, match="'f' is strict under tool_choice .auto.*response_format"):
+        ChatCompletionRequest(model="m", messages=msgs, tools=strict, response_format=rf)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        ChatCompletionRequest(model="m", messages=msgs, tools=strict, tool_choice="auto", structured_outputs={"regex": "a"})
+    for ok in [dict(tools=loose), dict(tools=strict, tool_choice="none"), dict(tools=strict, response_format={"type": "text"})]:
+        ChatCompletionRequest(model="m", messages=msgs, **{"response_format": rf, **ok})
