@@ -192,8 +192,8 @@ class HFBackend(Backend):
                                  if s.logit_bias else "presence_penalty")
         if s.structured is not None:
             tools = s.structured.kind == "structural_tag"  # strict tools under tool_choice auto
-            raise InvalidRequest("the hf backend has no structured outputs; use the swa backend for "
-                                 + ("strict tools (or drop strict)" if tools else "response_format and structured_outputs"),
+            what = "strict tools (or drop strict)" if tools else "response_format and structured_outputs"
+            raise InvalidRequest("the hf backend has no structured outputs; use the swa backend for " + what,
                                  param="tools" if tools else "response_format")
         if s.prompt_logprobs is not None or s.max_tokens == 0:
             raise InvalidRequest("the hf backend scores no prompts; use the swa backend for prompt_logprobs, echo "

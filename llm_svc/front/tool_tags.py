@@ -45,7 +45,8 @@ from llm_svc.parsers.harmony import SPECIALS as HARMONY_SPECIALS
 from llm_svc.types.errors import InvalidRequest
 
 # parser family -> builder(tools, parallel, enable_thinking, stop tokens' text) -> the structural tag's "format"
-TOOL_FORMATS: Registry[Callable[[list[ToolDef], bool, bool | None, set[str]], dict]] = Registry("structural tool-call format")
+TOOL_FORMATS: Registry[Callable[[list[ToolDef], bool, bool | None, set[str]], dict]] = Registry(
+    "structural tool-call format")
 
 
 def strict_tools(spec: ToolSpec) -> list[int]:

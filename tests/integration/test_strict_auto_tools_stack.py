@@ -98,7 +98,8 @@ def calls_of(url: str, api: str, stream: bool, seed: int, **extra) -> tuple[list
             out = r.json()
             if api == "chat":
                 ch = out["choices"][0]
-                calls = [(t["function"]["name"], t["function"]["arguments"]) for t in ch["message"].get("tool_calls") or ()]
+                calls = [(t["function"]["name"], t["function"]["arguments"])
+                         for t in ch["message"].get("tool_calls") or ()]
                 return calls, ch["finish_reason"] == "length"
             return ([(i["name"], i["arguments"]) for i in out["output"] if i["type"] == "function_call"],
                     out["status"] == "incomplete")

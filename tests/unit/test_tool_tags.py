@@ -135,7 +135,8 @@ def test_mimo_tag_refuses_what_breaks_a_strict_schema(mimo_tok):
                 "<parameter=city>Rome</parameter>\n<parameter=days>9</parameter>\n",      # over the maximum
                 "<parameter=city>Rome</parameter>\n",                                     # days required
                 "<parameter=city>Rome</parameter>\n<parameter=days>3</parameter>\n<parameter=x>1</parameter>\n",
-                '<parameter=city>Rome</parameter>\n<parameter=days>3</parameter>\n<parameter=tags>["long"]</parameter>\n']:
+                '<parameter=city>Rome</parameter>\n<parameter=days>3</parameter>\n'
+                '<parameter=tags>["long"]</parameter>\n']:
         assert not accepts(mimo_tok, g, call.format(bad)), bad
     assert not accepts(mimo_tok, g, "<tool_call>\n<function=unknown>\n</function>\n</tool_call>")
 
@@ -239,8 +240,9 @@ def test_mimo_values_take_no_whitespace_padding_and_compact_bounds_the_separator
     for ws in (True, False):
         g = compiled(mimo_tok, auto_spec("mimo", tool_spec(), None, False), any_whitespace=ws)
         assert accepts(mimo_tok, g, head + "<parameter=city>Rome</parameter>\n<parameter=days>2</parameter>\n" + tail)
-        assert not accepts(mimo_tok, g, head + "<parameter=city> Rome</parameter>\n<parameter=days>2</parameter>\n" + tail)
-        assert not accepts(mimo_tok, g, head + "<parameter=city>Rome</parameter>\n<parameter=days>2 </parameter>\n" + tail)
+        for padded in ("<parameter=city> Rome</parameter>\n<parameter=days>2</parameter>\n",
+                       "<parameter=city>Rome</parameter>\n<parameter=days>2 </parameter>\n"):
+            assert not accepts(mimo_tok, g, head + padded + tail)
         two_newlines = head + "<parameter=city>Rome</parameter>\n\n<parameter=days>2</parameter>\n" + tail
         assert accepts(mimo_tok, g, two_newlines) is ws
 
@@ -267,6 +269,8 @@ def test_the_gateway_refuses_strict_auto_with_a_response_format_naming_both():
     with pytest.raises(ValueError, match="'f' is strict under tool_choice .auto.*response_format"):
         ChatCompletionRequest(model="m", messages=msgs, tools=strict, response_format=rf)
     with pytest.raises(ValueError, match="structured_outputs"):
-        ChatCompletionRequest(model="m", messages=msgs, tools=strict, tool_choice="auto", structured_outputs={"regex": "a"})
-    for ok in [dict(tools=loose), dict(tools=strict, tool_choice="none"), dict(tools=strict, response_format={"type": "text"})]:
+        ChatCompletionRequest(model="m", messages=msgs, tools=strict, tool_choice="auto",
+                              structured_outputs={"regex": "a"})
+    for ok in [dict(tools=loose), dict(tools=strict, tool_choice="none"),
+               dict(tools=strict, response_format={"type": "text"})]:
         ChatCompletionRequest(model="m", messages=msgs, **{"response_format": rf, **ok})
