@@ -228,11 +228,13 @@ class ToolDef(BaseModel):
 class StructuredSpec(BaseModel):
     """A grammar the output must follow: the engine's form of ``response_format`` and
     ``structured_outputs``. ``spec`` is the JSON schema text (``json``), the regex, the EBNF
-    grammar, or the choices as a JSON list; empty for ``json_object``."""
+    grammar, the choices as a JSON list, or xgrammar's structural tag JSON (``structural_tag``:
+    set by the LLM service itself for strict tools under tool_choice "auto"); empty for
+    ``json_object``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    kind: Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
     spec: str = ""
     any_whitespace: bool | None = None  # JSON whitespace between tokens; None: the server's setting
 

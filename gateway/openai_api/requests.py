@@ -290,10 +290,17 @@ class ChatCompletionRequest(GenerationFields):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
         forced = choice == "required" or isinstance(choice, NamedToolChoice)
-        if forced and (self.response_format is not None and self.response_format.type != "text"
-                       or self.structured_outputs is not None):
+        formatted = (self.response_format is not None and self.response_format.type != "text"
+                     or self.structured_outputs is not None)
+        if forced and formatted:
             raise ValueError("tool_choice required or a named function already constrains the output; drop "
                              "response_format / structured_outputs")
+        strict = [t.function.name for t in self.tools or () if t.function.strict]
+        if formatted and strict and self.effective_tool_choice() == "auto":
+            raise ValueError(f"tools: function {strict[0]!r} is strict under tool_choice \"auto\", which constrains "
+                             "the output to the model's tool-call format; that can not be combined with "
+                             "response_format / structured_outputs (text.format in /v1/responses): drop strict, "
+                             "or the response format")
         # a request template (chat_template) is checked against the gateway's setting in the route
         check_template_kwargs(self.chat_template_kwargs, trust_request_template=True)
         return self

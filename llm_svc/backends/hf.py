@@ -191,8 +191,10 @@ class HFBackend(Backend):
                                  "(temperature 0); use the swa backend to sample with them", param="logit_bias"
                                  if s.logit_bias else "presence_penalty")
         if s.structured is not None:
-            raise InvalidRequest("the hf backend has no structured outputs; use the swa backend for "
-                                 "response_format and structured_outputs", param="response_format")
+            tools = s.structured.kind == "structural_tag"  # strict tools under tool_choice auto
+            what = "strict tools (or drop strict)" if tools else "response_format and structured_outputs"
+            raise InvalidRequest("the hf backend has no structured outputs; use the swa backend for " + what,
+                                 param="tools" if tools else "response_format")
         if s.prompt_logprobs is not None or s.max_tokens == 0:
             raise InvalidRequest("the hf backend scores no prompts; use the swa backend for prompt_logprobs, echo "
                                  "with logprobs and max_tokens=0", param="prompt_logprobs" if s.max_tokens else "max_tokens")

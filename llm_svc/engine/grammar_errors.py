@@ -9,7 +9,7 @@ MAX_BYTES_SETTING = "MMSERVE_LLM_MAX_GRAMMAR_BYTES"
 TIMEOUT_SETTING = "MMSERVE_LLM_GRAMMAR_COMPILE_TIMEOUT_S"
 
 _LABELS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
-           "grammar": "grammar (EBNF)", "structural_tag": "structural_tag"}
+           "grammar": "grammar (EBNF)", "structural_tag": "tool-call format (strict tools under tool_choice auto)"}
 
 
 def spec_label(kind: str) -> str:
@@ -40,8 +40,9 @@ class GrammarTooLarge(InvalidRequest):
 def too_large(kind: str, size: int, limit: int) -> GrammarTooLarge:
     return GrammarTooLarge(
         f"the structured output's {spec_label(kind)} is {size} bytes, more than the {limit} bytes "
-        f"{MAX_BYTES_SETTING} allows; send a smaller one (under a forced tool_choice it holds every tool's "
-        "parameters)", param="response_format", code="grammar_too_large")
+        f"{MAX_BYTES_SETTING} allows; send a smaller one (under a forced tool_choice, or with strict tools "
+        "under tool_choice auto, it holds every tool's parameters)",
+        param="tools" if kind == "structural_tag" else "response_format", code="grammar_too_large")
 
 
 def timeout_message(kind: str, limit_s: float) -> str:

@@ -35,6 +35,7 @@ _SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 def compile_spec(compiler, kind: str, spec: str, any_whitespace: bool):
     """One spec -> an ``xgr.CompiledGrammar``; raises ``GrammarError`` naming what cannot be used."""
     from .grammar import choice_grammar, json_safe_lengths
+    from .grammar_tags import tag_for_compile
     from .grammar_errors import GrammarError, spec_label
 
     # vLLM's mapping of disable_any_whitespace: no optional whitespace, and the compact separators
@@ -53,7 +54,7 @@ def compile_spec(compiler, kind: str, spec: str, any_whitespace: bool):
         if kind == "grammar":
             return compiler.compile_grammar(spec)
         if kind == "structural_tag":
-            return compiler.compile_structural_tag(spec)
+            return compiler.compile_structural_tag(tag_for_compile(spec, any_whitespace))
     except (RuntimeError, ValueError, TypeError) as e:  # RecursionError (a deep schema) is a RuntimeError
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         detail = _SOURCE_PREFIX.sub("", detail)  # xgrammar's "[time] /project/cpp/file.cc:94: ": not the caller's

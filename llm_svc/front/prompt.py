@@ -16,6 +16,7 @@ from .output_shape import build_shaper
 from llm_svc.loading.prompt_bound import tokens_past
 from .schema_check import check_request_schemas
 from .tool_choice import forced_spec
+from .tool_tags import auto_spec
 from llm_svc.types.request import EmbeddingRef, PreparedRequest
 
 SEED_RANGE = 1 << 63  # every backend's generator takes it (and msgpack, to the engine core)
@@ -181,7 +182,9 @@ def prepare_request(
                  at_least=True, text_bytes=text_bytes)
     check_request_schemas(s.structured, req.tools)
     if req.tools is not None:
-        forced = forced_spec(req.tools)
+        forced = forced_spec(req.tools) or auto_spec(
+            lm.arch, req.tools, s.structured, _thinking(req),
+            set(lm.tokenizer.convert_ids_to_tokens(list(lm.eos_token_ids))))
         if forced is not None:
             s = s.model_copy(update={"structured": forced})
     media = [p for m in req.messages for p in m.content if isinstance(p, PromptMedia)]
@@ -308,3 +311,9 @@ def _expand_media(lm: LoadedLM, ids: list[int], media: list[PromptMedia], items:
             f"the chat template placed {k} media placeholders for {len(media)} media parts", param="messages"
         )
     return out, spans, mm_items, mm_refs, mm_hashes, item_spans
+
+
+def _thinking(req: GenerateRequest) -> bool | None:
+    """The request's ``enable_thinking`` as the templates test it (``is true`` / ``is false``)."""
+    value = (req.chat_template_kwargs or {}).get("enable_thinking")
+    return value if isinstance(value, bool) else None

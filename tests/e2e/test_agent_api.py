@@ -420,3 +420,44 @@ def test_agents_sdk_default_responses_model(stack):
                   tool_use_behavior="stop_on_first_tool")
     result = asyncio.run(Runner.run(agent, "What time is it?", max_turns=3))
     assert seen and result.final_output == f"12:00 {seen[0]}"
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_agents_sdk_default_tool_choice_with_strict_tools_is_enforced(stack, api):
+    """The Agents SDK's defaults: tool_choice unset ("auto") and ``strict: true`` on every function
+    tool. The output is held to the model's tool-call format (docs/api.md, strict tools under
+    auto): the run ends, on a call whose arguments the SDK accepts or on plain text."""
+    import asyncio
+
+    from agents import (Agent, ModelBehaviorError, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
+                        Runner, function_tool, set_tracing_disabled)
+
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone."""
+        seen.append(zone)
+        return f"12:00 {zone}"
+
+    assert get_time.strict_json_schema
+    client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    model = (OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel)(
+        model=stack.model_name, openai_client=client)
+    settings = ModelSettings(max_tokens=60, temperature=1.0, **({} if api == "chat" else {"store": False}))
+    agent = Agent(name="clock", instructions="Use the tool.", tools=[get_time], model=model, model_settings=settings,
+                  tool_use_behavior="stop_on_first_tool")
+
+    async def runs():
+        for seed in range(3):
+            seeded = agent.clone(model_settings=settings.resolve(ModelSettings(extra_body={"seed": seed})))
+            try:
+                result = await Runner.run(seeded, "What time is it?", max_turns=2)
+            except ModelBehaviorError as e:  # the Responses model's answer to a text cut at max_tokens
+                assert "max_output_tokens" in str(e), e
+                continue
+            assert result.final_output is not None
+
+    asyncio.run(runs())
+    assert all(z in ("UTC", "CET") for z in seen)

@@ -211,11 +211,12 @@ def test_the_gateway_refuses_at_validation_naming_the_field():
             {"type": "function", "function": {"name": "f", "parameters": bad}}])),
          "tools[0].function.parameters.properties.n"),
     ]
-    resp = ResponsesRequest(model="m", input="hi", tools=[{"type": "function", "name": "f", "parameters": bad,
-                                                           "strict": True}],
-                            text={"format": {"type": "json_schema", "name": "x", "schema": bad}})
-    cases += [(lambda: check_format_schema(to_chat(resp), "text.format"), "text.format.schema.properties.n"),
-              (lambda: check_tool_schemas(to_chat(resp), responses=True), "tools[0].parameters.properties.n")]
+    # (a strict tool under auto and a text.format together are refused: one request each)
+    fmt = ResponsesRequest(model="m", input="hi", text={"format": {"type": "json_schema", "name": "x", "schema": bad}})
+    tool = ResponsesRequest(model="m", input="hi", tools=[{"type": "function", "name": "f", "parameters": bad,
+                                                           "strict": True}])
+    cases += [(lambda: check_format_schema(to_chat(fmt), "text.format"), "text.format.schema.properties.n"),
+              (lambda: check_tool_schemas(to_chat(tool), responses=True), "tools[0].parameters.properties.n")]
     for call, path in cases:
         with pytest.raises(APIError) as e:
             call()
