@@ -10,7 +10,7 @@ What a row's distribution is, at every draft position: the raw logits, the reque
 ``logit_bias``, its penalties over its tokens and the drafts before that position, its grammar's
 mask in the state after those drafts (drafts past the first one the grammar refuses are not
 verified), ``min_tokens``' EOS ban for that position's output index, then the sampler's
-temperature / min-p / top-k / top-p (inside ``llm_svc.spec.verify``): the distribution a
+temperature / min-p / top-k / top-p (inside ``llm_svc.engine.spec.verify``): the distribution a
 one-token step would have used at that position.
 """
 
@@ -23,7 +23,7 @@ from llm_svc.engine.grammar import Matcher, draft_masks
 from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised
 from llm_svc.engine.mtp_runner import MTPInput, MTPRunner
 from llm_svc.engine.sampler import suppress
-from llm_svc.spec import NgramProposer, SpecStats, SpeculativeConfig, verify
+from llm_svc.engine.spec import NgramProposer, SpecStats, SpeculativeConfig, verify
 from llm_svc.engine.textproc import min_tokens_banned
 from llm_svc.types.request import Request
 from shared.schemas import SamplingParams

@@ -22,7 +22,7 @@ from llm_svc.backends import BACKENDS, Backend
 from llm_svc.loading.loader import LoadedLM, load_lm
 from .kv_publish import KVPublisher
 from llm_svc.core.media_fetch import EmbeddingFetcher
-from llm_svc.spec import SpeculativeConfig
+from llm_svc.engine.spec import SpeculativeConfig
 from .metrics import LLMMetrics
 from .word_cache import bound_word_cache
 
