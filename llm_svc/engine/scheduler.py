@@ -400,7 +400,7 @@ class Scheduler:
                 req.decodes_since_release += len(toks)
                 if req.decodes_since_release < self.config.decode_release_interval:
                     continue
-            self._release(req)
+            self._release_window(req)
         return outs
 
     def _take_tokens(self, req: Request, toks: list[int], stop: bool, outs: list[StepOutput]) -> bool:
@@ -422,7 +422,7 @@ class Scheduler:
         return token_finish_reason(tok, len(req.output_ids), req.sampling, req.eos_token_ids)
 
     # ------------------------------------------------------------------ freeing
-    def _release(self, req: Request) -> None:
+    def _release_window(self, req: Request) -> None:
         req.decodes_since_release = 0
         if self.config.release_swa:
             self.kv.release_window(req.kv, req.num_computed - self.config.window)
@@ -432,13 +432,19 @@ class Scheduler:
         if self.config.l3_page_tokens and req.num_computed > len(req.prompt_ids):
             self.kv.note_l3(req.kv, req.all_keys, req.num_computed)
 
-    def _preempt(self, req: Request) -> None:
+    def _release_kv(self, req: Request) -> None:
+        """A running request leaves ``running``: its generated KV noted for the lower tier, its
+        out-of-window SWA released, its computed KV into the prefix tree (or freed), the runner's
+        view of it dropped."""
         self._note_leaving(req)
-        self._release(req)
+        self._release_window(req)
         self.kv.finish(req.kv, req.all_keys, req.num_computed, cache=True)
         self.running.remove(req)
         self._dropped.append(req.req_id)
         req.kv = None
+
+    def _preempt(self, req: Request) -> None:
+        self._release_kv(req)
         req.spec_tokens = []
         req.num_computed = 0
         req.num_preemptions += 1
@@ -449,12 +455,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         req.spec_tokens = []
         if req.status == RequestStatus.RUNNING:
-            self._note_leaving(req)
-            self._release(req)
-            self.kv.finish(req.kv, req.all_keys, req.num_computed, cache=True)
-            self.running.remove(req)
-            self._dropped.append(req.req_id)
-            req.kv = None
+            self._release_kv(req)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
