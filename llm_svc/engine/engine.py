@@ -1,17 +1,8 @@
-"""One engine step, three calls: ``_schedule`` -> ``_run`` -> ``_postprocess``; token ids out. No
-threads, no text.
-
-* ``_schedule``: aborts, admissions (grammars compiled, L3 lookups back, media late), the
-  scheduler's batch, the KV tiers' moves around it. Bookkeeping only.
-* ``_run``: the model runner's forward: logits by request.
-* ``_postprocess``: the stages (``llm_svc.engine.stages``) over the logits: prompt logprobs,
-  penalties, grammar masks, sampling, logprobs, verification of drafts; the MTP layers' drafts;
-  the scheduler's postprocess (tokens appended, requests finished, KV released); outputs;
-  n-gram drafts for the next step.
-
-What the engine holds per request is one record (``llm_svc.engine.live.Live``) in one map, each
-stage's state a field of it, released in one place (``_release``) whether the request ends by
-abort, failure, finish or the scheduler dropping it.
+"""One engine step, three calls: ``_schedule`` (aborts, admissions, the scheduler's batch, the
+KV tiers' moves) -> ``_run`` (the runner's forward) -> ``_postprocess`` (the stages of
+``llm_svc.engine.stages`` over the logits, sampling, the scheduler's postprocess, outputs,
+drafts for the next step). Token ids out; no threads, no text. What the engine holds per request
+is one record (``llm_svc.engine.live.Live``), released in one place (``_release``).
 
 The engine-core process (``llm_svc.core.process``) calls ``add`` / ``abort`` between steps and
 ``step`` in a loop; detokenization and stop strings live in the front (``llm_svc.core.output``).
@@ -20,10 +11,9 @@ Failure containment: every phase of a step (aborts, schedule, run, sample, postp
 closing) runs inside one ``try``. When a phase raises, only the requests that phase touched
 fail (an abort's target; the step's batch for run, sample and postprocess; the orphans), and
 every live request when that is unknown (a failed ``schedule`` may have admitted or preempted
-any of them),
-then ``check_integrity`` proves the bookkeeping is still sound; if it is not, ``EngineBroken``
-propagates and the core process exits so that its supervisor restarts it. The engine is never
-left silently dead.
+any of them), then ``check_integrity`` proves the bookkeeping is still sound; if it is not,
+``EngineBroken`` propagates and the core process exits so that its supervisor restarts it. The
+engine is never left silently dead.
 
 Media by reference: a request whose admission needs embeddings it has by key only waits (like
 an L3 prefetch, with a deadline) while the front fetches them: ``take_needs`` hands the
@@ -394,7 +384,9 @@ class Engine:
         already finished or dropped it), its record with each stage's state. Returns the record,
         None when ``rid`` was not live."""
         self._prefetching.pop(rid, None)
-        self._drop_compile(rid)
+        c = self._compiling.pop(rid, None)
+        if c is not None:  # the compile stops unless another request waits for it too
+            c.future.cancel()
         self._media_wait.pop(rid, None)
         self.scheduler.abort(rid)
         lv = self._live.pop(rid, None)
@@ -402,12 +394,6 @@ class Engine:
             for stage in self._stages:
                 stage.release(lv)
         return lv
-
-    def _drop_compile(self, rid: str) -> None:
-        """``rid`` no longer waits for its grammar: the compile stops unless another request waits too."""
-        c = self._compiling.pop(rid, None)
-        if c is not None:
-            c.future.cancel()
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, float]:
