@@ -72,7 +72,7 @@ class Engine:
         self.eos_token_ids = list(eos_token_ids)
         self._live: dict[str, Live] = {}
         self.penalties = Penalties()
-        self.grammar_mask = GrammarMask(grammars)
+        self.grammar_mask = GrammarMask()
         self.logprobs = Logprobs(self._live)
         self.verify = Verify(speculator)
         self.draft = Draft(speculator, runner, self._live)
@@ -224,7 +224,7 @@ class Engine:
                     f"the grammar could not be compiled ({type(err).__name__}); check it"
                 self._fail([rid], msg, status=400, code=getattr(err, "code", None))
                 continue
-            self.grammar_mask.start(self._live[rid], c.future.result())
+            self.grammar_mask.start(self._live[rid], self.grammars.matcher(c.future.result()))
             self._queue(c.req)
         self._affected = None
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llm_svc.engine.grammar import GrammarCache, Matcher, apply_grammars
+from llm_svc.engine.grammar import Matcher, apply_grammars
 from llm_svc.engine.live import Live
 
 log = logging.getLogger(__name__)
@@ -23,11 +23,10 @@ BROKEN = "the sampled token broke the request's grammar; retry it"
 
 
 class GrammarMask:
-    def __init__(self, grammars: GrammarCache | None):
-        self.grammars = grammars
-
-    def start(self, lv: Live, compiled) -> None:
-        lv.matcher = self.grammars.matcher(compiled)
+    @staticmethod
+    def start(lv: Live, matcher: Matcher) -> None:
+        """``matcher``: the request's grammar, compiled (``GrammarCache.matcher``)."""
+        lv.matcher = matcher
 
     @staticmethod
     def release(lv: Live) -> None:
