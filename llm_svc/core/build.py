@@ -24,7 +24,7 @@ from ..kv.budget import size_pools
 from llm_svc.loading.loader import DTYPES, LoadedLM
 from ..models import build_model
 from ..models.linear import warm_buckets
-from ..spec import SpeculativeConfig
+from ..engine.spec import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 

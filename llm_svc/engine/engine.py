@@ -1,4 +1,8 @@
-"""One engine step: schedule -> run -> sample -> postprocess, token ids out. No threads, no text.
+"""One engine step, three calls: ``_schedule`` (aborts, admissions, the scheduler's batch, the
+KV tiers' moves) -> ``_run`` (the runner's forward) -> ``_postprocess`` (the stages of
+``llm_svc.engine.stages`` over the logits, sampling, the scheduler's postprocess, outputs,
+drafts for the next step). Token ids out; no threads, no text. What the engine holds per request
+is one record (``llm_svc.engine.live.Live``), released in one place (``_release``).
 
 The engine-core process (``llm_svc.core.process``) calls ``add`` / ``abort`` between steps and
 ``step`` in a loop; detokenization and stop strings live in the front (``llm_svc.core.output``).
@@ -7,10 +11,9 @@ Failure containment: every phase of a step (aborts, schedule, run, sample, postp
 closing) runs inside one ``try``. When a phase raises, only the requests that phase touched
 fail (an abort's target; the step's batch for run, sample and postprocess; the orphans), and
 every live request when that is unknown (a failed ``schedule`` may have admitted or preempted
-any of them),
-then ``check_integrity`` proves the bookkeeping is still sound; if it is not, ``EngineBroken``
-propagates and the core process exits so that its supervisor restarts it. The engine is never
-left silently dead.
+any of them), then ``check_integrity`` proves the bookkeeping is still sound; if it is not,
+``EngineBroken`` propagates and the core process exits so that its supervisor restarts it. The
+engine is never left silently dead.
 
 Media by reference: a request whose admission needs embeddings it has by key only waits (like
 an L3 prefetch, with a deadline) while the front fetches them: ``take_needs`` hands the
@@ -21,23 +24,22 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from llm_svc.types.messages import CoreNeed, CoreToken
 from llm_svc.engine.model_runner import ModelRunner
-from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised, top_logprobs
-from llm_svc.engine.grammar import GrammarCache, GrammarError, Matcher, apply_grammars
+from llm_svc.engine.grammar import GrammarCache, GrammarError
 from llm_svc.engine.grammar_errors import CompilerUnavailable
-from llm_svc.engine.prompt_logprobs import PromptScores
+from llm_svc.engine.live import Compiling, Live, Prefetch
 from llm_svc.engine.sampler import make_generator, sample, suppress
 from llm_svc.engine.scheduler import Scheduler
+from llm_svc.engine.stages import Draft, GrammarMask, Logprobs, Penalties, Verify
+from llm_svc.engine.stages.grammar_mask import BROKEN, STUCK
 from llm_svc.types.errors import InvalidRequest
 from llm_svc.engine.textproc import min_tokens_banned
-from llm_svc.types.request import Request, StepOutput
+from llm_svc.types.request import ForwardBatch, Request, StepOutput
 
 if TYPE_CHECKING:
     from llm_svc.engine.speculate import Speculator
@@ -47,28 +49,6 @@ log = logging.getLogger(__name__)
 
 class EngineBroken(RuntimeError):
     """The engine's state is inconsistent after a failure: the process must restart."""
-
-
-@dataclass
-class _Live:
-    req: Request
-    generator: torch.Generator | None
-    history: TokenHistory | None = None  # penalised requests: prompt tokens and output counts
-    matcher: Matcher | None = None  # structured outputs: the grammar's state
-    prompt: PromptScores | None = None  # prompt_logprobs: scored during prefill, sent with the first output
-
-
-@dataclass
-class _Compiling:
-    req: Request
-    future: Future
-
-
-@dataclass
-class _Prefetch:
-    req: Request
-    future: Future
-    deadline: float
 
 
 class Engine:
@@ -84,13 +64,19 @@ class Engine:
         self.speculator = speculator
         self.tiers = tiers
         self.grammars = grammars
-        self._compiling: dict[str, _Compiling] = {}
+        self._compiling: dict[str, Compiling] = {}
         self.media_timeout = media_timeout
-        self._prefetching: dict[str, _Prefetch] = {}
+        self._prefetching: dict[str, Prefetch] = {}
         self._media_wait: dict[str, float] = {}  # request -> deadline of the media it asked for
         self._needs: list[CoreNeed] = []
         self.eos_token_ids = list(eos_token_ids)
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Live] = {}
+        self.penalties = Penalties()
+        self.grammar_mask = GrammarMask()
+        self.logprobs = Logprobs(self._live)
+        self.verify = Verify(speculator)
+        self.draft = Draft(speculator, runner, self._live)
+        self._stages = (self.penalties, self.grammar_mask, self.logprobs, self.draft)  # those with per-request state
         self._aborts: list[str] = []
         self._affected: list[str] | None = None  # requests of the phase running now
         self._out: list[CoreToken] = []
@@ -113,18 +99,18 @@ class Engine:
             if self.grammars is None:
                 raise InvalidRequest("structured outputs are not served by this engine", param="response_format")
             # queued once its grammar is compiled (see _admit_compiled): never on the step's path
-            self._compiling[req.req_id] = _Compiling(req, self.grammars.submit(sp.structured))
+            self._compiling[req.req_id] = Compiling(req, self.grammars.submit(sp.structured))
         else:
             self._queue(req)
-        k = sp.prompt_logprobs
-        self._live[req.req_id] = _Live(req, gen, prompt=PromptScores(req.prompt_ids, k) if k is not None else None)
+        lv = self._live[req.req_id] = Live(req, gen)
+        self.logprobs.start(lv)
 
     def _queue(self, req: Request) -> None:
         # a request scoring its prompt takes no cached prefix: nothing to fetch for it
         fetch = self.tiers is not None and req.sampling.prompt_logprobs is None
         fut = self.tiers.prefetch(req.all_keys[:-1]) if fetch else None
         if fut is not None:  # queued once its L3 lookup is back (see _admit_prefetched)
-            self._prefetching[req.req_id] = _Prefetch(req, fut, time.monotonic() + self.tiers.prefetch_timeout)
+            self._prefetching[req.req_id] = Prefetch(req, fut, time.monotonic() + self.tiers.prefetch_timeout)
         else:
             self.scheduler.add(req)
 
@@ -168,21 +154,14 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[CoreToken]:
-        """Apply aborts, run one batch, close orphans; returns this step's token outputs."""
+        """Schedule, run, postprocess one batch, then close orphans; returns this step's token
+        outputs."""
         self._out = []
         try:
-            self._apply_aborts()
-            self._affected = None
-            if self._media_wait:
-                self._expire_media()
-            if self._compiling:
-                self._admit_compiled()
-            if self._prefetching:
-                self._admit_prefetched()
-            if self.scheduler.has_unfinished():
-                self._run_batch()
-            elif self.tiers is not None:
-                self.tiers.write_notes()
+            batch = self._schedule()
+            if batch is not None:
+                self._affected = [sf.req_id for sf in batch.seqs]
+                self._postprocess(batch, self._run(batch))
             gone = self._orphans()
             self._affected = gone
             self._close_orphans(gone)
@@ -195,6 +174,33 @@ class Engine:
                                 "retry it")
         self._affected = None
         return self._out
+
+    # ------------------------------------------------------------------ schedule
+    def _schedule(self) -> ForwardBatch | None:
+        """Aborts, admissions, then the scheduler's batch (None: nothing to run), with the KV
+        tiers' notes and moves around it."""
+        self._apply_aborts()
+        self._affected = None
+        if self._media_wait:
+            self._expire_media()
+        if self._compiling:
+            self._admit_compiled()
+        if self._prefetching:
+            self._admit_prefetched()
+        tiers = self.tiers
+        if not self.scheduler.has_unfinished():
+            if tiers is not None:
+                tiers.write_notes()
+            return None
+        if tiers is not None:
+            tiers.write_notes()  # before schedule: the noted slots still hold their KV
+            tiers.run_ops()
+        batch = self.scheduler.schedule()
+        self._collect_needs()
+        if tiers is not None:
+            tiers.run_ops()  # demotions and load-backs before the forward
+            tiers.touch_hits()
+        return batch
 
     def _admit_compiled(self) -> None:
         """Queue requests whose grammar is compiled; fail (400) those whose grammar cannot be."""
@@ -218,7 +224,7 @@ class Engine:
                     f"the grammar could not be compiled ({type(err).__name__}); check it"
                 self._fail([rid], msg, status=400, code=getattr(err, "code", None))
                 continue
-            self._live[rid].matcher = self.grammars.matcher(c.future.result())
+            self.grammar_mask.start(self._live[rid], self.grammars.matcher(c.future.result()))
             self._queue(c.req)
         self._affected = None
 
@@ -260,21 +266,15 @@ class Engine:
             self._media_wait[rid] = deadline
             self._needs.append(CoreNeed(rid, items))
 
-    def _run_batch(self) -> None:
-        tiers = self.tiers
-        if tiers is not None:
-            tiers.write_notes()  # before schedule: the noted slots still hold their KV
-            tiers.run_ops()
-        batch = self.scheduler.schedule()
-        self._collect_needs()
-        if tiers is not None:
-            tiers.run_ops()  # demotions and load-backs before the forward
-            tiers.touch_hits()
-        if batch is None:
-            return
-        self._affected = [sf.req_id for sf in batch.seqs]
-        logits = self.runner.run(batch)
-        self._score_prompts(batch, logits)
+    # ------------------------------------------------------------------ run
+    def _run(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+        """The forward: ``req_id -> logits`` (``[vocab]``, or ``[n, vocab]`` for ``all_logits``
+        seqs and verifying decodes)."""
+        return self.runner.run(batch)
+
+    # ------------------------------------------------------------------ postprocess
+    def _postprocess(self, batch: ForwardBatch, logits: dict[str, torch.Tensor]) -> None:
+        self.logprobs.score_prompts(batch, logits)
         drafts = {sf.req_id: sf.token_ids[-sf.num_drafts:] for sf in batch.seqs if sf.num_drafts}
         # 0 max_tokens: the prompt alone
         ids = [rid for rid in logits if rid not in drafts and self._live[rid].req.sampling.max_tokens > 0]
@@ -282,158 +282,74 @@ class Engine:
         stop_now: set[str] = set()
         logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}  # per emitted token, in order
         if ids:
-            lives = [self._live[i] for i in ids]
-            rows = torch.stack([logits[i] for i in ids])  # [N, vocab]: the raw model, for logprobs
-            params = [lv.req.sampling for lv in lives]
-            banned = {n: min_tokens_banned(lv.req.sampling, len(self.scheduler.requests[rid].output_ids),
-                                           self.eos_token_ids)
-                      for n, (rid, lv) in enumerate(zip(ids, lives)) if lv.req.sampling.min_tokens}
-            for rid, lv in zip(ids, lives):
-                if lv.history is None and penalised(lv.req.sampling):
-                    r = self.scheduler.requests[rid]
-                    lv.history = TokenHistory.start(r.prompt_ids, r.output_ids, rows.shape[1], rows.device)
-            x = apply_bias_and_penalties(rows, params, [lv.history for lv in lives])
-            matchers = [lv.matcher for lv in lives]
-            constrained = any(m is not None for m in matchers)
-            stuck: list[str] = []
-            if constrained:
-                x = apply_grammars(x.clone() if x is rows else x, matchers)
-                dead = torch.isneginf(x).all(dim=-1).tolist()
-                stuck = [ids[n] for n, m in enumerate(matchers) if m is not None and dead[n]]
-            if any(banned.values()):
-                y = suppress(x, banned)
-                if constrained:  # the grammar can only end here: it wins over min_tokens
-                    dead = torch.isneginf(y).all(dim=-1) & ~torch.isneginf(x).all(dim=-1)
-                    y[dead] = x[dead]
-                x = y
-            sampled = sample(x, params, [lv.generator for lv in lives])
-            tokens = dict(zip(ids, sampled))
-            if constrained:
-                stop_now, broken = self._advance_grammars(ids, lives, sampled, set(stuck))
-                if stuck:  # the request's fault (a grammar this vocabulary cannot write), not the batch's
-                    self._fail(stuck, "the structured output cannot continue: its grammar allows no token of this "
-                                      "model's vocabulary here (e.g. a character the tokenizer cannot write)",
-                               status=400)
-                if broken:
-                    self._fail(broken, "the sampled token broke the request's grammar; retry it")
-            want = [n for n, lv in enumerate(lives) if lv.req.return_logprobs]
-            if want:
-                sel = torch.tensor(want, device=rows.device)
-                got = top_logprobs(rows.index_select(0, sel), [sampled[n] for n in want],
-                                   [lives[n].req.top_logprobs for n in want])
-                logprobs = {ids[n]: [v] for n, v in zip(want, got)}
+            self._sample(ids, logits, tokens, stop_now, logprobs)
         for rid, dr in drafts.items():
             lv, req = self._live[rid], self.scheduler.requests[rid]
-            sp = lv.req.sampling
-            if lv.history is None and penalised(sp):
-                lv.history = TokenHistory.start(req.prompt_ids, req.output_ids, logits[rid].shape[-1],
-                                                logits[rid].device)
-            toks = self.speculator.verify(logits[rid], dr, sp, len(req.output_ids), lv.generator, lv.history,
-                                          lv.matcher)
-            if toks is None:
-                self._fail([rid], "the structured output cannot continue: its grammar allows no token of this "
-                                  "model's vocabulary here (e.g. a character the tokenizer cannot write)", status=400)
+            v = self.verify.run(rid, lv, req, logits[rid], dr)
+            if v.error is not None:
+                self._fail([rid], v.error[0], status=v.error[1])
                 continue
-            if lv.matcher is not None:
-                toks, done, ok = self._advance_grammar(lv.matcher, toks)
-                if done:
-                    stop_now.add(rid)
-                if not ok:
-                    log.error("request %s: a verified token breaks its grammar", rid)
-                    self._fail([rid], "the sampled token broke the request's grammar; retry it")
-                    continue
-            tokens[rid] = toks
-            if lv.req.return_logprobs:
-                logprobs[rid] = top_logprobs(logits[rid][:len(toks)], toks, [lv.req.top_logprobs] * len(toks))
-        spec = self.speculator
-        mtp_drafts = None
-        if spec is not None and spec.mtp is not None:  # before postprocess: the window's slots are still held
-            inputs = spec.mtp_inputs(batch, tokens, self.scheduler.requests, self._may_speculate)
-            mtp_drafts = spec.mtp.step(batch, self.runner.last_hidden, inputs)
+            if v.done:
+                stop_now.add(rid)
+            tokens[rid] = v.tokens
+            lp = self.logprobs.verified(lv, logits[rid], v.tokens)
+            if lp is not None:
+                logprobs[rid] = lp
+        # before the scheduler's postprocess: the window's slots are still held
+        mtp_drafts = self.draft.mtp(batch, tokens, self.scheduler.requests)
         for o in self.scheduler.postprocess(batch, tokens, stop=stop_now):
             lv = self._live.get(o.req_id)
-            if lv is not None and lv.history is not None and o.token_id is not None:
-                lv.history.add(o.token_id)
+            if lv is not None:
+                self.penalties.emitted(lv, o.token_id)
             lp = logprobs.get(o.req_id)
             self._emit(o, *(lp.pop(0) if lp else (None, None)))
-        if mtp_drafts is not None:
-            for rid, d in mtp_drafts.items():
-                req = self.scheduler.requests.get(rid)
-                if req is not None and req.num_tokens - req.num_computed == 1:
-                    req.spec_tokens = d[:spec.room(req)]
-        elif spec is not None:
-            self._propose(batch)
-        if tiers is not None:
-            tiers.write_notes()
+        self.draft.propose(batch, mtp_drafts, self.scheduler.requests)
+        if self.tiers is not None:
+            self.tiers.write_notes()
 
-    def _may_speculate(self, req_id: str) -> bool:
-        lv = self._live.get(req_id)
-        return lv is not None and self.speculator.eligible(lv.req.sampling, lv.matcher is not None)
-
-    def _propose(self, batch) -> None:
-        """n-gram drafts for the next step of every request of this batch now decoding."""
-        spec = self.speculator
-        for sf in batch.seqs:
-            req = self.scheduler.requests.get(sf.req_id)
-            if req is None or req.num_tokens - req.num_computed != 1 or not self._may_speculate(sf.req_id):
-                continue
-            req.spec_tokens = spec.propose(req)
-        spec.retain(self._live)
-
-    def _score_prompts(self, batch, logits: dict[str, torch.Tensor]) -> None:
-        """The prompt rows of ``all_logits`` seqs go to their requests' ``PromptScores``; ``logits``
-        keeps only the last row of each (the one to sample from, when it has ``need_logits``)."""
-        for sf in batch.seqs:
-            if not sf.all_logits:
-                continue
-            rows = logits.pop(sf.req_id)  # [n, vocab]
-            lv = self._live.get(sf.req_id)
-            if lv is not None and lv.prompt is not None:
-                lv.prompt.add(rows, sf.start)
-            if sf.need_logits:
-                logits[sf.req_id] = rows[-1]
-
-    @staticmethod
-    def _advance_grammar(m: Matcher, toks: list[int]) -> tuple[list[int], bool, bool]:
-        """A verified burst through one request's grammar: (the tokens up to the one that
-        completes it, completed, every token accepted)."""
-        for n, t in enumerate(toks):
-            if not m.accept(t):
-                return toks[:n], False, False
-            if m.terminated:
-                return toks[:n + 1], True, True
-        return toks, False, True
-
-    @staticmethod
-    def _advance_grammars(ids: list[str], lives: list[_Live], sampled: list[int],
-                          stuck: set[str]) -> tuple[set[str], list[str]]:
-        """Each constrained request takes its token: (those whose grammar is complete, those whose
-        token the grammar refused: never expected, as the mask forbids it; failed alone)."""
-        done, broken = set(), []
-        for rid, lv, tok in zip(ids, lives, sampled):
-            if lv.matcher is None or rid in stuck:
-                continue
-            if not lv.matcher.accept(tok):
-                log.error("request %s: token %d breaks its grammar", rid, tok)
-                broken.append(rid)
-            elif lv.matcher.terminated:
-                done.add(rid)
-        return done, broken
+    def _sample(self, ids: list[str], logits: dict[str, torch.Tensor], tokens: dict, stop_now: set[str],
+                logprobs: dict) -> None:
+        """One token for each of ``ids`` (their last rows): penalties, grammar masks,
+        ``min_tokens``' ban, the sampler; then the grammars advance and logprobs are taken."""
+        lives = [self._live[i] for i in ids]
+        rows = torch.stack([logits[i] for i in ids])  # [N, vocab]: the raw model, for logprobs
+        params = [lv.req.sampling for lv in lives]
+        banned = {n: min_tokens_banned(lv.req.sampling, len(self.scheduler.requests[rid].output_ids),
+                                       self.eos_token_ids)
+                  for n, (rid, lv) in enumerate(zip(ids, lives)) if lv.req.sampling.min_tokens}
+        for rid, lv in zip(ids, lives):
+            self.penalties.start(lv, self.scheduler.requests[rid], rows.shape[1], rows.device)
+        x = self.penalties.apply(rows, params, lives)
+        constrained = any(lv.matcher is not None for lv in lives)
+        stuck: list[str] = []
+        if constrained:
+            x, stuck = self.grammar_mask.mask(x, rows, ids, lives)
+        if any(banned.values()):
+            y = suppress(x, banned)
+            x = self.grammar_mask.keep_ends(x, y) if constrained else y
+        sampled = sample(x, params, [lv.generator for lv in lives])
+        tokens.update(zip(ids, sampled))
+        if constrained:
+            done, broken = self.grammar_mask.advance(ids, lives, sampled, set(stuck))
+            stop_now.update(done)
+            if stuck:  # the request's fault (a grammar this vocabulary cannot write), not the batch's
+                self._fail(stuck, STUCK, status=400)
+            if broken:
+                self._fail(broken, BROKEN)
+        logprobs.update(self.logprobs.sampled(rows, ids, lives, sampled))
 
     def _emit(self, o: StepOutput, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         lv = self._live.get(o.req_id)
         if lv is None:
             return
-        prompt = None
-        if lv.prompt is not None:  # the first output: the prefill scored every prompt position
-            assert lv.prompt.complete, f"{o.req_id}: prompt logprobs incomplete at its first output"
-            prompt, lv.prompt = lv.prompt.entries, None
+        prompt = self.logprobs.take_prompt(lv, o.req_id)  # the first output: the prefill scored every position
         reason = o.finish_reason if o.finished else None
         self._out.append(CoreToken(o.req_id, o.token_id, logprob, reason, o.num_cached_tokens, top=top or None,
                                    prompt_logprobs=prompt))
         if reason is not None:
-            self._live.pop(o.req_id, None)
+            self._release(o.req_id)
 
+    # ------------------------------------------------------------------ requests ending
     def _orphans(self) -> list[str]:
         """Requests the scheduler dropped on its own (one that cannot fit even alone)."""
         return [rid for rid in self._live if rid not in self.scheduler.requests and rid not in self._prefetching
@@ -441,7 +357,7 @@ class Engine:
 
     def _close_orphans(self, gone: list[str]) -> None:
         for rid in gone:
-            self._live.pop(rid)
+            self._release(rid)
             self._out.append(CoreToken(rid, finish_reason="abort"))
 
     def _apply_aborts(self) -> None:
@@ -450,31 +366,34 @@ class Engine:
             self._affected = [rid]
             req = self.scheduler.requests.get(rid)
             cached = req.num_cached_tokens if req is not None else 0
-            self._prefetching.pop(rid, None)
-            self._drop_compile(rid)
-            self._media_wait.pop(rid, None)
-            self.scheduler.abort(rid)
-            if self._live.pop(rid, None) is not None:
+            if self._release(rid) is not None:
                 self._out.append(CoreToken(rid, finish_reason="abort", num_cached_tokens=cached))
-
-    def _drop_compile(self, rid: str) -> None:
-        """``rid`` no longer waits for its grammar: the compile stops unless another request waits too."""
-        c = self._compiling.pop(rid, None)
-        if c is not None:
-            c.future.cancel()
 
     def _fail(self, req_ids: list[str], message: str, status: int = 500, code: str | None = None) -> None:
         try:
             for rid in req_ids:
-                self._prefetching.pop(rid, None)
-                self._drop_compile(rid)
-                self._media_wait.pop(rid, None)
-                self.scheduler.abort(rid)
-                if self._live.pop(rid, None) is not None:
+                if self._release(rid) is not None:
                     self._out.append(CoreToken(rid, error=message, status=status, code=code))
             self.scheduler.check_integrity()
         except Exception as e:
             raise EngineBroken(f"engine state inconsistent after a failure: {type(e).__name__}: {e}") from e
+
+    def _release(self, rid: str) -> Live | None:
+        """Everything the engine holds for ``rid`` goes, here only: its admission wait (an L3
+        lookup, a grammar compile, media), its scheduler state and KV (a no-op when the scheduler
+        already finished or dropped it), its record with each stage's state. Returns the record,
+        None when ``rid`` was not live."""
+        self._prefetching.pop(rid, None)
+        c = self._compiling.pop(rid, None)
+        if c is not None:  # the compile stops unless another request waits for it too
+            c.future.cancel()
+        self._media_wait.pop(rid, None)
+        self.scheduler.abort(rid)
+        lv = self._live.pop(rid, None)
+        if lv is not None:
+            for stage in self._stages:
+                stage.release(lv)
+        return lv
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, float]:

@@ -20,11 +20,8 @@ One engine step: ``schedule()`` -> runner -> ``postprocess(batch, next_tokens)``
 * When a decode cannot get a slot, the newest running request not already in this step's batch
   is preempted: its computed KV goes into the prefix tree (or is freed without caching) and it
   is requeued first, to recompute prompt + outputs so far.
-* Prompt logprobs (``sampling.prompt_logprobs``): a chunk that holds prompt positions not yet
-  scored asks the runner for the logits of all its tokens (``all_logits``); row p scores prompt
-  token p + 1, so chunk i's last row scores chunk i + 1's first token. A cached prefix has no
-  logits, so such a request's prefix-cache match stops at ``prompt_scored`` (nothing on a first
-  admission; after a preemption, what it already scored); it still puts its prompt in the tree.
+* Prompt logprobs, and how a request's next chunk and its ``SeqForward`` are cut:
+  ``llm_svc.engine.sched_seq``.
 * Media by reference: a request's items may be known by key only (``mm_items[i] is None``).
   Admission computes the cached prefix first; when a media span ends past it and its item is
   missing, the request is not admitted: it is marked ``awaiting_media`` (skipped by admission)
@@ -41,6 +38,7 @@ from collections.abc import Callable
 from llm_svc.types.request import ForwardBatch, Request, RequestStatus, SeqForward, StepOutput
 from llm_svc.engine.sched_config import SchedulerConfig
 from llm_svc.engine.sched_policy import make_policy
+from llm_svc.engine.sched_seq import build_seq, chunk_end, matchable, missing_media
 from llm_svc.kv.manager import KVManager
 from llm_svc.kv.radix import NO_SLOT
 from llm_svc.engine.textproc import token_finish_reason
@@ -134,13 +132,6 @@ class Scheduler:
         req.awaiting_media = False
         return True
 
-    @staticmethod
-    def missing_media(req: Request, cached_len: int) -> list[int]:
-        """Items whose spans end past ``cached_len`` and that ``req`` has by reference only (a
-        request without ``mm_items`` at all is bookkeeping only: nothing is missing)."""
-        items = req.mm_items
-        return sorted({idx for s, n, idx in req.mm_spans if s + n > cached_len and idx < len(items) and items[idx] is None})
-
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ForwardBatch | None:
         """The next step's batch, or None when there is nothing to run."""
@@ -179,7 +170,7 @@ class Scheduler:
                 drafts, end = [], req.num_tokens  # drafts never preempt anyone: a plain decode
             if not drafts and not self._reserve_decode(req, in_batch):
                 continue
-            seqs.append(self._build(req, req.num_computed, end, drafts))
+            seqs.append(build_seq(self.config.window, req, req.num_computed, end, drafts))
             in_batch.add(req.req_id)
             budget -= end - req.num_computed
         for req in list(self.running):  # prefill chunks
@@ -188,9 +179,9 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or req.req_id in in_batch:
                 continue
             start = req.num_computed
-            end = self._chunk_end(req, start, min(budget, cfg.chunk_tokens, self.kv.available_swa()))
+            end = chunk_end(req, start, min(budget, cfg.chunk_tokens, self.kv.available_swa()), cfg.chunk_tokens)
             if end > start and self._reserve_chunk(req, start, end):
-                seqs.append(self._build(req, start, end))
+                seqs.append(build_seq(self.config.window, req, start, end))
                 in_batch.add(req.req_id)
                 budget -= end - start
                 prefill += end - start
@@ -207,7 +198,7 @@ class Scheduler:
             for req in order:
                 if budget < 1 or len(self.running) >= cfg.max_running or 0 < cfg.prefill_step_tokens <= prefill:
                     break
-                if prefilling and req.prompt_sig in prefilling and self._matchable(req, req.num_tokens) > 0:
+                if prefilling and req.prompt_sig in prefilling and matchable(req, req.num_tokens) > 0:
                     continue  # (one that may take no cached prefix, e.g. scoring its prompt, need not wait)
                 sf = self._admit(req, budget, fallback=not self.running and not seqs)
                 if sf is AWAIT_MEDIA:
@@ -221,36 +212,6 @@ class Scheduler:
                 budget -= len(sf.token_ids)
                 prefill += len(sf.token_ids)
         return ForwardBatch(seqs)
-
-    @staticmethod
-    def _matchable(req: Request, total: int) -> int:
-        """How many of ``req``'s ``total`` keys a prefix-cache match may cover: all but the last,
-        or for a request still scoring its prompt, only the positions it has scored."""
-        if req.sampling.prompt_logprobs is None or req.prompt_scored >= len(req.prompt_ids) - 1:
-            return total - 1
-        return min(total - 1, req.prompt_scored)
-
-    @staticmethod
-    def _scores(req: Request, end: int) -> bool:
-        """A chunk ending at ``end`` holds prompt positions ``req`` has yet to score."""
-        return req.sampling.prompt_logprobs is not None and min(end, len(req.prompt_ids) - 1) > req.prompt_scored
-
-    def _chunk_end(self, req: Request, start: int, budget: int) -> int:
-        """End of the next chunk from ``start``: at most ``budget`` tokens, never splitting a
-        bidirectional media span (a span longer than a whole chunk goes in one piece)."""
-        end = min(req.num_tokens, start + budget)
-        if req.bidirectional:
-            for s, n, _ in req.mm_spans:
-                e = s + n
-                if s < end < e:
-                    if s > start:
-                        end = s
-                    elif e - start <= budget or e - start > self.config.chunk_tokens:
-                        end = e
-                    else:
-                        end = start
-                    break
-        return max(end, start)
 
     def _reserve_chunk(self, req: Request, start: int, end: int) -> bool:
         return self.kv.reserve(req.kv, max(end, len(req.kv.full)), start, end)
@@ -274,17 +235,17 @@ class Scheduler:
         forbidden = [(s, s + n) for s, n, _ in req.mm_spans] if req.bidirectional else []
         for attempt in (0, 1) if fallback else (0,):
             seq = (
-                self.kv.start(keys[: self._matchable(req, total)], forbidden, req.swa_checkpoints, len(req.prompt_ids))
+                self.kv.start(keys[: matchable(req, total)], forbidden, req.swa_checkpoints, len(req.prompt_ids))
                 if attempt == 0 else self.kv.start([], prompt_end=len(req.prompt_ids))
             )
             start = seq.cached_len
-            missing = self.missing_media(req, start)
+            missing = missing_media(req, start)
             if missing:
                 self.kv.finish(seq, keys, seq.cached_len, cache=False)
                 req.awaiting_media = True
                 self.media_needs.append((req.req_id, missing))
                 return AWAIT_MEDIA
-            end = self._chunk_end(req, start, min(budget, self.config.chunk_tokens))
+            end = chunk_end(req, start, min(budget, self.config.chunk_tokens), self.config.chunk_tokens)
             # leave one slot per running request for its next decode token
             reserve = len(self.running)
             need_full, need_swa = self.kv.needs(seq, total, start, end)
@@ -313,42 +274,7 @@ class Scheduler:
             self.prompt_tokens += len(req.prompt_ids)
             self.cached_tokens += req.num_cached_tokens
         self.running.append(req)
-        return self._build(req, start, end)
-
-    def _build(self, req: Request, start: int, end: int, drafts: list[int] = ()) -> SeqForward:
-        """O(end - start + W) unless the view needs a table reset (then O(start), once).
-        ``drafts``: tokens after the request's last one to verify (``end`` counts them)."""
-        w = self.config.window
-        kv = req.kv
-        swa_start = max(0, start - w + 1)
-        assert NO_SLOT not in kv.swa[swa_start:end], f"{req.req_id}: SWA KV missing inside the window"
-        reset_full = reset_swa = None
-        if not kv.synced:
-            reset_full, reset_swa = kv.full[:start], kv.swa[swa_start:start]
-            kv.synced = True
-        mm_rows: list[tuple[int, int, int]] = []
-        bidi: list[tuple[int, int]] = []
-        for s, n, idx in req.mm_spans:
-            lo, hi = max(start, s), min(end, s + n)
-            mm_rows.extend((p - start, p - s, idx) for p in range(lo, hi))
-            if req.bidirectional and lo < hi:
-                bidi.append((s, s + n))
-        return SeqForward(
-            req_id=req.req_id,
-            token_ids=req.token_slice(start, end - len(drafts)) + list(drafts),
-            start=start,
-            out_full_slots=kv.full[start:end],
-            out_swa_slots=kv.swa[start:end],
-            swa_ctx_start=swa_start,
-            need_logits=end == req.num_tokens + len(drafts),
-            all_logits=self._scores(req, end),
-            reset_full=reset_full,
-            reset_swa=reset_swa,
-            mm_rows=mm_rows,
-            mm_items=req.mm_items if mm_rows else [],
-            bidirectional_spans=bidi,
-            num_drafts=len(drafts),
-        )
+        return build_seq(self.config.window, req, start, end)
 
     def postprocess(self, batch: ForwardBatch, next_tokens: dict[str, int | list[int]],
                     stop: set[str] | frozenset[str] = frozenset()) -> list[StepOutput]:
@@ -400,7 +326,7 @@ class Scheduler:
                 req.decodes_since_release += len(toks)
                 if req.decodes_since_release < self.config.decode_release_interval:
                     continue
-            self._release(req)
+            self._release_window(req)
         return outs
 
     def _take_tokens(self, req: Request, toks: list[int], stop: bool, outs: list[StepOutput]) -> bool:
@@ -422,7 +348,7 @@ class Scheduler:
         return token_finish_reason(tok, len(req.output_ids), req.sampling, req.eos_token_ids)
 
     # ------------------------------------------------------------------ freeing
-    def _release(self, req: Request) -> None:
+    def _release_window(self, req: Request) -> None:
         req.decodes_since_release = 0
         if self.config.release_swa:
             self.kv.release_window(req.kv, req.num_computed - self.config.window)
@@ -432,13 +358,19 @@ class Scheduler:
         if self.config.l3_page_tokens and req.num_computed > len(req.prompt_ids):
             self.kv.note_l3(req.kv, req.all_keys, req.num_computed)
 
-    def _preempt(self, req: Request) -> None:
+    def _release_kv(self, req: Request) -> None:
+        """A running request leaves ``running``: its generated KV noted for the lower tier, its
+        out-of-window SWA released, its computed KV into the prefix tree (or freed), the runner's
+        view of it dropped."""
         self._note_leaving(req)
-        self._release(req)
+        self._release_window(req)
         self.kv.finish(req.kv, req.all_keys, req.num_computed, cache=True)
         self.running.remove(req)
         self._dropped.append(req.req_id)
         req.kv = None
+
+    def _preempt(self, req: Request) -> None:
+        self._release_kv(req)
         req.spec_tokens = []
         req.num_computed = 0
         req.num_preemptions += 1
@@ -449,12 +381,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         req.spec_tokens = []
         if req.status == RequestStatus.RUNNING:
-            self._note_leaving(req)
-            self._release(req)
-            self.kv.finish(req.kv, req.all_keys, req.num_computed, cache=True)
-            self.running.remove(req)
-            self._dropped.append(req.req_id)
-            req.kv = None
+            self._release_kv(req)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
@@ -473,7 +400,7 @@ class Scheduler:
             assert kv.cached_len <= req.num_computed <= len(kv.full) <= req.num_tokens
             lo = max(0, req.num_computed - w)
             assert NO_SLOT not in kv.swa[lo:req.num_computed], f"{req.req_id}: window lost"
-            assert not self.missing_media(req, req.num_computed), f"{req.req_id}: runs without its media"
+            assert not missing_media(req, req.num_computed), f"{req.req_id}: runs without its media"
         for req in self.waiting:
             assert req.status == RequestStatus.WAITING and req.kv is None
             assert self.requests.get(req.req_id) is req

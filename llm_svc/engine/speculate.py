@@ -10,7 +10,7 @@ What a row's distribution is, at every draft position: the raw logits, the reque
 ``logit_bias``, its penalties over its tokens and the drafts before that position, its grammar's
 mask in the state after those drafts (drafts past the first one the grammar refuses are not
 verified), ``min_tokens``' EOS ban for that position's output index, then the sampler's
-temperature / min-p / top-k / top-p (inside ``llm_svc.spec.verify``): the distribution a
+temperature / min-p / top-k / top-p (inside ``llm_svc.engine.spec.verify``): the distribution a
 one-token step would have used at that position.
 """
 
@@ -23,14 +23,15 @@ from llm_svc.engine.grammar import Matcher, draft_masks
 from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, penalised
 from llm_svc.engine.mtp_runner import MTPInput, MTPRunner
 from llm_svc.engine.sampler import suppress
-from llm_svc.spec import NgramProposer, SpecStats, SpeculativeConfig, verify
+from llm_svc.engine.spec import NgramProposer, SpecStats, SpeculativeConfig, verify
 from llm_svc.engine.textproc import min_tokens_banned
 from llm_svc.types.request import Request
 from shared.schemas import SamplingParams
 
 
-class _Context:
-    """A request's tokens as a growing int64 array (the proposer reads it every step)."""
+class TokenContext:
+    """A request's tokens as a growing int64 array (the proposer reads it every step; the
+    engine's draft stage keeps one per request)."""
 
     def __init__(self) -> None:
         self.buf = np.empty(256, dtype=np.int64)
@@ -69,7 +70,6 @@ class Speculator:
                          if config.method == "ngram" else None)
         self.eos_token_ids = list(eos_token_ids)
         self.stats = SpecStats(self.k)
-        self._ctx: dict[str, _Context] = {}
 
     @staticmethod
     def eligible(sampling: SamplingParams, constrained: bool) -> bool:
@@ -99,20 +99,12 @@ class Speculator:
             out[sf.req_id] = MTPInput(rows, first, ids, bool(new) and self.room(req, len(new)) > 0)
         return out
 
-    def propose(self, req: Request) -> list[int]:
-        """n-gram drafts for ``req``'s next step (at most ``room``)."""
+    def propose(self, req: Request, ctx: TokenContext) -> list[int]:
+        """n-gram drafts for ``req``'s next step (at most ``room``); ``ctx``: its tokens so far."""
         room = self.room(req)
         if room < 1 or self.proposer is None:
             return []
-        ctx = self._ctx.get(req.req_id)
-        if ctx is None:
-            ctx = self._ctx[req.req_id] = _Context()
         return [int(t) for t in self.proposer.propose(ctx.sync(req), max_new=room)]
-
-    def retain(self, live) -> None:
-        """Forget the contexts of requests no longer in ``live`` (checked now and then)."""
-        if len(self._ctx) > 2 * len(live) + 16:
-            self._ctx = {rid: c for rid, c in self._ctx.items() if rid in live}
 
     def verify(self, logits: torch.Tensor, drafts: list[int], sampling: SamplingParams, num_outputs: int,
                generator: torch.Generator | None, history: TokenHistory | None = None,

@@ -176,7 +176,6 @@ async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadl
         if e.code == "engine_unavailable":
             return _error(state, 503, e.message, type_="service_unavailable")
         return _error(state, 400, e.message, e.param, e.code)
-    state.in_flight.add(prep.request_id)
     state.live[prep.request_id] = _Live(ticket, _deadline_timer(state, prep.request_id, deadline))
     if prep.stream:
         out = _NdjsonStream(state, prep, stream)
@@ -263,7 +262,6 @@ def _expired(state: ServiceState, rid: str) -> bool:
 
 def _release(state: ServiceState, rid: str) -> None:
     """The request ended: its id, admission slot and timer are free."""
-    state.in_flight.discard(rid)
     live = state.live.pop(rid, None)
     if live is not None:
         if live.timer is not None:

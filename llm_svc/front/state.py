@@ -22,7 +22,7 @@ from llm_svc.backends import BACKENDS, Backend
 from llm_svc.loading.loader import LoadedLM, load_lm
 from .kv_publish import KVPublisher
 from llm_svc.core.media_fetch import EmbeddingFetcher
-from llm_svc.spec import SpeculativeConfig
+from llm_svc.engine.spec import SpeculativeConfig
 from .metrics import LLMMetrics
 from .word_cache import bound_word_cache
 
@@ -78,7 +78,6 @@ class ServiceState:
     kv_events: KVPublisher | None = None  # with kv_events_url and a backend that reports its tree
     error: str | None = None
     spec: SpeculativeConfig | None = None  # speculative decoding in force (None: off)
-    in_flight: set[str] = field(default_factory=set)
     live: dict = field(default_factory=dict)  # request id -> routes._Live (ticket, deadline timer)
     admission: Admission = field(init=False)
 
@@ -86,6 +85,11 @@ class ServiceState:
         # no queue here: the engine's scheduler is the queue; past the bound the front says 429
         self.admission = Admission(AdmissionConfig(self.settings.max_in_flight), "LLM service")
         self.metrics.watch_admission(self.admission)
+
+    @property
+    def in_flight(self):
+        """The ids of the requests in flight (a view of ``live``'s keys)."""
+        return self.live.keys()
 
     @property
     def model_name(self) -> str:

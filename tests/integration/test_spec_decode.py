@@ -14,7 +14,7 @@ from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.engine.speculate import Speculator
 from llm_svc.models import build_model
-from llm_svc.spec import SpeculativeConfig
+from llm_svc.engine.spec import SpeculativeConfig
 from llm_svc.types.request import PreparedRequest
 from shared.schemas import SamplingParams
 from tests.conftest import SMALL_W

@@ -16,7 +16,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from llm_svc.spec import NgramProposer
+from llm_svc.engine.spec import NgramProposer
 from tests.integration.test_vllm_oracle import vllm_python  # noqa: F401  (the venv fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

@@ -1,4 +1,4 @@
-"""N-gram prompt lookup (``llm_svc.spec.NgramProposer``): hand cases for vLLM 0.32's rules (the
+"""N-gram prompt lookup (``llm_svc.engine.spec.NgramProposer``): hand cases for vLLM 0.32's rules (the
 longest n-gram wins, its earliest occurrence, k / max_new / max_model_len caps, min_n as a
 floor) and a randomized comparison with a slow reference written from those rules."""
 
@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from llm_svc.spec import NgramProposer
+from llm_svc.engine.spec import NgramProposer
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Draft verification (``llm_svc.spec.verify``): greedy rules, the sampled rule's output
+"""Draft verification (``llm_svc.engine.spec.verify``): greedy rules, the sampled rule's output
 distribution (statistical, over a fixed set of seeds, so deterministic), agreement with the
 sampler; the speculative config; the counters' arithmetic."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llm_svc.engine.sampler import make_generator, sample
-from llm_svc.spec import SpeculativeConfig, SpecStats, verify, verify_batch
+from llm_svc.engine.spec import SpeculativeConfig, SpecStats, verify, verify_batch
 from shared.schemas import SamplingParams
 from tests.unit.test_llm_sampler import _expected
 

@@ -3,9 +3,9 @@ drafts (``NgramProposer``), verification of drafts against the target's logits (
 ``verify_batch``) and the counters (``SpecStats``). The engine's use of them is
 ``llm_svc.engine.speculate``."""
 
-from llm_svc.spec.config import SpeculativeConfig
-from llm_svc.spec.ngram import NgramProposer
-from llm_svc.spec.rejection import verify, verify_batch
-from llm_svc.spec.stats import SpecStats
+from llm_svc.engine.spec.config import SpeculativeConfig
+from llm_svc.engine.spec.ngram import NgramProposer
+from llm_svc.engine.spec.rejection import verify, verify_batch
+from llm_svc.engine.spec.stats import SpecStats
 
 __all__ = ["NgramProposer", "SpecStats", "SpeculativeConfig", "verify", "verify_batch"]
