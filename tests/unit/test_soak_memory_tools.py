@@ -1,0 +1,70 @@
+"""The soak's memory tools: the opt-in tracemalloc report (``shared.memtrace``) names the site
+that grew, the per-process reading and the slopes say what a known series says."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tracemalloc
+
+from benchmarks._proc_mem import memory_mb, slope_pct_per_30min, stack_processes, theil_sen_pct_per_30min
+from shared import memtrace
+
+_kept: list = []
+
+
+def _grow(n: int) -> None:
+    _kept.extend(bytearray(1000) for _ in range(n))
+
+
+def test_growth_report_names_the_growing_line():
+    tracemalloc.start(2)
+    try:
+        before = tracemalloc.take_snapshot()
+        _grow(500)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    top = memtrace.growth_report(before, after, top=1)
+    assert len(top) == 1 and f"{__file__}:" in top[0] and float(top[0].split()[0]) >= 500  # KiB
+
+
+def test_off_unless_asked(tmp_path):
+    assert memtrace.maybe_start("x", environ={}) is None
+    assert not memtrace.enabled({"MMSERVE_TRACEMALLOC": "0"}) and memtrace.enabled({"MMSERVE_TRACEMALLOC": "1"})
+
+
+def test_report_file_in_a_fresh_process(tmp_path):
+    code = ("import time; from shared import memtrace; t = memtrace.maybe_start('svc'); "
+            "keep = [bytes(4000) for _ in range(300)]; t.tick(); print(t.path)")
+    env = {**os.environ, "MMSERVE_TRACEMALLOC": "1", "MMSERVE_TRACEMALLOC_DIR": str(tmp_path),
+           "MMSERVE_TRACEMALLOC_INTERVAL": "3600"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    report = (tmp_path / os.path.basename(out.stdout.strip())).read_text()
+    assert report.startswith("== t=") and "<string>:1" in report and "since the first snapshot" in report
+
+
+def test_slopes_of_known_series():
+    ts = [float(t) for t in range(0, 600, 20)]
+    flat = [100.0] * len(ts)
+    rising = [100.0 + 0.001 * t for t in ts]  # 1.8 per 30 min on a mean of ~100.3
+    assert slope_pct_per_30min(ts, flat) == 0.0 and theil_sen_pct_per_30min(ts, flat) == 0.0
+    assert abs(slope_pct_per_30min(ts, rising) - 1.795) < 0.01
+    spiked = list(rising)
+    spiked[5] += 50  # one outlier sample moves the fit, not the median of slopes
+    assert abs(theil_sen_pct_per_30min(ts, spiked) - 1.8) < 0.1
+
+
+def test_process_tree_by_role():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        procs = stack_processes({"svc": os.getpid()}, llms={"svc"})
+        assert procs["svc/front"] == os.getpid() and child.pid in procs.values()
+        rss, uss = memory_mb(os.getpid())
+        assert rss >= uss > 0
+        assert memory_mb(2**22 + 7) is None
+    finally:
+        child.kill()
+        child.wait()
