@@ -1,8 +1,9 @@
 """Opt-in tracemalloc reports: where a long-running process's Python memory grows.
 
 ``MMSERVE_TRACEMALLOC=1`` in a service's environment (the soak's ``--tracemalloc`` sets it for
-every process of the stack) starts ``tracemalloc`` at process start and a daemon thread that,
-every ``MMSERVE_TRACEMALLOC_INTERVAL`` seconds (60), takes a snapshot and appends to
+every process of the stack) starts a daemon thread that traces with ``tracemalloc`` and,
+every ``MMSERVE_TRACEMALLOC_INTERVAL`` seconds (60; tracing starts one interval after the
+process, past start-up), takes a snapshot and appends to
 ``$MMSERVE_TRACEMALLOC_DIR/<name>-<pid>.txt`` (the system temp dir if unset) the allocation
 sites that grew most since the previous snapshot and since the first one, and the object types
 whose live count grew most (``gc``). A diagnosis aid, not for production: tracing every
@@ -81,20 +82,26 @@ class MemTrace:
         self.prev, self.prev_types = snap, types
 
 
-_started: MemTrace | None = None
+_started: MemTrace | bool | None = None
 
 
-def maybe_start(name: str, environ=os.environ) -> MemTrace | None:
-    """With ``MMSERVE_TRACEMALLOC=1``: start tracing and the reporting thread (once per process);
-    else nothing. Returns the ``MemTrace`` (None when off)."""
+def maybe_start(name: str, environ=os.environ) -> None:
+    """With ``MMSERVE_TRACEMALLOC=1``: start the reporting thread (once per process), which starts
+    tracing one interval later and reports every interval after; else nothing."""
     global _started
     if not enabled(environ) or _started is not None:
-        return _started
+        return
     out_dir = Path(environ.get(ENV_DIR) or tempfile.gettempdir())
     interval = float(environ.get(ENV_INTERVAL) or 60)
-    trace = _started = MemTrace(name, out_dir, int(environ.get(ENV_FRAMES) or 4))
+    frames = int(environ.get(ENV_FRAMES) or 4)
 
     def loop() -> None:
+        global _started
+        # tracing starts one interval in: a model loading under tracemalloc takes minutes, and
+        # what start-up allocates is not growth
+        time.sleep(interval)
+        trace = _started = MemTrace(name, out_dir, frames)
+        log.warning("tracemalloc on (%s): reports every %g s to %s", ENV_ON, interval, trace.path)
         while True:
             time.sleep(interval)
             try:
@@ -102,6 +109,6 @@ def maybe_start(name: str, environ=os.environ) -> MemTrace | None:
             except Exception:  # a report that fails must not end the service
                 log.exception("tracemalloc report failed")
 
+    _started = True  # type: ignore[assignment]  # once per process; the MemTrace replaces it
     threading.Thread(target=loop, name="mmserve-memtrace", daemon=True).start()
-    log.warning("tracemalloc on (%s): reports every %g s to %s", ENV_ON, interval, trace.path)
-    return trace
+    return None

@@ -36,13 +36,15 @@ def test_off_unless_asked(tmp_path):
 
 
 def test_report_file_in_a_fresh_process(tmp_path):
-    code = ("import time; from shared import memtrace; t = memtrace.maybe_start('svc'); "
-            "keep = [bytes(4000) for _ in range(300)]; t.tick(); print(t.path)")
+    """Tracing starts one interval in; the next report names what grew since."""
+    code = ("import time; from shared import memtrace; memtrace.maybe_start('svc'); time.sleep(0.5); "
+            "keep = [bytes(4000) for _ in range(300)]; time.sleep(1.0)")
     env = {**os.environ, "MMSERVE_TRACEMALLOC": "1", "MMSERVE_TRACEMALLOC_DIR": str(tmp_path),
-           "MMSERVE_TRACEMALLOC_INTERVAL": "3600"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    report = (tmp_path / os.path.basename(out.stdout.strip())).read_text()
+           "MMSERVE_TRACEMALLOC_INTERVAL": "0.4"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60,
+                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    (path,) = tmp_path.glob("svc-*.txt")
+    report = path.read_text()
     assert report.startswith("== t=") and "<string>:1" in report and "since the first snapshot" in report
 
 
