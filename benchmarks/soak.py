@@ -158,7 +158,7 @@ def main() -> None:
         t0 = time.monotonic()
         stop_at = t0 + minutes * 60
         load = threading.Thread(target=lambda: asyncio.run(
-            clients(f"{stack.url}/v1/chat/completions", stack.model_name, args.clients, stop_at, counts)))
+            clients(f"{stack.url}/v1/chat/completions", stack.model_name, args.clients, stop_at, counts)), daemon=True)
         load.start()
         while time.monotonic() < stop_at:
             point: dict = {"t": round(time.monotonic() - t0, 1), "requests": counts.get("ok", 0),
