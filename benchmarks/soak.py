@@ -116,6 +116,9 @@ def main() -> None:
     ap.add_argument("--router-index-blocks", type=int, default=1024, help="gateway routing index per replica")
     ap.add_argument("--service-defaults", action="store_true", help="no small bounds: the services' defaults")
     ap.add_argument("--malloc-arena-max", type=int, default=None, help="MALLOC_ARENA_MAX for every service")
+    ap.add_argument("--service-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for every service (repeatable), e.g. the engine core's "
+                         "allocator: MMSERVE_LLM_CORE_MALLOC=system")
     ap.add_argument("--warmup-minutes", type=float, default=None,
                     help="growth is fitted from here on (default: the later of a third of the run and the "
                          "bounded structures all full)")
@@ -141,6 +144,9 @@ def main() -> None:
         index_cap = args.router_index_blocks
     if args.malloc_arena_max:
         env["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
+    for item in args.service_env:
+        name, _, value = item.partition("=")
+        env[name] = value
     out: dict = {"bench": "soak", "quick": args.quick, "minutes": minutes, "clients": args.clients,
                  "bounds": {**env, **{f"MMSERVE_GATEWAY_{k.upper()}": v for k, v in gateway_env.items()}}
                  or "service defaults",
