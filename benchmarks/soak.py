@@ -11,7 +11,8 @@ Growth is measured only after warm-up: from the later of the end of the first th
 and the first sample at which every one of those structures is full (``--warmup-minutes``
 overrides it). Growth before that is a structure filling up to its configured bound, or a
 process's first-touch of its code and arenas, not a leak; so that the steady state arrives
-early, the soak runs with small bounds (``--kv-mb``, ``--host-kv-mb``, ``--router-index-blocks``;
+early, the soak runs with small bounds (``--kv-mb``, ``--host-kv-mb``, ``--router-index-blocks``,
+``--word-cache``: every prompt brings a new number, a new word for the tokenizers' word caches;
 ``--service-defaults`` keeps the services' own, with which the tiny model's ~2M-token pools take
 ~30K requests to fill). Reported per process: the least-squares slope of RSS over every sample
 after warm-up in % (of its mean) per 30 minutes, the Theil-Sen slope beside it, the USS slope,
@@ -113,6 +114,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--kv-mb", type=int, default=12, help="LLM device KV pools (MMSERVE_LLM_KV_BYTES)")
     ap.add_argument("--host-kv-mb", type=int, default=8, help="LLM host tier, each of full and SWA; 0: off")
+    ap.add_argument("--word-cache", type=int, default=64,
+                    help="words each LLM prep thread's tokenizer remembers (MMSERVE_LLM_TOKENIZER_WORD_CACHE; every "
+                         "soak prompt brings a new number, so the default 2048 fills over the first ~4k requests)")
     ap.add_argument("--router-index-blocks", type=int, default=1024, help="gateway routing index per replica")
     ap.add_argument("--service-defaults", action="store_true", help="no small bounds: the services' defaults")
     ap.add_argument("--malloc-arena-max", type=int, default=None, help="MALLOC_ARENA_MAX for every service")
@@ -139,7 +143,8 @@ def main() -> None:
         mb = 1024 * 1024
         env = {"MMSERVE_LLM_KV_BYTES": str(args.kv_mb * mb),
                "MMSERVE_LLM_HOST_KV_FULL_BYTES": str(args.host_kv_mb * mb),
-               "MMSERVE_LLM_HOST_KV_SWA_BYTES": str(args.host_kv_mb * mb)}
+               "MMSERVE_LLM_HOST_KV_SWA_BYTES": str(args.host_kv_mb * mb),
+               "MMSERVE_LLM_TOKENIZER_WORD_CACHE": str(args.word_cache)}
         gateway_env = {"router_index_blocks": str(args.router_index_blocks)}
         index_cap = args.router_index_blocks
     if args.malloc_arena_max:
