@@ -213,7 +213,7 @@ def growth_after_warmup(series: list[dict], minutes: float, warmup_minutes: floa
         out["warning"] = "the bounded structures never all filled: growth below includes their filling"
     out["requests_after_warmup"] = warm[-1]["requests"] - warm[0]["requests"] if warm else 0
     names = list(warm[-1]["rss_mb"]) if warm else []
-    fit, robust, uss, per_hour, ends = {}, {}, {}, {}, {}
+    fit, robust, uss, per_hour, ends, late = {}, {}, {}, {}, {}, {}
     for name in names:
         pts = [p for p in warm if p["pid"].get(name) == warm[-1]["pid"][name]]
         ts = [p["t"] for p in pts]
@@ -223,9 +223,14 @@ def growth_after_warmup(series: list[dict], minutes: float, warmup_minutes: floa
         uss[name] = slope_pct_per_30min(ts, [p["uss_mb"][name] for p in pts])
         per_hour[name] = round(fit[name] * 2 * sum(rss) / len(rss) / 100, 3) if fit[name] is not None else None
         ends[name] = [rss[0], rss[-1]] if rss else None
+        half = len(ts) // 2
+        late[name] = slope_pct_per_30min(ts[half:], rss[half:])
     out["growth_pct_per_30min_after_warmup"] = fit
     out["growth_pct_per_30min_after_warmup_theil_sen"] = robust
     out["uss_growth_pct_per_30min_after_warmup"] = uss
+    # the same fit over the later half of those samples: below the whole fit where growth is
+    # still slowing down (the tail of warm-up), about equal where it is steady (a leak)
+    out["growth_pct_per_30min_later_half"] = late
     out["rss_growth_mb_per_hour_after_warmup"] = per_hour
     out["rss_mb_after_warmup"] = ends
     out["fill_after_warmup"] = {k: [warm[0].get(k), warm[-1].get(k)] for k in warm[0]

@@ -70,3 +70,36 @@ def test_process_tree_by_role():
     finally:
         child.kill()
         child.wait()
+
+
+def _point(t, requests, rss, pid=None, full=True):
+    pid = pid or {name: 1 for name in rss}
+    return {"t": t, "requests": requests, "pid": pid, "rss_mb": rss, "uss_mb": {k: v / 2 for k, v in rss.items()},
+            "full": full}
+
+
+def test_growth_after_warmup_fits_each_process_from_the_cut():
+    from benchmarks.soak import growth_after_warmup
+
+    series = []
+    for k in range(60):  # 10 min: "front" flat after filling for the first 100 s, "core" leaking
+        t = 10.0 * k
+        series.append(_point(t, 10 * k, {"front": 100.0 + min(t, 100.0) / 10, "core": 200.0 + t / 100},
+                             full=t >= 50))
+    out = growth_after_warmup(series, minutes=10, warmup_minutes=None)
+    assert out["warm_from_s"] == 200 and out["bounded_structures_full_at_s"] == 50  # a third of the run
+    growth = out["growth_pct_per_30min_after_warmup"]
+    assert growth["front"] == 0.0 and abs(growth["core"] - 100 * 18 / 204) < 0.2
+    assert out["max_growth_process"] == "core" and out["max_growth_pct_per_30min"] == growth["core"]
+    assert out["requests_after_warmup"] == 390
+
+
+def test_growth_after_warmup_follows_a_restarted_process():
+    from benchmarks.soak import growth_after_warmup
+
+    series = [_point(10.0 * k, k, {"core": 300.0 - 100 * (k >= 30)}, pid={"core": 7 if k < 30 else 8})
+              for k in range(60)]
+    out = growth_after_warmup(series, minutes=10, warmup_minutes=1)
+    # the old pid's samples (300 MB) are left out: the new process is flat at 200 MB
+    assert out["growth_pct_per_30min_after_warmup"]["core"] == 0.0
+    assert out["rss_mb_after_warmup"]["core"] == [200.0, 200.0]
