@@ -124,7 +124,10 @@ def ensure_default_model(model_dir: str | None) -> str:
 
 
 def _run_service(args: argparse.Namespace, create_app, access_log: bool = True) -> int:
+    from shared.memtrace import maybe_start
+
     settings = _settings(args)
+    maybe_start(args.cmd)  # MMSERVE_TRACEMALLOC=1 only
     _serve(create_app(settings), settings, access_log)
     return 0
 

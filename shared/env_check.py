@@ -53,6 +53,11 @@ OTHER_VARS: dict[str, str] = {
     "MMSERVE_GRAFANA_PORT": "compose.yaml (monitoring profile): Grafana's published port (default 3000)",
     "MMSERVE_LLM_CORE_SETTINGS": "llm_svc/core/process.py: the LLM service hands its settings (JSON) to its engine "
     "core process; set by the service, not by hand",
+    "MMSERVE_TRACEMALLOC": "every service and the engine core (shared/memtrace.py): 1 writes tracemalloc growth "
+    "reports (a debugging aid; slows the process)",
+    "MMSERVE_TRACEMALLOC_DIR": "shared/memtrace.py: where the tracemalloc growth reports go",
+    "MMSERVE_TRACEMALLOC_INTERVAL": "shared/memtrace.py: seconds between tracemalloc snapshots",
+    "MMSERVE_TRACEMALLOC_FRAMES": "shared/memtrace.py: frames kept per tracemalloc trace",
     "MMSERVE_BENCH_CACHE": "benchmarks: where the encoder benchmarks keep their bundles",
     "MMSERVE_BENCH_RESULTS": "benchmarks: where the smoke runs write their results",
     "MMSERVE_BENCH_LOCK_WAIT": "benchmarks: seconds to wait for the machine-wide benchmark lock (default 3600)",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -34,7 +35,10 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library, loaded once: a ``CDLL`` per call (three per /metrics scrape) built a new
+    ctypes function-pointer class each time, garbage that only the cyclic collector frees."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -68,7 +72,8 @@ def malloc_heap() -> tuple[int, int, int] | None:
     libc = _libc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None
-    libc.mallinfo2.restype = _MallInfo2
+    if libc.mallinfo2.restype is not _MallInfo2:
+        libc.mallinfo2.restype = _MallInfo2
     m = libc.mallinfo2()
     return int(m.arena), int(m.uordblks), int(m.fordblks)
 

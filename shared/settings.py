@@ -290,6 +290,10 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "experts); 0: threads (every core). Its elastic pool never waits for a thread that lost its core, and it "
         "runs on one thread while other processes leave no core spare",
     )
+    tokenizer_word_cache: int = Field(
+        default=2048, ge=0, description="words each prep thread's tokenizer copy remembers the pieces of "
+        "(HF tokenizers keep 10,000 and never evict; a bounded, filled cache is flat memory); 0: no cache",
+    )
     core_malloc: Literal["auto", "system"] = Field(
         default="auto", description="allocator of the engine core: auto (tcmalloc preloaded when the system has "
         "libtcmalloc_minimal, as vLLM's CPU docs recommend; else glibc), system (glibc)",

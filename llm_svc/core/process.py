@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                                       engine.scheduler.config.window, r.kv_bytes())))
     log.info("engine core %d ready (epoch %d): %d full / %d swa slots", os.getpid(), args.epoch,
              r.num_full_slots, r.num_swa_slots)
+    from shared.memtrace import maybe_start
+
+    maybe_start("llm-core")  # MMSERVE_TRACEMALLOC=1 only
     code = 0
     try:
         loop.run()

@@ -24,7 +24,7 @@ from .kv_publish import KVPublisher
 from llm_svc.core.media_fetch import EmbeddingFetcher
 from llm_svc.engine.spec import SpeculativeConfig
 from .metrics import LLMMetrics
-from .word_cache import bound_word_cache
+from .word_cache import WORD_CACHE_WORDS, bound_word_cache
 
 def mtp_layers_of(lm_dir) -> int:
     """``num_nextn_predict_layers`` of the checkpoint's config.json (0: none, or not a MiMo)."""
@@ -45,10 +45,12 @@ class PrepPool:
     """Runs ``fn(lm, *args)`` on a worker thread, each thread with its own tokenizer copy (an HF
     fast tokenizer must not be used from two threads at once), so that unpacking a big body
     or tokenizing a long prompt never blocks ``/readyz`` or other requests. Each copy's word
-    cache is bounded (``llm_svc.front.word_cache``; a fresh copy would keep up to 10,000 words)."""
+    cache is bounded to ``word_cache`` words (``tokenizer_word_cache``; ``llm_svc.front.word_cache``;
+    a fresh copy would keep up to 10,000)."""
 
-    def __init__(self, lm: LoadedLM, workers: int = PREP_THREADS):
+    def __init__(self, lm: LoadedLM, workers: int = PREP_THREADS, word_cache: int = WORD_CACHE_WORDS):
         self._lm = lm
+        self._word_cache = word_cache
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="llm-prep")
 
@@ -56,7 +58,7 @@ class PrepPool:
         lm = getattr(self._local, "lm", None)
         if lm is None:
             tokenizer = copy.deepcopy(self._lm.tokenizer)
-            bound_word_cache(tokenizer)
+            bound_word_cache(tokenizer, self._word_cache)
             lm = self._local.lm = dataclasses.replace(self._lm, tokenizer=tokenizer)
         return fn(lm, *args)
 
@@ -128,7 +130,7 @@ class ServiceState:
             if self.spec is not None and self.spec.method == "mtp":
                 self.spec = self.spec.with_mtp_layers(mtp_layers_of(lm.spec.lm_dir))
             backend = await asyncio.to_thread(cls, s, lm)
-            self.lm, self.prep = lm, PrepPool(lm)
+            self.lm, self.prep = lm, PrepPool(lm, word_cache=s.tokenizer_word_cache)
             self.media = backend.media = EmbeddingFetcher(lm.hidden_size, s.media_fetch_timeout, self.metrics,
                                                           redis_url=s.media_redis_url, redis_prefix=s.media_redis_prefix,
                                                           allow=s.media_fetch_allow,

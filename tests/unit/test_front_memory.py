@@ -102,3 +102,26 @@ def test_a_tokenizer_without_a_word_cache_is_left_alone():
         pass
 
     assert not bound_word_cache(Slow())
+
+
+@pytest.mark.skipif(LIBC is None, reason="needs glibc's mallinfo2")
+def test_word_cache_setting_sets_the_bound(lm):
+    """``tokenizer_word_cache`` reaches each prep thread's copy: with 0, new words cost nothing
+    from the first request (the soak sets a small bound so the cache is full before it measures)."""
+    pool = PrepPool(lm, workers=1, word_cache=0)
+    try:
+        serve(pool, bodies(0, 10))  # the thread and its tokenizer copy exist
+        before = malloc_in_use()
+        n = 100  # 2,000 new words: ~470 KB with the default bound
+        serve(pool, bodies(20_000, n))
+        grown = malloc_in_use() - before
+    finally:
+        pool.close()
+    assert grown < n * WORDS_PER_REQUEST * BYTES_PER_WORD // 4, f"{n} requests kept {grown} B"
+
+
+def test_service_state_passes_the_word_cache_setting(mimo_bundle):
+    from shared.settings import LLMSettings
+
+    assert LLMSettings(model_dir=str(mimo_bundle)).tokenizer_word_cache == WORD_CACHE_WORDS
+    assert LLMSettings(model_dir=str(mimo_bundle), tokenizer_word_cache=16).tokenizer_word_cache == 16

@@ -89,3 +89,20 @@ def test_the_service_reports_its_heap(service):
               for k in ("heap", "in_use", "free") if line.startswith(f'mmserve_{service}_malloc_bytes{{kind="{k}"}}')}
     assert set(values) == {"heap", "in_use", "free"}
     assert values["heap"] >= values["in_use"] > 0 and values["free"] >= 0
+
+
+def test_heap_reading_loads_libc_once():
+    """A /metrics scrape reads the heap three times; the C library is loaded once per process,
+    not once per read (each ``CDLL`` made a ctypes class the cyclic collector had to free)."""
+    import gc
+
+    from shared import malloc_tuning
+
+    if malloc_tuning.malloc_heap() is None:
+        pytest.skip("not glibc")
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(200):
+        malloc_tuning.malloc_heap()
+    assert malloc_tuning._libc() is malloc_tuning._libc()
+    assert len(gc.get_objects()) - before < 20
