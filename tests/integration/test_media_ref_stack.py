@@ -24,6 +24,7 @@ from mmserve.testing.fake_services import ServerThread
 from shared.settings import EncoderSettings, GatewaySettings
 from tests.conftest import make_png
 from tests.integration.test_llm_service import start_service
+from tests.sse import sse_events
 
 pytestmark = pytest.mark.integration
 MODEL = "mmserve-tiny"
@@ -51,11 +52,8 @@ def chat(url: str, messages: list[dict], stream: bool = False, max_tokens: int =
     text = []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180) as r:
         assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                ev = json.loads(line[6:])
-                assert "error" not in ev, ev
-                text += [c["delta"].get("content") or "" for c in ev["choices"]]
+        for ev in sse_events(r):
+            text += [c["delta"].get("content") or "" for c in ev["choices"]]
     return "".join(text)
 
 

@@ -20,6 +20,7 @@ from shared.schemas import GenerateRequest, PromptMessage, PromptText, SamplingP
 from shared.settings import GatewaySettings, LLMSettings
 from shared.wire import SAFETENSORS_MIME, pack
 from tests.integration.test_llm_service import ServerThread as LLMThread
+from tests.sse import sse_events
 
 pytestmark = pytest.mark.integration
 MODEL = "mmserve-tiny"
@@ -87,14 +88,6 @@ def _body(endpoint: str, schema: dict, stream: bool, seed: int) -> tuple[str, di
     return "/v1/responses", body
 
 
-def _events(r: httpx.Response):
-    for line in r.iter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            ev = json.loads(line[6:])
-            assert "error" not in ev, ev
-            yield ev
-
-
 def _answer(url: str, endpoint: str, schema: dict, stream: bool, seed: int) -> tuple[list[str], bool]:
     """(the JSON texts the schema governs: the content, or each call's arguments; cut at max_tokens)."""
     path, body = _body(endpoint, schema, stream, seed)
@@ -117,7 +110,7 @@ def _answer(url: str, endpoint: str, schema: dict, stream: bool, seed: int) -> t
             assert r.status_code == 200, r.read()
             if path == "/v1/chat/completions":
                 content, calls, finish = [], {}, None
-                for ev in _events(r):
+                for ev in sse_events(r):
                     for ch in ev["choices"]:
                         d = ch["delta"]
                         content.append(d.get("content") or "")
@@ -127,7 +120,7 @@ def _answer(url: str, endpoint: str, schema: dict, stream: bool, seed: int) -> t
                 texts = [calls[i] for i in sorted(calls)] if tools else ["".join(content)]
                 return texts, finish == "length"
             text, args, last = [], {}, None
-            for ev in _events(r):
+            for ev in sse_events(r):
                 if ev["type"] == "response.output_text.delta":
                     text.append(ev["delta"])
                 elif ev["type"] == "response.function_call_arguments.delta":

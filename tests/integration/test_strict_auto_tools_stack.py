@@ -23,6 +23,7 @@ from gateway.app import create_app as gateway_app
 from mmserve.testing.fake_services import ServerThread, fake_encoder_app
 from shared.settings import GatewaySettings, LLMSettings
 from tests.integration.test_llm_service import ServerThread as LLMThread
+from tests.sse import sse_events
 
 pytestmark = pytest.mark.integration
 MODEL = "mmserve-tiny"
@@ -80,14 +81,6 @@ def body(api: str, stream: bool, seed: int, tools=TOOLS, **extra) -> tuple[str, 
                              "tools": [{"type": "function", **t} for t in tools]}
 
 
-def events(r: httpx.Response):
-    for line in r.iter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            ev = json.loads(line[6:])
-            assert "error" not in ev, ev
-            yield ev
-
-
 def calls_of(url: str, api: str, stream: bool, seed: int, **extra) -> tuple[list[tuple[str, str]], bool]:
     """The answer's calls as (name, arguments), and whether it was cut at the token limit."""
     path, b = body(api, stream, seed, **extra)
@@ -107,7 +100,7 @@ def calls_of(url: str, api: str, stream: bool, seed: int, **extra) -> tuple[list
             assert r.status_code == 200, r.read()
             if api == "chat":
                 calls, finish = {}, None
-                for ev in events(r):
+                for ev in sse_events(r):
                     for ch in ev["choices"]:
                         for t in ch["delta"].get("tool_calls") or ():
                             name, args = calls.get(t["index"], (None, ""))
@@ -116,7 +109,7 @@ def calls_of(url: str, api: str, stream: bool, seed: int, **extra) -> tuple[list
                         finish = ch.get("finish_reason") or finish
                 return [calls[i] for i in sorted(calls)], finish == "length"
             names, args, last = {}, {}, None
-            for ev in events(r):
+            for ev in sse_events(r):
                 if ev["type"] == "response.output_item.added" and ev["item"]["type"] == "function_call":
                     names[ev["output_index"]] = ev["item"]["name"]
                 elif ev["type"] == "response.function_call_arguments.delta":
