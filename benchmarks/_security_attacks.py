@@ -34,6 +34,10 @@ class AttackContext:
     redis_url: str | None
     work: Path
     media: dict[str, bytes] = field(default_factory=dict)
+    # the attacker process's one client (set by ``security_load``'s attacker): a client per send
+    # builds an SSL context each time, ~10-20 ms of the attacker's CPU, which on this 2-core
+    # machine is taken from the services under test, not spent by them
+    client: httpx.AsyncClient | None = field(default=None, repr=False)
 
     @property
     def auth(self) -> dict[str, str]:
@@ -70,8 +74,10 @@ class Attack:
     slow: bool = False  # its refusal takes seconds by design (a timeout): sent once per run in --quick
 
 
-async def _post(url: str, path: str, body: dict, headers: dict, timeout: float = 120.0) -> int:
+async def _post(ctx: AttackContext, url: str, path: str, body: dict, headers: dict, timeout: float = 120.0) -> int:
     try:
+        if ctx.client is not None:
+            return (await ctx.client.post(url + path, json=body, headers=headers, timeout=timeout)).status_code
         async with httpx.AsyncClient(timeout=timeout) as c:
             return (await c.post(url + path, json=body, headers=headers)).status_code
     except httpx.HTTPError:
@@ -117,18 +123,18 @@ def _ffmpeg(args: list[str]) -> bytes:
 
 # ---- attacks -----------------------------------------------------------------------------------
 async def template_tokenize(ctx: AttackContext) -> int:
-    return await _post(ctx.gateway, "/tokenize", {"model": ctx.model, "messages": [{"role": "user", "content": "hi"}],
+    return await _post(ctx, ctx.gateway, "/tokenize", {"model": ctx.model, "messages": [{"role": "user", "content": "hi"}],
                                                   "chat_template_kwargs": {"chat_template": NESTED_TEMPLATE}}, ctx.auth)
 
 
 async def template_chat(ctx: AttackContext) -> int:
-    return await _post(ctx.gateway, "/v1/chat/completions",
+    return await _post(ctx, ctx.gateway, "/v1/chat/completions",
                        _chat(ctx, chat_template_kwargs={"chat_template": NESTED_TEMPLATE}), ctx.auth)
 
 
 async def template_llm_tokenize(ctx: AttackContext) -> int:
     """Straight at the LLM front (a caller holding the service token)."""
-    return await _post(ctx.llm, "/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+    return await _post(ctx, ctx.llm, "/tokenize", {"messages": [{"role": "user", "content": "hi"}],
                                               "chat_template_kwargs": {"chat_template": NESTED_TEMPLATE}},
                        {"x-mmserve-service-token": ctx.service_token})
 
@@ -142,7 +148,7 @@ async def body_too_big(ctx: AttackContext) -> int:
 
 
 async def completions_10k(ctx: AttackContext) -> int:
-    return await _post(ctx.gateway, "/v1/completions",
+    return await _post(ctx, ctx.gateway, "/v1/completions",
                        {"model": ctx.model, "max_tokens": 4, "prompt": [f"prompt {i}" for i in range(10_000)]},
                        ctx.auth)
 
@@ -156,7 +162,7 @@ def _prep_flac(ctx: AttackContext) -> None:
 async def audio_samples(ctx: AttackContext) -> int:
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(ctx.media["flac"]).decode(),
                                                    "format": "flac"}}
-    return await _post(ctx.gateway, "/v1/chat/completions", _media_chat(ctx, part), ctx.auth)
+    return await _post(ctx, ctx.gateway, "/v1/chat/completions", _media_chat(ctx, part), ctx.auth)
 
 
 def _prep_video(ctx: AttackContext) -> None:
@@ -168,7 +174,7 @@ def _prep_video(ctx: AttackContext) -> None:
 
 async def video_pixels(ctx: AttackContext) -> int:
     url = "data:video/mp4;base64," + base64.b64encode(ctx.media["video"]).decode()
-    return await _post(ctx.gateway, "/v1/chat/completions", _media_chat(ctx, {"type": "video_url",
+    return await _post(ctx, ctx.gateway, "/v1/chat/completions", _media_chat(ctx, {"type": "video_url",
                                                                               "video_url": {"url": url}}), ctx.auth)
 
 
@@ -182,12 +188,13 @@ async def outside_source(ctx: AttackContext) -> int:
         PromptMessage(role="user", content=[PromptText(text="hi"), PromptMedia(
             modality="image", index=0, content_hash="h", num_tokens=16, key="k",
             sources=["http://203.0.113.7:8100"])])])
+    headers = {"x-mmserve-service-token": ctx.service_token, "content-type": SAFETENSORS_MIME}
     try:
+        if ctx.client is not None:
+            return (await ctx.client.post(ctx.llm + "/v1/generate", content=pack_raw({}, gen), headers=headers,
+                                          timeout=60)).status_code
         async with httpx.AsyncClient(timeout=60) as c:
-            r = await c.post(ctx.llm + "/v1/generate", content=pack_raw({}, gen),
-                             headers={"x-mmserve-service-token": ctx.service_token,
-                                      "content-type": SAFETENSORS_MIME})
-            return r.status_code
+            return (await c.post(ctx.llm + "/v1/generate", content=pack_raw({}, gen), headers=headers)).status_code
     except httpx.HTTPError:
         return 0
 
@@ -200,7 +207,7 @@ async def hostile_schema(ctx: AttackContext) -> int:
         f"p{i}": {"type": "string", "pattern": f"({a}|{b}){{{count}}}"}
         for i, (a, b) in enumerate(["ab", "cd", "ef", "gh"])}}
     fmt = {"type": "json_schema", "json_schema": {"name": "hostile", "schema": schema}}
-    return await _post(ctx.gateway, "/v1/chat/completions", _chat(ctx, response_format=fmt), ctx.auth, timeout=300)
+    return await _post(ctx, ctx.gateway, "/v1/chat/completions", _chat(ctx, response_format=fmt), ctx.auth, timeout=300)
 
 
 ATTACKS: dict[str, Attack] = {

@@ -33,6 +33,12 @@ Parts (each in its own try/except; an error is recorded in the JSON and the next
   MoE on grouped GEMMs inside the graph), whether the graphs were recorded (and why not), how
   many steps they served; the ``throughput`` model's decode step time and output tok/s at 1 / 16 /
   64 sequences, eager and graphs alternated, and whether their greedy tokens agree.
+* ``fp8`` (CUDA only): the FP8 block-scaled Triton GEMM (``llm_svc.models.triton_fp8``, W8A16,
+  128x128 scales as MiMo-V2-Flash publishes them) against ``F.linear`` on the same weight
+  dequantized to bfloat16: max relative difference, and time per call at 1 / 16 / 2,048 rows
+  for a [4096 -> 4096] projection and one expert's [4096 -> 2 x 2048] gate-up, with the bytes
+  each reads (FP8: 1 per weight; bf16: 2) as GB/s; and 8 experts' SiLU-gated product
+  (``fp8_block_experts``) against the dense loop on 16 tokens, top 2.
 
 ``--quick``: fewer output tokens; on the cpu also a small "big" model (hidden 256, 4 layers,
 vocab 4096), so ``--device cpu --quick`` checks the script itself (about a minute on 2 cores).
@@ -545,6 +551,68 @@ def check_cuda_graphs(args, tmp: Path, small_out: int) -> dict:
     return res
 
 
+def check_fp8(args) -> dict:
+    """The FP8 block GEMM on the device against bf16 ``F.linear`` (see the module docstring)."""
+    from llm_svc.models.quant import dequant_fp8_block
+    from llm_svc.models.triton_fp8 import fp8_block_experts, fp8_block_linear
+
+    if not args.device.startswith("cuda"):
+        return {"skipped": "the FP8 Triton kernel runs on CUDA (its CPU test runs it under the interpreter)"}
+    dev, block = torch.device(args.device), (128, 128)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = (torch.randn(n, k, device=dev, generator=gen) * 2).to(torch.float8_e4m3fn)
+        sc = torch.rand(-(-n // 128), -(-k // 128), device=dev, generator=gen) * 0.02 + 0.001
+        return w, sc
+
+    def timed(fn, iters: int) -> float:
+        fn()
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize(dev)
+        return (time.perf_counter() - t0) / iters * 1000
+
+    out: dict = {"shapes": {}}
+    for name, (n, k) in {"proj_4096x4096": (4096, 4096), "expert_gate_up_4096x4096": (2 * 2048, 4096)}.items():
+        w, sc = weight(n, k)
+        dense = dequant_fp8_block(w, sc, block).to(torch.bfloat16)
+        rows = {}
+        for m in (1, 16, 2048):
+            x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+            got, want = fp8_block_linear(x, w, sc, block=block).float(), torch.nn.functional.linear(x, dense).float()
+            rel = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+            iters = 200 if m < 2048 else 50
+            fp8_ms = timed(lambda: fp8_block_linear(x, w, sc, block=block), iters)
+            bf16_ms = timed(lambda: torch.nn.functional.linear(x, dense), iters)
+            rows[m] = {"max_rel_diff": round(rel, 5), "fp8_ms": round(fp8_ms, 4), "bf16_ms": round(bf16_ms, 4),
+                       "fp8_weight_gbps": round(n * k / fp8_ms / 1e6, 1),
+                       "bf16_weight_gbps": round(2 * n * k / bf16_ms / 1e6, 1),
+                       "fp8_over_bf16_speed": round(bf16_ms / fp8_ms, 3)}
+        out["shapes"][name] = rows
+    e, h, inter, t, top = 8, 4096, 2048, 16, 2
+    gu, gus = zip(*(weight(2 * inter, h) for _ in range(e)))
+    dn, dns = zip(*(weight(h, inter) for _ in range(e)))
+    gate_up, gate_up_scale, down, down_scale = torch.stack(gu), torch.stack(gus), torch.stack(dn), torch.stack(dns)
+    x = torch.randn(t, h, device=dev, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, e, (t, top), device=dev, generator=gen)
+    wts = torch.rand(t, top, device=dev, generator=gen)
+    got = fp8_block_experts(x, idx, wts, gate_up, gate_up_scale, down, down_scale, block=block).float()
+    want = torch.zeros(t, h, device=dev)
+    for i in range(t):
+        for j in range(top):
+            ex = int(idx[i, j])
+            g = x[i].float() @ dequant_fp8_block(gate_up[ex], gate_up_scale[ex], block).T
+            a = torch.nn.functional.silu(g[:inter]) * g[inter:]
+            want[i] += wts[i, j] * (a @ dequant_fp8_block(down[ex], down_scale[ex], block).T)
+    out["experts_max_rel_diff"] = round(((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item(), 5)
+    out["experts_ms"] = round(timed(lambda: fp8_block_experts(x, idx, wts, gate_up, gate_up_scale, down, down_scale,
+                                                              block=block), 20), 3)
+    return out
+
+
 # ------------------------------------------------------------------ main
 def _part(result: dict, name: str, fn, *a) -> None:
     t0 = time.perf_counter()
@@ -604,6 +672,16 @@ def _print_table(r: dict) -> None:
             for n, x in cg.get("big_runs", {}).items():
                 print(f"graphs decode : {n:>3} seqs step ms eager {x['eager']['decode_step_ms_p50']} graphs "
                       f"{x['graphs']['decode_step_ms_p50']}; same tokens {x['same_tokens']}/{n}")
+    f8 = r.get("fp8")
+    if f8:
+        if "skipped" in f8:
+            print(f"fp8 gemm      : skipped ({f8['skipped']})")
+        else:
+            for name, rows in f8["shapes"].items():
+                for m, x in rows.items():
+                    print(f"fp8 {name:26s} {m:>5} rows: fp8 {x['fp8_ms']} ms ({x['fp8_weight_gbps']} GB/s) bf16 "
+                          f"{x['bf16_ms']} ms; {x['fp8_over_bf16_speed']}x; max rel diff {x['max_rel_diff']}")
+            print(f"fp8 experts   : {f8['experts_ms']} ms, max rel diff {f8['experts_max_rel_diff']}")
     for k, v in r["errors"].items():
         print(f"ERROR {k}: {v}")
 
@@ -625,7 +703,7 @@ def main() -> int:
     ap.add_argument("--paged-seqs", type=int, default=16, help="paged_attention: concurrent decodes timed")
     ap.add_argument("--paged-ctx", type=int, default=4096, help="paged_attention: their context (<= 4096)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated parts to skip: logits,sampling,throughput,paged_attention,cuda_graphs")
+                    help="comma-separated parts to skip: logits,sampling,throughput,paged_attention,cuda_graphs,fp8")
     _results.add_mode_args(ap)
     args = ap.parse_args()
     if args.smoke:  # every part at its smallest: a narrow "big" model, a few output tokens
@@ -652,6 +730,8 @@ def main() -> int:
             _part(result, "paged_attention", check_paged_attention, args, tmp, small_out)
         if "cuda_graphs" not in skip:
             _part(result, "cuda_graphs", check_cuda_graphs, args, tmp, small_out)
+        if "fp8" not in skip:
+            _part(result, "fp8", check_fp8, args)
     if args.device.startswith("cuda"):
         result["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     result["total_s"] = round(time.perf_counter() - t_all, 1)

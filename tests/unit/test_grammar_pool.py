@@ -6,6 +6,7 @@ names the problem, not xgrammar's sources; closing kills and reaps every worker.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -81,6 +82,8 @@ def test_a_compile_past_its_limit_is_killed_while_another_worker_serves():
         assert isinstance(error, CompileTimeout) and str(error) == "too slow" and result is None
         stats = pool.stats()
         assert stats["grammar_timeouts"] == 1 and stats["grammar_running"] == 0
+        # compiles run only when nothing else wants the CPU (preempted at once by a waking step)
+        assert pool.worker_pids() and all(os.sched_getscheduler(p) == os.SCHED_IDLE for p in pool.worker_pids())
     finally:
         pids = pool.worker_pids()
         pool.close()
