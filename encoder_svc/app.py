@@ -20,6 +20,7 @@ from encoder_svc.preprocess.image import make_image_backend
 from encoder_svc.routes import router
 from encoder_svc.service import EncoderService
 from encoder_svc.video.decode import ChunkedVideoDecoder
+from shared.gc_tuning import freeze_startup_heap, thaw_heap
 from shared.service_auth import ServiceTokenMiddleware
 from shared.bundle import load_bundle_spec
 from shared.settings import EncoderSettings
@@ -72,9 +73,11 @@ def create_app(settings: EncoderSettings, *, shm_dir: str | None = None, redis_p
             app.state.load_error = f"{type(e).__name__}: {e}"
             log.exception("encoder failed to load %s", settings.model_dir)
             raise
+        freeze_startup_heap("encoder")
         try:
             yield
         finally:
+            thaw_heap()
             svc, app.state.service = app.state.service, None
             if svc.cache is not None:
                 await svc.cache.close()

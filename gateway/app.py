@@ -16,6 +16,7 @@ from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.openapi import install_openapi
 from gateway.routes import chat, completions, dashboard, health, models, responses, tokenize
 from gateway.state import GatewayState
+from shared.gc_tuning import freeze_startup_heap, thaw_heap
 from shared.malloc_tuning import pin_mmap_threshold
 from shared.settings import GatewaySettings
 
@@ -43,9 +44,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         state = GatewayState.build(settings, metrics)
         app.state.gateway = state
         state.start()
+        freeze_startup_heap("gateway")
         try:
             yield
         finally:
+            thaw_heap()
             await state.close()
 
     app = FastAPI(title="mmserve gateway", version="0.1.0", lifespan=lifespan)

@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     from shared.memtrace import maybe_start
 
     maybe_start("llm-core")  # MMSERVE_TRACEMALLOC=1 only
+    from shared.gc_tuning import freeze_startup_heap
+
+    freeze_startup_heap(f"engine core {os.getpid()}")  # a full collection of the loaded model stalled steps
     code = 0
     try:
         loop.run()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.admission import Admission, AdmissionConfig
+from shared.gc_tuning import freeze_startup_heap, thaw_heap
 from shared.peer_auth import resolve as resolve_peer_key
 from shared.service_auth import token_headers
 from shared.settings import LLMSettings
@@ -150,11 +151,13 @@ class ServiceState:
                      "pool" if derived else "set")
             self.backend = backend
             log.info("llm service ready: %s backend=%s", self.model_name, s.backend)
+            freeze_startup_heap("llm front")
         except Exception as e:
             log.exception("llm service failed to load")
             self.error = f"{type(e).__name__}: {e}"
 
     async def close(self) -> None:
+        thaw_heap()
         if self.backend is not None:
             await self.backend.close()
             self.backend = None
