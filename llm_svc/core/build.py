@@ -141,8 +141,24 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
         speculator = Speculator(spec, lm.eos_token_ids, mtp)
     if settings.warmup and lm.device.type == "cpu":
         warm_buckets(settings.max_batch_tokens, threads)  # the MTP runner's linears included
+    if lm.device.type == "cpu":
+        log_kernel_paths(lm.dtype, kv_dtype)
     return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1,
                   grammars=grammars, speculator=speculator)
+
+
+def log_kernel_paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str | None]:
+    """Which build each family of non-linear C kernels runs at the model's ``dtype`` (one log line
+    each, once per process): ``float32``, ``bfloat16/avx512_bf16`` or ``bfloat16/portable`` (a CPU
+    without the AVX-512 BF16 conversions), or not built (the torch fallback). float16 activations
+    have no build: their kernels' ``supports`` send them to torch."""
+    from ..attention import cpu_paged, cpu_prefill
+    from ..kernels.ckernels import log_act_paths
+    from ..models import cpu_fused
+
+    return log_act_paths({"norm / rope (cpu_fused)": cpu_fused.KERNELS.get(dtype),
+                          "paged decode + KV write (cpu_paged)": cpu_paged.ACT_KERNELS.get((dtype, kv_dtype)),
+                          "paged prefill (cpu_prefill)": cpu_prefill.ACT_KERNELS.get((dtype, kv_dtype))})
 
 
 def model_identity(model_dir: str | Path) -> str:

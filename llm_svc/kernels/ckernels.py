@@ -182,3 +182,19 @@ def act_path(kernel: CKernel) -> str | None:
     fn = lib.mmserve_act_path
     fn.restype, fn.argtypes = ctypes.c_char_p, []
     return fn().decode()
+
+
+_logged_paths: set[tuple[str, str]] = set()
+
+
+def log_act_paths(families: dict[str, CKernel | None]) -> dict[str, str | None]:
+    """One log line per kernel family naming the path its build took (``act_path``; None: no
+    build, the family runs its torch fallback), once per process: where a CPU lacks the AVX-512
+    BF16 instructions the bfloat16 builds say ``portable``. Returns ``{family: path}``."""
+    out = {}
+    for family, kernel in families.items():
+        path = out[family] = None if kernel is None else act_path(kernel)
+        if (family, str(path)) not in _logged_paths:
+            _logged_paths.add((family, str(path)))
+            log.info("%s kernels: %s", family, path or "none here, torch ops")
+    return out
