@@ -105,3 +105,23 @@ def test_bf16_model_runs_the_kernels_and_matches_the_torch_path(mimo16, mimo_bf1
 
     assert agree(ours, exact) >= agree(theirs, exact), (ours, theirs, exact)
     assert agree(ours, theirs) >= 0.75 * sum(len(t) for t in ours.values()), (ours, theirs)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss"])
+def test_other_architectures_at_bf16_run_the_attention_kernels(arch, tmp_path_factory, monkeypatch):
+    """Gemma 3 and gpt-oss at bfloat16 (norms and rope on torch: their fused paths are float32
+    only) take the bfloat16 attention and KV-write builds, with the torch path's first tokens."""
+    from mmserve.tiny_model import write_tiny_model
+
+    lm = load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / arch, arch=arch, sliding_window=16)),
+                 dtype="bfloat16")
+    with monkeypatch.context() as m:
+        ours, calls = _generate(lm, m)
+    assert calls["paged_decode"] and calls["paged_prefill"] and calls["write"], calls
+    with monkeypatch.context() as m:
+        _without_bf16_builds(m)
+        theirs, calls = _generate(lm, m)
+    assert not calls, calls
+    assert [t[0] for t in ours.values()] == [t[0] for t in theirs.values()]
+    agree = sum(x == y for r in ours for x, y in zip(ours[r], theirs[r]))
+    assert agree >= 0.75 * sum(len(t) for t in ours.values()), (ours, theirs)
