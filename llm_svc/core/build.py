@@ -71,7 +71,14 @@ def kv_dtype_of(settings: LLMSettings, lm: LoadedLM) -> torch.dtype:
     return lm.dtype if settings.kv_dtype == "auto" else DTYPES[settings.kv_dtype]
 
 
-CPU_PREFILL_STEP_TOKENS = 256  # a CPU step's GEMMs are near their peak rate from ~256 rows
+# a CPU step's GEMMs are near their peak rate from ~256 rows. Re-measured for TTFT under load
+# (vs_vllm MiMo checkpoint in-process, float32, 16 chats in flight, 48 requests of 128-2,048
+# prompt / 64-256 output tokens, 2-core Xeon): a step costs ~15 ms + 0.22 ms per prompt token +
+# 0.8 ms per decode (least squares over ~520 steps); a new request's queue wait is ~0 (p50 <= 5
+# ms) and its TTFT is its own prefill step (p50 ~0.30 s of 0.40 s); 0 / 256 / 1024 here gave TTFT
+# p50 0.405-0.409 / 0.401-0.411 / 0.404 s and 259-275 / 270-275 / 272 tok/s: the same within
+# the noise, so the budget is not where a prompt waits (max_batch_tokens 1024: 0.431 s, 257).
+CPU_PREFILL_STEP_TOKENS = 256
 
 
 def prefill_step_tokens(settings: LLMSettings) -> int:
