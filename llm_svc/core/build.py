@@ -78,6 +78,9 @@ def kv_dtype_of(settings: LLMSettings, lm: LoadedLM) -> torch.dtype:
 # ms) and its TTFT is its own prefill step (p50 ~0.30 s of 0.40 s); 0 / 256 / 1024 here gave TTFT
 # p50 0.405-0.409 / 0.401-0.411 / 0.404 s and 259-275 / 270-275 / 272 tok/s: the same within
 # the noise, so the budget is not where a prompt waits (max_batch_tokens 1024: 0.431 s, 257).
+# Through the service (``python -m benchmarks.vs_vllm --requests 32 --pairs 1``, one run each)
+# 256 kept its edge over 0: chat concurrency TTFT p50 579 vs 725 ms at 308 vs 302 tok/s, rate
+# 249 vs 288 ms (vLLM 1,340 / 999 and 456 / 445 ms in the same runs).
 CPU_PREFILL_STEP_TOKENS = 256
 
 
