@@ -25,6 +25,9 @@
 
 /* The pools' element type (one build each) and its vector loads widened to float32. */
 #include "kv_elem.h"
+/* The activations' (queries, output, the KV write's rows): float32, or bfloat16 with -DACT_BF16:
+ * an item's queries are widened once into scratch, its output rows rounded as they are stored. */
+#include "act_elem.h"
 #if defined(KV_BF16)
 #if defined(__AVX512F__)
 static inline __m512 ld16(const kv_t *p)
@@ -127,7 +130,7 @@ static inline __attribute__((always_inline)) int vacc_all(
 #endif
 
 static inline __attribute__((always_inline)) int decode_body(
-    const float *q,        /* [B, Hq, Dqk] */
+    const act_t *q,        /* [B, Hq, Dqk] */
     const kv_t *kpool,     /* [Hkv, S, Dqk] */
     const kv_t *vpool,     /* [Hkv, S, Dv] */
     const int64_t *table,  /* [R, ld_slots] slot table */
@@ -135,23 +138,33 @@ static inline __attribute__((always_inline)) int decode_body(
     const int64_t *k0,     /* [B] first key's position, or NULL (all 0) */
     const int64_t *lens,   /* [B] */
     const float *sinks,    /* [Hq] or NULL */
-    float *out,            /* [B, Hq, Dv] */
+    act_t *out,            /* [B, Hq, Dv] */
     int64_t B, int64_t Hq, int64_t Hkv, int64_t Dqk, int64_t Dv, int64_t S, int64_t ld_slots,
     float scale, float softcap, int64_t item_begin, int64_t item_end)
 {
     const int64_t G = Hq / Hkv;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(G * BLK + G * Dv + 2 * G));
+    const int64_t widen = ACT_IS_F32 ? 0 : G * Dqk + Dv; /* bf16 activations: the item's queries, an output row */
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(G * BLK + G * Dv + 2 * G + widen));
     if (!buf) return -1;
     float *sc = buf;               /* [G, BLK] scores, then probabilities */
     float *acc = sc + G * BLK;     /* [G, Dv] */
     float *mx = acc + G * Dv;      /* [G] running max */
     float *den = mx + G;           /* [G] running sum */
+    float *qw = den + G;           /* [G, Dqk] widened queries (bf16 builds) */
+    float *orow = qw + G * Dqk;    /* [Dv] an output row before rounding (bf16 builds) */
+    (void)qw;
+    (void)orow;
     (void)B;
     for (int64_t it = item_begin; it < item_end; ++it) {
         const int64_t b = it / Hkv, h = it % Hkv;
         const int64_t L = lens[b];
         const int64_t *sl = table + trows[b] * ld_slots + (k0 ? k0[b] : 0);
+#if ACT_IS_F32
         const float *qh = q + (b * Hq + h * G) * Dqk;
+#else
+        act_load_row(qw, q + (b * Hq + h * G) * Dqk, G * Dqk);
+        const float *qh = qw;
+#endif
         const kv_t *kh = kpool + h * S * Dqk;
         const kv_t *vh = vpool + h * S * Dv;
         memset(acc, 0, sizeof(float) * (size_t)(G * Dv));
@@ -271,9 +284,14 @@ static inline __attribute__((always_inline)) int decode_body(
             float d0 = den[i];
             if (sinks && L > 0) d0 += expf(sinks[h * G + i] - mx[i]);
             const float inv = d0 > 0.f ? 1.f / d0 : 0.f;
-            float *o = out + (b * Hq + h * G + i) * Dv;
+            act_t *o = out + (b * Hq + h * G + i) * Dv;
             const float *ai = acc + i * Dv;
+#if ACT_IS_F32
             for (int64_t d = 0; d < Dv; ++d) o[d] = ai[d] * inv;
+#else
+            for (int64_t d = 0; d < Dv; ++d) orow[d] = ai[d] * inv;
+            act_store_row(o, orow, Dv);
+#endif
         }
     }
     free(buf);
@@ -281,8 +299,8 @@ static inline __attribute__((always_inline)) int decode_body(
 }
 
 #define SPEC(DQ, DV) \
-    static int decode_##DQ##_##DV(const float *q, const kv_t *k, const kv_t *v, const int64_t *tb, \
-                                  const int64_t *tr, const int64_t *k0, const int64_t *lens, const float *sinks, float *out, int64_t B, int64_t Hq, \
+    static int decode_##DQ##_##DV(const act_t *q, const kv_t *k, const kv_t *v, const int64_t *tb, \
+                                  const int64_t *tr, const int64_t *k0, const int64_t *lens, const float *sinks, act_t *out, int64_t B, int64_t Hq, \
                                   int64_t Hkv, int64_t S, int64_t ld, float scale, float cap, int64_t a, int64_t e) \
     { return decode_body(q, k, v, tb, tr, k0, lens, sinks, out, B, Hq, Hkv, DQ, DV, S, ld, scale, cap, a, e); }
 SPEC(16, 16) SPEC(24, 16) SPEC(32, 32) SPEC(48, 48) SPEC(64, 64) SPEC(80, 80) SPEC(96, 96)
@@ -291,8 +309,8 @@ SPEC(128, 128) SPEC(192, 128) SPEC(256, 256)
 /* Head sizes known at compile time unroll and vectorize the dot products (measured ~2x at 24);
  * other sizes take the generic body. */
 int mmserve_paged_decode_f32(
-    const float *q, const kv_t *kpool, const kv_t *vpool, const int64_t *table, const int64_t *trows,
-    const int64_t *k0, const int64_t *lens, const float *sinks, float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t Dqk, int64_t Dv, int64_t S,
+    const act_t *q, const kv_t *kpool, const kv_t *vpool, const int64_t *table, const int64_t *trows,
+    const int64_t *k0, const int64_t *lens, const float *sinks, act_t *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t Dqk, int64_t Dv, int64_t S,
     int64_t ld_slots, float scale, float softcap, int64_t item_begin, int64_t item_end)
 {
 #define TRY(DQ, DV) \
@@ -313,11 +331,11 @@ int mmserve_paged_decode_f32(
 typedef void (*chunk_fn_t)(void *ctx, int64_t i);
 typedef void (*par_for_t)(chunk_fn_t fn, void *ctx, int64_t n, int64_t threads);
 typedef struct {
-    const float *q;
+    const act_t *q;
     const kv_t *kpool, *vpool;
     const int64_t *table, *trows, *k0, *lens;
     const float *sinks;
-    float *out;
+    act_t *out;
     int64_t B, Hq, Hkv, Dqk, Dv, S, ld_slots, items, chunks;
     float scale, softcap;
     volatile int failed;
@@ -333,8 +351,8 @@ static void decode_chunk(void *ctx, int64_t i)
 }
 
 int mmserve_paged_decode_pooled_f32(
-    const float *q, const kv_t *kpool, const kv_t *vpool, const int64_t *table, const int64_t *trows,
-    const int64_t *k0, const int64_t *lens, const float *sinks, float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t Dqk,
+    const act_t *q, const kv_t *kpool, const kv_t *vpool, const int64_t *table, const int64_t *trows,
+    const int64_t *k0, const int64_t *lens, const float *sinks, act_t *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t Dqk,
     int64_t Dv, int64_t S, int64_t ld_slots, float scale, float softcap, void *par_for, int64_t threads, int64_t chunks)
 {
     decode_job_t job = {q, kpool, vpool, table, trows, k0, lens, sinks, out, B, Hq, Hkv, Dqk, Dv, S, ld_slots,
@@ -344,24 +362,43 @@ int mmserve_paged_decode_pooled_f32(
     return job.failed ? -1 : 0;
 }
 
-#if !defined(KV_BF16) && !defined(KV_F16) /* float32 pools only: the others are written by torch */
-/* A step's new K / V rows into the pools at their slots, one copy per (token, kv head):
+/* One row of n activations into a pool row: a copy where both have one type, else widened to
+ * float32 and rounded to the pool's type (round to nearest even, as torch's copy_). */
+static inline void kv_put_row(kv_t *dst, const act_t *src, int64_t n)
+{
+#if (ACT_IS_F32 && !defined(KV_BF16) && !defined(KV_F16)) || (!ACT_IS_F32 && defined(KV_BF16))
+    memcpy(dst, src, (size_t)n * sizeof(kv_t));
+#else
+    float tmp[256];
+    for (int64_t i0 = 0; i0 < n; i0 += 256) {
+        const int64_t m = n - i0 < 256 ? n - i0 : 256;
+        act_load_row(tmp, src + i0, m);
+#if defined(KV_BF16)
+        bf16_store_row(dst + i0, tmp, m);
+#else
+        for (int64_t i = 0; i < m; ++i) dst[i0 + i] = (kv_t)tmp[i];
+#endif
+    }
+#endif
+}
+
+/* A step's new K / V rows into the pools at their slots, one row per (token, kv head):
  * kpool [Hkv, S, Dqk] <- k [T, Hkv, Dqk] (token stride ldk, heads contiguous inside a token),
- * vpool [Hkv, S, Dv] <- v likewise. torch's index_copy_ over a transposed view was an OpenMP
+ * vpool [Hkv, S, Dv] <- v likewise; rows of the build's activation type into pools of its KV
+ * type. torch's index_copy_ over a transposed view was an OpenMP
  * region per layer (~0.3 ms at 320 tokens once its team slept, far more beside a busy core).
  * Returns 0, or 1 if a slot is outside [0, S) (nothing written). */
-int mmserve_paged_write_f32(float *kpool, float *vpool, int64_t S, int64_t Hkv, int64_t Dqk, int64_t Dv,
-                            const int64_t *slots, int64_t T, const float *k, int64_t ldk, const float *v, int64_t ldv)
+int mmserve_paged_write_f32(kv_t *kpool, kv_t *vpool, int64_t S, int64_t Hkv, int64_t Dqk, int64_t Dv,
+                            const int64_t *slots, int64_t T, const act_t *k, int64_t ldk, const act_t *v, int64_t ldv)
 {
     for (int64_t t = 0; t < T; ++t)
         if (slots[t] < 0 || slots[t] >= S) return 1;
     for (int64_t t = 0; t < T; ++t) {
         const int64_t s = slots[t];
         for (int64_t h = 0; h < Hkv; ++h) {
-            memcpy(kpool + (h * S + s) * Dqk, k + t * ldk + h * Dqk, (size_t)Dqk * sizeof(float));
-            memcpy(vpool + (h * S + s) * Dv, v + t * ldv + h * Dv, (size_t)Dv * sizeof(float));
+            kv_put_row(kpool + (h * S + s) * Dqk, k + t * ldk + h * Dqk, Dqk);
+            kv_put_row(vpool + (h * S + s) * Dv, v + t * ldv + h * Dv, Dv);
         }
     }
     return 0;
 }
-#endif

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from llm_svc.kernels.ckernels import kv_dtype_builds
+from llm_svc.kernels.ckernels import act_kv_dtype_builds
 from .base import AttentionParams, LayerKV
 
 SOURCE = Path(__file__).with_name("cpu_paged.c")
@@ -56,17 +56,21 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.mmserve_paged_decode_pooled_f32
     fn.argtypes = [p] * 9 + [i64] * 7 + [f32, f32, p, i64, i64]
     fn.restype = ctypes.c_int
-    fn = getattr(lib, "mmserve_paged_write_f32", None)  # float32 builds only
-    if fn is not None:
-        fn.argtypes = [p, p, i64, i64, i64, i64, p, i64, p, i64, p, i64]
-        fn.restype = ctypes.c_int
+    fn = lib.mmserve_paged_write_f32  # rows of the build's activation dtype into pools of its KV dtype
+    fn.argtypes = [p, p, i64, i64, i64, i64, p, i64, p, i64, p, i64]
+    fn.restype = ctypes.c_int
 
 
 # one build per pool dtype: bfloat16 / float16 K / V rows are widened to float32 as they are loaded
-# (half the bytes of a long context's read; tiny MiMo, 16 x 32K, 2 threads: docs/engine.md, `kv_dtype`)
-KERNELS = kv_dtype_builds(SOURCE, "cpu_paged", _bind, what="CPU paged decode kernel",
-                          fallback="decodes gather their context")
+# (half the bytes of a long context's read; tiny MiMo, 16 x 32K, 2 threads: docs/engine.md, `kv_dtype`),
+# and per activation dtype: bfloat16 queries widened per item, outputs rounded as stored
+# (``act_elem.h``). ACT_KERNELS: {(activation dtype, pool dtype): build}; KERNELS: the float32
+# activations' builds by pool dtype.
+ACT_KERNELS = act_kv_dtype_builds(SOURCE, "cpu_paged", _bind, what="CPU paged decode kernel",
+                                  fallback="decodes gather their context")
+KERNELS = {kv: k for (act, kv), k in ACT_KERNELS.items() if act == torch.float32}
 KERNEL = KERNELS[torch.float32]
+ACT_DTYPES = (torch.float32, torch.bfloat16)  # the activation dtypes the kernels take
 
 
 def library_path() -> Path:
@@ -74,38 +78,46 @@ def library_path() -> Path:
     return KERNEL.library_path()
 
 
-def load(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
-    """The build for pools of ``kv_dtype``, built on first use; None if it cannot be built here
-    (logged once) or there is none for that dtype."""
-    k = KERNEL if kv_dtype == torch.float32 else KERNELS.get(kv_dtype)  # KERNEL: a test may swap it
+def load(kv_dtype: torch.dtype = torch.float32, act_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """The build for pools of ``kv_dtype`` and activations (queries, outputs, written rows) of
+    ``act_dtype``, built on first use; None if it cannot be built here (logged once) or there is
+    none for those dtypes."""
+    if act_dtype == torch.float32:
+        k = KERNEL if kv_dtype == torch.float32 else KERNELS.get(kv_dtype)  # KERNEL: a test may swap it
+    else:
+        k = ACT_KERNELS.get((act_dtype, kv_dtype))
     return None if k is None else k.load()
 
 
-def available(kv_dtype: torch.dtype = torch.float32) -> bool:
-    return load(kv_dtype) is not None
+def available(kv_dtype: torch.dtype = torch.float32, act_dtype: torch.dtype = torch.float32) -> bool:
+    return load(kv_dtype, act_dtype) is not None
 
 
 def supports(q: torch.Tensor, cache: LayerKV) -> bool:
-    """Whether ``paged_decode`` can run these tensors: CPU, float32 queries, contiguous pools of
-    float32 / bfloat16 / float16 (both of one dtype)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.k.dtype == cache.v.dtype
+    """Whether ``paged_decode`` can run these tensors: CPU, float32 or bfloat16 queries (the
+    output takes their dtype), contiguous pools of float32 / bfloat16 / float16 (both of one dtype)."""
+    return (q.device.type == "cpu" and q.dtype in ACT_DTYPES and cache.k.dtype == cache.v.dtype
             and cache.k.dtype in KERNELS and cache.k.is_contiguous() and cache.v.is_contiguous()
-            and available(cache.k.dtype))
+            and available(cache.k.dtype, q.dtype))
 
 
 def _rows(x: torch.Tensor, heads: int, dim: int) -> bool:
-    # [T, heads, dim] float32 with heads contiguous inside a token (any token stride)
-    return (x.dtype == torch.float32 and x.dim() == 3 and x.shape[1:] == (heads, dim) and x.stride(2) == 1
+    # [T, heads, dim] with heads contiguous inside a token (any token stride)
+    return (x.dim() == 3 and x.shape[1:] == (heads, dim) and x.stride(2) == 1
             and (heads == 1 or x.stride(1) == dim))
 
 
 def supports_write(cache: LayerKV, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``write`` stores these rows: CPU float32 contiguous pools, k / v [T, Hkv, D] float32
-    with each token's heads contiguous (a view of a fused projection's rows is), the kernel built."""
+    """Whether ``write`` stores these rows: CPU contiguous pools of float32 / bfloat16 / float16
+    (both of one dtype), k / v [T, Hkv, D] of one activation dtype (float32 or bfloat16) with each
+    token's heads contiguous (a view of a fused projection's rows is), the kernel built. Rows of
+    another dtype than the pool's are rounded to it as torch's ``copy_`` rounds (nearest even)."""
     hkv, _, dqk = cache.k.shape
-    return (cache.k.device.type == "cpu" and k.device.type == "cpu" and cache.k.dtype == torch.float32
-            and cache.v.dtype == torch.float32 and cache.k.is_contiguous() and cache.v.is_contiguous()
-            and _rows(k, hkv, dqk) and _rows(v, hkv, cache.v.shape[2]) and k.shape[0] == v.shape[0] and available())
+    return (cache.k.device.type == "cpu" and k.device.type == "cpu" and cache.k.dtype == cache.v.dtype
+            and cache.k.dtype in KERNELS and k.dtype in ACT_DTYPES and v.dtype == k.dtype
+            and cache.k.is_contiguous() and cache.v.is_contiguous()
+            and _rows(k, hkv, dqk) and _rows(v, hkv, cache.v.shape[2]) and k.shape[0] == v.shape[0]
+            and available(cache.k.dtype, k.dtype))
 
 
 def write(cache: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -117,7 +129,7 @@ def write(cache: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
         raise ValueError(f"{tuple(slots.shape)} slots for {t} rows")
     if t == 0:
         return
-    rc = load().mmserve_paged_write_f32(cache.k.data_ptr(), cache.v.data_ptr(), num_slots, hkv, dqk, cache.v.shape[2],
+    rc = load(cache.k.dtype, k.dtype).mmserve_paged_write_f32(cache.k.data_ptr(), cache.v.data_ptr(), num_slots, hkv, dqk, cache.v.shape[2],
                                         slots.data_ptr(), t, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0))
     if rc != 0:
         raise IndexError(f"a KV slot outside the pool of {num_slots}")
@@ -153,10 +165,11 @@ def executor(n: int) -> ThreadPoolExecutor:
 def paged_decode(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: torch.Tensor,
                  k0: torch.Tensor | None, lens: torch.Tensor, params: AttentionParams,
                  threads: int | None = None) -> torch.Tensor:
-    """One query per sequence over its context, read in place. q [B, Hq, Dqk] float32; sequence
+    """One query per sequence over its context, read in place. q [B, Hq, Dqk] float32 or
+    bfloat16 (the output's dtype; computed in float32 either way); sequence
     ``b`` reads positions ``k0[b] .. k0[b] + lens[b] - 1`` (``k0`` None: from 0) of row
     ``trows[b]`` of the slot table ``table [R, capacity]`` (long) -> [B, Hq, Dv]."""
-    lib = load(cache.k.dtype)
+    lib = load(cache.k.dtype, q.dtype)
     assert lib is not None and cache.v.dtype == cache.k.dtype, \
         "paged_decode called without the kernel (check supports() first)"
     b, hq, dqk = q.shape
@@ -167,7 +180,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: to
     trows, lens = trows.contiguous(), lens.contiguous()
     k0 = None if k0 is None else k0.contiguous()
     sinks = None if params.sinks is None else params.sinks.detach().float().contiguous()
-    out = torch.empty(b, hq, dv, dtype=torch.float32)
+    out = torch.empty(b, hq, dv, dtype=q.dtype)
     items = b * hkv
     args = (q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), trows.data_ptr(),
             None if k0 is None else k0.data_ptr(), lens.data_ptr(),

@@ -30,6 +30,9 @@
 
 /* The pools' element type, one build each: each element widened to float32 as it is broadcast */
 #include "kv_elem.h"
+/* The activations' (queries, output): float32, or bfloat16 with -DACT_BF16 (widened as Q^T is
+ * packed, each output row rounded as it is stored) */
+#include "act_elem.h"
 
 /* Vector width in floats (-DVW=.. builds another): 16 where the CPU has AVX-512 on full-width
  * units (Intel: two 512-bit FMAs a cycle, so 8-wide code reaches half the peak), 8 on AVX2 and on
@@ -183,7 +186,7 @@ static inline void values(float *restrict ot, const float *restrict pt, const kv
 /* Items: (member b, query block qb, kv head h), in that nesting; every ``step``-th from ``begin``.
  * Returns 0, or 1 when scratch memory could not be had. */
 int mmserve_paged_prefill_f32(
-    const float *q,          /* [B, NQ, Hq, D] */
+    const act_t *q,          /* [B, NQ, Hq, D] */
     const kv_t *kpool,       /* [Hkv, S, D] */
     const kv_t *vpool,       /* [Hkv, S, Dv] */
     const int64_t *table,    /* [R, cap] */
@@ -192,7 +195,7 @@ int mmserve_paged_prefill_f32(
     const int64_t *qpos0,    /* [B] position of query 0 */
     const int64_t *ns,       /* [B] real queries */
     const float *sinks,      /* [Hq] or NULL */
-    float *out,              /* [B, NQ, Hq, Dv] */
+    act_t *out,              /* [B, NQ, Hq, Dv] */
     int64_t B, int64_t NQ, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t S, int64_t cap,
     int64_t window, float scale, int64_t begin, int64_t step)
 {
@@ -200,7 +203,7 @@ int mmserve_paged_prefill_f32(
     const int64_t MQ = G <= M ? M / G : 1; /* queries per item */
     const int64_t rows = MQ * G < M ? MQ * G : M;
     const float L2E = 1.4426950408889634f;
-    const size_t need = (size_t)(D * M + NK * M + Dv * M + 2 * M) * sizeof(float);
+    const size_t need = (size_t)(D * M + NK * M + Dv * M + 2 * M + Dv) * sizeof(float);
     float *scratch = aligned_alloc(64, (need + 63) / 64 * 64);
     const kv_t **ptrs = malloc(sizeof(kv_t *) * 2 * NK);
     if (!scratch || !ptrs || G > M) {
@@ -209,6 +212,7 @@ int mmserve_paged_prefill_f32(
         return 1;
     }
     float *qt = scratch, *st = qt + D * M, *ot = st + NK * M, *mrow = ot + Dv * M, *lrow = mrow + M;
+    float *orow = lrow + M; /* [Dv] an output row before it is stored */
     const kv_t **kp = ptrs, **vp = ptrs + NK;
     int64_t item = 0;
     for (int64_t b = 0; b < B; ++b) {
@@ -223,8 +227,8 @@ int mmserve_paged_prefill_f32(
                 for (int64_t r = 0; r < M; ++r) {
                     const int64_t i = r < rows ? (r / G < nq ? r / G : nq - 1) : nq - 1;
                     const int64_t g = r < rows ? r % G : G - 1;
-                    const float *src = q + ((b * NQ + i0 + i) * Hq + h * G + g) * D;
-                    for (int64_t d = 0; d < D; ++d) qt[d * M + r] = src[d] * scale * L2E;
+                    const act_t *src = q + ((b * NQ + i0 + i) * Hq + h * G + g) * D;
+                    for (int64_t d = 0; d < D; ++d) qt[d * M + r] = act_f(src[d]) * scale * L2E;
                     qpos[r] = p_first + i;
                     mrow[r] = sinks ? sinks[h * G + g] * L2E : INIT;
                     lrow[r] = sinks ? 1.0f : 0.0f;
@@ -288,9 +292,10 @@ int mmserve_paged_prefill_f32(
                 for (int64_t r = 0; r < rows; ++r) {
                     const int64_t i = r / G, g = r % G;
                     if (i >= nq) break;
-                    float *dst = out + ((b * NQ + i0 + i) * Hq + h * G + g) * Dv;
+                    act_t *dst = out + ((b * NQ + i0 + i) * Hq + h * G + g) * Dv;
                     const float inv = 1.0f / lrow[r];
-                    for (int64_t e = 0; e < Dv; ++e) dst[e] = ot[e * M + r] * inv;
+                    for (int64_t e = 0; e < Dv; ++e) orow[e] = ot[e * M + r] * inv;
+                    act_store_row(dst, orow, Dv);
                 }
             }
         }
@@ -307,11 +312,11 @@ int mmserve_paged_prefill_f32(
 typedef void (*chunk_fn_t)(void *ctx, int64_t i);
 typedef void (*par_for_t)(chunk_fn_t fn, void *ctx, int64_t n, int64_t threads);
 typedef struct {
-    const float *q;
+    const act_t *q;
     const kv_t *kpool, *vpool;
     const int64_t *table, *trows, *k0, *qpos0, *ns;
     const float *sinks;
-    float *out;
+    act_t *out;
     int64_t B, NQ, Hq, Hkv, D, Dv, S, cap, window, items;
     float scale;
     volatile int failed;
@@ -327,8 +332,8 @@ static void prefill_chunk(void *ctx, int64_t i)
 }
 
 int mmserve_paged_prefill_pooled_f32(
-    const float *q, const kv_t *kpool, const kv_t *vpool, const int64_t *table, const int64_t *trows, const int64_t *k0,
-    const int64_t *qpos0, const int64_t *ns, const float *sinks, float *out, int64_t B, int64_t NQ, int64_t Hq, int64_t Hkv,
+    const act_t *q, const kv_t *kpool, const kv_t *vpool, const int64_t *table, const int64_t *trows, const int64_t *k0,
+    const int64_t *qpos0, const int64_t *ns, const float *sinks, act_t *out, int64_t B, int64_t NQ, int64_t Hq, int64_t Hkv,
     int64_t D, int64_t Dv, int64_t S, int64_t cap, int64_t window, float scale, void *par_for, int64_t threads)
 {
     const int64_t G = Hq / Hkv;

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from llm_svc.kernels.ckernels import kv_dtype_builds
+from llm_svc.kernels.ckernels import act_kv_dtype_builds
 from . import cpu_paged
 from .base import AttentionParams, LayerKV
 
@@ -44,48 +44,53 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mmserve_prefill_tile_rows.restype = i64
 
 
-# one build per pool dtype: K / V elements are widened to float32 as the kernel reads them
-KERNELS = kv_dtype_builds(SOURCE, "cpu_prefill", _bind, what="CPU paged prefill kernel",
-                          fallback="prefill chunks gather their context")
+# one build per pool dtype: K / V elements are widened to float32 as the kernel reads them; and
+# per activation dtype: bfloat16 queries widened as Q^T is packed, output rows rounded as stored
+# (``act_elem.h``). ACT_KERNELS: {(activation dtype, pool dtype): build}; KERNELS: float32's by pool dtype.
+ACT_KERNELS = act_kv_dtype_builds(SOURCE, "cpu_prefill", _bind, what="CPU paged prefill kernel",
+                                  fallback="prefill chunks gather their context")
+KERNELS = {kv: k for (act, kv), k in ACT_KERNELS.items() if act == torch.float32}
 KERNEL = KERNELS[torch.float32]
 
 
-def load(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
-    """The build for pools of ``kv_dtype`` (built on first use); None if it cannot be built."""
-    k = KERNELS.get(kv_dtype)
+def load(kv_dtype: torch.dtype = torch.float32, act_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """The build for pools of ``kv_dtype`` and queries / outputs of ``act_dtype`` (built on first
+    use); None if it cannot be built."""
+    k = KERNELS.get(kv_dtype) if act_dtype == torch.float32 else ACT_KERNELS.get((act_dtype, kv_dtype))
     return None if k is None else k.load()
 
 
-def available(kv_dtype: torch.dtype = torch.float32) -> bool:
-    return load(kv_dtype) is not None
+def available(kv_dtype: torch.dtype = torch.float32, act_dtype: torch.dtype = torch.float32) -> bool:
+    return load(kv_dtype, act_dtype) is not None
 
 
 def supports(q: torch.Tensor, cache: LayerKV, params: AttentionParams) -> bool:
-    """Whether ``paged_prefill`` can run these tensors: CPU, float32 queries, contiguous pools of
-    float32 / bfloat16 / float16, no soft-cap, at most a tile's rows (``tile_rows``: 64 in the
-    default builds) of query heads per kv head."""
-    return (params.softcap is None and q.device.type == "cpu" and q.dtype == torch.float32
+    """Whether ``paged_prefill`` can run these tensors: CPU, float32 or bfloat16 queries (the
+    output's dtype), contiguous pools of float32 / bfloat16 / float16, no soft-cap, at most a
+    tile's rows (``tile_rows``: 64 in the default builds) of query heads per kv head."""
+    return (params.softcap is None and q.device.type == "cpu" and q.dtype in cpu_paged.ACT_DTYPES
             and cache.k.dtype == cache.v.dtype and cache.k.dtype in KERNELS and cache.k.device.type == "cpu"
             and cache.k.is_contiguous() and cache.v.is_contiguous()
-            and available(cache.k.dtype) and q.shape[-2] // cache.k.shape[0] <= tile_rows(cache.k.dtype))
+            and available(cache.k.dtype, q.dtype) and q.shape[-2] // cache.k.shape[0] <= tile_rows(cache.k.dtype, q.dtype))
 
 
 @functools.cache
-def tile_rows(kv_dtype: torch.dtype = torch.float32) -> int:
+def tile_rows(kv_dtype: torch.dtype = torch.float32, act_dtype: torch.dtype = torch.float32) -> int:
     """Rows of the kernel's tile (query heads x queries) in this machine's build (check ``available``;
     asked once per dtype: ``supports`` runs for every bucket)."""
-    return load(kv_dtype).mmserve_prefill_tile_rows()
+    return load(kv_dtype, act_dtype).mmserve_prefill_tile_rows()
 
 
 def paged_prefill(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: torch.Tensor, k0: torch.Tensor,
                   qpos0: torch.Tensor, ns: torch.Tensor, window: int | None, params: AttentionParams,
                   threads: int | None = None) -> torch.Tensor:
-    """q [B, NQ, Hq, Dqk] float32 (pools of any dtype in ``KERNELS``; float32 out): member
+    """q [B, NQ, Hq, Dqk] float32 or bfloat16 (pools of any dtype in ``KERNELS``; out of q's
+    dtype, computed in float32): member
     ``b``'s first ``ns[b]`` queries at positions
     ``qpos0[b] + i``; the query at position ``p`` reads positions ``max(k0[b], p - W + 1) .. p``
     (``window`` None: from ``k0[b]``) of slot-table row ``trows[b]`` -> [B, NQ, Hq, Dv] (padded
     query rows 0)."""
-    lib = load(cache.k.dtype)
+    lib = load(cache.k.dtype, q.dtype)
     assert lib is not None, "paged_prefill called without the kernel (check supports() first)"
     b, nq, hq, dqk = q.shape
     hkv, num_slots, dv = cache.v.shape
@@ -94,7 +99,7 @@ def paged_prefill(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, trows: t
     q = q.contiguous()
     trows, k0, qpos0, ns = (t.to(torch.long).contiguous() for t in (trows, k0, qpos0, ns))
     sinks = None if params.sinks is None else params.sinks.detach().float().contiguous()
-    out = torch.zeros(b, nq, hq, dv, dtype=torch.float32)
+    out = torch.zeros(b, nq, hq, dv, dtype=q.dtype)
     args = (q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), trows.data_ptr(), k0.data_ptr(),
             qpos0.data_ptr(), ns.data_ptr(), None if sinks is None else sinks.data_ptr(), out.data_ptr(),
             b, nq, hq, hkv, dqk, dv, num_slots, table.shape[1], int(window or 0), float(params.scale))

@@ -71,7 +71,17 @@ def kv_dtype_of(settings: LLMSettings, lm: LoadedLM) -> torch.dtype:
     return lm.dtype if settings.kv_dtype == "auto" else DTYPES[settings.kv_dtype]
 
 
-CPU_PREFILL_STEP_TOKENS = 256  # a CPU step's GEMMs are near their peak rate from ~256 rows
+# a CPU step's GEMMs are near their peak rate from ~256 rows. Re-measured for TTFT under load
+# (vs_vllm MiMo checkpoint in-process, float32, 16 chats in flight, 48 requests of 128-2,048
+# prompt / 64-256 output tokens, 2-core Xeon): a step costs ~15 ms + 0.22 ms per prompt token +
+# 0.8 ms per decode (least squares over ~520 steps); a new request's queue wait is ~0 (p50 <= 5
+# ms) and its TTFT is its own prefill step (p50 ~0.30 s of 0.40 s); 0 / 256 / 1024 here gave TTFT
+# p50 0.405-0.409 / 0.401-0.411 / 0.404 s and 259-275 / 270-275 / 272 tok/s: the same within
+# the noise, so the budget is not where a prompt waits (max_batch_tokens 1024: 0.431 s, 257).
+# Through the service (``python -m benchmarks.vs_vllm --requests 32 --pairs 1``, one run each)
+# 256 kept its edge over 0: chat concurrency TTFT p50 579 vs 725 ms at 308 vs 302 tok/s, rate
+# 249 vs 288 ms (vLLM 1,340 / 999 and 456 / 445 ms in the same runs).
+CPU_PREFILL_STEP_TOKENS = 256
 
 
 def prefill_step_tokens(settings: LLMSettings) -> int:
@@ -141,8 +151,24 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
         speculator = Speculator(spec, lm.eos_token_ids, mtp)
     if settings.warmup and lm.device.type == "cpu":
         warm_buckets(settings.max_batch_tokens, threads)  # the MTP runner's linears included
+    if lm.device.type == "cpu":
+        log_kernel_paths(lm.dtype, kv_dtype)
     return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1,
                   grammars=grammars, speculator=speculator)
+
+
+def log_kernel_paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str | None]:
+    """Which build each family of non-linear C kernels runs at the model's ``dtype`` (one log line
+    each, once per process): ``float32``, ``bfloat16/avx512_bf16`` or ``bfloat16/portable`` (a CPU
+    without the AVX-512 BF16 conversions), or not built (the torch fallback). float16 activations
+    have no build: their kernels' ``supports`` send them to torch."""
+    from ..attention import cpu_paged, cpu_prefill
+    from ..kernels.ckernels import log_act_paths
+    from ..models import cpu_fused
+
+    return log_act_paths({"norm / rope (cpu_fused)": cpu_fused.KERNELS.get(dtype),
+                          "paged decode + KV write (cpu_paged)": cpu_paged.ACT_KERNELS.get((dtype, kv_dtype)),
+                          "paged prefill (cpu_prefill)": cpu_prefill.ACT_KERNELS.get((dtype, kv_dtype))})
 
 
 def model_identity(model_dir: str | Path) -> str:

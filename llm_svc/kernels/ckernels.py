@@ -124,3 +124,77 @@ def kv_dtype_builds(source: Path, name: str, bind: Callable[[ctypes.CDLL], None]
         torch.float16: CKernel(source, name + "_f16", bind, what=f"{what} (float16 KV)", fallback=fallback,
                                flags=FAST_FLAGS + ("-DKV_F16",), headers=headers),
     }
+
+
+def act_dtype_flags() -> dict:
+    """``{torch dtype: extra compiler flags}`` of the activation dtypes the C kernels build for:
+    float32 (none) and bfloat16 (``-DACT_BF16``: ``llm_svc/attention/act_elem.h``)."""
+    import torch
+
+    return {torch.float32: (), torch.bfloat16: ("-DACT_BF16",)}
+
+
+def act_dtype_builds(source: Path, name: str, bind: Callable[[ctypes.CDLL], None], *, what: str, fallback: str,
+                     flags: tuple[str, ...] = FAST_FLAGS, headers: tuple[Path, ...] = ()) -> dict:
+    """A kernel over activations, one build per activation dtype: ``{torch dtype: CKernel}``, float32
+    as ``name``, bfloat16 as ``name + "_abf16"`` (``-DACT_BF16``). The source includes
+    ``act_elem.h`` (``llm_svc/attention/``, added to ``headers``): a bfloat16 build widens each
+    row to float32 as it reads it and rounds its results back to bfloat16; its
+    ``mmserve_act_path()`` names the conversion it compiled to (``act_path``)."""
+    import torch
+
+    headers = tuple(headers) + (Path(__file__).parents[1] / "attention" / "act_elem.h",)
+    out = {}
+    for dt, extra in act_dtype_flags().items():
+        tag = "" if dt == torch.float32 else "_abf16"
+        label = what if dt == torch.float32 else f"{what} (bfloat16 activations)"
+        out[dt] = CKernel(source, name + tag, bind, what=label, fallback=fallback, flags=tuple(flags) + extra,
+                          headers=headers)
+    return out
+
+
+def act_kv_dtype_builds(source: Path, name: str, bind: Callable[[ctypes.CDLL], None], *, what: str,
+                        fallback: str) -> dict:
+    """``kv_dtype_builds`` for each activation dtype: ``{(activation dtype, pool dtype): CKernel}``.
+    The float32-activation builds are ``kv_dtype_builds``' own (same names, same flags)."""
+    import torch
+
+    headers = (source.with_name("kv_elem.h"), source.with_name("act_elem.h"))
+    kv = {torch.float32: ("", ()), torch.bfloat16: ("_bf16", ("-DKV_BF16",)),
+          torch.float16: ("_f16", ("-DKV_F16",))}
+    out = {}
+    for at, aflags in act_dtype_flags().items():
+        atag = "" if at == torch.float32 else "_abf16"
+        for kt, (ktag, kflags) in kv.items():
+            label = what + ("" if kt == torch.float32 else f" ({str(kt).removeprefix('torch.')} KV)") + (
+                "" if at == torch.float32 else " (bfloat16 activations)")
+            out[(at, kt)] = CKernel(source, name + atag + ktag, bind, what=label, fallback=fallback,
+                                    flags=FAST_FLAGS + kflags + aflags, headers=headers)
+    return out
+
+
+def act_path(kernel: CKernel) -> str | None:
+    """The element type and conversion path a build took (``"float32"``, ``"bfloat16/avx512_bf16"``,
+    ``"bfloat16/portable"``: ``act_elem.h``), or None when it is not built here."""
+    lib = kernel.load()
+    if lib is None:
+        return None
+    fn = lib.mmserve_act_path
+    fn.restype, fn.argtypes = ctypes.c_char_p, []
+    return fn().decode()
+
+
+_logged_paths: set[tuple[str, str]] = set()
+
+
+def log_act_paths(families: dict[str, CKernel | None]) -> dict[str, str | None]:
+    """One log line per kernel family naming the path its build took (``act_path``; None: no
+    build, the family runs its torch fallback), once per process: where a CPU lacks the AVX-512
+    BF16 instructions the bfloat16 builds say ``portable``. Returns ``{family: path}``."""
+    out = {}
+    for family, kernel in families.items():
+        path = out[family] = None if kernel is None else act_path(kernel)
+        if (family, str(path)) not in _logged_paths:
+            _logged_paths.add((family, str(path)))
+            log.info("%s kernels: %s", family, path or "none here, torch ops")
+    return out

@@ -11,9 +11,17 @@
  * add_rmsnorm: h += y (in place), out = rmsnorm(h) * w: a residual add and the next norm in
  *   one read of h (the sum of squares in float, the rsqrt of its mean + eps).
  *   The sum runs in 8 lanes (vectorized without reassociating: this file has no -ffast-math).
+ *
+ * Activations (rows, tables, norm weights) are float32, or bfloat16 in the -DACT_BF16 build
+ * (../attention/act_elem.h): each value is widened to float32, and every eager bfloat16 op's
+ * result is rounded as torch rounds it (round to nearest even, per op), so
+ *   qkv_post:    p = bf(bf(x0 * c) + bf(-x1 * s)), v = bf(v * vscale)   (bit-identical to eager bf16)
+ *   add_rmsnorm: h = bf(h + y), out = bf(w * bf(h * rsqrt(mean(h^2) + eps)))   (mimo_blocks.RMSNorm at
+ *                bf16: the mean in float32, summed in another order than torch's: within an ulp)
  */
 #include <math.h>
 #include <stdint.h>
+#include "../attention/act_elem.h"
 
 typedef void (*chunk_fn_t)(void* ctx, int64_t i);
 typedef void (*par_for_t)(chunk_fn_t fn, void* ctx, int64_t n, int64_t threads);
@@ -29,13 +37,14 @@ static void over_rows(chunk_fn_t fn, void* ctx, int64_t T, par_for_t par_for, in
 }
 
 typedef struct {
-    float* x;
-    const float *cos, *sin;
+    act_t* x;
+    const act_t *cos, *sin;
     int64_t T, ld, heads, d, dv, hk, half, ldc;
     float vscale;
     int apply_vscale;
 } qkv_ctx;
 
+#if ACT_IS_F32
 static void qkv_rows(void* vctx, int64_t b) {
     const qkv_ctx* a = vctx;
     const int64_t t1 = (b + 1) * BLOCK < a->T ? (b + 1) * BLOCK : a->T;
@@ -60,9 +69,54 @@ static void qkv_rows(void* vctx, int64_t b) {
         }
     }
 }
+#else
+#define CH 128 /* rope / v elements per stack chunk */
+static void qkv_rows(void* vctx, int64_t b) {
+    const qkv_ctx* a = vctx;
+    const int64_t t1 = (b + 1) * BLOCK < a->T ? (b + 1) * BLOCK : a->T;
+    float x[2 * CH], c[2 * CH], s[2 * CH], u[2 * CH], w[2 * CH];
+    for (int64_t t = b * BLOCK; t < t1; t++) {
+        act_t* row = a->x + t * a->ld;
+        const int64_t half = a->half;
+        for (int64_t i0 = 0; i0 < half; i0 += CH) {
+            const int64_t n = half - i0 < CH ? half - i0 : CH;
+            act_load_row(c, a->cos + t * a->ldc + i0, n);
+            act_load_row(c + n, a->cos + t * a->ldc + half + i0, n);
+            act_load_row(s, a->sin + t * a->ldc + i0, n);
+            act_load_row(s + n, a->sin + t * a->ldc + half + i0, n);
+            for (int64_t h = 0; h < a->heads; h++) {
+                act_t* p = row + h * a->d;
+                act_load_row(x, p + i0, n);
+                act_load_row(x + n, p + half + i0, n);
+                for (int64_t i = 0; i < n; i++) {
+                    u[i] = x[i] * c[i];              /* x * cos, low half */
+                    w[i] = -x[n + i] * s[i];         /* rotate_half(x) * sin */
+                    u[n + i] = x[n + i] * c[n + i];
+                    w[n + i] = x[i] * s[n + i];
+                }
+                act_round_row(u, 2 * n);
+                act_round_row(w, 2 * n);
+                for (int64_t i = 0; i < 2 * n; i++) u[i] = u[i] + w[i];
+                act_store_row(p + i0, u, n);
+                act_store_row(p + half + i0, u + n, n);
+            }
+        }
+        if (a->apply_vscale) {
+            act_t* v = row + a->heads * a->d;
+            const int64_t nv = a->hk * a->dv;
+            for (int64_t i0 = 0; i0 < nv; i0 += 2 * CH) {
+                const int64_t n = nv - i0 < 2 * CH ? nv - i0 : 2 * CH;
+                act_load_row(x, v + i0, n);
+                for (int64_t i = 0; i < n; i++) x[i] = x[i] * a->vscale;
+                act_store_row(v + i0, x, n);
+            }
+        }
+    }
+}
+#endif
 
-int mmserve_qkv_post_f32(float* x, int64_t T, int64_t ld, int64_t hq, int64_t hk, int64_t d, int64_t dv,
-                         int64_t r, const float* cos, const float* sin, int64_t ldc, float vscale,
+int mmserve_qkv_post_f32(act_t* x, int64_t T, int64_t ld, int64_t hq, int64_t hk, int64_t d, int64_t dv,
+                         int64_t r, const act_t* cos, const act_t* sin, int64_t ldc, float vscale,
                          int apply_vscale, par_for_t par_for, int64_t threads) {
     if (r % 2 || r > d) return 1;
     qkv_ctx a = {x, cos, sin, T, ld, hq + hk, d, dv, hk, r / 2, ldc, vscale, apply_vscale};
@@ -71,13 +125,14 @@ int mmserve_qkv_post_f32(float* x, int64_t T, int64_t ld, int64_t hq, int64_t hk
 }
 
 typedef struct {
-    float* h;
-    const float *y, *w;
-    float* out;
+    act_t* h;
+    const act_t *y, *w;
+    act_t* out;
     int64_t T, ldh, ldy, H;
     float eps;
 } norm_ctx;
 
+#if ACT_IS_F32
 static void norm_rows(void* vctx, int64_t b) {
     const norm_ctx* a = vctx;
     const int64_t H = a->H, t1 = (b + 1) * BLOCK < a->T ? (b + 1) * BLOCK : a->T;
@@ -99,8 +154,46 @@ static void norm_rows(void* vctx, int64_t b) {
         for (int64_t k = 0; k < H; k++) o[k] = a->w[k] * (hr[k] * inv);
     }
 }
+#else
+static void norm_rows(void* vctx, int64_t b) {
+    const norm_ctx* a = vctx;
+    const int64_t H = a->H, t1 = (b + 1) * BLOCK < a->T ? (b + 1) * BLOCK : a->T;
+    float x[2 * CH], y[2 * CH];
+    for (int64_t t = b * BLOCK; t < t1; t++) {
+        act_t* hr = a->h + t * a->ldh;
+        act_t* o = a->out + t * H;
+        float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        float ss = 0.f;
+        for (int64_t i0 = 0; i0 < H; i0 += 2 * CH) { /* h = bf(h + y), and the sum of its squares */
+            const int64_t n = H - i0 < 2 * CH ? H - i0 : 2 * CH;
+            act_load_row(x, hr + i0, n);
+            if (a->y) {
+                act_load_row(y, a->y + t * a->ldy + i0, n);
+                for (int64_t i = 0; i < n; i++) x[i] = x[i] + y[i];
+                act_round_row(x, n);
+                act_store_row(hr + i0, x, n);
+            }
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8)
+                for (int j = 0; j < 8; j++) lane[j] += x[i + j] * x[i + j];
+            for (; i < n; i++) ss += x[i] * x[i];
+        }
+        for (int j = 0; j < 8; j++) ss += lane[j];
+        const float inv = 1.0f / sqrtf(ss / (float)H + a->eps);
+        for (int64_t i0 = 0; i0 < H; i0 += 2 * CH) {
+            const int64_t n = H - i0 < 2 * CH ? H - i0 : 2 * CH;
+            act_load_row(x, hr + i0, n);
+            act_load_row(y, a->w + i0, n);
+            for (int64_t i = 0; i < n; i++) x[i] = x[i] * inv;
+            act_round_row(x, n); /* h.to(bfloat16) */
+            for (int64_t i = 0; i < n; i++) x[i] = y[i] * x[i];
+            act_store_row(o + i0, x, n);
+        }
+    }
+}
+#endif
 
-int mmserve_add_rmsnorm_f32(float* h, int64_t ldh, const float* y, int64_t ldy, const float* w, float* out,
+int mmserve_add_rmsnorm_f32(act_t* h, int64_t ldh, const act_t* y, int64_t ldy, const act_t* w, act_t* out,
                             int64_t T, int64_t H, float eps, par_for_t par_for, int64_t threads) {
     norm_ctx a = {h, y, w, out, T, ldh, ldy, H, eps};
     over_rows(norm_rows, &a, T, par_for, threads);

@@ -176,8 +176,8 @@ def test_a_header_the_source_includes_is_part_of_the_build_key(tmp_path, monkeyp
     before = k.library_path()
     hdr.write_text("#define K 2\n")
     assert k.library_path() != before
-    assert cpu_paged.KERNEL.headers == (cpu_paged.SOURCE.with_name("kv_elem.h"),)
-    assert all(b.headers == cpu_paged.KERNEL.headers for b in cpu_paged.KERNELS.values())
+    assert cpu_paged.KERNEL.headers == (cpu_paged.SOURCE.with_name("kv_elem.h"), cpu_paged.SOURCE.with_name("act_elem.h"))
+    assert all(b.headers == cpu_paged.KERNEL.headers for b in cpu_paged.ACT_KERNELS.values())
 
 
 @pytest.mark.parametrize("threads", [2, 4])
@@ -238,4 +238,7 @@ def test_write_is_not_taken_for_rows_it_cannot_read():
     assert cpu_paged.supports_write(cache, k, v)
     assert not cpu_paged.supports_write(cache, k.transpose(0, 1).contiguous().transpose(0, 1), v)  # heads strided
     assert not cpu_paged.supports_write(cache, k.double(), v)
-    assert not cpu_paged.supports_write(LayerKV.empty(8, 2, 4, 4, torch.bfloat16), k, v)
+    assert not cpu_paged.supports_write(cache, k.half(), v.half())  # float16 activations: no build
+    assert not cpu_paged.supports_write(cache, k.bfloat16(), v)  # k and v of two dtypes
+    # pools of another dtype than the rows: rounded as written (tests/unit/test_bf16_kernels.py)
+    assert cpu_paged.supports_write(LayerKV.empty(8, 2, 4, 4, torch.bfloat16), k, v)
