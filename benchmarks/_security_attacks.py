@@ -123,8 +123,9 @@ def _ffmpeg(args: list[str]) -> bytes:
 
 # ---- attacks -----------------------------------------------------------------------------------
 async def template_tokenize(ctx: AttackContext) -> int:
-    return await _post(ctx, ctx.gateway, "/tokenize", {"model": ctx.model, "messages": [{"role": "user", "content": "hi"}],
-                                                  "chat_template_kwargs": {"chat_template": NESTED_TEMPLATE}}, ctx.auth)
+    return await _post(ctx, ctx.gateway, "/tokenize",
+                       {"model": ctx.model, "messages": [{"role": "user", "content": "hi"}],
+                        "chat_template_kwargs": {"chat_template": NESTED_TEMPLATE}}, ctx.auth)
 
 
 async def template_chat(ctx: AttackContext) -> int:

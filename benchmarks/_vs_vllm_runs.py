@@ -86,7 +86,8 @@ class Group:
             c = cfgs["vllm"]
             env = {"LD_PRELOAD": c["ld_preload"], "VLLM_CPU_OMP_THREADS_BIND": "" if c["bind"] == "auto" else c["bind"]}
             self.svc["vllm"] = [srv.vllm_service(model_dir, log_dir, self.served, max_len, kv_bytes,
-                                                 ["--enforce-eager"] if c.get("eager") else [], env, f"{tag}-vllm")]
+                                                 ["--enforce-eager"] if c.get("eager") else [], env, f"{tag}-vllm",
+                                                 dtype=getattr(args, "dtype", "float32"))]
         if "ours" in self.sides:
             c = cfgs["ours"]
             env = {"LD_PRELOAD": c.get("ld_preload", ""),
@@ -96,7 +97,8 @@ class Group:
                    "MMSERVE_LLM_SMALL_STEP_THREADS": "" if c.get("small_threads") is None else str(c["small_threads"])}
             if c.get("host_kv") == "off":
                 env |= {"MMSERVE_LLM_HOST_KV_FULL_BYTES": "0", "MMSERVE_LLM_HOST_KV_SWA_BYTES": "0"}
-            self.svc["ours"] = srv.our_services(model_dir, log_dir, env, self.served, max_len, kv_bytes, f"{tag}-ours")
+            self.svc["ours"] = srv.our_services(model_dir, log_dir, env, self.served, max_len, kv_bytes, f"{tag}-ours",
+                                                dtype=getattr(args, "dtype", "float32"))
         self.url = {s: v[-1].url for s, v in self.svc.items()}
         self.metrics_url = {s: v[0].url for s, v in self.svc.items()}  # vLLM itself / our LLM service
         self.startup: dict[str, float] = {}

@@ -322,7 +322,7 @@ def _clean_env(extra: dict[str, str]) -> dict[str, str]:
 
 def vllm_service(model_dir: Path, log_dir: Path, served: str = SERVED_NAME, max_model_len: int = MAX_MODEL_LEN,
                  kv_bytes: int = KV_GIB << 30, extra_args: list[str] = (), env_extra: dict[str, str] | None = None,
-                 tag: str = "vllm") -> Service:  # fmt: skip
+                 tag: str = "vllm", dtype: str = "float32") -> Service:  # fmt: skip
     """vLLM's OpenAI server; KV budget by ``--kv-cache-memory-bytes`` (the CPU worker takes it as
     the explicit KV size, ``v1/worker/cpu_worker.py`` ``determine_available_memory``; the legacy
     ``VLLM_CPU_KVCACHE_SPACE`` is whole GiB only: ``int()`` in ``platforms/cpu.py``)."""
@@ -330,7 +330,7 @@ def vllm_service(model_dir: Path, log_dir: Path, served: str = SERVED_NAME, max_
     argv = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", str(max_model_len), "--dtype", "float32", "--kv-cache-memory-bytes", str(kv_bytes),
+        "--max-model-len", str(max_model_len), "--dtype", dtype, "--kv-cache-memory-bytes", str(kv_bytes),
         "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens, as ours sends
         *extra_args,
     ]  # fmt: skip
@@ -345,13 +345,15 @@ def vllm_service(model_dir: Path, log_dir: Path, served: str = SERVED_NAME, max_
 
 
 def our_services(model_dir: Path, log_dir: Path, llm_env: dict[str, str] | None = None, served: str = SERVED_NAME,
-                 max_model_len: int = MAX_MODEL_LEN, kv_bytes: int = KV_GIB << 30, tag: str = "ours") -> list[Service]:
-    """LLM service (swa, float32) and a gateway; the gateway's encoder URL is a closed port (a
-    text-only request never calls an encoder). ``llm_env`` goes to the LLM service only."""
+                 max_model_len: int = MAX_MODEL_LEN, kv_bytes: int = KV_GIB << 30, tag: str = "ours",
+                 dtype: str = "float32") -> list[Service]:
+    """LLM service (swa; ``dtype``: weights and activations) and a gateway; the gateway's encoder
+    URL is a closed port (a text-only request never calls an encoder). ``llm_env`` goes to the
+    LLM service only."""
     py = [sys.executable, "-m", "mmserve.cli"]
     env = _clean_env({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     lport, gport, dead = free_port(), free_port(), free_port()
-    llm_env = {"MMSERVE_LLM_DTYPE": "float32", "MMSERVE_LLM_MAX_MODEL_LEN": str(max_model_len), **(llm_env or {})}
+    llm_env = {"MMSERVE_LLM_DTYPE": dtype, "MMSERVE_LLM_MAX_MODEL_LEN": str(max_model_len), **(llm_env or {})}
     llm = Service(
         "llm", f"http://127.0.0.1:{lport}",
         py + ["llm", "--model", str(model_dir), "--port", str(lport), "--backend", "swa", "--kv-bytes", str(kv_bytes)],

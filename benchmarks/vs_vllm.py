@@ -169,6 +169,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kv-gib", type=float, default=float(srv.KV_GIB), help="KV budget of both sides, chat / long")
     ap.add_argument("--agent-kv-gib", type=float, default=None,
                     help="KV budget of both sides, agent (mimo 0.125, 0.0625 --quick; gemma3 0.25, 0.125 --quick)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="both sides' weights and activations (the checkpoint is float32; each side casts at load)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default=None, help="dir for py-spy profiles of one extra chat run per side")
     ap.add_argument("--profile-native", action="store_true", help="py-spy --native (C/C++ frames too)")
@@ -321,7 +323,7 @@ def main() -> int:
     print("models: " + ", ".join(f"{m} {d}" for m, d in dirs.items()) + f"\nserver logs under {log_dir}", flush=True)
     result: dict = {
         "kind": "vs_vllm", "benchmark": "vs_vllm", "quick": args.quick, "models": args.models,
-        "traces": args.traces, "seed": args.seed, "cores": len(os.sched_getaffinity(0)),
+        "traces": args.traces, "seed": args.seed, "dtype": args.dtype, "cores": len(os.sched_getaffinity(0)),
         "checkpoints": {m: {"dir": str(d), **srv.checkpoint_facts(d)} for m, d in dirs.items()},
         "vllm_facts": VLLM_FACTS, "preloads_found": {"tcmalloc": srv.find_tcmalloc(), "iomp": srv.find_iomp()},
         "results": {m: {} for m in dirs}, "servers": {m: {} for m in dirs}, "idle_cpu_cores": {m: {} for m in dirs},

@@ -95,7 +95,8 @@ def check_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
     """Raise ValueError unless ``weight`` e4m3 ``[N, K]`` and ``scale`` ``[ceil(N/Bn), ceil(K/Bk)]``
     agree (one continuous grid: a checkpoint's row-chunked grid is regridded at load)."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-        raise ValueError(f"fp8 block weight must be a 2-D float8_e4m3fn tensor, got {weight.dtype} {list(weight.shape)}")
+        raise ValueError(f"fp8 block weight must be a 2-D float8_e4m3fn tensor, got {weight.dtype} "
+                         f"{list(weight.shape)}")
     n, k = weight.shape
     bn, bk = block
     want = (-(-n // bn), -(-k // bk))
@@ -124,7 +125,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     b = bias.contiguous() if bias is not None else s  # any pointer when there is no bias
     grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
     _kernel()[grid](x2, w, s, b, y, m, n, k, x2.stride(0), w.stride(0), s.stride(0), y.stride(0),
-                    NKB=-(-k // block[1]), BN_SCALE=block[0], HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or mode_interpret(),
+                    NKB=-(-k // block[1]), BN_SCALE=block[0], HAS_BIAS=bias is not None,
+                    IEEE=x.dtype == torch.float32 or mode_interpret(),
                     BM=BLOCK_M, BN=BLOCK_N, BK=block[1])
     return y.view(*x.shape[:-1], n)
 
