@@ -178,3 +178,16 @@ def test_module_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "mmserve.cli", "plan", "--model", str(CONFIGS[0]), "--gpus", "4",
                           "--gpu", "h100", "--json"], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert [lay["layout"] for lay in json.loads(out)["layouts"]] == ["TP4", "TP4 EP4", "DP2 TP2 EP4", "DP4 TP1 EP4"]
+
+
+def test_docs_tables_are_the_commands_output(capsys):
+    """docs/plan.md's tables are what its commands print now."""
+    doc = (ROOT / "docs" / "plan.md").read_text()
+    region = doc[doc.index("### 8 x H200"):doc.index("What the tables say")]
+    chunks = region.split("$ mmserve ")[1:]
+    assert len(chunks) == 6
+    for chunk in chunks:
+        cmd, *rest = chunk.splitlines()
+        expected = [line for line in rest if line.strip() and not line.startswith(("```", "###"))]
+        assert main(cmd.split()) == 0
+        assert capsys.readouterr().out.splitlines() == expected, cmd
