@@ -31,7 +31,6 @@ from pathlib import Path
 
 from llm_svc.models.geometry import FULL_T, AttnGeometry, MiMoGeometry, mimo_geometry
 
-GB = 10**9
 GIB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "float32": 4, "bfloat16": 2}
 
@@ -159,11 +158,6 @@ def dense_mlp_bytes(hidden: int, inter: int, tp: int, p: Precision) -> int:
 def expert_bytes(hidden: int, inter: int, p: Precision) -> int:
     """One routed expert (or its TP shard of ``inter`` rows): gate, up, down."""
     return 2 * linear_bytes(inter, hidden, p) + linear_bytes(hidden, inter, p)
-
-
-def experts_per_rank(n_experts: int, layout: Layout) -> float:
-    """Whole experts a rank holds under EP; without EP every rank holds a slice of all of them."""
-    return n_experts / layout.ep_size
 
 
 def expert_shard_bytes(g: MiMoGeometry, layout: Layout, p: Precision) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from mmserve import plan as P
 
@@ -60,8 +61,7 @@ def _layout_json(pl: P.LayoutPlan) -> dict:
         "layout": lay.name, "tp": lay.tp, "dp": lay.dp, "ep": lay.ep_size if lay.ep else None,
         "status": pl.status, "problems": list(pl.problems),
         "weight_bytes_per_rank": w.total,
-        "weight_bytes_per_rank_by_part": {k: getattr(w, k) for k in
-                                          ("embed", "lm_head", "attention", "dense_mlp", "router", "experts", "norms", "mtp")},
+        "weight_bytes_per_rank_by_part": asdict(w),
         "kv_bytes_per_token_per_rank": {"full_layers": pl.kv_full_per_token, "sliding_layers": pl.kv_swa_per_token},
         "kv_budget_bytes_per_rank": pl.kv_budget,
         "requests_that_fit": {str(c): n for c, n in pl.fits.items()},

@@ -15,7 +15,8 @@ from mmserve import plan as P
 from mmserve.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = [ROOT / "benchmarks" / "configs" / f"{m}.config.json" for m in ("mimo-v2-flash", "mimo-v2.5", "mimo-v2.5-pro")]
+CONFIGS = [ROOT / "benchmarks" / "configs" / f"{m}.config.json"
+           for m in ("mimo-v2-flash", "mimo-v2.5", "mimo-v2.5-pro")]
 
 # 1 full + 3 sliding layers; full: 4 heads / 2 KV heads, sliding: 4 / 4; dims 128 / 128; window 64;
 # layer 0 dense (512), 3 MoE layers of 8 experts (256 wide), top-2; FP8 128x128; bf16 router
