@@ -5,6 +5,7 @@
     mmserve llm      --model DIR [--port 8200] [--backend hf|swa] [...]
     mmserve gateway  [--port 8000] [--encoder-urls URL,...] [--llm-urls URL,...]
     mmserve up       [--model DIR] [--encoders N] [--llms M]   the whole stack as local processes
+    mmserve plan     --model DIR --gpus N [--gpu h100|h200]    deployment arithmetic per TP/EP/DP layout
 
 Every setting of a service (``shared/settings.py``) is a flag of its command, named after the
 field (``max_model_len``: ``--max-model-len``; booleans also ``--no-...``), plus vLLM's name where
@@ -224,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gateway and LLMs render a chat template a request sends (vLLM's flag); off: a 400")
     _add_strict_env(p)
     p.set_defaults(fn=cmd_up)
+
+    from mmserve.plan_report import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return ap
 
 
