@@ -59,8 +59,9 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def fp8_block_gemm(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                       NKB: tl.constexpr, BN_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    def fp8_block_gemm(x_ptr, w_ptr, s_ptr, r_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                       NKB: tl.constexpr, BN_SCALE: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       IEEE: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -69,7 +70,10 @@ def _build():
         rk = tl.arange(0, BK)
         m_ok = rm < M
         n_ok = rn < N
-        s_row = rn // BN_SCALE  # [BN]: each column's scale row (a tile may straddle two)
+        if HAS_ROWS:  # [BN]: each column's scale row, given (a row-chunked grid, a fused projection's part)
+            s_row = tl.load(r_ptr + rn, mask=n_ok, other=0)
+        else:  # one continuous grid (a tile may straddle two scale rows)
+            s_row = rn // BN_SCALE
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kb in range(0, NKB):  # K's scale blocks (a constant per weight shape: a build per K)
             k = kb * BK + rk
@@ -91,16 +95,25 @@ def _build():
     return fp8_block_gemm
 
 
-def check_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
-    """Raise ValueError unless ``weight`` e4m3 ``[N, K]`` and ``scale`` ``[ceil(N/Bn), ceil(K/Bk)]``
-    agree (one continuous grid: a checkpoint's row-chunked grid is regridded at load)."""
+def check_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                scale_rows: torch.Tensor | None = None) -> None:
+    """Raise ValueError unless ``weight`` e4m3 ``[N, K]`` and ``scale`` agree: one continuous grid
+    ``[ceil(N/Bn), ceil(K/Bk)]``, or with ``scale_rows`` (int32 ``[N]``: each weight row's scale
+    row) any ``[R, ceil(K/Bk)]`` the rows index (a row-chunked grid, as MiMo's fused ``qkv_proj``
+    stores it, or a part of one)."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ValueError(f"fp8 block weight must be a 2-D float8_e4m3fn tensor, got {weight.dtype} "
                          f"{list(weight.shape)}")
     n, k = weight.shape
     bn, bk = block
     want = (-(-n // bn), -(-k // bk))
-    if tuple(scale.shape) != want:
+    if scale_rows is not None:
+        if scale_rows.shape != (n,) or scale_rows.dtype != torch.int32 or scale.dim() != 2 or scale.shape[1] != want[1]:
+            raise ValueError(f"scale_rows must be int32 [{n}] over a scale of {want[1]} columns, got "
+                             f"{scale_rows.dtype} {list(scale_rows.shape)} and a scale of {list(scale.shape)}")
+        if n and not 0 <= int(scale_rows.min()) <= int(scale_rows.max()) < scale.shape[0]:
+            raise ValueError(f"scale_rows index past the scale's {scale.shape[0]} rows")
+    elif tuple(scale.shape) != want:
         raise ValueError(f"fp8 block scale has shape {list(scale.shape)}; weight {[n, k]} with blocks {[bn, bk]} "
                          f"needs {list(want)}")
     if bk < 16 or bk & (bk - 1):
@@ -108,10 +121,11 @@ def check_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                     block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+                     block: tuple[int, int] = (128, 128), scale_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ (weight [N, K] e4m3 x block scales).T + bias`` -> ``[..., N]`` in x's dtype.
-    ``scale`` float32 ``[ceil(N/Bn), ceil(K/Bk)]`` (``check_block``)."""
-    check_block(weight, scale, block)
+    ``scale`` float32 ``[ceil(N/Bn), ceil(K/Bk)]``, or any grid ``scale_rows`` indexes
+    (``check_block``)."""
+    check_block(weight, scale, block, scale_rows)
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -124,8 +138,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return y.view(*x.shape[:-1], n)
     b = bias.contiguous() if bias is not None else s  # any pointer when there is no bias
     grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
-    _kernel()[grid](x2, w, s, b, y, m, n, k, x2.stride(0), w.stride(0), s.stride(0), y.stride(0),
-                    NKB=-(-k // block[1]), BN_SCALE=block[0], HAS_BIAS=bias is not None,
+    rows = scale_rows.contiguous() if scale_rows is not None else s  # any pointer when there are none
+    _kernel()[grid](x2, w, s, rows, b, y, m, n, k, x2.stride(0), w.stride(0), s.stride(0), y.stride(0),
+                    NKB=-(-k // block[1]), BN_SCALE=block[0], HAS_ROWS=scale_rows is not None, HAS_BIAS=bias is not None,
                     IEEE=x.dtype == torch.float32 or mode_interpret(),
                     BM=BLOCK_M, BN=BLOCK_N, BK=block[1])
     return y.view(*x.shape[:-1], n)

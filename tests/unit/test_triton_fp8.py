@@ -56,6 +56,26 @@ def test_linear_bfloat16_activations_and_leading_dims():
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
 
 
+def test_row_chunked_scale_grid_through_scale_rows():
+    """MiMo's fused qkv_proj: 3 row chunks of 80 rows, each with its own scale rows (a grid of
+    3 x ceil(80/32) rows), and one chunk alone (a part of the fused weight)."""
+    block, chunk, k = (32, 64), 80, 192
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(3 * chunk, k, generator=g) * 2).to(torch.float8_e4m3fn)
+    per = -(-chunk // block[0])
+    s = torch.rand(3 * per, -(-k // block[1]), generator=g) * 0.02 + 0.001
+    r = torch.arange(3 * chunk)
+    rows = ((r // chunk) * per + (r % chunk) // block[0]).to(torch.int32)
+    x = torch.randn(9, k)
+    want = F.linear(x.double(), dequant_fp8_block(w, s, block, row_groups=3).double())
+    got = fp8_block_linear(x, w, s, block=block, scale_rows=rows)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    part = fp8_block_linear(x, w[chunk:2 * chunk], s, block=block, scale_rows=rows[chunk:2 * chunk])
+    torch.testing.assert_close(part.double(), want[:, chunk:2 * chunk], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="scale_rows index past"):
+        fp8_block_linear(x, w, s[:2], block=block, scale_rows=rows)
+
+
 def test_empty_rows_and_bad_scale():
     w, s = fp8_weight(64, 128, (128, 128), seed=4)
     assert fp8_block_linear(torch.empty(0, 128), w, s).shape == (0, 64)
