@@ -140,7 +140,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
     rows = scale_rows.contiguous() if scale_rows is not None else s  # any pointer when there are none
     _kernel()[grid](x2, w, s, rows, b, y, m, n, k, x2.stride(0), w.stride(0), s.stride(0), y.stride(0),
-                    NKB=-(-k // block[1]), BN_SCALE=block[0], HAS_ROWS=scale_rows is not None, HAS_BIAS=bias is not None,
+                    NKB=-(-k // block[1]), BN_SCALE=block[0], HAS_ROWS=scale_rows is not None,
+                    HAS_BIAS=bias is not None,
                     IEEE=x.dtype == torch.float32 or mode_interpret(),
                     BM=BLOCK_M, BN=BLOCK_N, BK=block[1])
     return y.view(*x.shape[:-1], n)
