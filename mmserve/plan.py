@@ -29,7 +29,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from llm_svc.models.geometry import FULL_T, AttnGeometry, MiMoGeometry, mimo_geometry
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the geometry reader imports torch: only ``read_config`` / ``layer_counts`` need it
+    from llm_svc.models.geometry import AttnGeometry, MiMoGeometry
 
 GIB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "float32": 4, "bfloat16": 2}
@@ -110,6 +113,8 @@ def read_config(path: str | Path) -> tuple[MiMoGeometry, dict]:
     if p.is_dir():
         p = p / "config.json"
     cfg = json.loads(p.read_text())
+    from llm_svc.models.geometry import mimo_geometry
+
     return mimo_geometry(cfg, p), cfg
 
 
@@ -220,6 +225,8 @@ def rank_weights(g: MiMoGeometry, layout: Layout, p: Precision, tie_embeddings: 
 
 def layer_counts(g: MiMoGeometry) -> tuple[int, int]:
     """(full-attention layers, sliding layers)."""
+    from llm_svc.models.geometry import FULL_T
+
     n_full = sum(t == FULL_T for t in g.layer_types)
     return n_full, g.num_layers - n_full
 

@@ -192,3 +192,13 @@ def test_docs_tables_are_the_commands_output(capsys):
         expected = [line for line in rest if line.strip() and not line.startswith(("```", "###"))]
         assert main(cmd.split()) == 0
         assert capsys.readouterr().out.splitlines() == expected, cmd
+
+
+def test_the_cli_imports_no_torch():
+    """``mmserve.cli`` (every service's entry point, the gateway's too) registers ``plan`` without
+    importing torch: the geometry reader it needs loads only when a plan is made."""
+    import subprocess
+    import sys
+
+    code = "import sys, mmserve.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
