@@ -25,6 +25,17 @@ def test_core_env_bounds_openmp_spinning_unless_the_user_chose():
     assert core_env({"GOMP_SPINCOUNT": "5"}) == {"GOMP_SPINCOUNT": "5"}
 
 
+def test_core_env_preloads_tcmalloc_with_bounded_thread_caches():
+    from llm_svc.core.process import TCMALLOC_CACHE_BYTES, TCMALLOC_CACHE_VAR, find_tcmalloc
+
+    lib = find_tcmalloc()
+    assert lib is not None  # setup.sh installs libtcmalloc-minimal4
+    env = core_env({"PATH": "/bin"}, malloc="auto")
+    assert env["LD_PRELOAD"] == lib and env[TCMALLOC_CACHE_VAR] == str(TCMALLOC_CACHE_BYTES)
+    assert core_env({TCMALLOC_CACHE_VAR: "1"}, malloc="auto")[TCMALLOC_CACHE_VAR] == "1"  # the user's wins
+    assert TCMALLOC_CACHE_VAR not in core_env({"PATH": "/bin"}, malloc="system")
+
+
 
 def test_small_steps_run_on_fewer_threads_than_big_ones():
     import torch
