@@ -13,8 +13,8 @@ FP8 scale grids: a row's scale row is ``quant.fp8_scale_rows`` (the ``row_groups
 fused ``qkv_proj``, whose grid restarts per row chunk, included), spread to one scale per column
 at pack time, so a tile whose columns straddle two scale blocks needs nothing special. Only
 128-deep K blocks pack (the kernel's group); other block sizes stay on the dequantize-at-load path
-(``fp8_packable``). The stored scale is ``scale_inv * 2^120`` (w_elem.h: the exponent-bias
-difference of e4m3 and float32, folded in).
+(``fp8_packable``). The stored scale is ``scale_inv * 2^8`` (w_elem.h: the exponent-bias
+difference of e4m3 and float16, folded in).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from . import cpu_packed
 from .quant import MXFP4_GROUP, fp8_scale_rows
 
 FP8_GROUP = 128
-_FP8_BIAS = 2.0 ** 120
+_FP8_BIAS = 2.0 ** 8
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def pack(fmt: str, w: torch.Tensor, scale: torch.Tensor | None = None, *, block:
         data = _tiles(take(w.view(torch.uint8)), nb)  # [nb, K, NB] bytes
         s = take(scale.float().index_select(0, srow)) * _FP8_BIAS  # [N, ceil(K / 128)]
         if not torch.isfinite(s).all():
-            raise ValueError("fp8 scales of 2^8 or more do not pack (scale x 2^120 overflows float32)")
+            raise ValueError("fp8 scales of 2^120 or more do not pack (scale x 2^8 overflows float32)")
         scales = _tiles(s, nb)  # [nb, ceil(K / 128), NB]
     elif fmt == "mxfp4":
         if w.dtype != torch.uint8 or scale is None or w.dim() != 3 or w.shape[2] != MXFP4_GROUP // 2 \
