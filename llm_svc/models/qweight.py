@@ -26,7 +26,7 @@ import torch
 
 from llm_svc.kernels.ckernels import CKernel
 from . import cpu_packed
-from .quant import MXFP4_GROUP, fp8_scale_rows
+from .quant import FP4_VALUES, MXFP4_GROUP, fp8_scale_rows
 
 FP8_GROUP = 128
 _FP8_BIAS = 2.0 ** 8
@@ -98,6 +98,64 @@ def fp8_packable(block: tuple[int, int]) -> bool:
     return block[1] == FP8_GROUP
 
 
+# A weight "by rows": ``rows [N, K]`` one element a row entry (float32, bfloat16 as int16, e4m3
+# bytes, MXFP4 one nibble a byte) and ``rscales [N, groups]`` (FP8 float32 x 2^8, MXFP4 E8M0
+# bytes; None unscaled): what tiles are made of, and what they are unmade into to join weights.
+
+def _from_rows(fmt: str, rows: torch.Tensor, rscales: torch.Tensor | None, kern: CKernel) -> PackedWeight:
+    nb = 2 * _vl(kern)
+    n, k = rows.shape
+    data = _tiles(rows, nb)  # [nb, K, NB]
+    if fmt == "bfloat16":
+        data = data.view(torch.uint8).view(data.shape[0], k, 2 * nb)
+    elif fmt == "mxfp4":
+        data = data[..., :nb // 2] | (data[..., nb // 2:] << 4)  # [nb, K, VL]: column i low, VL + i high
+    scales = None if rscales is None else _tiles(rscales, nb).contiguous()
+    return PackedWeight(fmt, n, k, data.contiguous(), scales, kern)
+
+
+def _untile(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``_tiles``' inverse: ``[nb, K, NB, ...]`` -> ``[n, K, ...]``."""
+    nb, k, cols = t.shape[:3]
+    return t.transpose(1, 2).reshape(nb * cols, k, *t.shape[3:])[:n]
+
+
+def _to_rows(pw: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    d = pw.data
+    if pw.fmt == "bfloat16":
+        d = d.view(torch.int16)
+    elif pw.fmt == "mxfp4":
+        d = torch.cat((d & 0x0F, d >> 4), -1)  # [nb, K, NB], one nibble a byte
+    return _untile(d, pw.n), None if pw.scales is None else _untile(pw.scales, pw.n)
+
+
+def dense(pw: PackedWeight) -> torch.Tensor:
+    """The float32 weight ``[n, k]`` a packed one stands for (the dequantized checkpoint tensor)."""
+    rows, rs = _to_rows(pw)
+    if pw.fmt == "float32":
+        return rows.clone()
+    if pw.fmt == "bfloat16":
+        return rows.view(torch.bfloat16).float()
+    if pw.fmt == "fp8":
+        s = rs / _FP8_BIAS
+        return rows.view(torch.float8_e4m3fn).float() * s[:, torch.arange(pw.k) // FP8_GROUP]
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    return lut[rows.long()] * torch.exp2(rs.float() - 127.0)[:, torch.arange(pw.k) // MXFP4_GROUP]
+
+
+def concat(parts: list[PackedWeight], rows: torch.Tensor | None = None) -> PackedWeight:
+    """Packed weights of one format and input size joined by rows (``[sum of n, k]``, then the
+    rows ``rows`` of that if given): q | k | v, or a gated MLP's gate | up."""
+    if len({(p.fmt, p.k) for p in parts}) != 1:
+        raise ValueError("joined packed weights need one format and one input size")
+    pieces = [_to_rows(p) for p in parts]
+    r = torch.cat([x for x, _ in pieces])
+    s = None if pieces[0][1] is None else torch.cat([x for _, x in pieces])
+    if rows is not None:
+        r, s = r.index_select(0, rows), None if s is None else s.index_select(0, rows)
+    return _from_rows(parts[0].fmt, r, s, parts[0].kernel)
+
+
 def pack(fmt: str, w: torch.Tensor, scale: torch.Tensor | None = None, *, block: tuple[int, int] = (128, 128),
          row_groups: int = 1, rows: torch.Tensor | None = None,
          kernels: dict[str, CKernel] | None = None) -> PackedWeight:
@@ -108,21 +166,19 @@ def pack(fmt: str, w: torch.Tensor, scale: torch.Tensor | None = None, *, block:
       ``row_groups`` as ``quant.dequant_fp8_block``);
     * ``"mxfp4"``: ``w`` the uint8 blocks ``[N, K / 32, 16]``, ``scale`` the E8M0 scales ``[N, K / 32]``.
 
-    ``rows`` (int64 ``[N]``): the packed weight's row i is the stored row ``rows[i]``."""
+    ``rows`` (int64): the packed weight's row i is the stored row ``rows[i]`` (a fused
+    projection's part, or its rows in another order)."""
     kern = kernel(fmt, kernels)
     if kern is None:
         raise RuntimeError(f"the packed kernel for {fmt} weights does not build here")
-    nb = 2 * _vl(kern)
     take = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-    scales = None
+    rscales = None
     if fmt == "float32" or fmt == "bfloat16":
         want = torch.float32 if fmt == "float32" else torch.bfloat16
         if w.dtype != want or w.dim() != 2:
             raise ValueError(f"{fmt} packing takes a 2-D {want} weight, got {w.dtype} {list(w.shape)}")
-        n, k = w.shape
-        data = _tiles(take(w.detach()), nb)
-        if fmt == "bfloat16":
-            data = data.view(torch.int16).view(torch.uint8).view(data.shape[0], k, 2 * nb)
+        r = take(w.detach())
+        r = r.view(torch.int16) if fmt == "bfloat16" else r
     elif fmt == "fp8":
         if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or scale is None:
             raise ValueError(f"fp8 packing takes a 2-D float8_e4m3fn weight and its scale, got {w.dtype}")
@@ -130,25 +186,20 @@ def pack(fmt: str, w: torch.Tensor, scale: torch.Tensor | None = None, *, block:
             raise ValueError(f"fp8 blocks {list(block)}: the kernel packs 128-deep K blocks only")
         n, k = w.shape
         srow = fp8_scale_rows(n, k, scale.shape, block, row_groups)  # [N]
-        data = _tiles(take(w.view(torch.uint8)), nb)  # [nb, K, NB] bytes
-        s = take(scale.float().index_select(0, srow)) * _FP8_BIAS  # [N, ceil(K / 128)]
-        if not torch.isfinite(s).all():
+        r = take(w.view(torch.uint8))
+        rscales = take(scale.float().index_select(0, srow)) * _FP8_BIAS  # [N, ceil(K / 128)]
+        if not torch.isfinite(rscales).all():
             raise ValueError("fp8 scales of 2^120 or more do not pack (scale x 2^8 overflows float32)")
-        scales = _tiles(s, nb)  # [nb, ceil(K / 128), NB]
     elif fmt == "mxfp4":
         if w.dtype != torch.uint8 or scale is None or w.dim() != 3 or w.shape[2] != MXFP4_GROUP // 2 \
                 or tuple(scale.shape) != tuple(w.shape[:2]):
             raise ValueError(f"mxfp4 packing takes blocks [N, G, 16] and scales [N, G], got {list(w.shape)}")
-        n, g = w.shape[:2]
-        k = g * MXFP4_GROUP
         b = take(w)
-        nib = torch.stack((b & 0x0F, b >> 4), dim=-1).view(n, k)  # [N, K]: element 2i in the low nibble
-        t = _tiles(nib, nb)  # [nb, K, NB], one nibble a byte
-        data = t[..., :nb // 2] | (t[..., nb // 2:] << 4)  # [nb, K, VL]: column i low, VL + i high
-        scales = _tiles(take(scale), nb)  # [nb, G, NB]
+        r = torch.stack((b & 0x0F, b >> 4), dim=-1).view(b.shape[0], -1)  # [N, K]: element 2i in the low nibble
+        rscales = take(scale)
     else:
         raise ValueError(f"weight format must be one of {sorted(cpu_packed.FORMATS)}, got {fmt!r}")
-    return PackedWeight(fmt, n, k, data.contiguous(), None if scales is None else scales.contiguous(), kern)
+    return _from_rows(fmt, r, rscales, kern)
 
 
 def experts_packable(fmt: str, hidden: int, inter: int, kernels: dict[str, CKernel] | None = None) -> bool:
@@ -162,36 +213,32 @@ def experts_packable(fmt: str, hidden: int, inter: int, kernels: dict[str, CKern
     return ok and (fmt != "mxfp4" or (hidden % MXFP4_GROUP == 0 and inter % MXFP4_GROUP == 0))
 
 
-Stored = Callable[[int], dict]  # expert e -> pack()'s keyword arguments: w, scale, block, row_groups
-
-
-def pack_experts(fmt: str, num_experts: int, gate_up: Stored, down: Stored,
-                 kernels: dict[str, CKernel] | None = None) -> PackedExperts:
-    """Every expert packed into one stacked copy, one expert at a time: ``gate_up(e)`` gives
-    ``pack``'s arguments for expert e's ``[2I, H]`` weight (gate rows, then up rows; FP8 scale
-    grids stacked the same way, ``row_groups=2`` where I is not a multiple of the block),
-    ``down(e)`` for its ``[H, I]`` one. Check ``experts_packable`` first."""
-    kern = kernel(fmt, kernels)
-    vl = _vl(kern)
+def pack_experts(num_experts: int, gate_up: Callable[[int], PackedWeight],
+                 down: Callable[[int], PackedWeight]) -> PackedExperts:
+    """Every expert's packed weights joined into one stacked copy, one expert at a time:
+    ``gate_up(e)`` expert e's ``[2I, H]`` (gate rows, then up rows; e.g. ``concat`` of its two
+    projections, or ``pack`` of a stored stacked tensor), ``down(e)`` its ``[H, I]``. The
+    callables may free what they read as they go. Check ``experts_packable`` first."""
     stacked: dict[str, PackedWeight] = {}
     for e in range(num_experts):
         for name, get in (("gate_up", gate_up), ("down", down)):
-            args = get(e)
-            if name == "gate_up":
-                n = args["w"].shape[0]
-                j = torch.arange(n // 2).view(-1, vl)  # [I / VL, VL]
-                args["rows"] = torch.cat((j, j + n // 2), 1).reshape(-1)  # tile j: gate j VL.., then up j VL..
-            p = pack(fmt, kernels=kernels, **args)
+            p = get(e)
+            if name == "gate_up":  # tile j: gate columns j VL .., then up columns j VL ..
+                vl = _vl(p.kernel)
+                j = torch.arange(p.n // 2).view(-1, vl)  # [I / VL, VL]
+                p = concat([p], torch.cat((j, j + p.n // 2), 1).reshape(-1))
             if e == 0:
                 stacked[name] = PackedWeight(
-                    fmt, p.n, p.k, torch.empty(num_experts, *p.data.shape, dtype=p.data.dtype),
+                    p.fmt, p.n, p.k, torch.empty(num_experts, *p.data.shape, dtype=p.data.dtype),
                     None if p.scales is None else torch.empty(num_experts, *p.scales.shape, dtype=p.scales.dtype),
-                    kern)
+                    p.kernel)
             s = stacked[name]
+            if (p.fmt, p.n, p.k) != (s.fmt, s.n, s.k):
+                raise ValueError(f"expert {e}: {name} is {p.fmt} [{p.n}, {p.k}], expert 0's {s.fmt} [{s.n}, {s.k}]")
             s.data[e].copy_(p.data)
             if s.scales is not None:
                 s.scales[e].copy_(p.scales)
     g, d = stacked["gate_up"], stacked["down"]
     if g.n != 2 * d.k or d.n != g.k:
         raise ValueError(f"experts: gate_up [{g.n}, {g.k}] and down [{d.n}, {d.k}] do not make an MLP")
-    return PackedExperts(fmt, num_experts, g.k, d.k, g, d, kern)
+    return PackedExperts(g.fmt, num_experts, g.k, d.k, g, d, g.kernel)

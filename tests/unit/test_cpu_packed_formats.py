@@ -129,8 +129,8 @@ def test_routed_experts_equal_dequantize_then_moe(build, fmt, tokens):
             a.update(w=torch.cat((gate[0]["w"], up[0]["w"])), scale=torch.cat((gate[0]["scale"], up[0]["scale"])),
                      row_groups=2)
             stored["gate_up"][j] = (a, torch.cat((gate[1], up[1])))
-    pe = qweight.pack_experts(fmt, e, lambda j: dict(stored["gate_up"][j][0]), lambda j: dict(stored["down"][j][0]),
-                              kernels=kernels)
+    pe = qweight.pack_experts(e, lambda j: qweight.pack(fmt, kernels=kernels, **stored["gate_up"][j][0]),
+                              lambda j: qweight.pack(fmt, kernels=kernels, **stored["down"][j][0]))
     gate_up = torch.stack([s[1] for s in stored["gate_up"]])
     down = torch.stack([s[1] for s in stored["down"]])
     g = torch.Generator().manual_seed(tokens)
@@ -143,6 +143,25 @@ def test_routed_experts_equal_dequantize_then_moe(build, fmt, tokens):
     assert torch.equal(cpu_packed.moe_w(x, idx, w, pe, threads=2), one)
     with pytest.raises(ValueError, match="outside"):
         cpu_packed.moe_w(x, idx + e, w, pe)
+
+
+@pytest.mark.parametrize("fmt", ("float32",) + FORMATS)
+def test_packed_weights_unpack_join_and_reorder(fmt):
+    """``dense`` gives back the dequantized weight; ``concat`` (q | k | v, gate | up) with a row
+    order equals packing the joined stored rows in that order."""
+    k = 320 if fmt == "mxfp4" else 301
+    if fmt == "float32":
+        parts = [({"w": w}, w) for w in (torch.randn(40, k), torch.randn(37, k))]
+    else:
+        parts = [_stored(fmt, n, k, seed=n) for n in (40, 37)]
+    pws = [qweight.pack(fmt, **a) for a, _ in parts]
+    for pw, (_, want) in zip(pws, parts):
+        assert torch.equal(qweight.dense(pw), want)
+    order = torch.randperm(77)
+    joined = qweight.concat(pws, order)
+    assert torch.equal(qweight.dense(joined), torch.cat([d for _, d in parts])[order])
+    x = torch.randn(3, k)
+    _close(cpu_packed.gemm(x, joined), x.double() @ torch.cat([d for _, d in parts])[order].double().T)
 
 
 def test_fp8_scales_that_would_overflow_are_refused():
