@@ -98,7 +98,7 @@ class GatedMLP:
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
             raise ValueError("GatedMLP packs bias-free projections only")
         act = act or getattr(mlp, "act_fn", F.silu)
-        if getattr(mlp.gate_proj, "qweight", None) is not None:  # kept packed at load
+        if getattr(mlp.gate_proj, "qweight", None) is not None or getattr(mlp.gate_proj, "qweight_joined", None) is not None:  # kept packed at load
             gu, _ = join_packed([mlp.gate_proj, mlp.up_proj])
             return cls(gu, mlp.down_proj.qweight, act, backend)
         gu, _ = stack_linears([mlp.gate_proj, mlp.up_proj])
@@ -144,6 +144,8 @@ class RoutedExperts:
         or a ``ModuleList`` of gated MLP modules (mmserve's published-layout tree)."""
         if hasattr(experts, "gate_up_proj"):
             return cls(experts.gate_up_proj, experts.down_proj, act or experts.act_fn, backend)
+        if getattr(experts, "packed_experts", None) is not None:  # stacked before (a second model over one tree)
+            return cls(None, None, act or F.silu, backend, packed=experts.packed_experts)
         if getattr(experts[0].gate_proj, "qweight", None) is not None:
             return cls._from_packed_modules(experts, act or F.silu, backend)
         gu = torch.stack([torch.cat([e.gate_proj.weight.detach(), e.up_proj.weight.detach()], 0)
@@ -174,7 +176,8 @@ class RoutedExperts:
                 w, experts[j].down_proj.qweight = experts[j].down_proj.qweight, None
                 return w
 
-            return cls(None, None, act, backend, packed=qweight.pack_experts(len(experts), gate_up, down))
+            experts.packed_experts = qweight.pack_experts(len(experts), gate_up, down)
+            return cls(None, None, act, backend, packed=experts.packed_experts)
         for e in experts:  # the float weights the other paths read
             for m in (e.gate_proj, e.up_proj, e.down_proj):
                 _rebind(m, "weight", qweight.dense(m.qweight))

@@ -241,8 +241,16 @@ def join_packed(linears: list[nn.Linear]) -> tuple[PackedWeight, torch.Tensor | 
     names the joined weight and their rows in it) and their biases stacked."""
     if len({m.bias is None for m in linears}) != 1:
         raise ValueError("stacked linears need all or none with a bias")
-    w = qweight.concat([m.qweight for m in linears])
     b = None if linears[0].bias is None else torch.cat([m.bias.detach().float() for m in linears], 0).contiguous()
+    joined = {id(getattr(m, "qweight_joined", None)) for m in linears}
+    if len(joined) == 1 and all(m.qweight is None for m in linears):  # joined before (a second model over one tree)
+        w = linears[0].qweight_joined
+        bounds = [m.qweight_rows for m in linears]
+        if bounds[0][0] == 0 and bounds[-1][1] == w.n and all(a[1] == c[0] for a, c in zip(bounds, bounds[1:])):
+            return w, b
+    if any(m.qweight is None for m in linears):
+        raise ValueError("these packed linears were joined with others before; join the same ones")
+    w = qweight.concat([m.qweight for m in linears])
     row = 0
     for m in linears:
         m.qweight_rows = (row, row + m.qweight.n)
@@ -257,7 +265,8 @@ def fuse_linears(linears: list[nn.Linear], backend: str = "auto") -> Linear:
     out_features]`` in one GEMM over their stacked weights (``stack_linears``, or
     ``join_packed`` for linears kept packed at load). Used for q | k | v: one read of x and one
     call instead of three."""
-    if all(getattr(m, "qweight", None) is not None for m in linears):
+    if all(getattr(m, "qweight", None) is not None or getattr(m, "qweight_joined", None) is not None
+           for m in linears):
         return make_linear(*join_packed(linears), backend)
     return make_linear(*stack_linears(linears), backend)
 

@@ -1,0 +1,51 @@
+"""Published FP8 checkpoints served with their weights kept packed (``qweight``: FP8 bytes +
+block scales, never widened as a whole) give the same greedy tokens as the same checkpoint
+dequantized at load, and the module holds no float copy of the packed linears.
+
+The logits differ only by float32 summation order (the packed kernel widens each FP8 tile row
+with its scale to the very float32 weight the dequantize path holds: ``qweight.dense``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from llm_svc.loading.loader import load_lm
+from llm_svc.models import qweight
+from mmserve.tiny import mimo_published as mp
+from tests.conftest import SMALL_W
+from tests.integration.test_quantized_checkpoints import PRESETS, _greedy, _prompts
+from tests.unit.test_llm_runner import SlotSim, make_runner, run_chunked
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("arch, layout", [("mimo-v2.5", "fused_qkv"), ("mimo-v2-flash", "split")])
+def test_mimo_fp8_served_packed_is_the_dequantized_model(arch, layout, tmp_path):
+    d = mp.write_mimo_published(tmp_path / "fp8", PRESETS[arch], sliding_window=SMALL_W, layout=layout, quant="fp8")
+    packed, ref = load_lm(str(d)), load_lm(str(d), keep_packed=False)
+    linears = [(n, m) for n, m in packed.model.named_modules() if type(m) is nn.Linear]
+    kept = {n: m for n, m in linears if getattr(m, "qweight", None) is not None}
+    assert len(kept) > 20 and all(m.weight is None and m.qweight.fmt == "fp8" for m in kept.values())
+    assert all(".experts." in n or ".self_attn." in n or ".mlp." in n for n in kept)  # not embeddings / lm_head
+    ref_sd = ref.model.state_dict()
+    for n, m in kept.items():  # the packed weight is the dequantized one, bit for bit
+        assert torch.equal(qweight.dense(m.qweight), ref_sd[n + ".weight"]), n
+    prompts = _prompts()
+    assert _greedy(packed, prompts) == _greedy(ref, prompts)
+    moe = [layer.mlp.experts for layer in packed.model.model.layers if hasattr(layer.mlp, "experts")]
+    assert moe and all(e.packed_experts.fmt == "fp8" for e in moe)  # the engine ran them packed
+    ids = _prompts((60,), seed=3)[0]
+    a = run_chunked(make_runner(packed), SlotSim(2048, 256, seed=1), "a", ids, 16, 40)
+    b = run_chunked(make_runner(ref), SlotSim(2048, 256, seed=1), "b", ids, 16, 40)
+    assert max(float((a[p] - b[p]).abs().max()) for p in a) < 1e-3
+
+
+def test_packed_load_keeps_no_float_copy_of_the_quantized_linears(tmp_path):
+    d = mp.write_mimo_published(tmp_path / "fp8", PRESETS["mimo-v2-flash"], sliding_window=SMALL_W, quant="fp8")
+    lm = load_lm(str(d))
+    params = sum(p.numel() for p in lm.model.parameters())
+    ref = sum(p.numel() for p in load_lm(str(d), keep_packed=False).model.parameters())
+    packed = sum(m.qweight.n * m.qweight.k for m in lm.model.modules() if getattr(m, "qweight", None) is not None)
+    assert params + packed == ref
