@@ -177,6 +177,9 @@ class RoutedExperts:
                 return w
 
             experts.packed_experts = qweight.pack_experts(len(experts), gate_up, down)
+            for j, e in enumerate(experts):  # where state_dict finds each one's weight now
+                for part in ("gate", "up", "down"):
+                    getattr(e, part + "_proj").qweight_expert = (experts.packed_experts, j, part)
             return cls(None, None, act, backend, packed=experts.packed_experts)
         for e in experts:  # the float weights the other paths read
             for m in (e.gate_proj, e.up_proj, e.down_proj):

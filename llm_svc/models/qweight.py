@@ -242,3 +242,36 @@ def pack_experts(num_experts: int, gate_up: Callable[[int], PackedWeight],
     if g.n != 2 * d.k or d.n != g.k:
         raise ValueError(f"experts: gate_up [{g.n}, {g.k}] and down [{d.n}, {d.k}] do not make an MLP")
     return PackedExperts(g.fmt, num_experts, g.k, d.k, g, d, g.kernel)
+
+
+def dense_of(m) -> torch.Tensor | None:
+    """The float32 weight of a linear kept packed at load, wherever its packed copy lives now:
+    its own ``qweight``, its rows of a joined weight (``linear.join_packed``), or its part of a
+    layer's stacked experts (``fused_mlp.RoutedExperts``); None for a float linear."""
+    if getattr(m, "qweight", None) is not None:
+        return dense(m.qweight)
+    if getattr(m, "qweight_joined", None) is not None:
+        r0, r1 = m.qweight_rows
+        return dense(m.qweight_joined)[r0:r1]
+    src = getattr(m, "qweight_expert", None)
+    if src is None:
+        return None
+    pe, e, part = src
+    p = pe.down if part == "down" else pe.gate_up
+    w = dense(PackedWeight(p.fmt, p.n, p.k, p.data[e], None if p.scales is None else p.scales[e], p.kernel))
+    if part == "down":
+        return w
+    i, vl = pe.inter, _vl(pe.kernel)
+    j = torch.arange(i).view(-1, vl)
+    stored = torch.empty_like(w)
+    stored[torch.cat((j, j + i), 1).reshape(-1)] = w  # the tiles' interleaved gate / up rows, back in order
+    return stored[:i] if part == "gate" else stored[i:]
+
+
+def state_dict_hook(module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """``state_dict`` of a linear kept packed: its dequantized weight (in ``module.qweight_dtype``)
+    under ``weight``, so a packed model's state dict is the dequantized model's (materialized
+    per call: a serving model never asks for it)."""
+    w = dense_of(module)
+    if w is not None:
+        state_dict[prefix + "weight"] = w.to(getattr(module, "qweight_dtype", torch.float32))

@@ -237,6 +237,7 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
                                   "describes (a config field disagrees with the weights)")
         todo.append((name, target))
     keep_packed = keep_packed and fp8_packs_here(scheme)
+    from . import qweight
     since_trim = 0
     with torch.no_grad():
         for name, target in todo:
@@ -245,6 +246,8 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
                 for mod, tgt, pw in packed:
                     mod.weight = None
                     mod.qweight = pw
+                    mod.qweight_dtype = dtype
+                    mod._register_state_dict_hook(qweight.state_dict_hook)  # state_dict: the dequantized weight
                     seen.add(tgt)
                     since_trim += pw.nbytes
                 if since_trim >= _TRIM_EVERY:

@@ -49,3 +49,19 @@ def test_packed_load_keeps_no_float_copy_of_the_quantized_linears(tmp_path):
     ref = sum(p.numel() for p in load_lm(str(d), keep_packed=False).model.parameters())
     packed = sum(m.qweight.n * m.qweight.k for m in lm.model.modules() if getattr(m, "qweight", None) is not None)
     assert params + packed == ref
+
+
+def test_a_packed_models_state_dict_is_the_dequantized_ones(tmp_path):
+    """``state_dict`` of linears kept packed gives their dequantized weights, before and after the
+    engine's model joins q | k | v and gate | up and stacks the experts."""
+    from llm_svc.models.mimo import MiMoModel
+
+    d = mp.write_mimo_published(tmp_path / "fp8", PRESETS["mimo-v2.5"], sliding_window=SMALL_W, layout="fused_qkv",
+                                quant="fp8")
+    packed, ref = load_lm(str(d)), load_lm(str(d), keep_packed=False)
+    want = ref.model.state_dict()
+    for when in ("loaded", "served"):
+        got = packed.model.state_dict()
+        assert got.keys() == want.keys(), when
+        assert not [k for k in want if not torch.equal(got[k], want[k])], when
+        MiMoModel(packed.model)
