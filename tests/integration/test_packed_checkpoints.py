@@ -65,3 +65,27 @@ def test_a_packed_models_state_dict_is_the_dequantized_ones(tmp_path):
         assert got.keys() == want.keys(), when
         assert not [k for k in want if not torch.equal(got[k], want[k])], when
         MiMoModel(packed.model)
+
+
+@pytest.mark.parametrize("quant", ["fp8", None])
+def test_bfloat16_serves_through_the_packed_kernels(quant, tmp_path):
+    """``--dtype bfloat16``: FP8 linears stay packed (bfloat16 activations widened at the kernel
+    boundary) and a float checkpoint's linears and experts run the kernel's bfloat16 build."""
+    from llm_svc.models.fused_mlp import RoutedExperts
+    from llm_svc.models.linear import PackedLinear
+
+    d = mp.write_mimo_published(tmp_path / "m", PRESETS["mimo-v2-flash"], sliding_window=SMALL_W, quant=quant)
+    lm = load_lm(str(d), dtype="bfloat16")
+    prompts = _prompts()
+    got = _greedy(lm, prompts)
+    assert all(len(t) == 12 for t in got)
+    fmt = "fp8" if quant else "bfloat16"
+    assert lm.model.lm_head.forward.weight.fmt == "bfloat16"
+    moe = lm.model.model.layers[1].mlp.experts
+    if quant:
+        assert moe.packed_experts.fmt == "fp8"
+    else:
+        assert RoutedExperts.pack(moe).packed.fmt == fmt
+    assert isinstance(lm.model.model.layers[0].self_attn.o_proj.forward, PackedLinear)
+    want = _greedy(load_lm(str(d)), prompts)  # float32 on the same weights
+    assert any(g[0] == w[0] for g, w in zip(got, want))  # a random tiny model: bfloat16 soon diverges
