@@ -96,19 +96,17 @@ int mmserve_moe_pack_f32(const float* gate_up, const float* down, int64_t E, int
 /* Software prefetch W_PREFETCH bytes ahead of the row being read (0: none). A tile is one
  * stream of K x W_ROW bytes (an FP8 expert's gate | up tile at H = 4096: 128 KB), and a MoE
  * decode step jumps to another expert's tile after each: the hardware prefetcher alone kept too
- * few lines in flight. 32 FP8 experts of MiMo-V2-Flash size, 2 threads: 16 tokens 100 -> 52 ms,
- * one token 20.5 -> 11.2 ms (2 KB ahead: 55 / 11.1, 8 KB: 55 / 10.9). Prefetches past a tile's
+ * few lines in flight. 32 FP8 experts of MiMo-V2-Flash size, 2 threads: 16 tokens 100 -> 51 ms,
+ * one token 20.5 -> 9.7 ms (2 KB ahead: 55 / 11.1, 8 KB: 55 / 10.9, one line a row). Prefetches past a tile's
  * end touch the next tile or fall outside the weight: a prefetch never faults. */
 #ifndef W_PREFETCH
-#define W_PREFETCH 4096 /* float32 experts too: 24 of that size, 16 tokens 130 -> 94 ms, one 32.3 -> 30.2 */
+#define W_PREFETCH 4096 /* float32 experts too: 24 of that size, 16 tokens 130 -> 123 ms, one 32.3 -> 30.7 */
 #endif
-#if W_ROW >= 64
-#define W_PREFETCH_ROW(p) \
-    for (int l_ = 0; l_ < W_ROW; l_ += 64) __builtin_prefetch((p) + W_PREFETCH + l_)
-#else
-#define W_PREFETCH_ROW(p) \
-    if (!(((uintptr_t)(p)) & 63)) __builtin_prefetch((p) + W_PREFETCH)
-#endif
+/* one prefetch a row, the same code in every build: the tile loops then compile alike, and a
+ * format's results equal float32's on the same (widened) weights bit for bit, which
+ * -ffast-math's freedom to reassociate would not promise for differently shaped loops (float32
+ * rows of 128 bytes get every other line prefetched: the hardware prefetcher follows) */
+#define W_PREFETCH_ROW(p) __builtin_prefetch((p) + W_PREFETCH)
 
 /* acc0[m] += a[m][k] * b[k][0:VL], acc1[m] += a[m][k] * b[k][VL:2VL] for k < K and the MM rows
  * a[0..MM) (row pointers); b one tile [K][W_ROW bytes] of this build's format, sc its scales
