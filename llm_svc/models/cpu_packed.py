@@ -19,6 +19,14 @@ over 8 experts, top-2: ~80 rows each), where oneDNN ran the vs_vllm MiMo checkpo
 ``index_add_`` back cost ~5 ms a layer at 2,048 tokens. Here the tokens' rows are read in place,
 each column block of the two products runs for every expert as one work item, SiLU is applied
 to the accumulators and the down product is added, weighted, straight into each token's row.
+
+Weight formats (``FORMATS``, ``builds``): one build of the source per weight element type
+(``w_elem.h``: float32, bfloat16, FP8 e4m3 with block scales, MXFP4), the way the attention
+kernels build per KV dtype. ``gemm`` / ``moe_w`` run any of them on ``qweight.PackedWeight`` /
+``PackedExperts``; each tile row is widened to float32 in registers (activations and outputs
+stay float32: W8A32 / W4A32 / W16A32), so a decode step streams the narrow weight. Decode-sized
+calls run here too (``linear.PackedLinear`` takes every row count), so the few-row kernel
+(``cpu_gemv``) stays float32-only: it serves the shapes this kernel does not pack.
 """
 
 from __future__ import annotations
