@@ -89,3 +89,17 @@ def test_bfloat16_serves_through_the_packed_kernels(quant, tmp_path):
     assert isinstance(lm.model.model.layers[0].self_attn.o_proj.forward, PackedLinear)
     want = _greedy(load_lm(str(d)), prompts)  # float32 on the same weights
     assert any(g[0] == w[0] for g, w in zip(got, want))  # a random tiny model: bfloat16 soon diverges
+
+
+def test_without_the_fp8_kernel_the_checkpoint_is_dequantized_at_load(tmp_path, monkeypatch):
+    """Where the FP8 build cannot be built (no compiler) the same checkpoint loads dequantized,
+    as before, and serves."""
+    from llm_svc.models import qweight as q
+
+    d = mp.write_mimo_published(tmp_path / "fp8", PRESETS["mimo-v2-flash"], sliding_window=SMALL_W, quant="fp8")
+    real = q.kernel
+    monkeypatch.setattr(q, "kernel", lambda fmt, kernels=None: None if fmt == "fp8" else real(fmt, kernels))
+    lm = load_lm(str(d))
+    assert not [m for m in lm.model.modules() if getattr(m, "qweight", None) is not None]
+    assert lm.model.model.layers[1].mlp.experts[0].up_proj.weight.dtype == torch.float32
+    assert all(len(t) == 12 for t in _greedy(lm, _prompts()))
