@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_gemv, cpu_packed, qweight
-from .linear import Linear, join_packed, make_linear, resolve, stack_linears
+from .linear import DenseOfPacked, Linear, join_packed, make_linear, resolve, stack_linears
 from .qweight import PackedExperts, PackedWeight
 
 
@@ -179,7 +179,9 @@ class RoutedExperts:
             experts.packed_experts = qweight.pack_experts(len(experts), gate_up, down)
             for j, e in enumerate(experts):  # where state_dict finds each one's weight now
                 for part in ("gate", "up", "down"):
-                    getattr(e, part + "_proj").qweight_expert = (experts.packed_experts, j, part)
+                    m = getattr(e, part + "_proj")
+                    m.qweight_expert = (experts.packed_experts, j, part)
+                    m.forward = DenseOfPacked(m)
             return cls(None, None, act, backend, packed=experts.packed_experts)
         for e in experts:  # the float weights the other paths read
             for m in (e.gate_proj, e.up_proj, e.down_proj):

@@ -235,6 +235,34 @@ def stack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
     return w, b
 
 
+class DenseOfPacked:
+    """The ``forward`` of a linear kept packed at load whose packed copy now lives in a joined or
+    stacked weight (``join_packed``, ``fused_mlp.RoutedExperts``): called directly, as a module
+    tree's own forward does (the engine calls the fused callables instead), it widens its weight
+    per call (``qweight.dense_of``): correct, not fast."""
+
+    def __init__(self, module: nn.Linear):
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        return F.linear(x, qweight.dense_of(m).to(x.dtype), None if m.bias is None else m.bias.to(x.dtype))
+
+
+class OwnPacked:
+    """The ``forward`` a linear kept packed at load gets there: its own ``qweight`` through the
+    packed kernel, its bias as it is at call time (loaded after the weight or not)."""
+
+    def __init__(self, module: nn.Linear):
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        b = None if m.bias is None else m.bias.detach().float().contiguous()
+        y = cpu_packed.gemm(x if x.dtype == torch.float32 else x.float(), m.qweight, b)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 def join_packed(linears: list[nn.Linear]) -> tuple[PackedWeight, torch.Tensor | None]:
     """``stack_linears`` of linears kept packed at load (``qweight``): their packed weights
     joined by rows (a new copy: the parts are dropped from the modules, whose ``qweight`` then
@@ -257,6 +285,7 @@ def join_packed(linears: list[nn.Linear]) -> tuple[PackedWeight, torch.Tensor | 
         row += m.qweight.n
         m.qweight = None  # one copy: the joined one
         m.qweight_joined = w
+        m.forward = DenseOfPacked(m)
     return w, b
 
 

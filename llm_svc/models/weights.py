@@ -238,6 +238,7 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
         todo.append((name, target))
     keep_packed = keep_packed and fp8_packs_here(scheme)
     from . import qweight
+    from .linear import OwnPacked
     since_trim = 0
     with torch.no_grad():
         for name, target in todo:
@@ -248,6 +249,7 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
                     mod.qweight = pw
                     mod.qweight_dtype = dtype
                     mod._register_state_dict_hook(qweight.state_dict_hook)  # state_dict: the dequantized weight
+                    mod.forward = OwnPacked(mod)  # the module stays callable
                     seen.add(tgt)
                     since_trim += pw.nbytes
                 if since_trim >= _TRIM_EVERY:

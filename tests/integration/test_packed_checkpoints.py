@@ -103,3 +103,21 @@ def test_without_the_fp8_kernel_the_checkpoint_is_dequantized_at_load(tmp_path, 
     assert not [m for m in lm.model.modules() if getattr(m, "qweight", None) is not None]
     assert lm.model.model.layers[1].mlp.experts[0].up_proj.weight.dtype == torch.float32
     assert all(len(t) == 12 for t in _greedy(lm, _prompts()))
+
+
+def test_the_module_tree_stays_callable_before_and_after_the_engine_packs_it(tmp_path):
+    """A linear kept packed is still a module one can call (its own forward, e.g. the tree's MoE
+    module), with the dequantized model's result, before and after the engine's model joins and
+    stacks its weights."""
+    from llm_svc.models.mimo import MiMoModel
+
+    d = mp.write_mimo_published(tmp_path / "fp8", PRESETS["mimo-v2.5"], sliding_window=SMALL_W, layout="fused_qkv",
+                                quant="fp8")
+    packed, ref = load_lm(str(d)), load_lm(str(d), keep_packed=False)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    for when in ("loaded", "served"):
+        for name in ("layers.0.self_attn.q_proj", "layers.0.mlp", "layers.1.mlp"):
+            got = packed.model.model.get_submodule(name)(x)
+            want = ref.model.model.get_submodule(name)(x)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{when} {name}")
+        MiMoModel(packed.model)
