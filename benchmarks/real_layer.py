@@ -29,14 +29,29 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 
 from benchmarks import _results
 
-H, E, I, TOP_K = 4096, 256, 2048, 8
-HEADS, KV_HEADS, QK_DIM, V_DIM = 64, 4, 192, 128
 BLOCK = (128, 128)
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int = 4096
+    experts: int = 256
+    inter: int = 2048
+    top_k: int = 8
+    heads: int = 64
+    kv_heads: int = 4
+    qk_dim: int = 192
+    v_dim: int = 128
+
+
+PUBLISHED = Dims()
+SMOKE = Dims(hidden=256, experts=16, inter=128, top_k=4, heads=4, kv_heads=2, qk_dim=64, v_dim=32)
 
 
 def _rss() -> int:
@@ -63,38 +78,40 @@ class Layer:
     """The layer's packed weights of one format: ``qkv``, ``o`` (``PackedWeight``), ``experts``
     (``PackedExperts``), the float32 router and norms."""
 
-    def __init__(self, qkv, o, experts, router: torch.Tensor, bias: torch.Tensor):
-        self.qkv, self.o, self.experts, self.router, self.bias = qkv, o, experts, router, bias
-        self.norm = torch.ones(H)
+    def __init__(self, d: Dims, qkv, o, experts, router: torch.Tensor, bias: torch.Tensor):
+        self.d, self.qkv, self.o, self.experts, self.router, self.bias = d, qkv, o, experts, router, bias
+        self.norm = torch.ones(d.hidden)
 
     def step(self, x: torch.Tensor, threads: int) -> torch.Tensor:
         from llm_svc.models import cpu_gemv, cpu_packed
 
-        t = x.shape[0]
-        h = torch.nn.functional.rms_norm(x, (H,), self.norm, 1e-6)
+        t, d = x.shape[0], self.d
+        h = torch.nn.functional.rms_norm(x, (d.hidden,), self.norm, 1e-6)
         qkv = cpu_packed.gemm(h, self.qkv, threads=threads)  # [T, (64 + 4) * 192 + 4 * 128]
-        attn_out = qkv[:, :HEADS * QK_DIM].view(t, HEADS, QK_DIM)[..., :V_DIM].reshape(t, -1)  # stands in for attention
+        q = qkv[:, :d.heads * d.qk_dim].view(t, d.heads, d.qk_dim)
+        attn_out = q[..., :d.v_dim].reshape(t, -1)  # [T, 64 * 128]: stands in for attention's output
         x = x + cpu_packed.gemm(attn_out, self.o, threads=threads)
-        h = torch.nn.functional.rms_norm(x, (H,), self.norm, 1e-6)
-        idx, w = cpu_gemv.route(h, self.router, self.bias, TOP_K, True, 2.5)
+        h = torch.nn.functional.rms_norm(x, (d.hidden,), self.norm, 1e-6)
+        idx, w = cpu_gemv.route(h, self.router, self.bias, d.top_k, True, 2.5)
         return x + cpu_packed.moe_w(h, idx, w, self.experts, threads=threads)
 
 
-def build_fp8(seed: int) -> tuple[Layer, dict, int]:
+def build_fp8(d: Dims, seed: int) -> tuple[Layer, dict, int]:
     """The whole FP8 layer from random stored tensors; its stored bytes by part, and the RSS it added."""
     from llm_svc.models import qweight
 
     g = torch.Generator().manual_seed(seed)
+    h, i = d.hidden, d.inter
     before = _rss()
-    q = qweight.pack("fp8", **_fp8(g, HEADS * QK_DIM + KV_HEADS * QK_DIM + KV_HEADS * V_DIM, H))
-    o = qweight.pack("fp8", **_fp8(g, H, HEADS * V_DIM))
-    experts = qweight.pack_experts(E, lambda e: qweight.pack("fp8", **_fp8(g, 2 * I, H)),
-                                   lambda e: qweight.pack("fp8", **_fp8(g, H, I)))
-    router, bias = torch.randn(E, H, generator=g) * H ** -0.5, torch.zeros(E)
+    q = qweight.pack("fp8", **_fp8(g, d.heads * d.qk_dim + d.kv_heads * (d.qk_dim + d.v_dim), h))
+    o = qweight.pack("fp8", **_fp8(g, h, d.heads * d.v_dim))
+    experts = qweight.pack_experts(d.experts, lambda e: qweight.pack("fp8", **_fp8(g, 2 * i, h)),
+                                   lambda e: qweight.pack("fp8", **_fp8(g, h, i)))
+    router, bias = torch.randn(d.experts, h, generator=g) * h ** -0.5, torch.zeros(d.experts)
     grew = _rss() - before
-    stored = {"attention": _stored_bytes(q.n, H) + _stored_bytes(H, o.k),
-              "experts": E * (_stored_bytes(2 * I, H) + _stored_bytes(H, I)), "router_f32": router.numel() * 4}
-    return Layer(q, o, experts, router, bias), stored, grew
+    stored = {"attention": _stored_bytes(q.n, h) + _stored_bytes(h, o.k),
+              "experts": d.experts * (_stored_bytes(2 * i, h) + _stored_bytes(h, i)), "router_f32": router.numel() * 4}
+    return Layer(d, q, o, experts, router, bias), stored, grew
 
 
 def slice_of(layer: Layer, n: int, fmt: str) -> Layer:
@@ -109,13 +126,13 @@ def slice_of(layer: Layer, n: int, fmt: str) -> Layer:
         def part(p: PackedWeight) -> PackedWeight:
             return PackedWeight(p.fmt, p.n, p.k, p.data[:n], p.scales[:n], p.kernel)
 
-        return Layer(layer.qkv, layer.o, PackedExperts(ex.fmt, n, ex.hidden, ex.inter, part(ex.gate_up),
-                                                       part(ex.down), ex.kernel), router, bias)
+        return Layer(layer.d, layer.qkv, layer.o, PackedExperts(ex.fmt, n, ex.hidden, ex.inter, part(ex.gate_up),
+                                                                part(ex.down), ex.kernel), router, bias)
     dtype = torch.float32 if fmt == "float32" else torch.bfloat16
     # unpacking an expert's stacked gate | up gives its tiles' interleaved row order: packing
     # that order again interleaves it again, so the rows are put back first (qweight.dense_of)
-    j = torch.arange(I).view(-1, qweight._vl(ex.kernel))
-    order = torch.cat((j, j + I), 1).reshape(-1)
+    j = torch.arange(ex.inter).view(-1, qweight._vl(ex.kernel))
+    order = torch.cat((j, j + ex.inter), 1).reshape(-1)
 
     def expert(p: PackedWeight, e: int, interleaved: bool) -> PackedWeight:
         w = qweight.dense(PackedWeight(p.fmt, p.n, p.k, p.data[e], p.scales[e], p.kernel))
@@ -126,8 +143,8 @@ def slice_of(layer: Layer, n: int, fmt: str) -> Layer:
         return qweight.pack(fmt, w.to(dtype))
 
     experts = qweight.pack_experts(n, lambda e: expert(ex.gate_up, e, True), lambda e: expert(ex.down, e, False))
-    return Layer(qweight.pack(fmt, qweight.dense(layer.qkv).to(dtype)), qweight.pack(fmt, qweight.dense(layer.o).to(dtype)),
-                 experts, router, bias)
+    return Layer(layer.d, qweight.pack(fmt, qweight.dense(layer.qkv).to(dtype)),
+                 qweight.pack(fmt, qweight.dense(layer.o).to(dtype)), experts, router, bias)
 
 
 def timed(fn) -> float:
@@ -145,10 +162,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     _results.add_mode_args(ap)
     args = ap.parse_args()
-    if args.smoke:
-        raise SystemExit("real_layer has no smoke mode (it builds a 6.6 GB layer)")
+    d = PUBLISHED
     prefill_reps = args.reps
-    if args.quick:
+    if args.smoke:  # the same code on a layer of kilobytes
+        d, args.slice, args.reps, args.prefill, prefill_reps = SMOKE, 8, 1, 64, 1
+    elif args.quick:
         args.slice, args.reps, prefill_reps = 32, 3, 1
     torch.set_num_threads(args.threads)
     from llm_svc.models import qweight
@@ -157,15 +175,15 @@ def main() -> None:
         raise SystemExit("the packed kernels do not build here")
     with torch.inference_mode():
         t0 = time.perf_counter()
-        full, stored, grew = build_fp8(seed=0)
+        full, stored, grew = build_fp8(d, seed=0)
         build_s = time.perf_counter() - t0
         fp8_bytes = sum(stored.values())
         packed_bytes = full.qkv.nbytes + full.o.nbytes + full.experts.nbytes + full.router.numel() * 4
         print(f"FP8 layer built in {build_s:.0f} s: checkpoint {fp8_bytes / 2**30:.2f} GiB, packed tensors "
               f"{packed_bytes / 2**30:.2f} GiB, RSS grew {grew / 2**30:.2f} GiB", flush=True)
         g = torch.Generator().manual_seed(1)
-        decode = {t: [torch.randn(t, H, generator=g) for _ in range(args.reps)] for t in (1, 16)}
-        prefill = torch.randn(args.prefill, H, generator=g)
+        decode = {t: [torch.randn(t, d.hidden, generator=g) for _ in range(args.reps)] for t in (1, 16)}
+        prefill = torch.randn(args.prefill, d.hidden, generator=g)
         whole = {"decode1_ms": [], "decode16_ms": []}
         for r in range(args.reps):
             for t in (1, 16):
@@ -173,7 +191,7 @@ def main() -> None:
         full.step(prefill[:64], args.threads)
         whole["prefill_s"] = [timed(lambda: full.step(prefill, args.threads)) for _ in range(prefill_reps)]
         whole = {k: round(statistics.median(v), 3) for k, v in whole.items()}
-        print(f"FP8 whole layer (256 experts): {whole}", flush=True)
+        print(f"FP8 whole layer ({d.experts} experts): {whole}", flush=True)
         sides = {fmt: slice_of(full, args.slice, fmt) for fmt in ("fp8", "bfloat16", "float32")}
         resident = {fmt: s.qkv.nbytes + s.o.nbytes + s.experts.nbytes for fmt, s in sides.items()}
         times = {fmt: {"decode1_ms": [], "decode16_ms": [], "prefill_s": []} for fmt in sides}
@@ -196,13 +214,12 @@ def main() -> None:
     over = round(grew / fp8_bytes, 3)
     r16 = ratios["decode16/fp8_over_float32"]
     figures = {
-        "layer": {"hidden": H, "experts": E, "intermediate": I, "top_k": TOP_K, "heads": HEADS, "kv_heads": KV_HEADS,
-                  "qk_dim": QK_DIM, "v_dim": V_DIM},
+        "layer": asdict(d),
         "threads": args.threads, "reps": args.reps, "prefill_tokens": args.prefill,
         "fp8_bytes": fp8_bytes, "fp8_stored_by_part": stored, "resident_bytes": grew, "packed_tensor_bytes": packed_bytes,
         "resident_over_fp8_bytes": over, "build_s": round(build_s, 1),
         "whole_layer_fp8": whole,
-        "slice": {"experts": args.slice, "note": f"float32 (and bfloat16) layers do not fit in RAM at 256 experts "
+        "slice": {"experts": args.slice, "note": f"float32 (and bfloat16) layers do not fit in RAM at {d.experts} experts "
                                                  f"(~26 / ~13 GB): the three formats are compared on the first "
                                                  f"{args.slice} experts, routed among those",
                   "resident_bytes": resident, "median": med},
