@@ -21,6 +21,7 @@ exactly what it says.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from .geometry import MiMoGeometry
 from .mimo_blocks import MLP, Attention, RMSNorm, Rotary  # noqa: F401 (RMSNorm: the tree's norms, imported from here too)
 from .quant import scheme_for
 from .weights import fp8_packs_here, load_strict, tensor_files
+
+log = logging.getLogger(__name__)
 
 
 class Router(nn.Module):
@@ -214,4 +217,11 @@ def load_mimo(model_dir: str | Path, g: MiMoGeometry, config, dtype: torch.dtype
     left = [n for n, t in (*m.named_parameters(), *m.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"tensors not loaded: {left[:5]}")
+    if scheme is not None:
+        kept = [x.qweight for x in m.modules() if getattr(x, "qweight", None) is not None]
+        if kept:
+            log.info("FP8 linears kept packed: %d tensors, %.2f GiB", len(kept), sum(q.nbytes for q in kept) / 2**30)
+        else:
+            log.info("FP8 linears dequantized to %s at load (%s)", dtype, "keep_packed off" if not keep_packed else
+                     "not on the CPU, or the packed kernel's FP8 build unavailable, or blocks not 128 deep")
     return m.to(device).eval().requires_grad_(False)
