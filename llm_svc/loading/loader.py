@@ -82,8 +82,12 @@ def _arch_of(architecture: str) -> tuple[str, dict]:
     return "other", {}
 
 
-def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights: bool = True) -> LoadedLM:
+def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights: bool = True,
+            keep_packed: bool = True) -> LoadedLM:
     """Read the bundle spec, the tokenizer and the LM weights from ``model_dir``.
+
+    ``keep_packed``: a published MiMo's FP8 linears stay packed in their stored width on the
+    CPU (``mimo_native.load_mimo``); False dequantizes them at load as before.
 
     ``weights=False`` (the HTTP front of the engine-core split) reads only the config: the
     returned ``model`` is None, everything else is filled in."""
@@ -99,7 +103,7 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
     geometry = _mimo_geometry(spec.lm_dir) if arch == "mimo" else None
     scheme = _gpt_oss_scheme(spec.lm_dir) if arch == "gpt_oss" else None
     if geometry is not None and geometry.dialect == "published":
-        model, config, eos_src = _load_native_mimo(spec.lm_dir, geometry, tdtype, device, weights)
+        model, config, eos_src = _load_native_mimo(spec.lm_dir, geometry, tdtype, device, weights, keep_packed)
     else:
         cls = getattr(transformers, spec.lm_architecture, None)
         if cls is None:
@@ -210,7 +214,8 @@ def _load_dequantized_hf(cls, lm_dir: Path, scheme, dtype: torch.dtype, device: 
     return model.to(device).eval().requires_grad_(False)
 
 
-def _load_native_mimo(lm_dir: Path, geometry, dtype: torch.dtype, device: str, weights: bool):
+def _load_native_mimo(lm_dir: Path, geometry, dtype: torch.dtype, device: str, weights: bool,
+                      keep_packed: bool = True):
     """A published-dialect MiMo: our modules, built from its geometry (transformers would derive
     other layer shapes from this file); ``config`` carries the sizes and token ids."""
     from transformers import PretrainedConfig
@@ -225,7 +230,7 @@ def _load_native_mimo(lm_dir: Path, geometry, dtype: torch.dtype, device: str, w
     if not weights:
         return None, config, holder
     model = load_mimo(lm_dir, geometry, config, dtype, device, bool(raw.get("tie_word_embeddings", False)),
-                      raw.get("quantization_config"), Path(lm_dir) / "config.json")
+                      raw.get("quantization_config"), Path(lm_dir) / "config.json", keep_packed)
     model.generation_config = holder.generation_config
     return model, config, model
 

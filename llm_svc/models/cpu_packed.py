@@ -19,6 +19,14 @@ over 8 experts, top-2: ~80 rows each), where oneDNN ran the vs_vllm MiMo checkpo
 ``index_add_`` back cost ~5 ms a layer at 2,048 tokens. Here the tokens' rows are read in place,
 each column block of the two products runs for every expert as one work item, SiLU is applied
 to the accumulators and the down product is added, weighted, straight into each token's row.
+
+Weight formats (``FORMATS``, ``builds``): one build of the source per weight element type
+(``w_elem.h``: float32, bfloat16, FP8 e4m3 with block scales, MXFP4), the way the attention
+kernels build per KV dtype. ``gemm`` / ``moe_w`` run any of them on ``qweight.PackedWeight`` /
+``PackedExperts``; each tile row is widened to float32 in registers (activations and outputs
+stay float32: W8A32 / W4A32 / W16A32), so a decode step streams the narrow weight. Decode-sized
+calls run here too (``linear.PackedLinear`` takes every row count), so the few-row kernel
+(``cpu_gemv``) stays float32-only: it serves the shapes this kernel does not pack.
 """
 
 from __future__ import annotations
@@ -38,6 +46,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.mmserve_packed_vl.argtypes = []
     lib.mmserve_packed_vl.restype = i64
+    lib.mmserve_packed_format.argtypes = []
+    lib.mmserve_packed_format.restype = i64
+    lib.mmserve_gemm_w.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64, p, i64]
+    lib.mmserve_gemm_w.restype = ctypes.c_int
+    lib.mmserve_moe_w.argtypes = [p, i64, i64, p, p, i64, p, p, p, p, i64, i64, p, p, p, i64]
+    lib.mmserve_moe_w.restype = ctypes.c_int
+    if lib.mmserve_packed_format() != 0:
+        return  # the narrow formats are packed in Python (qweight.py)
     lib.mmserve_gemm_pack_f32.argtypes = [p, i64, i64, p]
     lib.mmserve_gemm_pack_f32.restype = ctypes.c_int
     lib.mmserve_gemm_f32.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, p, i64]
@@ -48,10 +64,25 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mmserve_moe_packed_f32.restype = ctypes.c_int
 
 
-# -fopenmp-simd: the SiLU loop over a tile's accumulators calls the vector expf (libmvec)
-KERNEL = CKernel(SOURCE, "cpu_packed", _bind, what="CPU packed-weight GEMM kernel",
-                 fallback="linears and routed experts use oneDNN",
-                 flags=FAST_FLAGS + ("-fopenmp-simd",))
+HEADERS = (SOURCE.with_name("w_elem.h"),)
+# weight format -> the -D flag of its build (w_elem.h); float32 is the plain build
+FORMATS = {"float32": (), "bfloat16": ("-DW_BF16",), "fp8": ("-DW_FP8",), "mxfp4": ("-DW_MXFP4",)}
+
+
+def builds(extra_flags: tuple[str, ...] = (), suffix: str = "") -> dict[str, CKernel]:
+    """One build of the kernel per weight format (``FORMATS``), each with ``extra_flags`` (the
+    tests build the AVX2 path with ``-mno-avx512f``) and ``suffix`` on its name. -fopenmp-simd:
+    the SiLU loop over a tile's accumulators calls the vector expf (libmvec)."""
+    return {fmt: CKernel(SOURCE, "cpu_packed" + ("" if fmt == "float32" else "_" + fmt) + suffix, _bind,
+                         what=f"CPU packed-weight GEMM kernel ({fmt} weights{suffix})",
+                         fallback=("linears and routed experts use oneDNN" if fmt == "float32"
+                                   else "those weights are dequantized at load"),
+                         flags=FAST_FLAGS + ("-fopenmp-simd",) + flags + tuple(extra_flags), headers=HEADERS)
+            for fmt, flags in FORMATS.items()}
+
+
+KERNELS = builds()
+KERNEL = KERNELS["float32"]
 
 
 def linear_packable(weight: torch.Tensor) -> bool:
@@ -128,6 +159,45 @@ def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, packed: tuple[torch
     rc = KERNEL.load().mmserve_moe_packed_f32(x.data_ptr(), t, h, idx.data_ptr(), w.data_ptr(), k, gp.data_ptr(),
                                               dp.data_ptr(), e, i2 // 2, scratch.data_ptr(), out.data_ptr(),
                                               *cpu_gemv.pool(threads))
+    if rc != 0:
+        raise ValueError(f"routed experts: an expert index outside [0, {e}) (or out of memory)")
+    return out
+
+
+def gemm(x: torch.Tensor, pw, bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """``x [..., K]`` float32 times a packed weight ``pw`` (``qweight.PackedWeight``, any format)
+    transposed, plus ``bias`` -> [..., N] float32; threads as ``moe``."""
+    k, n = pw.k, pw.n
+    if x.shape[-1] != k:
+        raise ValueError(f"linear of in_features {k} got input {list(x.shape)}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        pw.kernel.load().mmserve_gemm_w(x2.data_ptr(), x2.stride(0), m, k, pw.data.data_ptr(),
+                                        None if pw.scales is None else pw.scales.data_ptr(), n,
+                                        None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                                        *cpu_gemv.pool(threads))
+    return out.view(*x.shape[:-1], n)
+
+
+def moe_w(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, pe, threads: int | None = None) -> torch.Tensor:
+    """``moe`` on packed experts ``pe`` (``qweight.PackedExperts``, any format): x [T, H] float32,
+    idx [T, K], w [T, K] -> [T, H] float32."""
+    t, k = idx.shape
+    e, h, i = pe.num_experts, pe.hidden, pe.inter
+    x = x.contiguous()
+    idx = idx.to(torch.int64).contiguous()
+    w = w.to(torch.float32).contiguous()
+    scratch = torch.empty(t * k, i, dtype=torch.float32)
+    out = torch.empty(t, h, dtype=torch.float32)
+    g, d = pe.gate_up, pe.down
+    rc = pe.kernel.load().mmserve_moe_w(x.data_ptr(), t, h, idx.data_ptr(), w.data_ptr(), k, g.data.data_ptr(),
+                                        None if g.scales is None else g.scales.data_ptr(), d.data.data_ptr(),
+                                        None if d.scales is None else d.scales.data_ptr(), e, i,
+                                        scratch.data_ptr(), out.data_ptr(), *cpu_gemv.pool(threads))
     if rc != 0:
         raise ValueError(f"routed experts: an expert index outside [0, {e}) (or out of memory)")
     return out

@@ -18,6 +18,14 @@ distinct layers of 4 tokens (a decode step's, weights streamed) 1.78 -> 1.10 ms 
 few-row kernel. Shapes it does not pack (I not a multiple of its vector width, H of twice it) keep
 the few-row kernel (``cpu_gemv.moe``) for a decode step's tokens and oneDNN per expert above.
 
+Experts kept in their checkpoint's width (FP8 / MXFP4 modules loaded packed, ``qweight``) or
+served at bfloat16 run the same C call on ``qweight.PackedExperts`` (``cpu_packed.moe_w``: the
+kernel's build for that format widens each weight tile in registers; activations float32, a
+bfloat16 input widened at the boundary and the output narrowed back). Loaded-packed experts
+are stacked one expert at a time and each expert module's ``qweight`` is dropped as it is
+stacked (one copy); where they cannot run packed (an activation other than SiLU, a shape the
+kernel does not take) they are widened with ``qweight.dense`` instead.
+
 Packing keeps one copy of the stacked weights: the modules' own parameters are rebound as views
 of the stacked tensors, so the loaded model and its ``state_dict`` are unchanged. The GEMMs run
 on the ``linear`` backend (``linear.make_linear``: oneDNN on CPU by default, which holds its own
@@ -34,8 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_gemv, cpu_packed
-from .linear import Linear, make_linear, resolve, stack_linears
+from . import cpu_gemv, cpu_packed, qweight
+from .linear import DenseOfPacked, Linear, join_packed, make_linear, resolve, stack_linears
+from .qweight import PackedExperts, PackedWeight
 
 
 def _is_silu(act) -> bool:
@@ -73,8 +82,8 @@ def _rebind(module: nn.Module, name: str, view: torch.Tensor) -> None:
 
 @dataclass
 class GatedMLP:
-    gate_up: torch.Tensor  # [2I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: torch.Tensor | PackedWeight  # [2I, H]
+    down: torch.Tensor | PackedWeight  # [H, I]
     act: Callable[[torch.Tensor], torch.Tensor]
     backend: str = "auto"  # linear backend (``linear.BACKENDS``)
 
@@ -88,8 +97,12 @@ class GatedMLP:
         """From a module with ``gate_proj`` / ``up_proj`` / ``down_proj`` linears (no biases)."""
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
             raise ValueError("GatedMLP packs bias-free projections only")
+        act = act or getattr(mlp, "act_fn", F.silu)
+        if getattr(mlp.gate_proj, "qweight", None) is not None or getattr(mlp.gate_proj, "qweight_joined", None) is not None:  # kept packed at load
+            gu, _ = join_packed([mlp.gate_proj, mlp.up_proj])
+            return cls(gu, mlp.down_proj.qweight, act, backend)
         gu, _ = stack_linears([mlp.gate_proj, mlp.up_proj])
-        return cls(gu, mlp.down_proj.weight, act or getattr(mlp, "act_fn", F.silu), backend)
+        return cls(gu, mlp.down_proj.weight, act, backend)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._down(_gated(self._gate_up(x), self.act, self._act))
@@ -97,20 +110,33 @@ class GatedMLP:
 
 @dataclass
 class RoutedExperts:
-    gate_up: torch.Tensor  # [E, 2I, H]
-    down: torch.Tensor  # [E, H, I]
+    gate_up: torch.Tensor | None  # [E, 2I, H] (None: only ``packed``)
+    down: torch.Tensor | None  # [E, H, I]
     act: Callable[[torch.Tensor], torch.Tensor]
     backend: str = "auto"  # linear backend (``linear.BACKENDS``)
+    packed: PackedExperts | None = None  # experts kept packed at load (SiLU-gated, CPU)
 
     def __post_init__(self) -> None:
         # SiLU-gated experts on the CPU backends: the whole layer in one C call (the per-expert
         # Python loop below was ~10% of a decode step), on packed weights where the shape packs
         self._act = act_kind(self.act)
+        self._packed = None
+        self._linears: tuple[list[Linear], list[Linear]] | None = None  # per-expert GEMMs, made on first use
+        if self.packed is not None:
+            if self._act != "silu":
+                raise ValueError("packed experts are SiLU-gated; widen them (qweight.dense) for another activation")
+            self._few_rows = False
+            return
         kind = resolve(self.backend, self.gate_up[0])  # one expert's [2I, H] stands for them all
         self._few_rows = kind in ("packed", "onednn") and self._act == "silu"
-        self._packed = cpu_packed.pack(self.gate_up, self.down) \
-            if kind == "packed" and self._few_rows and cpu_packed.packable(self.gate_up, self.down) else None
-        self._linears: tuple[list[Linear], list[Linear]] | None = None  # per-expert GEMMs, made on first use
+        if kind == "packed" and self._few_rows and self.gate_up.dtype == torch.float32:
+            self._packed = cpu_packed.pack(self.gate_up, self.down) \
+                if cpu_packed.packable(self.gate_up, self.down) else None
+        elif kind == "packed" and self._few_rows and self.gate_up.dtype == torch.bfloat16:
+            e, i2, h = self.gate_up.shape
+            if qweight.experts_packable("bfloat16", h, i2 // 2) and tuple(self.down.shape) == (e, h, i2 // 2):
+                self.packed = qweight.pack_experts(e, lambda j: qweight.pack("bfloat16", self.gate_up[j]),
+                                                   lambda j: qweight.pack("bfloat16", self.down[j]))
 
     @classmethod
     def pack(cls, experts: nn.Module, act: Callable | None = None, backend: str = "auto") -> "RoutedExperts":
@@ -118,6 +144,10 @@ class RoutedExperts:
         or a ``ModuleList`` of gated MLP modules (mmserve's published-layout tree)."""
         if hasattr(experts, "gate_up_proj"):
             return cls(experts.gate_up_proj, experts.down_proj, act or experts.act_fn, backend)
+        if getattr(experts, "packed_experts", None) is not None:  # stacked before (a second model over one tree)
+            return cls(None, None, act or F.silu, backend, packed=experts.packed_experts)
+        if getattr(experts[0].gate_proj, "qweight", None) is not None:
+            return cls._from_packed_modules(experts, act or F.silu, backend)
         gu = torch.stack([torch.cat([e.gate_proj.weight.detach(), e.up_proj.weight.detach()], 0)
                           for e in experts]).contiguous()  # [E, 2I, H]
         dn = torch.stack([e.down_proj.weight.detach() for e in experts]).contiguous()  # [E, H, I]
@@ -128,12 +158,46 @@ class RoutedExperts:
             _rebind(e.down_proj, "weight", dn[j])
         return cls(gu, dn, act or F.silu, backend)
 
+    @classmethod
+    def _from_packed_modules(cls, experts: nn.Module, act: Callable, backend: str) -> "RoutedExperts":
+        """Experts whose projections were kept packed at load: stacked one expert at a time,
+        each module's ``qweight`` dropped as it goes; widened (``qweight.dense``) where they
+        cannot run packed."""
+        first = experts[0]
+        fmt, h, i = first.gate_proj.qweight.fmt, first.gate_proj.qweight.k, first.gate_proj.qweight.n
+        if act_kind(act) == "silu" and qweight.experts_packable(fmt, h, i):
+            def gate_up(j: int) -> PackedWeight:
+                e = experts[j]
+                w = qweight.concat([e.gate_proj.qweight, e.up_proj.qweight])
+                e.gate_proj.qweight = e.up_proj.qweight = None
+                return w
+
+            def down(j: int) -> PackedWeight:
+                w, experts[j].down_proj.qweight = experts[j].down_proj.qweight, None
+                return w
+
+            experts.packed_experts = qweight.pack_experts(len(experts), gate_up, down)
+            for j, e in enumerate(experts):  # where state_dict finds each one's weight now
+                for part in ("gate", "up", "down"):
+                    m = getattr(e, part + "_proj")
+                    m.qweight_expert = (experts.packed_experts, j, part)
+                    m.forward = DenseOfPacked(m)
+            return cls(None, None, act, backend, packed=experts.packed_experts)
+        for e in experts:  # the float weights the other paths read
+            for m in (e.gate_proj, e.up_proj, e.down_proj):
+                _rebind(m, "weight", qweight.dense(m.qweight))
+                m.qweight = None
+        return cls.pack(experts, act, backend)
+
     @property
     def num_experts(self) -> int:
-        return self.gate_up.shape[0]
+        return self.packed.num_experts if self.packed is not None else self.gate_up.shape[0]
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H]; idx [T, K] chosen experts; w [T, K] their weights -> [T, H] in x's dtype."""
+        if self.packed is not None:
+            out = cpu_packed.moe_w(x if x.dtype == torch.float32 else x.float(), idx, w, self.packed)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return self.grouped(x, idx, w)
         if self._packed is not None and x.dtype == torch.float32 and x.dim() == 2:

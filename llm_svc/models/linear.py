@@ -1,4 +1,5 @@
-"""Linear layers by backend: ``packed`` (CPU float32: our packed-weight GEMM, ``cpu_packed``),
+"""Linear layers by backend: ``packed`` (CPU float32 / bfloat16, and FP8 / MXFP4 weights kept
+packed from the checkpoint: our packed-weight GEMM, ``cpu_packed`` + ``qweight``),
 ``onednn`` (CPU: oneDNN's matmul on a weight reordered once into its blocked layout, the
 primitive vLLM's CPU build and torch.compile's freezing use) or ``torch`` (``F.linear``: MKL's
 sgemm on CPU, cuBLAS on CUDA).
@@ -21,10 +22,19 @@ length, tokens per routed expert) are seldom the same twice. So a call's rows ar
 one of 8 sizes per octave (``row_bucket``: at most 1/8 more rows, ~6% on average), whose
 primitives ``warm_buckets`` builds at start-up, and the pad rows' outputs are dropped.
 
-``auto`` (the default) is ``packed`` for CPU float32 weights when the kernel builds here,
-``onednn`` for CPU float32 / bfloat16 weights when this torch has it, ``torch`` otherwise. The
-packed or reordered weight is a second copy of the matrix, so the module's own ``weight`` keeps
-serving ``state_dict`` and tied embeddings.
+``auto`` (the default) is ``packed`` for CPU float32 / bfloat16 weights when the kernel's build
+for that dtype builds here, ``onednn`` for CPU float32 / bfloat16 weights when this torch has
+it, ``torch`` otherwise. At bfloat16 the packed kernel reads the bfloat16 weight (2 bytes a
+weight) and computes in float32: the bfloat16 input is widened at the kernel boundary and the
+output narrowed back (oneDNN's bfloat16 linears plus the unfused torch experts made our
+bfloat16 slower than our float32). The packed or reordered weight of a float32 / bfloat16
+module is a second copy of the matrix, so the module's own ``weight`` keeps serving
+``state_dict`` and tied embeddings.
+
+FP8 / MXFP4 linears loaded packed (``weights.load_strict`` with ``keep_packed``) have no float
+``weight`` at all: the module's ``weight`` is None and ``module.qweight`` holds the
+``qweight.PackedWeight``; every function here takes such a module (``make_linear`` takes the
+``PackedWeight`` itself), and ``qweight.dense`` gives the float weight back where one is needed.
 """
 
 from __future__ import annotations
@@ -38,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_gemv, cpu_packed
+from . import cpu_gemv, cpu_packed, qweight
+from .qweight import PackedWeight
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "packed", "onednn", "torch")
@@ -65,15 +76,28 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
-def resolve(backend: str, weight: torch.Tensor) -> str:
+_FORMAT_OF = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def packed_format(weight: torch.Tensor) -> str | None:
+    """The packed kernel's format for a CPU 2-D float32 / bfloat16 ``weight`` whose build builds
+    here, else None."""
+    fmt = _FORMAT_OF.get(weight.dtype)
+    ok = fmt is not None and weight.device.type == "cpu" and weight.dim() == 2
+    return fmt if ok and qweight.kernel(fmt) is not None else None
+
+
+def resolve(backend: str, weight: torch.Tensor | PackedWeight) -> str:
     """The backend ``backend`` means for ``weight`` (``auto`` resolved; ``packed`` where it cannot
-    run, e.g. a bfloat16 weight, falls back to ``onednn``, and ``onednn`` where it cannot, e.g. a
-    CUDA weight, to ``torch``)."""
+    run, e.g. a float16 weight, falls back to ``onednn``, and ``onednn`` where it cannot, e.g. a
+    CUDA weight, to ``torch``). A ``PackedWeight`` is always ``packed``."""
     if backend not in BACKENDS:
         raise ValueError(f"linear backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(weight, PackedWeight):
+        return "packed"
     if backend == "torch":
         return "torch"
-    if backend in ("auto", "packed") and cpu_packed.linear_packable(weight):
+    if backend in ("auto", "packed") and packed_format(weight) is not None:
         return "packed"
     ok = weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES and onednn_available(weight.dtype)
     return "onednn" if ok else "torch"
@@ -128,25 +152,37 @@ class OneDNNLinear:
 
 
 class PackedLinear:
-    """``x [..., in] -> [..., out]`` float32 through ``cpu_packed`` with ``weight [out, in]``
-    packed once; any row count at its own size."""
+    """``x [..., in] -> [..., out]`` through ``cpu_packed`` with ``weight [out, in]`` packed once
+    (float32 / bfloat16: a copy of the module's weight; or a ``PackedWeight`` of any format);
+    any row count at its own size. The kernel computes in float32: a bfloat16 (or float16) input
+    is widened at the boundary and the output returned in the input's dtype. A float32 weight
+    takes float32 inputs only and a bfloat16 one bfloat16 inputs (as ``F.linear``); FP8 / MXFP4
+    weights take any float input."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.out_features, self.in_features = weight.shape
-        self.packed = cpu_packed.pack_linear(weight)
+    def __init__(self, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None):
+        self.weight = weight if isinstance(weight, PackedWeight) else qweight.pack(packed_format(weight), weight)
+        self.out_features, self.in_features = self.weight.n, self.weight.k
+        self.packed = self.weight.data
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:  # F.linear would refuse too; say which side is off
-            raise TypeError(f"linear of torch.float32 weights got {x.dtype} input")
-        return cpu_packed.linear(x, self.packed, self.out_features, self.bias)
+        fmt = self.weight.fmt
+        if fmt in ("float32", "bfloat16") and x.dtype != _DTYPE_OF[fmt]:  # F.linear would refuse too
+            raise TypeError(f"linear of {_DTYPE_OF[fmt]} weights got {x.dtype} input")
+        if x.dtype == torch.float32:
+            return cpu_packed.gemm(x, self.weight, self.bias)
+        return cpu_packed.gemm(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+_DTYPE_OF = {v: k for k, v in _FORMAT_OF.items()}
 
 
 _MAKERS = {"packed": PackedLinear, "onednn": OneDNNLinear}
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "auto") -> Linear:
-    """A callable computing ``F.linear(x, weight, bias)`` on ``backend``."""
+def make_linear(weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None, backend: str = "auto") -> Linear:
+    """A callable computing ``F.linear(x, weight, bias)`` on ``backend`` (a ``PackedWeight``:
+    always the packed kernel)."""
     maker = _MAKERS.get(resolve(backend, weight))
     return maker(weight, bias) if maker else functools.partial(F.linear, weight=weight, bias=bias)
 
@@ -165,11 +201,18 @@ def pack_linears(linears: Iterable[nn.Module], backend: str = "auto") -> int:
     for m in linears:
         if not isinstance(m, nn.Linear):
             raise TypeError(f"pack_linears packs nn.Linear modules, got {type(m).__name__}")
-        maker = _MAKERS.get(resolve(backend, m.weight))
+        w = weight_of(m)
+        maker = _MAKERS.get(resolve(backend, w))
         if maker:
-            m.forward = maker(m.weight, m.bias)
+            m.forward = maker(w, m.bias)
             n += 1
     return n
+
+
+def weight_of(m: nn.Linear) -> torch.Tensor | PackedWeight:
+    """A linear's weight: its ``qweight`` (kept packed at load) or its ``weight``."""
+    q = getattr(m, "qweight", None)
+    return q if q is not None else m.weight
 
 
 def stack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -192,10 +235,68 @@ def stack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
     return w, b
 
 
+class DenseOfPacked:
+    """The ``forward`` of a linear kept packed at load whose packed copy now lives in a joined or
+    stacked weight (``join_packed``, ``fused_mlp.RoutedExperts``): called directly, as a module
+    tree's own forward does (the engine calls the fused callables instead), it widens its weight
+    per call (``qweight.dense_of``): correct, not fast."""
+
+    def __init__(self, module: nn.Linear):
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        return F.linear(x, qweight.dense_of(m).to(x.dtype), None if m.bias is None else m.bias.to(x.dtype))
+
+
+class OwnPacked:
+    """The ``forward`` a linear kept packed at load gets there: its own ``qweight`` through the
+    packed kernel, its bias as it is at call time (loaded after the weight or not)."""
+
+    def __init__(self, module: nn.Linear):
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        b = None if m.bias is None else m.bias.detach().float().contiguous()
+        y = cpu_packed.gemm(x if x.dtype == torch.float32 else x.float(), m.qweight, b)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def join_packed(linears: list[nn.Linear]) -> tuple[PackedWeight, torch.Tensor | None]:
+    """``stack_linears`` of linears kept packed at load (``qweight``): their packed weights
+    joined by rows (a new copy: the parts are dropped from the modules, whose ``qweight`` then
+    names the joined weight and their rows in it) and their biases stacked."""
+    if len({m.bias is None for m in linears}) != 1:
+        raise ValueError("stacked linears need all or none with a bias")
+    b = None if linears[0].bias is None else torch.cat([m.bias.detach().float() for m in linears], 0).contiguous()
+    joined = {id(getattr(m, "qweight_joined", None)) for m in linears}
+    if len(joined) == 1 and all(m.qweight is None for m in linears):  # joined before (a second model over one tree)
+        w = linears[0].qweight_joined
+        bounds = [m.qweight_rows for m in linears]
+        if bounds[0][0] == 0 and bounds[-1][1] == w.n and all(a[1] == c[0] for a, c in zip(bounds, bounds[1:])):
+            return w, b
+    if any(m.qweight is None for m in linears):
+        raise ValueError("these packed linears were joined with others before; join the same ones")
+    w = qweight.concat([m.qweight for m in linears])
+    row = 0
+    for m in linears:
+        m.qweight_rows = (row, row + m.qweight.n)
+        row += m.qweight.n
+        m.qweight = None  # one copy: the joined one
+        m.qweight_joined = w
+        m.forward = DenseOfPacked(m)
+    return w, b
+
+
 def fuse_linears(linears: list[nn.Linear], backend: str = "auto") -> Linear:
     """One callable computing every one of ``linears`` side by side: ``x -> [..., sum of
-    out_features]`` in one GEMM over their stacked weights (``stack_linears``). Used for
-    q | k | v: one read of x and one call instead of three."""
+    out_features]`` in one GEMM over their stacked weights (``stack_linears``, or
+    ``join_packed`` for linears kept packed at load). Used for q | k | v: one read of x and one
+    call instead of three."""
+    if all(getattr(m, "qweight", None) is not None or getattr(m, "qweight_joined", None) is not None
+           for m in linears):
+        return make_linear(*join_packed(linears), backend)
     return make_linear(*stack_linears(linears), backend)
 
 

@@ -21,6 +21,7 @@ exactly what it says.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -32,7 +33,9 @@ from . import cpu_gemv
 from .geometry import MiMoGeometry
 from .mimo_blocks import MLP, Attention, RMSNorm, Rotary  # noqa: F401 (RMSNorm: the tree's norms, imported from here too)
 from .quant import scheme_for
-from .weights import load_strict, tensor_files
+from .weights import fp8_packs_here, load_strict, tensor_files
+
+log = logging.getLogger(__name__)
 
 
 class Router(nn.Module):
@@ -184,20 +187,41 @@ def _convert(g: MiMoGeometry):
 
 def load_mimo(model_dir: str | Path, g: MiMoGeometry, config, dtype: torch.dtype,
               device: str | torch.device = "cpu", tie_word_embeddings: bool = False,
-              quantization_config: dict | None = None, config_path: str | Path = "config.json") -> MiMoForCausalLM:
+              quantization_config: dict | None = None, config_path: str | Path = "config.json",
+              keep_packed: bool = True) -> MiMoForCausalLM:
     """Build the LM of ``g`` and its MTP layers and load their weights from ``model_dir`` strictly
-    (dequantized to the serving dtype when ``quantization_config`` says so; fused ``qkv_proj``
-    split per the layout)."""
-    m = MiMoForCausalLM(g, config)
+    (fused ``qkv_proj`` split per the layout). FP8 linears stay packed in their stored width
+    (``weights.load_strict(keep_packed=True)``: ``module.qweight``, no float ``weight``) where
+    ``keep_packed`` and ``weights.fp8_packs_here`` (a CPU model, the kernel built); otherwise
+    they are dequantized to the serving dtype."""
+    scheme = scheme_for(quantization_config, config_path, allowed=("fp8",))
+    packed = keep_packed and fp8_packs_here(scheme, device)
+    if packed:  # no float copy of the weights the file replaces; the rope tables are computed
+        with torch.device("meta"):
+            m = MiMoForCausalLM(g, config)
+        m.model.rotary_emb = Rotary(g)
+    else:
+        m = MiMoForCausalLM(g, config)
     derived = frozenset()
     if tie_word_embeddings:
         m.lm_head.weight = m.model.embed_tokens.weight
         derived = frozenset({"lm_head.weight"})
-    scheme = scheme_for(quantization_config, config_path, allowed=("fp8",))
     from .mimo_mtp import check_mtp_layers  # imports this module
 
     check_mtp_layers({n: f for name, f in tensor_files(model_dir).items() if (n := _published_name(name))}, g)
     chunks = g.qkv_chunks if g.layout == "fused_qkv" else 1
     load_strict(m, model_dir, dtype, _published_name, derived, scheme=scheme, convert=_convert(g),
-                row_groups=lambda n: chunks if n.endswith("qkv_proj.weight") else 1)
+                row_groups=lambda n: chunks if n.endswith("qkv_proj.weight") else 1, keep_packed=packed)
+    if tie_word_embeddings:
+        m.lm_head.weight = m.model.embed_tokens.weight  # the loaded tensor (a meta one was tied)
+    left = [n for n, t in (*m.named_parameters(), *m.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors not loaded: {left[:5]}")
+    if scheme is not None:
+        kept = [x.qweight for x in m.modules() if getattr(x, "qweight", None) is not None]
+        if kept:
+            log.info("FP8 linears kept packed: %d tensors, %.2f GiB", len(kept), sum(q.nbytes for q in kept) / 2**30)
+        else:
+            log.info("FP8 linears dequantized to %s at load (%s)", dtype, "keep_packed off" if not keep_packed else
+                     "not on the CPU, or the packed kernel's FP8 build unavailable, or blocks not 128 deep")
     return m.to(device).eval().requires_grad_(False)

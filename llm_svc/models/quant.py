@@ -108,30 +108,38 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def dequant_fp8_block(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int], row_groups: int = 1,
-                      what: str = "tensor") -> torch.Tensor:
-    """``w`` e4m3 ``[R, C]`` x block scales ``s`` -> float32 ``[R, C]``. ``s`` is one grid
-    ``[ceil(R/Bo), ceil(C/Bi)]`` or ``row_groups`` grids stacked, one per chunk of ``R/row_groups``
-    rows (``[row_groups * ceil(R/(row_groups*Bo)), ceil(C/Bi)]``); raises ValueError otherwise."""
+def fp8_scale_rows(rows: int, cols: int, scale_shape, block: tuple[int, int], row_groups: int = 1,
+                   what: str = "tensor") -> torch.Tensor:
+    """The scale row of each of a ``[rows, cols]`` block-scaled weight's rows (int64 ``[rows]``):
+    ``scale_shape`` is one grid ``[ceil(R/Bo), ceil(C/Bi)]`` or ``row_groups`` grids stacked, one
+    per chunk of ``R/row_groups`` rows (``[row_groups * ceil(R/(row_groups*Bo)), ceil(C/Bi)]``);
+    raises ValueError otherwise."""
     bo, bi = block
-    if w.dim() != 2 or s.dim() != 2:
-        raise ValueError(f"{what}: fp8 weight and scale must be 2-D, got {list(w.shape)} and {list(s.shape)}")
-    rows, cols = w.shape
     if rows % row_groups:
         raise ValueError(f"{what}: {rows} rows do not split into {row_groups} chunks")
     chunk = rows // row_groups
     per_chunk = (row_groups * _cdiv(chunk, bo), _cdiv(cols, bi))
     continuous = (_cdiv(rows, bo), _cdiv(cols, bi))
     r = torch.arange(rows)
-    if tuple(s.shape) == per_chunk:
-        srow = (r // chunk) * _cdiv(chunk, bo) + (r % chunk) // bo  # [R]: each chunk has its own scale rows
-    elif tuple(s.shape) == continuous:
-        srow = r // bo
-    else:
-        want = f"{list(continuous)}" + (f" or {list(per_chunk)} ({row_groups} chunks)" if row_groups > 1 else "")
-        raise ValueError(f"{what}: scale has shape {list(s.shape)}, weight {list(w.shape)} with blocks "
-                         f"{list(block)} needs {want}")
-    scale = s.float()[srow][:, torch.arange(cols) // bi]  # [R, C]
+    if tuple(scale_shape) == per_chunk:
+        return (r // chunk) * _cdiv(chunk, bo) + (r % chunk) // bo  # each chunk has its own scale rows
+    if tuple(scale_shape) == continuous:
+        return r // bo
+    want = f"{list(continuous)}" + (f" or {list(per_chunk)} ({row_groups} chunks)" if row_groups > 1 else "")
+    raise ValueError(f"{what}: scale has shape {list(scale_shape)}, weight {[rows, cols]} with blocks "
+                     f"{list(block)} needs {want}")
+
+
+def dequant_fp8_block(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int], row_groups: int = 1,
+                      what: str = "tensor") -> torch.Tensor:
+    """``w`` e4m3 ``[R, C]`` x block scales ``s`` -> float32 ``[R, C]``. ``s`` is one grid
+    ``[ceil(R/Bo), ceil(C/Bi)]`` or ``row_groups`` grids stacked, one per chunk of ``R/row_groups``
+    rows (``[row_groups * ceil(R/(row_groups*Bo)), ceil(C/Bi)]``); raises ValueError otherwise."""
+    if w.dim() != 2 or s.dim() != 2:
+        raise ValueError(f"{what}: fp8 weight and scale must be 2-D, got {list(w.shape)} and {list(s.shape)}")
+    rows, cols = w.shape
+    srow = fp8_scale_rows(rows, cols, s.shape, block, row_groups, what)  # [R]
+    scale = s.float()[srow][:, torch.arange(cols) // block[1]]  # [R, C]
     return w.float() * scale
 
 

@@ -20,8 +20,10 @@ def test_onednn_available_on_this_cpu():
     assert L.onednn_available()
     assert L.resolve("auto", torch.zeros(2, 2)) == "packed"  # CI has a compiler: our kernel builds
     assert L.resolve("onednn", torch.zeros(2, 2)) == "onednn"
-    bf16 = torch.zeros(2, 2, dtype=torch.bfloat16)  # our kernel is float32 only
-    assert L.resolve("auto", bf16) == L.resolve("packed", bf16) == ("onednn" if L.onednn_available(torch.bfloat16) else "torch")
+    bf16 = torch.zeros(2, 2, dtype=torch.bfloat16)  # our kernel's bfloat16 build
+    assert L.resolve("auto", bf16) == L.resolve("packed", bf16) == "packed"
+    f16 = torch.zeros(2, 2, dtype=torch.float16)  # no float16 build
+    assert L.resolve("auto", f16) == "torch"
 
 
 def test_resolve():
@@ -43,7 +45,7 @@ def test_cpu_linears_equal_f_linear(backend, dtype, rows):
     x = torch.randn(rows, 40, generator=g).to(dtype)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
     # bfloat16 oneDNN needs AVX-512 or AVX-NE-CONVERT: elsewhere it resolves to torch
-    want = "packed" if dtype == torch.float32 and backend == "auto" else "onednn" if L.onednn_available(dtype) else "torch"
+    want = "packed" if backend == "auto" else "onednn" if L.onednn_available(dtype) else "torch"
     assert L.resolve(backend, w) == want
     assert isinstance(L.make_linear(w, backend=backend), {"packed": L.PackedLinear, "onednn": L.OneDNNLinear}.get(want, object))
     torch.testing.assert_close(L.make_linear(w, b, backend)(x), F.linear(x, w, b), **tol)
