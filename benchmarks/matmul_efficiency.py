@@ -83,8 +83,9 @@ def linear_stats(prof) -> dict[str, float]:
 
 
 class KernelMeter:
-    """Times every ``cpu_packed.linear`` / ``moe`` call while active and counts its matmul FLOPs
-    and weight bytes (a MoE call: the experts its tokens chose)."""
+    """Times every packed-kernel call while active (``cpu_packed.gemm`` / ``moe_w``: weights of any
+    format, what the linears and experts call; ``linear`` / ``moe``: the float32 ones) and counts
+    its matmul FLOPs and weight bytes (a MoE call: the experts its tokens chose)."""
 
     def __init__(self):
         self.flops = self.nbytes = self.secs = 0.0
@@ -93,26 +94,41 @@ class KernelMeter:
     def __enter__(self) -> "KernelMeter":
         from llm_svc.models import cpu_packed
 
-        self._mod, self._orig = cpu_packed, (cpu_packed.linear, cpu_packed.moe)
-        lin, moe = self._orig
+        self._mod = cpu_packed
+        self._orig = {name: getattr(cpu_packed, name) for name in ("gemm", "moe_w", "linear", "moe")}
+        o = self._orig
+
+        def gemm(x, pw, bias=None, threads=None):
+            t = time.perf_counter()
+            out = o["gemm"](x, pw, bias, threads)
+            self._add(time.perf_counter() - t, 2.0 * (x.numel() // pw.k) * pw.n * pw.k, float(pw.nbytes))
+            return out
+
+        def moe_w(x, idx, w, pe, threads=None):
+            t = time.perf_counter()
+            out = o["moe_w"](x, idx, w, pe, threads)
+            chosen = len(set(idx.reshape(-1).tolist()))
+            self._add(time.perf_counter() - t, 2.0 * idx.numel() * 3 * pe.hidden * pe.inter,
+                      pe.nbytes * chosen / pe.num_experts)
+            return out
 
         def linear(x, packed, n, bias=None, threads=None):
             t = time.perf_counter()
-            out = lin(x, packed, n, bias, threads)
+            out = o["linear"](x, packed, n, bias, threads)
             self._add(time.perf_counter() - t, 2.0 * (x.numel() // packed.shape[1]) * n * packed.shape[1],
                       4.0 * n * packed.shape[1])
             return out
 
         def routed(x, idx, w, packed, threads=None):
             t = time.perf_counter()
-            out = moe(x, idx, w, packed, threads)
+            out = o["moe"](x, idx, w, packed, threads)
             gp = packed[0]
             e, i2, h = gp.shape
             self._add(time.perf_counter() - t, 2.0 * idx.numel() * (i2 * h + h * i2 // 2),
                       4.0 * len(set(idx.reshape(-1).tolist())) * (i2 * h + h * i2 // 2))
             return out
 
-        cpu_packed.linear, cpu_packed.moe = linear, routed
+        cpu_packed.gemm, cpu_packed.moe_w, cpu_packed.linear, cpu_packed.moe = gemm, moe_w, linear, routed
         return self
 
     def _add(self, secs: float, flops: float, nbytes: float) -> None:
@@ -122,7 +138,8 @@ class KernelMeter:
         self.calls += 1
 
     def __exit__(self, *exc) -> None:
-        self._mod.linear, self._mod.moe = self._orig
+        for name, fn in self._orig.items():
+            setattr(self._mod, name, fn)
 
 
 def merged(prof_stats: dict, meter: KernelMeter) -> dict:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from llm_svc.models import cpu_gemv, cpu_packed
 from llm_svc.models.fused_mlp import RoutedExperts
+from tests.moe_ref import moe_reference
 
 pytestmark = pytest.mark.unit
 
@@ -14,18 +15,6 @@ pytestmark = pytest.mark.unit
 def _weights(e, h, i, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(e, 2 * i, h, generator=g) / h ** 0.5, torch.randn(e, h, i, generator=g) / i ** 0.5
-
-
-def _reference(x, idx, w, gate_up, down):
-    """sum over k of w * down[e] . (silu(gate[e] . x) * (up[e] . x)), in float64."""
-    i = down.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for k in range(idx.shape[1]):
-            e = int(idx[t, k])
-            gu = gate_up[e].double() @ x[t].double()
-            out[t] += float(w[t, k]) * (down[e].double() @ (F.silu(gu[:i]) * gu[i:]))
-    return out
 
 
 def _route(t, e, k, seed):
@@ -45,7 +34,7 @@ def test_packed_experts_equal_the_float64_reference_on_any_thread_count(tokens):
     packed = cpu_packed.pack(gate_up, down)
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(tokens + 1))
     idx, w = _route(tokens, e, k, seed=tokens + 2)
-    want = _reference(x, idx, w, gate_up, down)
+    want = moe_reference(x, idx, w, gate_up, down)
     one = cpu_packed.moe(x, idx, w, packed, threads=1)
     torch.testing.assert_close(one.double(), want, atol=1e-5, rtol=1e-5)
     for threads in (2, 4):  # the pool's work items write disjoint columns in a fixed order
@@ -61,7 +50,7 @@ def test_a_token_routed_twice_to_one_expert_counts_twice_and_no_tokens_is_empty(
     x = torch.randn(5, 32)
     idx = torch.tensor([[1, 1], [0, 3], [2, 2], [3, 0], [1, 2]])
     w = torch.rand(5, 2)
-    torch.testing.assert_close(cpu_packed.moe(x, idx, w, packed).double(), _reference(x, idx, w, gate_up, down),
+    torch.testing.assert_close(cpu_packed.moe(x, idx, w, packed).double(), moe_reference(x, idx, w, gate_up, down),
                                atol=1e-5, rtol=1e-5)
     assert cpu_packed.moe(torch.empty(0, 32), torch.empty(0, 2, dtype=torch.int64), torch.empty(0, 2), packed).shape == (0, 32)
 
@@ -82,7 +71,7 @@ def test_prefill_sized_calls_equal_decode_sized_ones_bit_for_bit(threads):
     idx[:4] = torch.tensor([[2, 2, 0], [1, 3, 1], [4, 0, 2], [3, 3, 3]])
     w = torch.rand(t, k, generator=g)
     big = cpu_packed.moe(x, idx, w, packed, threads=threads)
-    torch.testing.assert_close(big[:40].double(), _reference(x[:40], idx[:40], w[:40], gate_up, down),
+    torch.testing.assert_close(big[:40].double(), moe_reference(x[:40], idx[:40], w[:40], gate_up, down),
                                atol=1e-5, rtol=1e-5)
     for a in range(0, 40, 5):  # 5 tokens: 15 pairs, the column-block passes
         assert torch.equal(cpu_packed.moe(x[a:a + 5], idx[a:a + 5], w[a:a + 5], packed, threads=threads), big[a:a + 5])
@@ -112,7 +101,7 @@ def test_routed_experts_run_packed_where_the_shape_packs_and_fall_back_elsewhere
     for tokens in (2, 200):  # a decode step's tokens and a prefill chunk's
         x = torch.randn(tokens, 64)
         idx, w = _route(tokens, 5, 2, seed=tokens)
-        torch.testing.assert_close(experts(x, idx, w).double(), _reference(x, idx, w, gate_up, down),
+        torch.testing.assert_close(experts(x, idx, w).double(), moe_reference(x, idx, w, gate_up, down),
                                    atol=1e-5, rtol=1e-5)
     # packed: the per-expert GEMMs (oneDNN's reordered copies) are never made
     assert (experts._linears is None) == (i == 32)

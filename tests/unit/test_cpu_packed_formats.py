@@ -11,10 +11,10 @@ max|want| + 1e-5 * |want|`` (float64 reference)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from llm_svc.models import cpu_packed, qweight
 from llm_svc.models.quant import dequant_fp8_block, dequant_mxfp4
+from tests.moe_ref import moe_reference
 
 pytestmark = pytest.mark.unit
 
@@ -100,17 +100,6 @@ def test_float32_pack_is_the_c_pack():
     assert torch.equal(cpu_packed.gemm(x, pw), cpu_packed.linear(x, cpu_packed.pack_linear(w), 70))
 
 
-def _moe_reference(x, idx, w, gate_up, down):
-    i = down.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for k in range(idx.shape[1]):
-            e = int(idx[t, k])
-            gu = gate_up[e].double() @ x[t].double()
-            out[t] += float(w[t, k]) * (down[e].double() @ (F.silu(gu[:i]) * gu[i:]))
-    return out
-
-
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("tokens", [1, 5, 200])
@@ -137,7 +126,7 @@ def test_routed_experts_equal_dequantize_then_moe(build, fmt, tokens):
     x = torch.randn(tokens, h, generator=g) * 0.1
     idx = torch.stack([torch.tensor([0, 1, 2, 4])[torch.randperm(4, generator=g)[:k]] for _ in range(tokens)])
     w = torch.rand(tokens, k, generator=g)
-    want = _moe_reference(x, idx, w, gate_up, down)
+    want = moe_reference(x, idx, w, gate_up, down)
     one = cpu_packed.moe_w(x, idx, w, pe, threads=1)
     _close(one, want)
     assert torch.equal(cpu_packed.moe_w(x, idx, w, pe, threads=2), one)
