@@ -46,16 +46,29 @@ def load_rows() -> list[dict]:
     """The benchmarks in table order: ``benchmark``, ``command``, ``measures``, ``baseline``,
     ``headline`` (``figure`` key path or ``figures`` + ``reduce``, optional ``baseline_figure``,
     ``label``, ``unit``; null: no headline figure), ``target`` (``compare``, ``threshold``,
-    ``source``; null: none stated) and optional ``kind_note`` (e.g. "in-process")."""
+    ``source``; null: none stated), optional ``kind_note`` (e.g. "in-process"), and for a benchmark
+    with more than one row (a variant by option): ``name`` (the row's name and anchor) and
+    ``where`` (figure key -> the values a results file's figures must hold; null: the key absent)."""
     return json.loads(ROWS_FILE.read_text())
+
+
+def name_of(spec: dict) -> str:
+    return spec.get("name", spec["benchmark"])
+
+
+def docs_of(spec: dict, results: dict[str, list[dict]]) -> list[dict]:
+    """The results files of ``spec``'s benchmark that its ``where`` admits (all without one)."""
+    where = spec.get("where") or {}
+    return [d for d in results.get(spec["benchmark"], [])
+            if all(d.get("figures", {}).get(k) in allowed for k, allowed in where.items())]
 
 
 def all_rows(results: dict[str, list[dict]], specs: list[dict]) -> list[tuple[dict, Row]]:
     stray = sorted(set(results) - {s["benchmark"] for s in specs})
     if stray:
         raise ValueError(f"results files of benchmarks without a row: {stray} (add them to {ROWS_FILE.name})")
-    return [(s, r) for s in specs for r in select_rows(s["benchmark"], results.get(s["benchmark"], []),
-                                                       s["headline"], s["target"])]
+    return [(s, r) for s in specs for r in select_rows(s["benchmark"], docs_of(s, results), s["headline"],
+                                                       s["target"])]
 
 
 # ---- cells -------------------------------------------------------------------------------------
@@ -118,7 +131,7 @@ def render_readme(rows: list[tuple[dict, Row]]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for spec, row in rows:
-        name = f"[{spec['benchmark']}](docs/benchmarks.md#{spec['benchmark']})" + _kind_note(row.doc)
+        name = f"[{name_of(spec)}](docs/benchmarks.md#{name_of(spec)})" + _kind_note(row.doc)
         lines.append(_md([name, row.machine, headline_cell(spec, row), target_cell(spec), met_cell(spec, row),
                           run_cell(row.doc)]))
     return "\n".join(lines) + "\n"
@@ -146,21 +159,21 @@ def render_docs(rows: list[tuple[dict, Row]], specs: list[dict], results: dict[s
         d = row.doc
         measured = d["source"] != TRANSCRIBED
         out.append(_md([
-            f"[{spec['benchmark']}](#{spec['benchmark']})" + _kind_note(row.doc), row.machine, d.get("mode") or "not stated",
+            f"[{name_of(spec)}](#{name_of(spec)})" + _kind_note(row.doc), row.machine, d.get("mode") or "not stated",
             f"`{d['commit'][:7]}`" if measured else "not recorded", d["date"][:10] if measured else "not recorded",
             headline_cell(spec, row), target_cell(spec), met_cell(spec, row), f"`{d['_file']}`",
         ]))  # fmt: skip
     for spec in specs:
-        kinds = " / ".join(dict.fromkeys(d["kind"] for d in results.get(spec["benchmark"], []))) or "not yet measured"
+        kinds = " / ".join(dict.fromkeys(d["kind"] for d in docs_of(spec, results))) or "not yet measured"
         note = f" ({spec['kind_note']})" if spec.get("kind_note") else ""
-        out += ["", f"### {spec['benchmark']}", "", f"What it measures: {spec['measures']}.", "",
+        out += ["", f"### {name_of(spec)}", "", f"What it measures: {spec['measures']}.", "",
                 f"Kind: {kinds}{note}.", f"Baseline: {spec['baseline']}."]
         if spec["headline"]:
             out.append(f"Headline figure: {spec['headline']['label']}.")
         t = spec["target"]
         out.append("Target: none stated." if t is None else f"Target: {target_cell(spec)} (source: {t['source']}).")
         out += ["", f"    {spec['command'].strip('`').replace(chr(92) + '|', '|')}", ""]
-        files = [d["_file"] for d in results.get(spec["benchmark"], [])]
+        files = [d["_file"] for d in docs_of(spec, results)]
         out.append("Results files: " + (", ".join(f"`{f}`" for f in files) if files else "none yet") + ".")
     return "\n".join(out) + "\n"
 
