@@ -71,9 +71,9 @@ def test_check_fails_when_a_results_file_changes(tmp_path, monkeypatch):
 
 def test_every_benchmark_has_a_row_spec_and_every_spec_a_results_file():
     results, specs = table.load_results(), table.load_rows()
-    names = [s["benchmark"] for s in specs]
-    assert len(names) == len(set(names)) and set(results) <= set(names)
-    assert [n for n in names if not results.get(n)] == []
+    names = [table.name_of(s) for s in specs]  # a row's name: its benchmark's, or its variant's
+    assert len(names) == len(set(names)) and set(results) <= {s["benchmark"] for s in specs}
+    assert [table.name_of(s) for s in specs if not table.docs_of(s, results)] == []
     for s in specs:
         assert s["command"] and s["measures"] and s["baseline"], s["benchmark"]
         if s["target"] is not None:
@@ -166,3 +166,13 @@ def test_headline_reductions_and_judging():
     assert judge(1.0, {"compare": "<", "threshold": 1.0}) is False
     assert judge(1.0, {"compare": "<=", "threshold": 1.0}) is True
     assert judge(None, TARGET) is None and judge(3.0, None) is None
+
+
+def test_a_variant_row_holds_only_its_own_results_files():
+    results, specs = table.load_results(), table.load_rows()
+    by_name = {table.name_of(s): s for s in specs}
+    bf16 = table.docs_of(by_name["vs_vllm_bfloat16"], results)
+    f32 = table.docs_of(by_name["vs_vllm"], results)
+    assert bf16 and all(d["figures"]["dtype"] == "bfloat16" for d in bf16)
+    assert f32 and all(d["figures"].get("dtype", "float32") == "float32" for d in f32)
+    assert len(bf16) + len(f32) == len(results["vs_vllm"])
