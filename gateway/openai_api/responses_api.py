@@ -207,7 +207,8 @@ class ResponsesRequest(BaseModel):
             why = ('allowed_tools is not served; send only the allowed tools, with tool_choice "auto" or "required"'
                    if kind == "allowed_tools" else f"{kind!r} tools are not served; only function tools are")
             raise _field_error(("tool_choice", "type"), why, choice)
-        for i, tool in enumerate(data.get("tools") or ()):
+        tools = data.get("tools")
+        for i, tool in enumerate(tools if isinstance(tools, list) else ()):  # not a list: its type check says so
             if isinstance(tool, dict) and tool.get("type") not in (None, "function"):
                 raise _field_error(("tools", i, "type"), f"{tool.get('type')!r} tools are not served (built-in tools "
                                    "run on the provider's side); only function tools are", tool)

@@ -423,3 +423,11 @@ def test_part_type_and_role_refusals_name_where():
 def test_a_type_that_is_not_a_string_is_a_400_not_a_500():
     _refused_at(_input({"role": "user", "content": [{"type": {}, "text": "x"}]}), "input[1].content[0].type")
     _refused_at(_input({"type": ["message"], "role": "user", "content": "x"}), "input[1].type")
+
+
+@pytest.mark.parametrize("tools", [True, 3, "get_weather", {"type": "function"}])
+def test_tools_of_the_wrong_type_are_a_validation_error_not_a_crash(tools):
+    """A fuzzed body (``tools: true``) reached the unsupported-tool check, which iterated it: a 500."""
+    with pytest.raises(pydantic.ValidationError) as e:
+        ResponsesRequest.model_validate({**BASE, "tools": tools})
+    assert any(err["loc"][0] == "tools" for err in e.value.errors())
