@@ -194,7 +194,7 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     # swa engine
     kv_bytes: int = Field(
         default=256 * 1024 * 1024, ge=0, description="bytes of the device KV pools (full and SWA layers together) "
-        "while kv_fraction is 0"
+        "while kv_fraction is 0; per rank under tensor_parallel_size (each rank holds its heads' share)"
     )
     kv_fraction: float = Field(
         default=0.0, ge=0.0, lt=1.0, description="the KV pools take this fraction of the device's free memory at "
@@ -252,6 +252,23 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     )
     small_step_threads: int = Field(
         default=1, ge=0, description="CPU: torch threads of a small engine step; 0: the same as threads"
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="ranks that split every layer (attention heads, MLP columns), each a "
+        "process of the engine core with its share of the weights and of both KV pools (vLLM's "
+        "--tensor-parallel-size); on the CPU the ranks split the cores, on CUDA one GPU each (cuda:0..N-1). "
+        "Published-layout MiMo checkpoints",
+    )
+    enable_expert_parallel: bool = Field(
+        default=False, description="MoE layers: whole routed experts per rank instead of every expert's columns "
+        "(vLLM's --enable-expert-parallel; expert-parallel size = tensor_parallel_size x data_parallel_size)",
+    )
+    data_parallel_size: int = Field(
+        default=1, ge=1, le=1, description="data-parallel attention replicas (vLLM's --data-parallel-size): 1 so "
+        "far; scale replicas behind the gateway instead",
+    )
+    distributed_backend: str = Field(
+        default="auto", description="the ranks' collectives: auto (NCCL on CUDA, gloo on the CPU), gloo or nccl",
     )
     speculative_config: str = Field(
         default="", description="speculative decoding as vLLM's --speculative-config JSON, e.g. "
@@ -373,6 +390,19 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
             raise ValueError("kv_l3_url needs the host KV tier: set host_kv_full_bytes and host_kv_swa_bytes > 0")
         if (self.host_kv_full_bytes > 0) != (self.host_kv_swa_bytes > 0):
             raise ValueError("host_kv_full_bytes and host_kv_swa_bytes are both 0 (no host tier) or both > 0")
+        if self.distributed_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"distributed_backend must be auto, gloo or nccl, got {self.distributed_backend!r}")
+        if self.tensor_parallel_size > 1:
+            if self.backend != "swa":
+                raise ValueError("tensor_parallel_size > 1 needs the swa backend (the hf reference runs one process)")
+            if self.kv_l3_url:
+                raise ValueError("kv_l3_url (the Redis KV tier) is not served with tensor_parallel_size > 1 yet: "
+                                 "each rank holds its own heads' KV; use the host tier alone")
+            if self.cuda_graphs:
+                raise ValueError("cuda_graphs is not served with tensor_parallel_size > 1 yet; unset it")
+            if '"mtp"' in self.speculative_config.replace(" ", ""):
+                raise ValueError("speculative method mtp is not served with tensor_parallel_size > 1 yet (the MTP "
+                                 "layers are not split); ngram is")
         return self
 
 

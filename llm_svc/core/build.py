@@ -24,6 +24,7 @@ from ..kv.budget import size_pools
 from llm_svc.loading.loader import DTYPES, LoadedLM
 from ..models import build_model
 from ..models.linear import warm_buckets
+from ..parallel import SINGLE, RankGroup
 from ..engine.spec import SpeculativeConfig
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,14 @@ def prefill_step_tokens(settings: LLMSettings) -> int:
 
 
 def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict | None = None,
-                 threads: StepThreads | None = None) -> Engine:
+                 threads: StepThreads | None = None, group: RankGroup = SINGLE) -> Engine:
     """Model + pools sized from the byte budget + scheduler + runner, wired into an Engine
-    (``threads``: torch threads per step by its size; None leaves torch's setting alone)."""
+    (``threads``: torch threads per step by its size; None leaves torch's setting alone).
+
+    ``group`` (rank 0 of a tensor-parallel group, the other ranks started and loaded): the pools
+    are sized from this rank's share of the heads, every rank is told the sizes
+    (``driver.RankSetup``), and the runner and host tier drive the other ranks
+    (``driver.DrivingRunner`` / ``DrivenHost``)."""
     model = build_model(lm.arch, lm.model, linear=settings.linear_backend)
     cfg = SchedulerConfig(
         max_batch_tokens=settings.max_batch_tokens,
@@ -139,7 +145,14 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
         except Exception as e:  # a model op that cannot be recorded: serve eagerly rather than not at all
             log.warning("CUDA graphs off, decodes run eagerly: recording them failed: %s", e)
             runner.graphs, runner.graphs_error = None, f"{type(e).__name__}: {e}"
-    tiers = build_tiers(settings, lm, model, runner, scheduler, kv_dtype) if host_full and host_swa else None
+    if group.world > 1:
+        from .driver import DrivingRunner, RankSetup
+
+        tiered = bool(host_full and host_swa)
+        group.broadcast(RankSetup(num_full, num_swa, str(kv_dtype).removeprefix("torch."), attention,
+                                  host_full if tiered else 0, host_swa if tiered else 0))
+        runner = DrivingRunner(runner, group)
+    tiers = build_tiers(settings, lm, model, runner, scheduler, kv_dtype, group) if host_full and host_swa else None
     # the front tries each source within media_fetch_timeout; this is the core's backstop
     grammars = GrammarCache(lm.tokenizer, lm.vocab_size, lm.eos_token_ids, threads=settings.grammar_threads,
                             any_whitespace=settings.structured_any_whitespace, workers=settings.grammar_workers,
@@ -186,8 +199,9 @@ def model_identity(model_dir: str | Path) -> str:
 
 
 def build_tiers(settings: LLMSettings, lm: LoadedLM, model, runner: ModelRunner, scheduler: Scheduler,
-                kv_dtype: torch.dtype):
-    """Host pools beside the runner's, and the shared Redis tier when ``kv_l3_url`` is set."""
+                kv_dtype: torch.dtype, group: RankGroup = SINGLE):
+    """Host pools beside the runner's, and the shared Redis tier when ``kv_l3_url`` is set (one
+    rank only); under tensor parallelism every rank copies its own heads' share."""
     from ..offload.host_kv import HostKV
     from ..offload.l3 import L3Store, fingerprint
     from shared.peer_auth import resolve as resolve_peer_key
@@ -196,6 +210,10 @@ def build_tiers(settings: LLMSettings, lm: LoadedLM, model, runner: ModelRunner,
     kinds = [spec.kind for spec in model.layers]
     kv = scheduler.kv
     host = HostKV(runner.kv, kinds, kv.host_full_pool.num_slots, kv.host_swa_pool.num_slots)
+    if group.world > 1:
+        from .driver import DrivenHost
+
+        host = DrivenHost(host, group)
     l3 = None
     if settings.kv_l3_url:
         fp = fingerprint({

@@ -233,6 +233,22 @@ class CoreLoop:
 TIER_STAT_PREFIXES = ("host_", "l3_", "tree_", "prefetching", "spec_", "grammar_")
 
 
+def _start_ranks(settings: LLMSettings, par, outputs: zmq.Socket, enc, epoch: int):
+    """Spawn ranks 1..N-1 and join their group as rank 0: ``(RankWorkers, RankGroup, rank 0's device)``.
+    A rank that exits ends this process: before ready as a load failure the front reports,
+    after it as a broken group the front restarts (``ranks.RankWorkers.watch``)."""
+    from llm_svc.parallel.comm import init_group
+
+    from .ranks import RankWorkers, rank_device
+
+    workers = RankWorkers(par, settings.device)
+    workers.start()
+    workers.watch(lambda rank, code: outputs.send(enc.encode(CoreFailed(
+        epoch, f"tensor-parallel rank {rank} exited with {code} while the group loaded (its log says why)"))))
+    device = rank_device(settings.device, 0)
+    return workers, init_group(0, par.world_size, workers.port, par.backend_for(device), device), device
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--epoch", type=int, required=True)
@@ -251,12 +267,19 @@ def main(argv: list[str] | None = None) -> int:
     inputs.setsockopt(zmq.LINGER, 0)
     inputs.connect(args.inputs)
     enc = msgspec.msgpack.Encoder()
+    workers, group = None, None
     try:
         from llm_svc.loading.loader import load_lm
+        from llm_svc.parallel import SINGLE, ParallelConfig
         from .build import build_engine
 
         import torch
 
+        par = ParallelConfig.of(settings)
+        device = settings.device
+        group = SINGLE
+        if par.world_size > 1:
+            workers, group, device = _start_ranks(settings, par, outputs, enc, args.epoch)
         torch.set_num_threads(core_threads(settings))
         from ..models import cpu_gemv
 
@@ -264,10 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         from ..attention import cpu_paged
 
         cpu_paged.set_threads(core_threads(settings))  # long decode attention: every core
-        lm = load_lm(settings.model_dir, settings.device, settings.dtype)
-        engine = build_engine(settings, lm, threads=step_threads(settings))
+        t0 = time.perf_counter()
+        lm = load_lm(settings.model_dir, device, settings.dtype, parallel=par, group=group)
+        if group.world > 1:
+            log.info("rank 0 loaded its share in %.2f s", time.perf_counter() - t0)
+        engine = build_engine(settings, lm, threads=step_threads(settings), group=group)
     except Exception as e:
         log.exception("engine core failed to load")
+        if workers is not None:
+            workers.stop(0.0)
         outputs.send(enc.encode(CoreFailed(args.epoch, f"{type(e).__name__}: {e}")))
         inputs.close()
         outputs.close()
@@ -284,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                                       engine.scheduler.config.window, r.kv_bytes())))
     log.info("engine core %d ready (epoch %d): %d full / %d swa slots", os.getpid(), args.epoch,
              r.num_full_slots, r.num_swa_slots)
+    if workers is not None:
+        workers.ready = True
     from shared.memtrace import maybe_start
 
     maybe_start("llm-core")  # MMSERVE_TRACEMALLOC=1 only
@@ -298,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_BROKEN
     if engine.grammars is not None:  # its compile workers are killed and reaped (they die with us anyway)
         engine.grammars.close()
+    if workers is not None:
+        if code == 0:
+            engine.runner.stop()
+        workers.stop()
     inputs.close()
     outputs.close()
     ctx.term()

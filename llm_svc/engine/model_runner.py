@@ -37,6 +37,7 @@ class ModelRunner:
                  threads: StepThreads | None = None, decode_graphs: int = 0, max_positions: int = 0,
                  table_rows: int = 16):
         self.model = model
+        self.logits = True  # False: run the forward only (a tensor-parallel rank other than 0 samples nothing)
         self.threads = threads
         self.device = torch.device(device)
         self.kv_dtype = self.dtype = kv_dtype or dtype
@@ -92,6 +93,8 @@ class ModelRunner:
         meta = self.attn.prepare(batch, tables, self.model.window, self.device)
         h = self.model.forward(self._input_embeds(batch), positions, self.kv, self.attn, meta)
         self.last_hidden = h  # [T, H] final-normed: the MTP layers' input (valid until the next run)
+        if not self.logits:
+            return {}
         rows: list[int] = []
         spans: list[tuple[str, int, int, bool]] = []  # (req_id, first row in ``rows``, count, all rows)
         row = 0

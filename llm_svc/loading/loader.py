@@ -83,14 +83,18 @@ def _arch_of(architecture: str) -> tuple[str, dict]:
 
 
 def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights: bool = True,
-            keep_packed: bool = True) -> LoadedLM:
+            keep_packed: bool = True, parallel=None, group=None) -> LoadedLM:
     """Read the bundle spec, the tokenizer and the LM weights from ``model_dir``.
 
     ``keep_packed``: a published MiMo's FP8 linears stay packed in their stored width on the
     CPU (``mimo_native.load_mimo``); False dequantizes them at load as before.
 
     ``weights=False`` (the HTTP front of the engine-core split) reads only the config: the
-    returned ``model`` is None, everything else is filled in."""
+    returned ``model`` is None, everything else is filled in.
+
+    ``parallel`` (``llm_svc.parallel.ParallelConfig``) with ``group`` (this process's
+    ``RankGroup``): load only this rank's part (``mimo_tp``); the model's forward all-reduces over
+    ``group``. Published-dialect MiMo checkpoints only, so far."""
     import transformers
 
     spec = load_bundle_spec(model_dir)
@@ -102,8 +106,23 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
     arch, kwargs = _arch_of(spec.lm_architecture)
     geometry = _mimo_geometry(spec.lm_dir) if arch == "mimo" else None
     scheme = _gpt_oss_scheme(spec.lm_dir) if arch == "gpt_oss" else None
+    shard = None
+    if parallel is not None and parallel.world_size > 1 and weights:
+        if geometry is None or geometry.dialect != "published":
+            raise ValueError(f"tensor_parallel_size {parallel.tensor_parallel_size} serves MiMo checkpoints in Xiaomi's "
+                             f"published layout so far; {spec.lm_architecture} in {spec.lm_dir} is served by one rank "
+                             "(tensor_parallel_size 1)")
+        from llm_svc.models.mimo_tp import MiMoShard
+
+        try:
+            shard = MiMoShard(geometry, parallel, group.rank)
+        except ValueError as e:
+            raise ValueError(f"{spec.lm_dir}/config.json: {e}") from e
     if geometry is not None and geometry.dialect == "published":
-        model, config, eos_src = _load_native_mimo(spec.lm_dir, geometry, tdtype, device, weights, keep_packed)
+        model, config, eos_src = _load_native_mimo(spec.lm_dir, geometry, tdtype, device, weights, keep_packed,
+                                                   shard)
+        if shard is not None:
+            model.rank_group = group
     else:
         cls = getattr(transformers, spec.lm_architecture, None)
         if cls is None:
@@ -215,7 +234,7 @@ def _load_dequantized_hf(cls, lm_dir: Path, scheme, dtype: torch.dtype, device: 
 
 
 def _load_native_mimo(lm_dir: Path, geometry, dtype: torch.dtype, device: str, weights: bool,
-                      keep_packed: bool = True):
+                      keep_packed: bool = True, shard=None):
     """A published-dialect MiMo: our modules, built from its geometry (transformers would derive
     other layer shapes from this file); ``config`` carries the sizes and token ids."""
     from transformers import PretrainedConfig
@@ -230,7 +249,7 @@ def _load_native_mimo(lm_dir: Path, geometry, dtype: torch.dtype, device: str, w
     if not weights:
         return None, config, holder
     model = load_mimo(lm_dir, geometry, config, dtype, device, bool(raw.get("tie_word_embeddings", False)),
-                      raw.get("quantization_config"), Path(lm_dir) / "config.json", keep_packed)
+                      raw.get("quantization_config"), Path(lm_dir) / "config.json", keep_packed, shard)
     model.generation_config = holder.generation_config
     return model, config, model
 

@@ -107,6 +107,8 @@ class MiMoGeometry:
     layout: str = "split"
     qkv_chunks: int = 1
     quant_method: str | None = None  # quantization_config.quant_method (dequantized at load)
+    # this rank's routed experts [first, stop) under expert parallelism (``mimo_tp``); None: all of them
+    expert_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.layer_types)
@@ -120,6 +122,11 @@ class MiMoGeometry:
             raise ValueError(f"num_nextn_predict_layers must be >= 0, got {self.mtp_layers}")
         if self.layout not in ("split", "fused_qkv") or self.qkv_chunks < 1:
             raise ValueError(f"bad attention projection layout {self.layout!r} / {self.qkv_chunks} chunks")
+
+    @property
+    def local_experts(self) -> tuple[int, int]:
+        """The routed experts this module tree holds, ``[first, stop)``."""
+        return self.expert_range or (0, self.n_experts)
 
     def attn(self, layer: int) -> AttnGeometry:
         return self.sliding if self.layer_types[layer] == SLIDING_T else self.full

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from llm_svc.attention import AttentionBackend, AttentionParams, LayerKV
+from llm_svc.parallel import SINGLE
 
 from . import MODELS
 from .base import HF_KIND, HybridModel, LayerSpec, apply_rope
@@ -44,6 +45,8 @@ class MiMoModel(HybridModel):
                 raise ValueError(f"layer {i}: loaded k/v projections disagree with the config's geometry {kind}")
             self.layers.append(spec)
             self.params.append(AttentionParams(scale=a.scaling, sinks=a.sinks))
+        # a tensor-parallel rank's part (``mimo_tp``): o_proj's and the MLPs' partial sums are all-reduced
+        self.group = getattr(hf_model, "rank_group", None) or SINGLE
         self.mlps = [_mlp_of(layer.mlp, linear) for layer in self.inner.layers]
         # q | k | v in one GEMM per layer ([T, (Hq + Hkv) * Dqk + Hkv * Dv])
         self.qkv = [fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], linear)
@@ -77,8 +80,8 @@ class MiMoModel(HybridModel):
             else:
                 q, k, v = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v * a.v_scale
             o = attn.forward(spec.kind, q, k, v, kv[i], meta, self.params[i])  # [T, Hq, Dv]
-            h, x = _add_norm(h, a.o_proj(o.reshape(t, -1)), layer.post_attention_layernorm)
-            y = self.mlps[i](x)
+            h, x = _add_norm(h, self.group.all_reduce(a.o_proj(o.reshape(t, -1))), layer.post_attention_layernorm)
+            y = self.group.all_reduce(self.mlps[i](x))
         return _add_norm(h, y, self.norms[-1])[1]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -105,12 +108,31 @@ def _mlp_of(mlp, linear: str = "auto") -> Callable[[torch.Tensor], torch.Tensor]
     experts = RoutedExperts.pack(mlp.experts, backend=linear)
     gate = mlp.gate
     hf_router = hasattr(mlp.experts, "gate_up_proj")
+    first = getattr(mlp, "first", 0)
+    local = first > 0 or experts.num_experts < mlp.gate.weight.shape[0]  # expert parallel: some experts elsewhere
 
     def moe(x: torch.Tensor) -> torch.Tensor:
         if hf_router:
             _, w, idx = gate(x)
         else:
             idx, w = gate(x)
+        if local:
+            return _local_experts(experts, first, x, idx, w)
         return experts(x, idx, w)
 
     return moe
+
+
+def _local_experts(experts: RoutedExperts, first: int, x: torch.Tensor, idx: torch.Tensor,
+                   w: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a MoE layer under expert parallelism: only the (token, expert) pairs
+    routed to its experts ``[first, first + E_local)``, each as a one-expert row (x [T, H], idx /
+    w [T, K] over all experts -> [T, H], the other ranks' pairs left to them and summed by the
+    all-reduce that follows)."""
+    mine = (idx >= first) & (idx < first + experts.num_experts)  # [T, K]
+    tok, slot = mine.nonzero(as_tuple=True)  # [P] each
+    out = torch.zeros_like(x)
+    if tok.numel():
+        rows = experts(x.index_select(0, tok), (idx[tok, slot] - first)[:, None], w[tok, slot][:, None])  # [P, H]
+        out.index_add_(0, tok, rows.to(x.dtype))
+    return out

@@ -33,7 +33,7 @@ from . import cpu_gemv
 from .geometry import MiMoGeometry
 from .mimo_blocks import MLP, Attention, RMSNorm, Rotary  # noqa: F401 (RMSNorm: the tree's norms, imported from here too)
 from .quant import scheme_for
-from .weights import fp8_packs_here, load_strict, tensor_files
+from .weights import fp8_packs_here, load_strict, tensor_files, widen_mixed_groups
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,9 @@ class MoE(nn.Module):
     def __init__(self, g: MiMoGeometry):
         super().__init__()
         self.gate = Router(g)
-        self.experts = nn.ModuleList(MLP(g.hidden_size, g.moe_intermediate_size) for _ in range(g.n_experts))
+        self.first = g.local_experts[0]
+        first, stop = g.local_experts  # a rank's own under expert parallelism; its index 0 is expert ``first``
+        self.experts = nn.ModuleList(MLP(g.hidden_size, g.moe_intermediate_size) for _ in range(stop - first))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -80,8 +82,10 @@ class MoE(nn.Module):
         idx, w = self.gate(x)
         out = torch.zeros_like(x)
         for e in idx.unique().tolist():
+            if not 0 <= e - self.first < len(self.experts):
+                continue  # another rank's expert
             tok, slot = (idx == e).nonzero(as_tuple=True)
-            out.index_add_(0, tok, (self.experts[e](x[tok]) * w[tok, slot, None]).to(x.dtype))
+            out.index_add_(0, tok, (self.experts[e - self.first](x[tok]) * w[tok, slot, None]).to(x.dtype))
         return out.view(shape)
 
 
@@ -188,12 +192,18 @@ def _convert(g: MiMoGeometry):
 def load_mimo(model_dir: str | Path, g: MiMoGeometry, config, dtype: torch.dtype,
               device: str | torch.device = "cpu", tie_word_embeddings: bool = False,
               quantization_config: dict | None = None, config_path: str | Path = "config.json",
-              keep_packed: bool = True) -> MiMoForCausalLM:
+              keep_packed: bool = True, shard=None) -> MiMoForCausalLM:
     """Build the LM of ``g`` and its MTP layers and load their weights from ``model_dir`` strictly
     (fused ``qkv_proj`` split per the layout). FP8 linears stay packed in their stored width
     (``weights.load_strict(keep_packed=True)``: ``module.qweight``, no float ``weight``) where
     ``keep_packed`` and ``weights.fp8_packs_here`` (a CPU model, the kernel built); otherwise
-    they are dequantized to the serving dtype."""
+    they are dequantized to the serving dtype.
+
+    ``shard`` (``mimo_tp.MiMoShard``): build and read only that tensor-parallel rank's part (its
+    heads, columns, experts; no MTP layers), tensor by tensor."""
+    full_g = g
+    if shard is not None:
+        g = shard.geometry
     scheme = scheme_for(quantization_config, config_path, allowed=("fp8",))
     packed = keep_packed and fp8_packs_here(scheme, device)
     if packed:  # no float copy of the weights the file replaces; the rope tables are computed
@@ -208,10 +218,20 @@ def load_mimo(model_dir: str | Path, g: MiMoGeometry, config, dtype: torch.dtype
         derived = frozenset({"lm_head.weight"})
     from .mimo_mtp import check_mtp_layers  # imports this module
 
-    check_mtp_layers({n: f for name, f in tensor_files(model_dir).items() if (n := _published_name(name))}, g)
+    check_mtp_layers({n: f for name, f in tensor_files(model_dir).items() if (n := _published_name(name))}, full_g)
     chunks = g.qkv_chunks if g.layout == "fused_qkv" else 1
-    load_strict(m, model_dir, dtype, _published_name, derived, scheme=scheme, convert=_convert(g),
-                row_groups=lambda n: chunks if n.endswith("qkv_proj.weight") else 1, keep_packed=packed)
+    rename = _published_name
+    if shard is not None:
+        def rename(name: str) -> str | None:
+            n = _published_name(name)
+            return None if n is None else shard.rename(n)
+    load_strict(m, model_dir, dtype, rename, derived, scheme=scheme, convert=_convert(full_g),
+                row_groups=lambda n: chunks if n.endswith("qkv_proj.weight") else 1, keep_packed=packed, shard=shard)
+    if shard is not None and packed:
+        widened = widen_mixed_groups(m)
+        if widened:
+            log.info("rank %d: %d FP8 linears widened (their block's other linears split off the scale blocks)",
+                     shard.rank, widened)
     if tie_word_embeddings:
         m.lm_head.weight = m.model.embed_tokens.weight  # the loaded tensor (a meta one was tied)
     left = [n for n, t in (*m.named_parameters(), *m.named_buffers()) if t.is_meta]

@@ -157,7 +157,7 @@ def concat(parts: list[PackedWeight], rows: torch.Tensor | None = None) -> Packe
 
 
 def pack(fmt: str, w: torch.Tensor, scale: torch.Tensor | None = None, *, block: tuple[int, int] = (128, 128),
-         row_groups: int = 1, rows: torch.Tensor | None = None,
+         row_groups: int = 1, rows: torch.Tensor | None = None, cols: tuple[int, int] | None = None,
          kernels: dict[str, CKernel] | None = None) -> PackedWeight:
     """One stored weight packed for ``fmt``'s kernel (which must build: ``kernel(fmt)``):
 
@@ -167,7 +167,8 @@ def pack(fmt: str, w: torch.Tensor, scale: torch.Tensor | None = None, *, block:
     * ``"mxfp4"``: ``w`` the uint8 blocks ``[N, K / 32, 16]``, ``scale`` the E8M0 scales ``[N, K / 32]``.
 
     ``rows`` (int64): the packed weight's row i is the stored row ``rows[i]`` (a fused
-    projection's part, or its rows in another order)."""
+    projection's part, or its rows in another order). ``cols``: only stored columns ``[c0, c1)``
+    (a tensor-parallel rank's share of the input); scaled formats split on their block edges."""
     kern = kernel(fmt, kernels)
     if kern is None:
         raise RuntimeError(f"the packed kernel for {fmt} weights does not build here")
@@ -199,7 +200,26 @@ def pack(fmt: str, w: torch.Tensor, scale: torch.Tensor | None = None, *, block:
         rscales = take(scale)
     else:
         raise ValueError(f"weight format must be one of {sorted(cpu_packed.FORMATS)}, got {fmt!r}")
+    if cols is not None:
+        r, rscales = _take_cols(fmt, r, rscales, cols)
     return _from_rows(fmt, r, rscales, kern)
+
+
+def _take_cols(fmt: str, r: torch.Tensor, rscales: torch.Tensor | None,
+               cols: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Columns ``[c0, c1)`` of rows ``r [N, K]`` and of their scales (one per ``FP8_GROUP`` /
+    ``MXFP4_GROUP`` columns), which must begin on a block edge and end on one or at K."""
+    c0, c1 = cols
+    k = r.shape[1]
+    if not 0 <= c0 < c1 <= k:
+        raise ValueError(f"columns [{c0}, {c1}) are not inside the weight's {k}")
+    r = r[:, c0:c1].contiguous()
+    if rscales is None:
+        return r, None
+    g = FP8_GROUP if fmt == "fp8" else MXFP4_GROUP
+    if c0 % g or (c1 % g and c1 != k):
+        raise ValueError(f"a {fmt} weight splits on its {g}-column scale blocks; columns [{c0}, {c1}) do not")
+    return r, rscales[:, c0 // g:-(-c1 // g)].contiguous()
 
 
 def experts_packable(fmt: str, hidden: int, inter: int, kernels: dict[str, CKernel] | None = None) -> bool:

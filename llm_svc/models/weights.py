@@ -145,7 +145,7 @@ def _assign(module: torch.nn.Module, name: str, t: torch.Tensor) -> None:
         m._buffers[attr] = t
 
 
-def _packed_linears(module, src, name: str, target: str, want: dict, convert, row_groups: int):
+def _packed_linears(module, src, name: str, target: str, want: dict, convert, row_groups: int, shard=None):
     """The FP8 linear(s) a stored tensor becomes, packed from its e4m3 bytes and scales as read
     (``qweight.pack``; a fused projection's parts by their rows): ``[(module, name, PackedWeight)]``,
     or None where it is not a packable FP8 linear weight (the dequantize path then reads it and
@@ -172,16 +172,45 @@ def _packed_linears(module, src, name: str, target: str, want: dict, convert, ro
     for tgt, rows in pieces:
         owner, _, attr = tgt.rpartition(".")
         mod = module.get_submodule(owner) if tgt in want else None
-        if attr != "weight" or type(mod) is not nn.Linear or tuple(want[tgt].shape) != (rows.shape[0], t.shape[1]):
+        cut = shard.slice(tgt) if shard is not None else None
+        cols = (cut[1], cut[2]) if cut is not None and cut[0] == 1 else None
+        if cut is not None and cut[0] == 0:
+            rows = rows[cut[1]:cut[2]]
+        k = cols[1] - cols[0] if cols is not None else t.shape[1]
+        if attr != "weight" or type(mod) is not nn.Linear or tuple(want[tgt].shape) != (rows.shape[0], k):
             return None
         r = rows[:, 0]
         whole = r.numel() == t.shape[0] and bool((r == torch.arange(t.shape[0])).all())
         try:
-            pw = qweight.pack("fp8", t, s, block=src.scheme.block, row_groups=row_groups, rows=None if whole else r)
+            pw = qweight.pack("fp8", t, s, block=src.scheme.block, row_groups=row_groups, rows=None if whole else r,
+                              cols=cols)
         except ValueError:
             return None
         out.append((mod, tgt, pw))
     return out
+
+
+def widen_mixed_groups(module: torch.nn.Module, parts: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")) -> int:
+    """Where some linears of one block (``parts`` of one module) were kept packed and others were
+    not (a tensor-parallel column split off the FP8 scale blocks is read dequantized), widen the
+    packed ones too: the block's fused paths take one form. Returns how many were widened."""
+    from . import qweight
+
+    n = 0
+    for m in module.modules():
+        lin = [getattr(m, p, None) for p in parts]
+        if any(x is None for x in lin):
+            continue
+        packed = [getattr(x, "qweight", None) is not None for x in lin]
+        if all(packed) or not any(packed):
+            continue
+        for x, was in zip(lin, packed):
+            if was:
+                x.weight = torch.nn.Parameter(qweight.dense(x.qweight).to(x.qweight_dtype), requires_grad=False)
+                x.qweight = None
+                del x.forward  # the instance's packed forward: nn.Linear's again
+                n += 1
+    return n
 
 
 _TRIM_EVERY = 32 << 20  # bytes packed between two malloc_trim calls
@@ -209,7 +238,7 @@ _libc = None
 def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dtype,
                 rename: Callable[[str], str | None] = lambda n: n, derived: frozenset[str] = frozenset(),
                 scheme: QuantScheme | None = None, convert: Convert | None = None,
-                row_groups: Callable[[str], int] = lambda n: 1, keep_packed: bool = False) -> None:
+                row_groups: Callable[[str], int] = lambda n: 1, keep_packed: bool = False, shard=None) -> None:
     """Copy the checkpoint's tensors into ``module`` (its parameters and persistent buffers).
 
     ``rename`` maps a file's tensor name to the module's name, or None for a tensor to read past
@@ -223,7 +252,12 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
     from its stored bytes and scales, one tensor at a time, never widened: the module's
     ``weight`` becomes None and ``module.qweight`` the ``qweight.PackedWeight`` (``linear``
     serves it). The module may then be built on the meta device: every tensor read replaces its
-    meta placeholder (so peak memory stays near the packed model's size)."""
+    meta placeholder (so peak memory stays near the packed model's size).
+
+    ``shard`` (a tensor-parallel rank's, e.g. ``mimo_tp.MiMoShard``): ``shard.slice(target)`` is
+    ``(dim, start, stop)`` of each module tensor this rank holds part of (None: all of it); the
+    module was built with the rank's shapes, and each tensor is cut as it is read, one at a time,
+    so a rank's peak memory stays near its share."""
     src = CheckpointTensors(model_dir, scheme)
     want = dict(module.state_dict())
     seen: set[str] = set()
@@ -242,7 +276,8 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
     since_trim = 0
     with torch.no_grad():
         for name, target in todo:
-            packed = _packed_linears(module, src, name, target, want, convert, row_groups(name)) if keep_packed else None
+            packed = _packed_linears(module, src, name, target, want, convert, row_groups(name), shard) \
+                if keep_packed else None
             if packed:
                 for mod, tgt, pw in packed:
                     mod.weight = None
@@ -263,6 +298,13 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
             except ValueError as e:
                 raise CheckpointError(f"{f}: tensor {name!r}: {e}") from e
             for tgt, piece in pieces:
+                cut = shard.slice(tgt) if shard is not None else None
+                if cut is not None:
+                    dim, a, b = cut
+                    if piece.dim() <= dim or piece.shape[dim] < b:
+                        raise CheckpointError(f"{f}: tensor {name!r} has shape {list(piece.shape)}, too small for "
+                                              f"this rank's part [{a}, {b}) of dimension {dim}")
+                    piece = piece.narrow(dim, a, b - a).clone()  # its own storage: the whole tensor is freed
                 if tgt not in want:
                     raise CheckpointError(f"{f}: tensor {name!r} is not part of the model the config describes "
                                           "(a config field disagrees with the weights)")

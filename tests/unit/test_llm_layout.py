@@ -12,7 +12,7 @@ LLM = REPO / "llm_svc"
 
 # bottom first; a package imports only from layers below its own
 LAYERS: list[set[str]] = [
-    {"types", "kernels"},  # core types and messages; the C kernels' build
+    {"types", "kernels", "parallel"},  # core types and messages; the C kernels' build; rank groups
     {"attention"},  # attention backends over the pools
     {"models"},  # forward passes
     {"loading", "parsers", "kv"},  # bundle loading; output parsers; slot pools and the prefix tree (no tensors)
