@@ -45,6 +45,14 @@ class DrivingRunner:
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
+    def check_ranks(self) -> None:
+        """Every rank's slot tables are rank 0's (the same requests at the same rows and lengths,
+        the same slots): the replicated state has not drifted. An ``AssertionError`` names the rank."""
+        self.group.broadcast(("check",))
+        mine = tables_digest(self._runner)
+        for rank, theirs in enumerate(self.group.gather_objects(mine)):
+            assert theirs == mine, f"rank {rank}'s slot tables differ from rank 0's"
+
     def stop(self) -> None:
         """Tell the other ranks to exit (their loops return)."""
         try:
@@ -79,7 +87,18 @@ def serve_rank(runner, host, group: RankGroup) -> None:
             if host is None:
                 raise RuntimeError("rank 0 sent host-tier copies but this rank has no host tier")
             host.apply(msg[1])
+        elif op == "check":
+            group.gather_objects(tables_digest(runner))
         elif op == "stop":
             return
         else:
             raise RuntimeError(f"unknown call from rank 0: {op!r}")
+
+
+def tables_digest(runner) -> tuple:
+    """What a rank's runner holds of the requests: each row's request, length and slots, and
+    its pools' shapes."""
+    t = runner.tables
+    rows = sorted((rid, row, t.length.get(row, 0)) for rid, row in t.row_of.items())
+    slots = [(t.full[row, :n].tolist(), t.swa[row, :n].tolist()) for _, row, n in rows]
+    return rows, slots, [(kv.k.shape[1], kv.v.shape[1]) for kv in runner.kv]

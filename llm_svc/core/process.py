@@ -237,16 +237,10 @@ def _start_ranks(settings: LLMSettings, par, outputs: zmq.Socket, enc, epoch: in
     """Spawn ranks 1..N-1 and join their group as rank 0: ``(RankWorkers, RankGroup, rank 0's device)``.
     A rank that exits ends this process: before ready as a load failure the front reports,
     after it as a broken group the front restarts (``ranks.RankWorkers.watch``)."""
-    from llm_svc.parallel.comm import init_group
+    from .ranks import start_group
 
-    from .ranks import RankWorkers, rank_device
-
-    workers = RankWorkers(par, settings.device)
-    workers.start()
-    workers.watch(lambda rank, code: outputs.send(enc.encode(CoreFailed(
+    return start_group(settings, par, watch=lambda rank, code: outputs.send(enc.encode(CoreFailed(
         epoch, f"tensor-parallel rank {rank} exited with {code} while the group loaded (its log says why)"))))
-    device = rank_device(settings.device, 0)
-    return workers, init_group(0, par.world_size, workers.port, par.backend_for(device), device), device
 
 
 def main(argv: list[str] | None = None) -> int:

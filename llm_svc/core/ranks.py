@@ -67,15 +67,17 @@ class RankWorkers:
         self._stopping = False
         self.ready = False  # set by rank 0 once the group serves
 
-    def start(self) -> None:
-        """Spawn the other ranks (they load their shares while rank 0 loads its own)."""
+    def start(self, pin_self: bool = True, env: dict[str, str] | None = None) -> None:
+        """Spawn the other ranks (they load their shares while rank 0 loads its own); then pin
+        this process (rank 0) to its CPUs unless ``pin_self`` is False (an engine in a test's process)."""
         world = self.par.world_size
         for r in range(1, world):
             cmd = [sys.executable, "-m", "llm_svc.core.rank_worker", "--rank", str(r), "--world", str(world),
                    "--port", str(self.port), "--parent", str(os.getpid()),
                    "--cpus", ",".join(map(str, rank_cpus(self.cpus, world, r)))]
-            self.procs.append(subprocess.Popen(cmd, env=os.environ.copy()))
-        pin(rank_cpus(self.cpus, world, 0))
+            self.procs.append(subprocess.Popen(cmd, env=env if env is not None else os.environ.copy()))
+        if pin_self:
+            pin(rank_cpus(self.cpus, world, 0))
         log.info("rank group of %d started: ranks 1..%d are pids %s", world, world - 1, [p.pid for p in self.procs])
 
     def watch(self, before_ready: Callable[[int, int], None]) -> None:
@@ -112,3 +114,26 @@ class RankWorkers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def start_group(settings, par: ParallelConfig, pin_self: bool = True,
+                watch: Callable[[int, int], None] | None = None):
+    """Spawn ranks 1..N-1 with ``settings`` (they read them from the environment) and join their
+    group as rank 0: ``(RankWorkers, RankGroup, rank 0's device)``. ``watch``: end this process
+    when a rank exits (``RankWorkers.watch``; the callback reports a death before ready)."""
+    from llm_svc.parallel.comm import init_group
+
+    from .process import SETTINGS_ENV
+
+    workers = RankWorkers(par, settings.device)
+    workers.start(pin_self, {**os.environ, SETTINGS_ENV: settings.model_dump_json()})
+    if watch is not None:
+        workers.watch(watch)
+    device = rank_device(settings.device, 0)
+    try:
+        group = init_group(0, par.world_size, workers.port, par.backend_for(device), device)
+    except BaseException:
+        for p in workers.procs:
+            p.kill()
+        raise
+    return workers, group, device

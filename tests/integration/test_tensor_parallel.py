@@ -1,0 +1,208 @@
+"""Tensor and expert parallelism on CPU ranks (gloo, world size 2): the engine with its ranks
+gives the greedy tokens one rank gives, on published-form tiny MiMo-V2-Flash (split attention,
+float32; its full layers have one KV head, replicated to both ranks) and MiMo-V2.5 (fused FP8
+``qkv_proj``, sliding layers with their own KV heads), with the prefix cache, tight pools, the
+host tier and n-gram speculation on. The engine runs in this process as rank 0 (its
+``check_integrity()`` after every step, the other rank's slot tables checked against rank 0's);
+rank 1 is the process the engine core would spawn."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from llm_svc.core.build import build_engine
+from llm_svc.core.ranks import start_group
+from llm_svc.loading.loader import load_lm
+from llm_svc.parallel import ParallelConfig
+from llm_svc.types.request import PreparedRequest
+from mmserve.testing.in_process import InProcessEngine
+from mmserve.tiny import mimo_published as mp
+from shared.schemas import SamplingParams
+from shared.settings import LLMSettings
+from tests.conftest import SMALL_W
+from tests.integration.test_llm_engine import ListStream
+
+pytestmark = pytest.mark.integration
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+
+
+@dataclass
+class Case:
+    name: str
+    spec: mp.TinyMiMoSpec
+    layout: str
+    quant: str | None
+    dtype: str
+
+
+CASES = {
+    "flash": Case("flash", mp.FLASH, "split", None, "float32"),
+    "v25-fp8": Case("v25-fp8", mp.V25, "fused_qkv", "fp8", "float32"),
+}
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {k: mp.write_mimo_published(root / k, c.spec, sliding_window=SMALL_W, layout=c.layout, quant=c.quant)
+            for k, c in CASES.items()}
+
+
+def settings_for(bundle, case: Case, tp: int = 1, ep: bool = False, host: bool = True) -> LLMSettings:
+    return LLMSettings(model_dir=str(bundle), dtype=case.dtype, tensor_parallel_size=tp, enable_expert_parallel=ep,
+                       kv_bytes=(256 if tp > 1 else 640) * 1024, max_batch_tokens=48, max_running=6, speculative_config=NGRAM,
+                       host_kv_full_bytes=8 << 20 if host else 0, host_kv_swa_bytes=2 << 20 if host else 0,
+                       warmup=False, max_model_len=1024)
+
+
+def trace(vocab: int, seed: int = 0) -> list[list[PreparedRequest]]:
+    """Rounds of a conversation trace: 3 system prompts x 6 sessions whose turns grow (prompt =
+    previous prompt + new text, so later rounds hit the prefix cache), every prompt ending in a
+    repeated phrase (n-gram drafts find matches)."""
+    rng = random.Random(seed)
+
+    def text(n):
+        return [rng.randrange(20, vocab) for _ in range(n)]
+
+    systems = [text(40), text(55), text(30)]
+    sessions = [list(systems[i % 3]) for i in range(6)]
+    rounds = []
+    for r in range(3):
+        batch = []
+        for i, ids in enumerate(sessions):
+            phrase = text(4)
+            ids += text(rng.randint(3, 20)) + phrase * 3
+            batch.append(PreparedRequest(request_id=f"s{i}-r{r}", prompt_ids=list(ids),
+                                         sampling=SamplingParams(max_tokens=rng.randint(6, 12), ignore_eos=True)))
+        rounds.append(batch)
+    return rounds
+
+
+def run_trace(engine: InProcessEngine, vocab: int, check_ranks: bool) -> dict[str, list[int]]:
+    out = {}
+    for batch in trace(vocab):
+        streams = {p.request_id: ListStream(p.request_id) for p in batch}
+        for p in batch:
+            engine.submit(p, streams[p.request_id])
+        steps = 0
+        while not all(s.done for s in streams.values()):
+            engine.step()
+            engine.scheduler.check_integrity()
+            steps += 1
+            assert steps < 3000, "engine did not finish"
+            if check_ranks and steps % 7 == 0:
+                engine.runner.check_ranks()
+        out.update({rid: s.tokens for rid, s in streams.items()})
+    return out
+
+
+def one_rank(bundle, case: Case) -> tuple[dict[str, list[int]], dict]:
+    s = settings_for(bundle, case)
+    lm = load_lm(s.model_dir, dtype=s.dtype)
+    engine = InProcessEngine(build_engine(s, lm), lm.tokenizer)
+    return run_trace(engine, lm.vocab_size, False), engine.engine.stats()
+
+
+class RankEngine:
+    """Rank 0 of a group of ``settings.tensor_parallel_size``, in this process (not pinned)."""
+
+    def __init__(self, settings: LLMSettings):
+        par = ParallelConfig.of(settings)
+        self.workers, self.group, device = start_group(settings, par, pin_self=False)
+        try:
+            self.lm = load_lm(settings.model_dir, device, settings.dtype, parallel=par, group=self.group)
+            self.engine = InProcessEngine(build_engine(settings, self.lm, group=self.group), self.lm.tokenizer)
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            self.engine.runner.stop()
+        else:
+            for p in self.workers.procs:
+                p.kill()
+        self.workers.stop()
+        self.group.close()
+
+
+@pytest.fixture(scope="module")
+def reference(bundles):
+    return {k: one_rank(bundles[k], c) for k, c in CASES.items()}
+
+
+@pytest.mark.parametrize("case, ep", [("flash", False), ("v25-fp8", False), ("v25-fp8", True), ("flash", True)],
+                         ids=["flash-tp2", "v25fp8-tp2", "v25fp8-ep2", "flash-ep2"])
+def test_two_ranks_give_one_ranks_greedy_tokens(bundles, reference, case, ep):
+    c = CASES[case]
+    want, ref_stats = reference[case]
+    g = RankEngine(settings_for(bundles[case], c, tp=2, ep=ep))
+    try:
+        e = g.engine
+        # each rank holds its share: half the query heads; the sliding layers' KV heads split,
+        # the flash full layers' single KV head is replicated (it cannot split)
+        model = e.runner.model
+        geo = g.lm.model.geometry
+        assert geo.sliding.heads * 2 == c.spec.swa_heads and geo.full.heads * 2 == c.spec.heads
+        assert geo.full.kv_heads == max(1, c.spec.kv_heads // 2)
+        if ep:
+            assert geo.expert_range == (0, c.spec.experts // 2)
+        got = run_trace(e, g.lm.vocab_size, True)
+        e.runner.check_ranks()
+        st = e.engine.stats()
+        assert sum(len(v) for v in got.values()) > 100
+        for rid in want:
+            assert got[rid] == want[rid], rid
+        # the cache, the host tier and speculation all worked under the group, as with one rank
+        assert st["cached_tokens"] > 0 and st["tree_demoted_full"] > 0 and st["tree_loaded_full"] > 0, st
+        assert st["spec_num_draft_tokens"] > 0, st
+        assert e.engine.tiers.host.bytes_h2d > 0
+        u = e.scheduler.stats()
+        assert u["running"] == u["waiting"] == 0 and u["full_free"] + u["full_cached"] == u["full_total"]
+        assert all(layer.k.shape[0] == spec.kv_heads for layer, spec in zip(e.runner.kv, model.layers))
+    finally:
+        g.close()
+    for p in g.workers.procs:
+        assert p.returncode == 0  # told to stop, it stopped
+
+
+def test_a_layout_that_does_not_split_is_refused_with_the_reason(bundles):
+    from llm_svc.models.mimo_tp import MiMoShard
+    from llm_svc.models.geometry import mimo_geometry
+    import json
+
+    g = mimo_geometry(json.loads((bundles["flash"] / "config.json").read_text()))
+    with pytest.raises(ValueError, match="attention heads do not split over 3 ranks"):
+        MiMoShard(g, ParallelConfig(3), 0)
+    with pytest.raises(ValueError, match="n_routed_experts = 6 does not split evenly over 4"):
+        MiMoShard(dataclasses.replace(g, n_experts=6), ParallelConfig(4, enable_expert_parallel=True), 0)
+    assert MiMoShard(g, ParallelConfig(4, enable_expert_parallel=True), 3).geometry.expert_range == (6, 8)
+
+
+def test_logits_agree_within_tolerance(bundles):
+    """The first step's logits of TP = 2 and of one rank, on the FP8 V2.5 (float32 compute)."""
+    c = CASES["v25-fp8"]
+    s1 = settings_for(bundles["v25-fp8"], c, host=False)
+    lm = load_lm(s1.model_dir, dtype=s1.dtype)
+    from llm_svc.models import build_model
+    from llm_svc.engine.model_runner import ModelRunner
+    from llm_svc.types.request import ForwardBatch, SeqForward
+
+    n = 40
+    batch = ForwardBatch([SeqForward("a", list(range(30, 30 + n)), 0, list(range(n)), list(range(n)), 0, True,
+                                     all_logits=True, reset_full=[], reset_swa=[])])
+    ref = ModelRunner(build_model(lm.arch, lm.model), 128, 128).run(batch)["a"]
+    g = RankEngine(settings_for(bundles["v25-fp8"], c, tp=2, host=False))
+    try:
+        got = g.engine.runner.run(batch)["a"]
+    finally:
+        g.close()
+    assert got.shape == ref.shape == (n, lm.vocab_size)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
