@@ -173,6 +173,9 @@ def pack(fmt: str, w: torch.Tensor, scale: torch.Tensor | None = None, *, block:
     if kern is None:
         raise RuntimeError(f"the packed kernel for {fmt} weights does not build here")
     take = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+    if rows is not None and rows.numel() > 1 and bool((rows[1:] - rows[:-1] == 1).all()):
+        r0, nr = int(rows[0]), rows.numel()  # a run of rows (a rank's share, a fused part): a view, no gather
+        take = lambda t: t.narrow(0, r0, nr)  # noqa: E731
     rscales = None
     if fmt == "float32" or fmt == "bfloat16":
         want = torch.float32 if fmt == "float32" else torch.bfloat16

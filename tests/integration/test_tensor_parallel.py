@@ -206,3 +206,65 @@ def test_logits_agree_within_tolerance(bundles):
     assert got.shape == ref.shape == (n, lm.vocab_size)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def rank_workers() -> list[int]:
+    from tests.integration.test_engine_core_process import alive
+    import os
+
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"llm_svc.core.rank_worker" in f.read() and alive(int(pid)):
+                        out.append(int(pid))
+            except OSError:
+                continue
+    return out
+
+
+def test_the_service_serves_with_two_ranks_and_a_dead_rank_restarts_the_group(bundles):
+    """``tensor_parallel_size=2`` through the HTTP front: the same greedy tokens as one rank;
+    killing rank 1 fails the in-flight request with an error at once (not a hang), ``/readyz``
+    says why while the group restarts, and the new group serves."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from tests.integration.test_engine_core_process import gen_body, long_stream, start, wait_ready, alive
+
+    before = set(rank_workers())
+    outs = {}
+    for tp in (1, 2):
+        with start(bundles["flash"], tensor_parallel_size=tp) as svc:
+            r = httpx.post(svc.url + "/v1/generate", content=gen_body("a", 16, text="the ranks agree"), timeout=60)
+            assert r.status_code == 200, r.text
+            outs[tp] = r.json()["token_ids"]
+            if tp == 1:
+                continue
+            (rank1,) = set(rank_workers()) - before
+            lines: list = []
+            done = threading.Event()
+            threading.Thread(target=long_stream, args=(svc.url, "victim", lines, done), daemon=True).start()
+            deadline = time.monotonic() + 30
+            while len(lines) < 3:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            os.kill(rank1, signal.SIGKILL)
+            assert done.wait(30), "the in-flight request hung"
+            assert lines[-1]["error"] and "engine core" in lines[-1]["error"], lines[-1]
+            wait_ready(svc.url)
+            assert svc.state.backend.client.restarts == 1
+            (new_rank1,) = set(rank_workers()) - before
+            assert new_rank1 != rank1 and not alive(rank1)
+            r = httpx.post(svc.url + "/v1/generate", content=gen_body("b", 16, text="the ranks agree"), timeout=60)
+            assert r.status_code == 200 and r.json()["token_ids"] == outs[1]
+    assert outs[1] == outs[2] and len(outs[1]) == 16
+    deadline = time.monotonic() + 10
+    while set(rank_workers()) - before:  # the group went with its service
+        assert time.monotonic() < deadline, "a rank outlived its service"
+        time.sleep(0.1)
