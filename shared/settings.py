@@ -400,9 +400,6 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
                                  "each rank holds its own heads' KV; use the host tier alone")
             if self.cuda_graphs:
                 raise ValueError("cuda_graphs is not served with tensor_parallel_size > 1 yet; unset it")
-            if '"mtp"' in self.speculative_config.replace(" ", ""):
-                raise ValueError("speculative method mtp is not served with tensor_parallel_size > 1 yet (the MTP "
-                                 "layers are not split); ngram is")
         return self
 
 

@@ -206,12 +206,23 @@ def load_mimo(model_dir: str | Path, g: MiMoGeometry, config, dtype: torch.dtype
         g = shard.geometry
     scheme = scheme_for(quantization_config, config_path, allowed=("fp8",))
     packed = keep_packed and fp8_packs_here(scheme, device)
+    def build() -> MiMoForCausalLM:
+        m = MiMoForCausalLM(g, config)
+        if shard is not None and shard.keeps_mtp:  # rank 0's whole MTP layers beside its share of the LM
+            from .mimo_mtp import MTPStack
+
+            m.model.mtp = MTPStack(full_g)
+        return m
+
     if packed:  # no float copy of the weights the file replaces; the rope tables are computed
         with torch.device("meta"):
-            m = MiMoForCausalLM(g, config)
+            m = build()
         m.model.rotary_emb = Rotary(g)
+        if getattr(m.model, "mtp", None) is not None:
+            for layer in m.model.mtp.layers:
+                layer.rotary = Rotary(full_g)
     else:
-        m = MiMoForCausalLM(g, config)
+        m = build()
     derived = frozenset()
     if tie_word_embeddings:
         m.lm_head.weight = m.model.embed_tokens.weight

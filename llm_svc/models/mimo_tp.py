@@ -11,7 +11,8 @@ rows or columns of each stored tensor it reads (Megatron's split, as vLLM's ``mi
   dense MLP's; expert-parallel: whole experts per rank, ``[r E/P, (r+1) E/P)``, stored under their
   local index. The router (``gate.weight``, ``e_score_correction_bias``) is on every rank, so
   routing is computed once per rank from the same all-reduced input and is the same everywhere.
-* embedding, norms, ``lm_head``: whole on every rank.
+* embedding, norms, ``lm_head``: whole on every rank; the MTP layers whole on rank 0 only (it
+  drafts; the drafts are verified by the split model).
 
 FP8 block scales split with their blocks: rows keep each row's scale row; a column split must
 fall on 128-column block edges (``qweight.pack(cols=)``)."""
@@ -59,7 +60,9 @@ class MiMoShard:
                 experts = even_range(g.n_experts, self.ep, rank, what="n_routed_experts")
             else:
                 moe_inter = _span(even_range(g.moe_intermediate_size, tp, rank, what="moe_intermediate_size"))
-        # MTP layers are not split yet: a rank group serves without them (the service refuses MTP)
+        # the MTP layers are not split: rank 0 holds them whole (``keeps_mtp``) and drafts alone
+        # (a draft costs about one decoder layer; every draft is verified by the split model)
+        self.keeps_mtp = rank == 0 and g.mtp_layers > 0
         self.geometry = dataclasses.replace(g, full=full, sliding=sliding, intermediate_size=inter,
                                             moe_intermediate_size=moe_inter, expert_range=experts, mtp_layers=0)
 
@@ -67,7 +70,7 @@ class MiMoShard:
         """A module name (after the checkpoint's renames) -> this rank's, or None where this rank
         does not hold it (another rank's expert; the MTP layers)."""
         if name.startswith("model.mtp."):
-            return None
+            return name if self.keeps_mtp else None
         m = _EXPERT.fullmatch(name)
         if m is None or self.ep == 1:
             return name

@@ -30,6 +30,7 @@ from tests.integration.test_llm_engine import ListStream
 pytestmark = pytest.mark.integration
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+MTP = '{"method": "mtp", "num_speculative_tokens": 3}'
 
 
 @dataclass
@@ -54,9 +55,10 @@ def bundles(tmp_path_factory):
             for k, c in CASES.items()}
 
 
-def settings_for(bundle, case: Case, tp: int = 1, ep: bool = False, host: bool = True) -> LLMSettings:
+def settings_for(bundle, case: Case, tp: int = 1, ep: bool = False, host: bool = True,
+                 spec: str = NGRAM) -> LLMSettings:
     return LLMSettings(model_dir=str(bundle), dtype=case.dtype, tensor_parallel_size=tp, enable_expert_parallel=ep,
-                       kv_bytes=(256 if tp > 1 else 640) * 1024, max_batch_tokens=48, max_running=6, speculative_config=NGRAM,
+                       kv_bytes=(256 if tp > 1 else 640) * 1024, max_batch_tokens=48, max_running=6, speculative_config=spec,
                        host_kv_full_bytes=8 << 20 if host else 0, host_kv_swa_bytes=2 << 20 if host else 0,
                        warmup=False, max_model_len=1024)
 
@@ -102,8 +104,8 @@ def run_trace(engine: InProcessEngine, vocab: int, check_ranks: bool) -> dict[st
     return out
 
 
-def one_rank(bundle, case: Case) -> tuple[dict[str, list[int]], dict]:
-    s = settings_for(bundle, case)
+def one_rank(bundle, case: Case, spec: str = NGRAM) -> tuple[dict[str, list[int]], dict]:
+    s = settings_for(bundle, case, spec=spec)
     lm = load_lm(s.model_dir, dtype=s.dtype)
     engine = InProcessEngine(build_engine(s, lm), lm.tokenizer)
     return run_trace(engine, lm.vocab_size, False), engine.engine.stats()
@@ -268,3 +270,20 @@ def test_the_service_serves_with_two_ranks_and_a_dead_rank_restarts_the_group(bu
     while set(rank_workers()) - before:  # the group went with its service
         assert time.monotonic() < deadline, "a rank outlived its service"
         time.sleep(0.1)
+
+
+def test_mtp_drafts_under_tensor_parallelism(bundles):
+    """MTP with TP = 2 (rank 0 holds the three MTP layers whole and drafts; the split model
+    verifies): one rank's greedy tokens, drafts made and some accepted."""
+    c = CASES["v25-fp8"]
+    want, _ = one_rank(bundles["v25-fp8"], c, spec=MTP)
+    g = RankEngine(settings_for(bundles["v25-fp8"], c, tp=2, spec=MTP))
+    try:
+        assert len(g.lm.model.mtp) == 3 and g.lm.model.mtp[0].self_attn.q_proj.out_features == \
+            c.spec.swa_heads * c.spec.head_dim  # whole, not split
+        got = run_trace(g.engine, g.lm.vocab_size, True)
+        st = g.engine.engine.stats()
+    finally:
+        g.close()
+    assert got == want
+    assert st["spec_num_draft_tokens"] > 0, st

@@ -29,7 +29,6 @@ def test_config_invariants_and_names():
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"speculative_config": '{"method": "mtp", "num_speculative_tokens": 1}'}, "mtp is not served"),
     ({"kv_l3_url": "redis://127.0.0.1:6379/0", "host_kv_full_bytes": 1 << 20, "host_kv_swa_bytes": 1 << 20},
      "Redis KV tier"),
     ({"backend": "hf"}, "swa backend"),
@@ -101,7 +100,10 @@ def test_mimo_shards_cover_the_model_once():
     assert shards[1].slice("model.layers.0.mlp.down_proj.weight") == (1, 128, 256)
     assert shards[1].slice("model.layers.1.mlp.experts.5.up_proj.weight") == (0, 32, 64)
     assert shards[0].slice("model.embed_tokens.weight") is None and shards[0].slice("lm_head.weight") is None
-    assert shards[0].rename("model.mtp.layers.0.eh_proj.weight") is None
+    # the MTP layers whole on rank 0 (it drafts), nowhere else
+    assert shards[0].rename("model.mtp.layers.0.eh_proj.weight") == "model.mtp.layers.0.eh_proj.weight"
+    assert shards[1].rename("model.mtp.layers.0.eh_proj.weight") is None
+    assert shards[0].slice("model.mtp.layers.0.self_attn.q_proj.weight") is None
     ep = [MiMoShard(g, ParallelConfig(2, enable_expert_parallel=True), r) for r in range(2)]
     assert ep[1].rename("model.layers.1.mlp.experts.5.up_proj.weight") == "model.layers.1.mlp.experts.1.up_proj.weight"
     assert ep[0].rename("model.layers.1.mlp.experts.5.up_proj.weight") is None
