@@ -613,6 +613,50 @@ def check_fp8(args) -> dict:
     return out
 
 
+def check_tensor_parallel(args, tmp: Path, small_out: int) -> dict:
+    """TP = 2 against one rank on a published-form tiny MiMo-V2.5 (fused ``qkv_proj``): the same
+    greedy tokens, and each side's output tok/s. On CUDA it needs two GPUs (NCCL, one per rank);
+    on the CPU it runs two gloo ranks (the path CI checks)."""
+    from llm_svc.core.build import build_engine
+    from llm_svc.core.ranks import start_group
+    from llm_svc.loading.loader import load_lm
+    from llm_svc.parallel import ParallelConfig
+    from mmserve.testing.in_process import InProcessEngine
+    from mmserve.tiny import mimo_published as mp
+    from shared.settings import LLMSettings
+
+    if args.device.startswith("cuda") and torch.cuda.device_count() < 2:
+        return {"skipped": f"{torch.cuda.device_count()} GPU here: tensor parallelism needs two"}
+    model = mp.write_mimo_published(tmp / "tp-v25", mp.V25, layout="fused_qkv")
+    dtype = "float32" if args.device == "cpu" else args.dtype
+    prompts = _prompts(4, [40, 70, 33, 90], 600, seed=5)
+    out: dict = {"dtype": dtype}
+    for tp in (1, 2):
+        settings = LLMSettings(model_dir=str(model), device=args.device, dtype=dtype, tensor_parallel_size=tp,
+                               kv_bytes=64 << 20, max_model_len=1024, warmup=False)
+        workers, group, device = (None, None, args.device) if tp == 1 else \
+            start_group(settings, ParallelConfig.of(settings), pin_self=False)
+        try:
+            lm = load_lm(str(model), device, dtype, parallel=ParallelConfig.of(settings), group=group)
+            engine = InProcessEngine(build_engine(settings, lm, **({"group": group} if group else {})), lm.tokenizer)
+            reqs = [(f"tp{tp}-{i}", ids, SamplingParams(max_tokens=small_out, ignore_eos=True))
+                    for i, ids in enumerate(prompts)]
+            t0 = time.perf_counter()
+            toks = {rid: c.tokens for rid, c in _run(engine, reqs, device).items()}
+            wall = time.perf_counter() - t0
+        finally:
+            if workers is not None:
+                engine.runner.stop()
+                workers.stop()
+                group.close()
+        out[f"tp{tp}"] = {"output_tok_s": round(sum(map(len, toks.values())) / wall, 1),
+                          "tokens": [toks[f"tp{tp}-{i}"] for i in range(len(prompts))]}
+    a, b = out["tp1"].pop("tokens"), out["tp2"].pop("tokens")
+    out["requests_same_tokens"] = sum(x == y for x, y in zip(a, b))
+    out["requests"] = len(prompts)
+    return out
+
+
 # ------------------------------------------------------------------ main
 def _part(result: dict, name: str, fn, *a) -> None:
     t0 = time.perf_counter()
@@ -682,6 +726,13 @@ def _print_table(r: dict) -> None:
                     print(f"fp8 {name:26s} {m:>5} rows: fp8 {x['fp8_ms']} ms ({x['fp8_weight_gbps']} GB/s) bf16 "
                           f"{x['bf16_ms']} ms; {x['fp8_over_bf16_speed']}x; max rel diff {x['max_rel_diff']}")
             print(f"fp8 experts   : {f8['experts_ms']} ms, max rel diff {f8['experts_max_rel_diff']}")
+    tpr = r.get("tensor_parallel")
+    if tpr:
+        if "skipped" in tpr:
+            print(f"tensor par.   : skipped ({tpr['skipped']})")
+        else:
+            print(f"tensor par.   : TP 2 {tpr['tp2']['output_tok_s']} tok/s vs TP 1 {tpr['tp1']['output_tok_s']} "
+                  f"({tpr['dtype']}); same tokens {tpr['requests_same_tokens']}/{tpr['requests']}")
     for k, v in r["errors"].items():
         print(f"ERROR {k}: {v}")
 
@@ -703,7 +754,7 @@ def main() -> int:
     ap.add_argument("--paged-seqs", type=int, default=16, help="paged_attention: concurrent decodes timed")
     ap.add_argument("--paged-ctx", type=int, default=4096, help="paged_attention: their context (<= 4096)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated parts to skip: logits,sampling,throughput,paged_attention,cuda_graphs,fp8")
+                    help="comma-separated parts to skip: logits,sampling,throughput,paged_attention,cuda_graphs,fp8,tp")
     _results.add_mode_args(ap)
     args = ap.parse_args()
     if args.smoke:  # every part at its smallest: a narrow "big" model, a few output tokens
@@ -732,6 +783,8 @@ def main() -> int:
             _part(result, "cuda_graphs", check_cuda_graphs, args, tmp, small_out)
         if "fp8" not in skip:
             _part(result, "fp8", check_fp8, args)
+        if "tp" not in skip:
+            _part(result, "tensor_parallel", check_tensor_parallel, args, tmp, small_out)
     if args.device.startswith("cuda"):
         result["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     result["total_s"] = round(time.perf_counter() - t_all, 1)
