@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu_paged.set_threads(threads)
     par = ParallelConfig.of(settings)
     device = rank_device(settings.device, args.rank)
-    group = init_group(args.rank, args.world, args.port, par.backend_for(device), device)
+    group = init_group(args.rank, args.world, args.port, par.backend_for(device), device, shm=par.shared_memory)
     t0 = time.perf_counter()
     lm = load_lm(settings.model_dir, device, settings.dtype, parallel=par, group=group)
     log.info("rank %d loaded its share in %.2f s", args.rank, time.perf_counter() - t0)

@@ -131,7 +131,7 @@ def start_group(settings, par: ParallelConfig, pin_self: bool = True,
         workers.watch(watch)
     device = rank_device(settings.device, 0)
     try:
-        group = init_group(0, par.world_size, workers.port, par.backend_for(device), device)
+        group = init_group(0, par.world_size, workers.port, par.backend_for(device), device, shm=par.shared_memory)
     except BaseException:
         for p in workers.procs:
             p.kill()

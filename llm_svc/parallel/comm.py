@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,8 +32,8 @@ class RankGroup:
     backend: str = "none"
     device: str = "cpu"
     _objects: object = None  # the gloo group objects go over (None: the default group)
-    comm_s: float = 0.0  # seconds spent in all_reduce since the last ``take_comm_s`` (tp_scaling reads it)
-    _pending: list = field(default_factory=list)
+    comm_s: float = 0.0  # seconds in all_reduce and broadcast since the last ``take_comm_s`` (tp_scaling reads it)
+    shm: object = None  # ``shm.ShmChannel``: CPU ranks on one host (None: gloo / NCCL only)
 
     @property
     def is_driver(self) -> bool:
@@ -45,7 +46,9 @@ class RankGroup:
         import torch.distributed as dist
 
         t0 = time.perf_counter()
-        if t.dtype == torch.bfloat16 and self.backend == "gloo":
+        if self.shm is not None and self.shm.fits(t):
+            self.shm.all_reduce(t, COLLECTIVE_TIMEOUT_S)
+        elif t.dtype == torch.bfloat16 and self.backend == "gloo":
             # gloo sums bfloat16 in bfloat16 per step of its ring; sum in float32, as one rank would
             w = t.float()
             dist.all_reduce(w)
@@ -65,6 +68,23 @@ class RankGroup:
             return obj
         import torch.distributed as dist
 
+        t0 = time.perf_counter()
+        try:
+            return self._broadcast(obj)
+        finally:
+            self.comm_s += time.perf_counter() - t0
+
+    def _broadcast(self, obj):
+        import torch.distributed as dist
+
+        if self.shm is not None:
+            if self.rank == 0:
+                try:
+                    return self.shm.broadcast(obj)
+                except OverflowError:  # larger than the segment's area: say so there, send it by gloo
+                    self.shm.broadcast(_VIA_GLOO)
+            elif (got := self.shm.broadcast()) != _VIA_GLOO:
+                return got
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._objects)
         return box[0]
@@ -80,6 +100,9 @@ class RankGroup:
         return out
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self.world > 1:
             import torch.distributed as dist
 
@@ -88,11 +111,16 @@ class RankGroup:
 
 
 SINGLE = RankGroup()
+_VIA_GLOO = ("__mmserve_via_gloo__",)
+SHM_SLOT_BYTES = 32 << 20  # the largest all-reduce through shared memory (larger ones: gloo)
+SHM_OBJ_BYTES = 16 << 20  # the largest broadcast through it
 
 
 def init_group(rank: int, world: int, port: int, backend: str, device: str = "cpu",
-               timeout_s: float = COLLECTIVE_TIMEOUT_S) -> RankGroup:
-    """Join the group of ``world`` ranks whose rendezvous is ``tcp://127.0.0.1:port`` (rank 0 listens)."""
+               timeout_s: float = COLLECTIVE_TIMEOUT_S, shm: bool = True) -> RankGroup:
+    """Join the group of ``world`` ranks whose rendezvous is ``tcp://127.0.0.1:port`` (rank 0 listens).
+    ``shm`` (CPU ranks, gloo, x86-64): all-reduces and broadcasts go through a shared-memory
+    segment (``shm.ShmChannel``), gloo only for what does not fit."""
     if world == 1:
         return RankGroup(device=device)
     import torch.distributed as dist
@@ -103,5 +131,18 @@ def init_group(rank: int, world: int, port: int, backend: str, device: str = "cp
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timeout)
     objects = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
-    log.info("rank %d of %d joined (%s)", rank, world, backend)
-    return RankGroup(rank, world, backend, device, objects)
+    channel = None
+    from . import shm as shm_mod
+
+    if shm and backend == "gloo" and not device.startswith("cuda") and shm_mod.supported():
+        box = [shm_mod.new_path() if rank == 0 else None]
+        if rank == 0:
+            channel = shm_mod.ShmChannel(box[0], 0, world, SHM_SLOT_BYTES, SHM_OBJ_BYTES, create=True)
+        dist.broadcast_object_list(box, src=0)
+        if rank != 0:
+            channel = shm_mod.ShmChannel(box[0], rank, world, SHM_SLOT_BYTES, SHM_OBJ_BYTES, create=False)
+        dist.barrier()
+        if rank == 0:
+            os.unlink(box[0])  # every rank has it mapped; no name is left behind, whatever happens next
+    log.info("rank %d of %d joined (%s%s)", rank, world, backend, " + shared memory" if channel else "")
+    return RankGroup(rank, world, backend, device, objects, shm=channel)

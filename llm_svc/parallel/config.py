@@ -12,7 +12,8 @@ class ParallelConfig:
     ``enable_expert_parallel``: the MoE layers place whole experts per rank instead; the
     expert-parallel size is TP x DP (vLLM's meaning). ``data_parallel_size``: attention
     replicas; only 1 is served so far (the config refuses more with a message that says so).
-    ``backend``: the collectives' backend, ``auto`` = NCCL on CUDA, gloo on the CPU."""
+    ``backend``: the collectives' backend, ``auto`` = NCCL on CUDA, gloo on the CPU with a
+    shared-memory segment for what fits (``shm``); ``gloo``: gloo over TCP alone."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -36,6 +37,11 @@ class ParallelConfig:
     def expert_parallel_size(self) -> int:
         """Ranks the routed experts are placed over (1: every rank holds every expert's share)."""
         return self.world_size if self.enable_expert_parallel else 1
+
+    @property
+    def shared_memory(self) -> bool:
+        """CPU ranks exchange through shared memory (``auto``), not gloo's sockets alone."""
+        return self.backend == "auto"
 
     def backend_for(self, device: str) -> str:
         if self.backend != "auto":
