@@ -158,10 +158,13 @@ class Engine:
         outputs."""
         self._out = []
         try:
+            t0 = time.perf_counter()
             batch = self._schedule()
             if batch is not None:
                 self._affected = [sf.req_id for sf in batch.seqs]
                 self._postprocess(batch, self._run(batch))
+                if self.speculator is not None:  # the draft policy's cost model learns from every step
+                    self.speculator.observe_step(batch.num_tokens, self.draft.mtp_rows, time.perf_counter() - t0)
             gone = self._orphans()
             self._affected = gone
             self._close_orphans(gone)
@@ -410,4 +413,10 @@ class Engine:
                     out.update({f"spec_{k}_{j}": x for j, x in enumerate(v)})
                 elif v is not None:
                     out[f"spec_{k}"] = v
+            pol = self.speculator.policy
+            for (_, k), n in pol.chosen.items():  # steps by the most drafts any request was given
+                out[f"spec_steps_k{k}"] = out.get(f"spec_steps_k{k}", 0) + n
+            cost = getattr(pol, "cost", None)
+            if cost is not None and cost.n:
+                out["spec_cost_model_error"] = round(cost.err, 4)  # decayed mean |predicted - measured| / measured
         return out

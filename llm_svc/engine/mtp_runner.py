@@ -79,10 +79,13 @@ class MTPRunner:
         return sum(t.k.numel() * t.k.element_size() + t.v.numel() * t.v.element_size() for t in self.kv)
 
     @torch.inference_mode()
-    def step(self, batch: ForwardBatch, hidden: torch.Tensor, inputs: dict[str, MTPInput]) -> dict[str, list[int]]:
+    def step(self, batch: ForwardBatch, hidden: torch.Tensor, inputs: dict[str, MTPInput],
+             max_layers: int | None = None) -> dict[str, list[int]]:
         """After a step of ``batch`` whose LM output rows are ``hidden [T, H]`` (final-normed):
         write the MTP layers' KV of the kept rows and return the drafts of the requests that want
-        them (``K`` tokens each, greedy)."""
+        them (``K`` tokens each, greedy). ``max_layers``: run only the first that many layers
+        (the draft policy asked for no more drafts; the later layers' KV of these rows is then
+        missing, which lowers later drafts' acceptance only: every draft is verified)."""
         for rid in batch.dropped:
             self._hid.pop(rid, None)
             self._end.pop(rid, None)
@@ -110,7 +113,7 @@ class MTPRunner:
         self._metas = {}
         drafts: dict[str, list[int]] = {sf.req_id: [] for sf, _, _, x, _ in seqs if x.draft}
         prev = {sf.req_id: h for sf, _, _, _, h in seqs}  # each layer's input hidden rows, from lo on
-        for k, layer in enumerate(self.layers):
+        for k, layer in enumerate(self.layers[:max_layers]):
             parts = []  # (sf, lo, stop, x): layer k runs over positions [lo, stop)
             for sf, lo, end, x, _ in seqs:
                 known = x.first + len(x.tokens) + len(drafts.get(sf.req_id, ()))  # tokens known: positions < known

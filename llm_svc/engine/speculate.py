@@ -24,6 +24,7 @@ from llm_svc.engine.logits_procs import TokenHistory, apply_bias_and_penalties, 
 from llm_svc.engine.mtp_runner import MTPInput, MTPRunner
 from llm_svc.engine.sampler import suppress
 from llm_svc.engine.spec import NgramProposer, SpecStats, SpeculativeConfig, verify
+from llm_svc.engine.spec.policy import Acceptance, Candidate, make_policy
 from llm_svc.engine.textproc import min_tokens_banned
 from llm_svc.types.request import Request
 from shared.schemas import SamplingParams
@@ -70,6 +71,8 @@ class Speculator:
                          if config.method == "ngram" else None)
         self.eos_token_ids = list(eos_token_ids)
         self.stats = SpecStats(self.k)
+        self.policy = make_policy(config, mtp=mtp is not None)  # drafts per request and step (spec/policy.py)
+        self.acceptance = Acceptance(self.k)
 
     @staticmethod
     def eligible(sampling: SamplingParams, constrained: bool) -> bool:
@@ -99,16 +102,39 @@ class Speculator:
             out[sf.req_id] = MTPInput(rows, first, ids, bool(new) and self.room(req, len(new)) > 0)
         return out
 
-    def propose(self, req: Request, ctx: TokenContext) -> list[int]:
-        """n-gram drafts for ``req``'s next step (at most ``room``); ``ctx``: its tokens so far."""
-        room = self.room(req)
+    def propose(self, req: Request, ctx: TokenContext, limit: int | None = None) -> list[int]:
+        """n-gram drafts for ``req``'s next step (at most ``room`` and ``limit``, the policy's k);
+        ``ctx``: its tokens so far."""
+        room = self.room(req) if limit is None else min(self.room(req), limit)
         if room < 1 or self.proposer is None:
             return []
         return [int(t) for t in self.proposer.propose(ctx.sync(req), max_new=room)]
 
+    def choose(self, cands: list[Candidate], base_tokens: int, mtp_rows: int,
+               requests: dict[str, Request] | None = None) -> dict[str, int]:
+        """The policy's drafts per request for the next step. A seeded request always gets its
+        ``room``: its samples then do not depend on the machine's timing (the policy's k does),
+        so the same seed gives the same tokens run after run, as before."""
+        ks = self.policy.choose(cands, base_tokens, mtp_rows)
+        if requests is not None:
+            for c in cands:
+                req = requests.get(c.req_id)
+                if req is not None and req.sampling.seed is not None:
+                    ks[c.req_id] = c.room
+        return ks
+
+    def candidate(self, req: Request, pending: int = 0) -> Candidate:
+        return Candidate(req.req_id, self.room(req, pending), self.acceptance.of(req.req_id))
+
+    def observe_step(self, tokens: int, mtp_rows: int, seconds: float) -> None:
+        """A finished step's query tokens, MTP rows and wall time: the policy's cost model learns."""
+        cost = getattr(self.policy, "cost", None)
+        if cost is not None:
+            cost.observe(tokens, mtp_rows, seconds)
+
     def verify(self, logits: torch.Tensor, drafts: list[int], sampling: SamplingParams, num_outputs: int,
                generator: torch.Generator | None, history: TokenHistory | None = None,
-               matcher: Matcher | None = None) -> list[int] | None:
+               matcher: Matcher | None = None, req_id: str | None = None) -> list[int] | None:
         """``logits [d + 1, V]`` raw rows of one request (row j: the position of ``drafts[j]``,
         row d: the one after the last draft) -> the accepted drafts and one more token; None when
         its grammar allows no token at all at the first position. ``num_outputs``: the request's
@@ -136,4 +162,6 @@ class Speculator:
             x = y
         out = verify(x, drafts, sampling, generator)
         self.stats.observe(len(drafts), len(out) - 1)
+        if req_id is not None:
+            self.acceptance.observe(req_id, len(drafts), len(out) - 1)
         return out

@@ -23,6 +23,7 @@ from tests.integration.test_llm_engine import ListStream, conversation_trace, ru
 pytestmark = pytest.mark.integration
 W = SMALL_W
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NGRAM_FIXED = {**NGRAM, "draft_policy": "fixed"}  # drafts every step the lookup finds them
 
 
 def make_engine(lm, spec: dict | None, num_full=4096, num_swa=None, **cfg) -> InProcessEngine:
@@ -154,7 +155,7 @@ def test_stops_inside_a_burst_are_exact(mimo16):
 
 def test_abort_mid_speculation_frees_everything(mimo16):
     lm = mimo16
-    eng = make_engine(lm, NGRAM, max_batch_tokens=32)
+    eng = make_engine(lm, NGRAM_FIXED, max_batch_tokens=32)
     preps = [looping_prep(lm, f"a{i}", 30 + 10 * i, pseed=60 + i, max_tokens=200) for i in range(4)]
     streams = {p.request_id: ListStream(p.request_id) for p in preps}
     for p in preps:
@@ -243,6 +244,7 @@ def test_penalties_bias_and_grammars_at_every_draft_position(mimo16):
 
 # ---------------------------------------------------------------------------- MTP drafts
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
+MTP_FIXED = {**MTP, "draft_policy": "fixed"}  # every step all layers: the MTP KV as the dense chain's
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +286,7 @@ def test_mtp_drafts_equal_the_dense_chain(mimo_mtp):
     from llm_svc.models.mimo_mtp import chain
 
     lm = mimo_mtp
-    eng = make_mtp_engine(lm, MTP, 32, max_batch_tokens=7)
+    eng = make_mtp_engine(lm, MTP_FIXED, 32, max_batch_tokens=7)
     p = looping_prep(lm, "m", 15, pseed=2, max_tokens=14)
     s = ListStream("m")
     eng.submit(p, s)
@@ -370,3 +372,26 @@ def test_sampled_outputs_keep_their_distribution(mimo16):
         b = Counter(s.tokens[pos] for s in on.values())
         tv = 0.5 * sum(abs(a[t] - b[t]) for t in a.keys() | b.keys()) / n
         assert tv < 0.15, (pos, tv, a.most_common(4), b.most_common(4))
+
+
+def test_automatic_k_keeps_greedy_output_while_k_changes(mimo16):
+    """The default policy (``draft_policy: auto``) picks k per request and step from its cost model
+    and the requests' acceptance: under a load that rises (8 requests at once) and falls (the last
+    ones alone), with tight pools (preemption) and the prefix cache, it uses more than one k, and
+    every token is spec-off's."""
+    lm = mimo16
+    cfg = SchedulerConfig(window=W, max_batch_tokens=32)
+    kw = dict(num_full=900, num_swa=cfg.min_swa_slots() + 10, max_batch_tokens=32, max_running=8,
+              enable_prefix_cache=True)
+    preps = lambda: [looping_prep(lm, f"p{i}", 20 + 9 * i, pseed=70 + i, max_tokens=12 + 10 * i)  # noqa: E731
+                     for i in range(8)]
+    off = run_to_end(make_engine(lm, None, **kw), preps())
+    eng = make_engine(lm, NGRAM, **kw)
+    on = run_to_end(eng, preps())
+    for rid in off:
+        assert on[rid].tokens == off[rid].tokens, rid
+    st = eng.engine.stats()
+    used = {k for k in range(5) if st.get(f"spec_steps_k{k}", 0) > 0}
+    assert len(used) >= 2, st  # k changed between steps
+    assert eng.engine.speculator.policy.name == "auto" and accepted(eng) > 0
+    assert 0 <= st["spec_cost_model_error"] < 10

@@ -179,7 +179,8 @@ def test_config_ngram_defaults_follow_vllm():
                                  "prompt_lookup_max": 3})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (1, 3)
     assert c.to_dict() == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-                           "prompt_lookup_max": 3}
+                           "prompt_lookup_max": 3, "num_speculative_tokens_per_batch_size": None,
+                           "draft_policy": "auto"}
     json.dumps(c.to_dict())
 
 

@@ -47,9 +47,10 @@ DEFAULT_ONLY_KEYS: dict[str, Any] = {
     "parallel_drafting": False,
     "rejection_sample_method": "standard",
     "draft_sample_method": "greedy",
-    "num_speculative_tokens_per_batch_size": None,
 }
-_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+           "num_speculative_tokens_per_batch_size", "draft_policy")
+DRAFT_POLICIES = ("auto", "fixed")
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,18 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    # vLLM's dynamic speculation: [(first, last, k), ...], inclusive batch-size ranges -> k
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    # mmserve's: "auto" picks k per request and step for goodput (spec/policy.py), "fixed" always k
+    draft_policy: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"speculative config: draft_policy must be one of {list(DRAFT_POLICIES)}, "
+                             f"got {self.draft_policy!r}")
+        table = self.num_speculative_tokens_per_batch_size
+        if table is not None:
+            object.__setattr__(self, "num_speculative_tokens_per_batch_size", _batch_table(table))
         method = (_NGRAM_ALIASES.get(self.method) or _MTP_ALIASES.get(self.method)
                   if isinstance(self.method, str) else None)
         if method is None:
@@ -153,6 +164,26 @@ class SpeculativeConfig:
     def to_dict(self) -> dict[str, Any]:
         """The resolved settings (defaults filled in), for /readyz."""
         return asdict(self)
+
+
+def _batch_table(table) -> tuple[tuple[int, int, int], ...]:
+    """vLLM's rules for ``num_speculative_tokens_per_batch_size``: a non-empty list of
+    ``[first, last, k]`` integers, 1 <= first <= last, k >= 0, ranges not overlapping."""
+    if not isinstance(table, (list, tuple)) or not table:
+        raise ValueError("speculative config: num_speculative_tokens_per_batch_size must be a non-empty list of "
+                         "[first_batch_size, last_batch_size, num_speculative_tokens] entries")
+    out = []
+    for e in table:
+        if not isinstance(e, (list, tuple)) or len(e) != 3 or not all(_is_int(x) for x in e) \
+                or not 1 <= e[0] <= e[1] or e[2] < 0:
+            raise ValueError(f"speculative config: num_speculative_tokens_per_batch_size entry {e!r} must be "
+                             "[first, last, k] with 1 <= first <= last and k >= 0")
+        out.append(tuple(e))
+    out.sort()
+    for (_, hi, _), (lo, _, _) in zip(out, out[1:]):
+        if lo <= hi:
+            raise ValueError("speculative config: num_speculative_tokens_per_batch_size ranges overlap")
+    return tuple(out)
 
 
 def _is_int(v: object) -> bool:

@@ -18,10 +18,13 @@ class Draft:
         self.speculator = speculator
         self.runner = runner
         self.live = live
+        self._ks: dict[str, int] = {}  # the policy's drafts per request for the next step
+        self.mtp_rows = 0  # MTP rows x layers this step ran (the cost model's R)
 
-    @staticmethod
-    def release(lv: Live) -> None:
+    def release(self, lv: Live) -> None:
         lv.ngram = None
+        if self.speculator is not None:
+            self.speculator.acceptance.drop(lv.req.req_id)
 
     def may_speculate(self, req_id: str) -> bool:
         lv = self.live.get(req_id)
@@ -30,10 +33,18 @@ class Draft:
     def mtp(self, batch: ForwardBatch, tokens: dict, requests: dict[str, Request]) -> dict[str, list[int]] | None:
         """The MTP layers' step over this batch: their drafts by request (None without MTP)."""
         spec = self.speculator
+        self.mtp_rows = 0
         if spec is None or spec.mtp is None:
             return None
         inputs = spec.mtp_inputs(batch, tokens, requests, self.may_speculate)
-        return spec.mtp.step(batch, self.runner.last_hidden, inputs)
+        cands = [spec.candidate(requests[rid], len(_as_list(tokens.get(rid)))) for rid, x in inputs.items() if x.draft]
+        rows = sum(x.rows for x in inputs.values())
+        self._ks = spec.choose(cands, _base_tokens(batch), rows, requests)
+        # all layers (their KV of the kept rows, for later drafts) unless the policy chose no
+        # drafts at all for the decodes that could draft: then none (a loaded step saves them)
+        layers = 0 if cands and not any(self._ks.values()) else spec.mtp.k
+        self.mtp_rows = rows * layers
+        return spec.mtp.step(batch, self.runner.last_hidden, inputs, max_layers=layers)
 
     def propose(self, batch: ForwardBatch, mtp_drafts: dict[str, list[int]] | None,
                 requests: dict[str, Request]) -> None:
@@ -44,13 +55,23 @@ class Draft:
             for rid, d in mtp_drafts.items():
                 req = requests.get(rid)
                 if req is not None and req.num_tokens - req.num_computed == 1:
-                    req.spec_tokens = d[:spec.room(req)]
+                    req.spec_tokens = d[:min(spec.room(req), self._ks.get(rid, 0))]
         elif spec is not None:
-            for sf in batch.seqs:
-                req = requests.get(sf.req_id)
-                if req is None or req.num_tokens - req.num_computed != 1 or not self.may_speculate(sf.req_id):
-                    continue
-                lv = self.live[sf.req_id]
+            decoding = [requests[sf.req_id] for sf in batch.seqs if sf.req_id in requests
+                        and requests[sf.req_id].num_tokens - requests[sf.req_id].num_computed == 1
+                        and self.may_speculate(sf.req_id)]
+            ks = spec.choose([spec.candidate(r) for r in decoding], _base_tokens(batch), 0, requests)
+            for req in decoding:
+                lv = self.live[req.req_id]
                 if lv.ngram is None:
                     lv.ngram = TokenContext()
-                req.spec_tokens = spec.propose(req, lv.ngram)
+                req.spec_tokens = spec.propose(req, lv.ngram, ks.get(req.req_id, 0))
+
+
+def _as_list(got) -> list:
+    return [] if got is None else got if isinstance(got, list) else [got]
+
+
+def _base_tokens(batch: ForwardBatch) -> int:
+    """This step's query tokens less its drafts: the next step's without drafts, as an estimate."""
+    return batch.num_tokens - sum(sf.num_drafts for sf in batch.seqs)

@@ -35,7 +35,7 @@ class Verify:
         ``req``: the scheduler's view of it."""
         Penalties.start(lv, req, rows.shape[-1], rows.device)
         toks = self.speculator.verify(rows, drafts, lv.req.sampling, len(req.output_ids), lv.generator,
-                                      lv.history, lv.matcher)
+                                      lv.history, lv.matcher, req_id=rid)
         if toks is None:
             return Verified([], error=(STUCK, 400))
         done = False

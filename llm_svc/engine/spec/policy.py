@@ -1,0 +1,219 @@
+"""How many drafts each decode sends next step: the draft-length policies.
+
+* ``FixedDrafts``: always the configured ``k`` (what every step did before).
+* ``TableDrafts``: vLLM's ``num_speculative_tokens_per_batch_size``: ``[(first, last, k), ...]``,
+  inclusive batch-size ranges -> k for every decode of a batch of that size (0 outside them).
+* ``GoodputDrafts`` (``"draft_policy": "auto"``, the default): k per request, chosen for the
+  expected tokens per second of the next step (SmartSpec / TurboSpec's goodput). Two measured
+  inputs:
+
+  - **the step's cost**, ``seconds = a + b T + c R`` (``T``: the forward's query tokens, ``R``: the
+    MTP layers' rows, 0 for n-gram), fitted online by recursive least squares with forgetting
+    over every step's wall time (``StepCost``): it follows the machine, the model and the load;
+  - **each request's acceptance per draft position** (``Acceptance``): the probability that draft
+    j is accepted given drafts < j were, an exponentially decayed average per request, started
+    from the running average over all requests.
+
+  Draft j of request i yields ``p_ij`` = the product of its first j acceptances tokens and costs
+  ``b`` (+ ``c`` per MTP row); the drafts are taken in decreasing ``p_ij`` while the step's
+  expected tokens per expected second still grows, for each bound L on the drafts per request
+  (with MTP: all its layers or none), and the best L wins. k = 0 for everyone when no draft pays. A few steps in twenty try another L so the
+  cost model sees the terms it fits vary; the first steps use the configured k.
+
+No policy changes which tokens come out: every draft is verified by the target model (greedy
+output and the sampled distribution are the same for any sequence of k)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Candidate:
+    """A decode that may draft next step: at most ``room`` drafts; ``accept[j]``: P(draft j
+    accepted | drafts < j accepted)."""
+
+    req_id: str
+    room: int
+    accept: list[float]
+
+
+class StepCost:
+    """``seconds ~ a + b T + c R`` by recursive least squares with forgetting ``lam`` (features
+    scaled to hundreds of tokens so the fit is well conditioned)."""
+
+    def __init__(self, lam: float = 0.98, prior: tuple[float, float, float] = (0.01, 0.0005, 0.0005)):
+        self.lam = lam
+        self.theta = np.array([prior[0], prior[1] * 100, prior[2] * 100])
+        self.p = np.eye(3) * 10.0
+        self.n = 0
+        self.err = 0.0  # decayed mean |predicted - measured| / measured
+
+    @staticmethod
+    def _x(tokens: int, rows: int) -> np.ndarray:
+        return np.array([1.0, tokens / 100.0, rows / 100.0])
+
+    def predict(self, tokens: int, rows: int = 0) -> float:
+        a, b, c = self.coefficients()
+        return a + b * tokens + c * rows
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """``(a, b, c)`` in seconds, seconds per token, seconds per MTP row; never negative
+        (a negative fit says "free", which the policy must not believe)."""
+        a, b, c = self.theta
+        return max(float(a), 0.0), max(float(b), 0.0) / 100.0, max(float(c), 0.0) / 100.0
+
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        pred = self.predict(tokens, rows)
+        self.err = 0.95 * self.err + 0.05 * abs(pred - seconds) / seconds if self.n else abs(pred - seconds) / seconds
+        x = self._x(tokens, rows)
+        px = self.p @ x
+        gain = px / (self.lam + x @ px)
+        self.theta = self.theta + gain * (seconds - x @ self.theta)
+        self.p = (self.p - np.outer(gain, px)) / self.lam
+        self.n += 1
+
+
+class Acceptance:
+    """Per-position acceptance, all requests together and per request (decayed averages)."""
+
+    def __init__(self, k: int, decay: float = 0.7, prior: float = 0.6):
+        self.k, self.decay = k, decay
+        self.overall = [prior] * k
+        self.per_req: dict[str, list[float]] = {}
+
+    def of(self, req_id: str) -> list[float]:
+        return self.per_req.get(req_id) or list(self.overall)
+
+    def observe(self, req_id: str, drafted: int, accepted: int) -> None:
+        """A verified step: ``drafted`` drafts sent, the first ``accepted`` kept. Position j is
+        seen when every draft before it was accepted."""
+        mine = self.per_req.setdefault(req_id, list(self.overall))
+        for j in range(min(drafted, accepted + 1, self.k)):
+            hit = 1.0 if j < accepted else 0.0
+            mine[j] = self.decay * mine[j] + (1 - self.decay) * hit
+            self.overall[j] = 0.98 * self.overall[j] + 0.02 * hit
+
+    def drop(self, req_id: str) -> None:
+        self.per_req.pop(req_id, None)
+
+
+class FixedDrafts:
+    name = "fixed"
+
+    def __init__(self, k: int):
+        self.k = k
+        self.chosen: Counter = Counter()  # (batch size, k) -> steps
+
+    def choose(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> dict[str, int]:
+        out = {c.req_id: min(self.k, c.room) for c in cands}
+        self.chosen[(len(cands), max(out.values(), default=0))] += 1
+        return out
+
+
+class TableDrafts(FixedDrafts):
+    """vLLM's ``num_speculative_tokens_per_batch_size``."""
+
+    name = "table"
+
+    def __init__(self, k: int, table: list[tuple[int, int, int]]):
+        super().__init__(k)
+        self.table = table
+
+    def k_for(self, batch: int) -> int:
+        return next((k for lo, hi, k in self.table if lo <= batch <= hi), 0)
+
+    def choose(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> dict[str, int]:
+        k = min(self.k, self.k_for(len(cands)))
+        out = {c.req_id: min(k, c.room) for c in cands}
+        self.chosen[(len(cands), k)] += 1
+        return out
+
+
+@dataclass
+class GoodputDrafts:
+    """See the module doc. ``mtp``: drafts come from MTP layers (their rows cost ``c`` each)."""
+
+    k: int
+    mtp: bool
+    warmup_steps: int = 30
+    explore_every: int = 20
+    cost: StepCost = field(default_factory=StepCost)
+    chosen: Counter = field(default_factory=Counter)
+    name: str = "auto"
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(0)
+        self._steps = 0
+        self.last_prediction: float | None = None
+
+    def choose(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> dict[str, int]:
+        """``base_tokens``: the next step's query tokens without drafts (its decodes' inputs and
+        prefill chunks, as this step's); ``mtp_rows``: rows each MTP layer runs over."""
+        self._steps += 1
+        if not cands:
+            return {}
+        best_l, best = self._best(cands, base_tokens, mtp_rows)
+        if self.cost.n < self.warmup_steps:
+            best_l = self.k
+        if self._steps % self.explore_every == 0 or (self.cost.n < self.warmup_steps and self._steps % 3 == 0):
+            best_l = self._rng.choice(self.bounds())  # let the fit see other mixes
+        out = self._fill(cands, base_tokens, mtp_rows, best_l)[1] if best_l != best[0] else best[1]
+        drafts = sum(out.values())
+        self.last_prediction = self.cost.predict(base_tokens + drafts, mtp_rows * max(out.values(), default=0)
+                                                 if self.mtp else 0)
+        self.chosen[(len(cands), max(out.values(), default=0))] += 1
+        return out
+
+    def bounds(self) -> list[int]:
+        """The layer bounds tried: MTP runs all its layers or none (a layer skipped on some rows
+        leaves holes in its KV that lower later drafts' acceptance for a window); n-gram any k."""
+        return [0, self.k] if self.mtp else list(range(self.k + 1))
+
+    def _best(self, cands, base_tokens: int, mtp_rows: int):
+        best_l, best, best_g = 0, None, -1.0
+        for bound in self.bounds():
+            g, ks = self._fill(cands, base_tokens, mtp_rows, bound)
+            if g > best_g:
+                best_l, best, best_g = bound, (bound, ks), g
+        return best_l, best
+
+    def _fill(self, cands: list[Candidate], base_tokens: int, mtp_rows: int, bound: int) -> tuple[float, dict]:
+        """The greedy fill under ``bound`` drafts per request: (expected tokens / second, k per request)."""
+        a, b, c = self.cost.coefficients()
+        fixed = a + b * base_tokens + (c * mtp_rows * bound if self.mtp else 0.0)
+        gains = []
+        for cd in cands:
+            p = 1.0
+            for j in range(min(bound, cd.room, len(cd.accept))):
+                p *= cd.accept[j]
+                gains.append((p, cd.req_id))
+        gains.sort(key=lambda x: -x[0])
+        tokens, seconds = float(len(cands)), max(fixed, 1e-6)
+        ks = {cd.req_id: 0 for cd in cands}
+        best = tokens / seconds
+        for p, rid in gains:
+            t, s = tokens + p, seconds + b
+            if t / s <= best:
+                break
+            tokens, seconds, best = t, s, t / s
+            ks[rid] += 1
+        if bound and not any(ks.values()):
+            return tokens / max(a + b * base_tokens, 1e-6), ks  # no draft: no MTP layer need run
+        return best, ks
+
+
+def make_policy(config, mtp: bool):
+    """The policy a ``SpeculativeConfig`` names."""
+    k = config.num_speculative_tokens
+    if config.num_speculative_tokens_per_batch_size:
+        return TableDrafts(k, [tuple(x) for x in config.num_speculative_tokens_per_batch_size])
+    if config.draft_policy == "fixed":
+        return FixedDrafts(k)
+    return GoodputDrafts(k, mtp)

@@ -1,0 +1,81 @@
+"""The draft-length policies on their own: the cost model fits a step's time, the goodput policy
+drafts when drafts are cheap and accepted and stops when they are not, vLLM's batch-size table
+means what it means there, and the config refuses a malformed table."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from llm_svc.engine.spec import SpeculativeConfig
+from llm_svc.engine.spec.policy import (Acceptance, Candidate, FixedDrafts, GoodputDrafts, StepCost, TableDrafts,
+                                        make_policy)
+
+
+def test_step_cost_fits_a_linear_step():
+    cost, rng = StepCost(), random.Random(0)
+    for _ in range(300):
+        t, r = rng.randrange(1, 400), rng.randrange(0, 200)
+        cost.observe(t, r, 0.004 + 0.0002 * t + 0.0001 * r)
+    a, b, c = cost.coefficients()
+    assert a == pytest.approx(0.004, rel=0.05) and b == pytest.approx(0.0002, rel=0.05)
+    assert c == pytest.approx(0.0001, rel=0.05) and cost.err < 0.02
+
+
+def _trained(a: float, b: float, c: float = 0.0, mtp: bool = False) -> GoodputDrafts:
+    pol = GoodputDrafts(3, mtp, explore_every=10**9)
+    rng = random.Random(1)
+    for _ in range(200):
+        t, r = rng.randrange(1, 300), rng.randrange(0, 300)
+        pol.cost.observe(t, r, a + b * t + c * r)
+    return pol
+
+
+def test_goodput_drafts_when_they_pay_and_not_when_they_do_not():
+    cands = [Candidate(f"r{i}", 3, [0.9, 0.8, 0.7]) for i in range(4)]
+    cheap = _trained(0.02, 0.0001)  # a step's fixed cost dominates: every accepted draft is nearly free
+    assert cheap.choose(cands, 4, 0) == {c.req_id: 3 for c in cands}
+    dear = _trained(0.001, 0.01)  # each token costs as much as a step: drafts never pay
+    assert dear.choose(cands, 4, 0) == {c.req_id: 0 for c in cands}
+    poor = [Candidate("x", 3, [0.05, 0.05, 0.05]), Candidate("y", 3, [0.95, 0.9, 0.9])]
+    mid = _trained(0.004, 0.001)
+    ks = mid.choose(poor, 2, 0)
+    assert ks["x"] == 0 and ks["y"] >= 2  # each request by its own acceptance
+    assert cheap.choose([Candidate("z", 1, [0.9, 0.9, 0.9])], 1, 0) == {"z": 1}  # never past room
+
+
+def test_mtp_runs_all_its_layers_or_none():
+    pol = _trained(0.004, 0.0002, 0.003, mtp=True)  # MTP rows are dear
+    assert pol.bounds() == [0, 3]
+    ks = pol.choose([Candidate(f"r{i}", 3, [0.5, 0.3, 0.2]) for i in range(16)], 16, 16)
+    assert set(ks.values()) == {0}
+    cheap = _trained(0.02, 0.0001, 0.00001, mtp=True)
+    assert set(cheap.choose([Candidate("a", 3, [0.9, 0.9, 0.9])], 1, 1).values()) == {3}
+
+
+def test_acceptance_is_per_position_given_the_earlier_ones():
+    acc = Acceptance(3, decay=0.5, prior=0.5)
+    acc.observe("r", 3, 1)  # draft 0 accepted, draft 1 rejected, draft 2 not seen
+    assert acc.of("r") == [0.75, 0.25, 0.5]
+    assert acc.of("other") == acc.overall and acc.overall[2] == 0.5
+    acc.drop("r")
+    assert acc.of("r") == acc.overall
+
+
+def test_vllm_batch_size_table():
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                 "num_speculative_tokens_per_batch_size": [[5, 16, 1], [1, 4, 4]]})
+    pol = make_policy(c, mtp=False)
+    assert isinstance(pol, TableDrafts) and pol.table == [(1, 4, 4), (5, 16, 1)]
+    assert [pol.k_for(b) for b in (1, 4, 5, 16, 17)] == [4, 4, 1, 1, 0]
+    cands = [Candidate(f"r{i}", 2, [0.9] * 4) for i in range(3)]
+    assert pol.choose(cands, 3, 0) == {c.req_id: 2 for c in cands}  # k 4 for 3 requests, capped by room
+    assert isinstance(make_policy(SpeculativeConfig("ngram", 3), False), GoodputDrafts)
+    assert isinstance(make_policy(SpeculativeConfig("ngram", 3, draft_policy="fixed"), False), FixedDrafts)
+    for bad in ([[4, 2, 1]], [[1, 4, 2], [3, 8, 1]], [], [[1, 2]]):
+        with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+            SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
+                                     "num_speculative_tokens_per_batch_size": bad})
+    with pytest.raises(ValueError, match="draft_policy"):
+        SpeculativeConfig("ngram", 2, draft_policy="fast")
