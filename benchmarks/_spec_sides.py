@@ -70,9 +70,13 @@ def side_list(args, model_dir: Path) -> list[SideSpec]:
     lo, hi = args.ngram_min, args.ngram_max
     out = [SideSpec("ours-off", "ours")]
     out += [SideSpec(f"ours-ngram{k}", "ours", ngram(k, lo, hi)) for k in args.ngram_k]
+    # the automatic draft length is the default; "-fixed": the configured k every step (before it)
+    out += [SideSpec(f"ours-ngram{args.ngram_k[-1]}-fixed", "ours",
+                     {**ngram(args.ngram_k[-1], lo, hi), "draft_policy": "fixed"})]
     if args.mtp:
         out += [SideSpec("ours-mtp1", "ours", {"method": "mtp", "num_speculative_tokens": 1}),
-                SideSpec("ours-mtp", "ours", {"method": "mtp"})]  # fmt: skip
+                SideSpec("ours-mtp", "ours", {"method": "mtp"}),
+                SideSpec("ours-mtp-fixed", "ours", {"method": "mtp", "draft_policy": "fixed"})]  # fmt: skip
     if args.vllm:
         out.append(SideSpec("vllm-off", "vllm"))
         out += [SideSpec(f"vllm-ngram{k}", "vllm", ngram(k, lo, hi)) for k in args.vllm_ngram_k]

@@ -212,6 +212,23 @@ def ratios(cell: dict) -> dict:
     return out
 
 
+def min_auto_over_off(results: dict) -> float | None:
+    """The smallest tok/s ratio over spec-off, over traces and concurrencies, of the default
+    configuration (the automatic draft length): MTP where the checkpoint has it, else the best
+    automatic n-gram side."""
+    worst = None
+    for cells in results.values():
+        for cell in cells.values():
+            r = cell.get("ratios", {})
+            v = r.get("ours-mtp_over_ours-off")
+            if v is None:
+                v = max((x for k, x in r.items() if k.startswith("ours-ngram") and "-fixed" not in k
+                         and k.endswith("_over_ours-off") and x), default=None)
+            if v is not None:
+                worst = v if worst is None else min(worst, v)
+    return worst
+
+
 def stops_paying(results: dict, conc: list[int]) -> dict:
     """Per trace: the lowest concurrency where no speculating side of ours beats ours-off (None:
     it pays at every concurrency measured), and the best ratio at each."""
@@ -359,6 +376,7 @@ def main() -> int:
                      "greedy": True, "ignore_eos": True},
         "wall_clock": ["output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms"],
         "sides": side_info, "results": results, "ratios": flat, "stops_paying": stops,
+        "min_ratio_auto_over_off": min_auto_over_off(results),
         "targets": targets(results, side_info), "total_s": round(time.perf_counter() - t_begin, 1),
     }  # fmt: skip
     if not args.keep_logs:
