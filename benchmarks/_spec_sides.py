@@ -120,7 +120,7 @@ class Side:
 def build(spec: SideSpec, model_dir: Path, log_dir: Path, served: str, max_len: int, kv_bytes: int) -> Side:
     cfg = json.dumps(spec.spec) if spec.spec else ""
     if spec.engine == "ours":
-        svcs = srv.our_services(model_dir, log_dir, {"MMSERVE_LLM_SPECULATIVE_CONFIG": cfg}, served, max_len,
+        svcs = srv.our_services(model_dir, log_dir, {"MMSERVE_LLM_SPECULATIVE_CONFIG": cfg or "off"}, served, max_len,
                                 kv_bytes, spec.name)  # fmt: skip
     else:
         env = {"LD_PRELOAD": resolve_preload("auto"), "VLLM_CPU_OMP_THREADS_BIND": ""}

@@ -271,8 +271,10 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         default="auto", description="the ranks' collectives: auto (NCCL on CUDA, gloo on the CPU), gloo or nccl",
     )
     speculative_config: str = Field(
-        default="", description="speculative decoding as vLLM's --speculative-config JSON, e.g. "
-        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; empty: off (the default)",
+        default="auto", description="speculative decoding: auto (the default: the checkpoint's MTP layers where it "
+        "has them, each step's draft length chosen for goodput; off otherwise), off, or vLLM's --speculative-config "
+        "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
+        "(\"draft_policy\": \"fixed\" keeps k every step); empty: off",
     )
     max_draft_tokens: int = Field(
         default=32, ge=1, description="speculative decoding: draft tokens one engine step verifies, shared by its "

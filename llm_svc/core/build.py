@@ -115,7 +115,7 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
         **{"policy": settings.schedule_policy, **(scheduler_overrides or {})},
     )
     kv_dtype = kv_dtype_of(settings, lm)
-    spec = SpeculativeConfig.parse(settings.speculative_config)
+    spec = SpeculativeConfig.resolve(settings.speculative_config, len(getattr(lm.model, "mtp", None) or []))
     mtp_layers = []
     if spec is not None and spec.method == "mtp":
         mtp_layers = list(getattr(lm.model, "mtp", None) or [])

@@ -31,12 +31,13 @@ from shared.settings import LLMSettings
 
 from llm_svc.types.errors import InvalidRequest
 
+from .ranks import SETTINGS_ENV  # noqa: F401  (the core's settings variable; the client imports it from here)
+
 log = logging.getLogger("llm_svc.core")
 
 HEARTBEAT_S = 0.5
 MEDIA_POLL_S = 0.005  # while every request waits for media: block on inputs this long per loop
 STATS_EVERY_S = 0.25
-SETTINGS_ENV = "MMSERVE_LLM_CORE_SETTINGS"
 EXIT_BROKEN = 3
 EXIT_LOAD_FAILED = 2
 

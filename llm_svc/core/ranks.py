@@ -23,6 +23,7 @@ from llm_svc.parallel import ParallelConfig
 
 log = logging.getLogger(__name__)
 
+SETTINGS_ENV = "MMSERVE_LLM_CORE_SETTINGS"  # the service's settings (JSON), for the core and its ranks
 EXIT_RANK_DIED = 4
 EXIT_LOAD_FAILED = 2  # as the core's own (process.EXIT_LOAD_FAILED)
 WATCH_S = 0.2
@@ -122,8 +123,6 @@ def start_group(settings, par: ParallelConfig, pin_self: bool = True,
     group as rank 0: ``(RankWorkers, RankGroup, rank 0's device)``. ``watch``: end this process
     when a rank exits (``RankWorkers.watch``; the callback reports a death before ready)."""
     from llm_svc.parallel.comm import init_group
-
-    from .process import SETTINGS_ENV
 
     workers = RankWorkers(par, settings.device)
     workers.start(pin_self, {**os.environ, SETTINGS_ENV: settings.model_dump_json()})

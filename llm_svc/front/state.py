@@ -125,7 +125,9 @@ class ServiceState:
             derived = s.max_model_len is None
             if derived:  # the checkpoint's context length, as vLLM; the engine core sizes its pools by it
                 s = self.settings = s.model_copy(update={"max_model_len": lm.context_len})
-            self.spec = SpeculativeConfig.parse(s.speculative_config)  # a bad value fails the start, named
+            auto = s.backend != "swa" and s.speculative_config.strip().lower() == "auto"  # the reference: off
+            # a bad value fails the start, named
+            self.spec = None if auto else SpeculativeConfig.resolve(s.speculative_config, mtp_layers_of(lm.spec.lm_dir))
             if self.spec is not None and s.backend != "swa":
                 raise ValueError("speculative_config needs the swa backend (--backend swa)")
             if self.spec is not None and self.spec.method == "mtp":

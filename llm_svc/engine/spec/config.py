@@ -144,6 +144,17 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: method is required, one of {list(METHODS)}")
         return cls(**{k: d[k] for k in _FIELDS if k in d})
 
+    @classmethod
+    def resolve(cls, value: str | dict | None, mtp_layers: int) -> SpeculativeConfig | None:
+        """The service's setting: ``"auto"`` (the default) is MTP with the automatic draft length
+        where the checkpoint has MTP layers (``mtp_layers``), else off; ``"off"`` is off; anything
+        else as ``parse``."""
+        if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
+            if value.strip().lower() == "off" or mtp_layers < 1:
+                return None
+            return cls("mtp").with_mtp_layers(mtp_layers)
+        return cls.parse(value)
+
     def with_mtp_layers(self, num_layers: int) -> SpeculativeConfig:
         """For "mtp": the config with ``num_speculative_tokens`` filled in from the checkpoint's
         MTP layer count when it was left out; raises (vLLM's rule) when a k above the layer count
