@@ -30,8 +30,10 @@ pytestmark = pytest.mark.e2e
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 MTP = {"method": "mtp"}
 # (bundle, config as sent, config as /readyz shows it)
-CASES = {"ngram": (NGRAM, NGRAM), "mtp": (MTP, {"method": "mtp", "num_speculative_tokens": 3,
-                                             "prompt_lookup_min": 0, "prompt_lookup_max": 0})}
+RESOLVED = {"num_speculative_tokens_per_batch_size": None, "draft_policy": "auto"}  # what /readyz adds
+CASES = {"ngram": (NGRAM, {**NGRAM, **RESOLVED}),
+         "mtp": (MTP, {"method": "mtp", "num_speculative_tokens": 3, "prompt_lookup_min": 0, "prompt_lookup_max": 0,
+                       **RESOLVED})}
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -68,10 +70,11 @@ def stack(case, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain_texts(case):
-    """The same prompts on the engine without speculation (the service's default settings)."""
+    """The same prompts on the engine without speculation."""
     bundle = case[1]
     lm = load_lm(str(bundle))
-    engine = InProcessEngine(build_engine(LLMSettings(model_dir=str(bundle)), lm), lm.tokenizer)
+    engine = InProcessEngine(build_engine(LLMSettings(model_dir=str(bundle), speculative_config="off"), lm),
+                             lm.tokenizer)
     assert engine.engine.speculator is None
     preps = [PreparedRequest(request_id=f"p{i}", prompt_ids=ids,
                              sampling=SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))

@@ -50,7 +50,7 @@ from tests.integration.test_llm_engine import ListStream, run_to_end
 from tests.integration.test_vllm_oracle import vllm_python  # noqa: F401  (the venv fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
-MTP1 = {"method": "mtp", "num_speculative_tokens": 1}
+MTP1 = {"method": "mtp", "num_speculative_tokens": 1, "draft_policy": "fixed"}  # vLLM drafts every step
 WINDOW = 32
 MAX_TOKENS = 24
 PROMPT_LENS = (5, 17, 40, 64, 9, 30)
