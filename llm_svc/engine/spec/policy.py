@@ -17,8 +17,9 @@
   Draft j of request i yields ``p_ij`` = the product of its first j acceptances tokens and costs
   ``b`` (+ ``c`` per MTP row); the drafts are taken in decreasing ``p_ij`` while the step's
   expected tokens per expected second still grows, for each bound L on the drafts per request
-  (with MTP: all its layers or none), and the best L wins. k = 0 for everyone when no draft pays. A few steps in twenty try another L so the
-  cost model sees the terms it fits vary; the first steps use the configured k.
+  (with MTP: all its layers or none), and the best L wins. k = 0 for everyone when no draft pays.
+  With MTP one step in twenty tries the other choice so the cost model sees steps with and
+  without MTP rows; the first steps use the configured k.
 
 No policy changes which tokens come out: every draft is verified by the target model (greedy
 output and the sampled distribution are the same for any sequence of k)."""
@@ -46,7 +47,9 @@ class StepCost:
     """``seconds ~ a + b T + c R`` by recursive least squares with forgetting ``lam`` (features
     scaled to hundreds of tokens so the fit is well conditioned)."""
 
-    def __init__(self, lam: float = 0.98, prior: tuple[float, float, float] = (0.01, 0.0005, 0.0005)):
+    # forgetting 0.998 (a memory of ~500 steps): the prefill chunks seen go on telling the per-token
+    # cost apart from the fixed one while only decodes run (their T barely varies at one request)
+    def __init__(self, lam: float = 0.998, prior: tuple[float, float, float] = (0.005, 0.0002, 0.0002)):
         self.lam = lam
         self.theta = np.array([prior[0], prior[1] * 100, prior[2] * 100])
         self.p = np.eye(3) * 10.0
@@ -162,8 +165,10 @@ class GoodputDrafts:
         best_l, best = self._best(cands, base_tokens, mtp_rows)
         if self.cost.n < self.warmup_steps:
             best_l = self.k
-        if self._steps % self.explore_every == 0 or (self.cost.n < self.warmup_steps and self._steps % 3 == 0):
-            best_l = self._rng.choice(self.bounds())  # let the fit see other mixes
+        elif self.mtp and self._steps % self.explore_every == 0:
+            # MTP's rows cost is seen only beside steps without them: try the other choice now and
+            # then (n-gram needs no such step: its per-token cost shows in every prefill chunk)
+            best_l = self._rng.choice(self.bounds())
         out = self._fill(cands, base_tokens, mtp_rows, best_l)[1] if best_l != best[0] else best[1]
         drafts = sum(out.values())
         self.last_prediction = self.cost.predict(base_tokens + drafts, mtp_rows * max(out.values(), default=0)
