@@ -22,8 +22,12 @@ from tests.integration.test_llm_engine import ListStream, conversation_trace, ru
 
 pytestmark = pytest.mark.integration
 W = SMALL_W
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-NGRAM_FIXED = {**NGRAM, "draft_policy": "fixed"}  # drafts every step the lookup finds them
+# the mechanics' tests draft every step the lookup finds drafts ("fixed"): the automatic policy's
+# k follows the machine's timing (its own test below checks it keeps the output exact)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "draft_policy": "fixed"}
+NGRAM_FIXED = NGRAM
+NGRAM_AUTO = {**NGRAM, "draft_policy": "auto"}
 
 
 def make_engine(lm, spec: dict | None, num_full=4096, num_swa=None, **cfg) -> InProcessEngine:
@@ -243,8 +247,8 @@ def test_penalties_bias_and_grammars_at_every_draft_position(mimo16):
 
 
 # ---------------------------------------------------------------------------- MTP drafts
-MTP = {"method": "mtp", "num_speculative_tokens": 3}
-MTP_FIXED = {**MTP, "draft_policy": "fixed"}  # every step all layers: the MTP KV as the dense chain's
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "draft_policy": "fixed"}
+MTP_FIXED = MTP  # every step all layers: the MTP KV as the dense chain's
 
 
 @pytest.fixture(scope="module")
@@ -386,7 +390,7 @@ def test_automatic_k_keeps_greedy_output_while_k_changes(mimo16):
     preps = lambda: [looping_prep(lm, f"p{i}", 20 + 9 * i, pseed=70 + i, max_tokens=12 + 10 * i)  # noqa: E731
                      for i in range(8)]
     off = run_to_end(make_engine(lm, None, **kw), preps())
-    eng = make_engine(lm, NGRAM, **kw)
+    eng = make_engine(lm, NGRAM_AUTO, **kw)
     # a step whose every token costs as much as its fixed part (1 ms each): drafts pay for one or
     # two requests, not for eight (this tiny model's real steps would make every draft pay)
     eng.engine.speculator.policy.cost = FrozenCost(0.001, 0.001)

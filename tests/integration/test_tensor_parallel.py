@@ -29,8 +29,10 @@ from tests.integration.test_llm_engine import ListStream
 
 pytestmark = pytest.mark.integration
 
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
-MTP = '{"method": "mtp", "num_speculative_tokens": 3}'
+# drafts every step the lookup finds them (the automatic k follows timing; one rank and two must
+# both draft for the test to see speculation under the group)
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "draft_policy": "fixed"}'
+MTP = '{"method": "mtp", "num_speculative_tokens": 3, "draft_policy": "fixed"}'
 
 
 @dataclass
