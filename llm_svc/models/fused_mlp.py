@@ -196,8 +196,9 @@ class RoutedExperts:
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H]; idx [T, K] chosen experts; w [T, K] their weights -> [T, H] in x's dtype."""
         if self.packed is not None:
-            out = cpu_packed.moe_w(x if x.dtype == torch.float32 else x.float(), idx, w, self.packed)
-            return out if x.dtype == torch.float32 else out.to(x.dtype)
+            if x.dtype in cpu_packed.ACT_DTYPES:  # bfloat16 widened and rounded inside the call
+                return cpu_packed.moe_w(x, idx, w, self.packed)
+            return cpu_packed.moe_w(x.float(), idx, w, self.packed).to(x.dtype)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return self.grouped(x, idx, w)
         if self._packed is not None and x.dtype == torch.float32 and x.dim() == 2:

@@ -169,7 +169,7 @@ class PackedLinear:
         fmt = self.weight.fmt
         if fmt in ("float32", "bfloat16") and x.dtype != _DTYPE_OF[fmt]:  # F.linear would refuse too
             raise TypeError(f"linear of {_DTYPE_OF[fmt]} weights got {x.dtype} input")
-        if x.dtype == torch.float32:
+        if x.dtype in cpu_packed.ACT_DTYPES:  # bfloat16 widened and rounded inside the call
             return cpu_packed.gemm(x, self.weight, self.bias)
         return cpu_packed.gemm(x.float(), self.weight, self.bias).to(x.dtype)
 
@@ -259,8 +259,9 @@ class OwnPacked:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         b = None if m.bias is None else m.bias.detach().float().contiguous()
-        y = cpu_packed.gemm(x if x.dtype == torch.float32 else x.float(), m.qweight, b)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if x.dtype in cpu_packed.ACT_DTYPES:
+            return cpu_packed.gemm(x, m.qweight, b)
+        return cpu_packed.gemm(x.float(), m.qweight, b).to(x.dtype)
 
 
 def join_packed(linears: list[nn.Linear]) -> tuple[PackedWeight, torch.Tensor | None]:
