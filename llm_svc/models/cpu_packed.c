@@ -199,6 +199,9 @@ static void w_widen(const uint8_t* b, const wscale_t* sc, int64_t K, float* dst)
     }
 }
 #define W_WIDE 1
+#ifndef W_WIDE_ROWS
+#define W_WIDE_ROWS (4 * MR) /* fewer rows (a decode step's 16: 3 blocks) widen in registers: faster */
+#endif
 #else
 #define W_WIDE 0
 #endif
@@ -329,7 +332,7 @@ static inline void gate_up_tiles(const moe_ctx* c, int64_t e, int64_t j, int64_t
     vf g[MR], u[MR];
     const float* wf = NULL;
 #if W_WIDE
-    if (r1 - r0 > MR && (wf = tile_scratch(H * NB))) w_widen(b, sc, H, (float*)wf);
+    if (r1 - r0 > W_WIDE_ROWS && (wf = tile_scratch(H * NB))) w_widen(b, sc, H, (float*)wf);
 #endif
     for (int64_t r = r0; r < r1; r += MR) {
         const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
@@ -408,7 +411,7 @@ static void down_rows(void* vctx, int64_t it) {
         const wscale_t* sc = tile_s(c->ds, e * (H / NB) + j, I);
         const float* wf = NULL;
 #if W_WIDE
-        if (r1 - r0 > MR && (wf = tile_scratch(I * NB))) w_widen(b, sc, I, (float*)wf);
+        if (r1 - r0 > W_WIDE_ROWS && (wf = tile_scratch(I * NB))) w_widen(b, sc, I, (float*)wf);
 #endif
         for (int64_t r = r0; r < r1; r += MR) {
             const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
@@ -613,7 +616,7 @@ static void gemm_item(void* vctx, int64_t it) {
     const float* a[MR];
     const float* wf = NULL;
 #if W_WIDE
-    if (r1 - r0 > MR && (wf = tile_scratch(K * NB))) w_widen(b, sc, K, (float*)wf);
+    if (r1 - r0 > W_WIDE_ROWS && (wf = tile_scratch(K * NB))) w_widen(b, sc, K, (float*)wf);
 #endif
     for (int64_t r = r0; r < r1; r += MR) {
         const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
