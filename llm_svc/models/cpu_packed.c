@@ -170,7 +170,8 @@ static inline __attribute__((always_inline)) void tile_f(const float* const* a, 
 /* A narrow tile read by more than MR rows (a prefill's GEMM: up to 12 row blocks an item) is
  * widened once into a per-thread float32 copy ([K][NB], in L1 / L2 beside the rows) and every row
  * block reads that: widening each row of the tile once per row block (a zero-extension and a
- * shift per 8 lanes on AVX2, beside 2 MR FMAs) made bfloat16 prefill GEMMs slower than float32's. */
+ * shift per 8 lanes on AVX2, beside 2 MR FMAs) made bfloat16 prefill GEMMs slower than float32's.
+ * The first row block widens it as it goes (tile_keep), the others read the float32 copy. */
 static __thread float* wbuf;
 static __thread int64_t wcap;
 
@@ -184,18 +185,32 @@ static float* tile_scratch(int64_t n) {
     return wbuf;
 }
 
-/* tile b (K deep, scales sc) -> dst [K][NB] float32, scales applied: the weights w_row gives */
-static void w_widen(const uint8_t* b, const wscale_t* sc, int64_t K, float* dst) {
-    vf s0 = {0}, s1 = {0}, b0, b1;
+/* tile() that also keeps each widened row in dst [K][NB] (the weights w_row gives, scales
+ * applied): the first row block of an item widens the tile while its FMAs run, the others read
+ * dst (tile_f). The FMAs are tile()'s, in its order. */
+static inline __attribute__((always_inline)) void tile_keep(const float* const* a, const uint8_t* b,
+                                                            const wscale_t* sc, int64_t K, int MM, vf acc0[MR],
+                                                            vf acc1[MR], float* dst) {
+    for (int m = 0; m < MM; m++) acc0[m] = acc1[m] = (vf){0};
+    vf s0 = {0}, s1 = {0};
     for (int64_t k = 0; k < K; k++) {
+        vf b0, b1;
 #if W_GROUP
         if (k % W_GROUP == 0) w_scales(sc + (k / W_GROUP) * NB, &s0, &s1);
 #else
         (void)sc;
 #endif
+#if W_PREFETCH
+        W_PREFETCH_ROW(b + k * W_ROW);
+#endif
         w_row(b + k * W_ROW, s0, s1, &b0, &b1);
         vstore(dst + k * NB, b0);
         vstore(dst + k * NB + VL, b1);
+        for (int m = 0; m < MM; m++) {
+            const float s = a[m][k];
+            acc0[m] += s * b0;
+            acc1[m] += s * b1;
+        }
     }
 }
 #define W_WIDE 1
@@ -330,13 +345,17 @@ static inline void gate_up_tiles(const moe_ctx* c, int64_t e, int64_t j, int64_t
     const uint8_t* b = tile_w(c->gp, t, H);
     const wscale_t* sc = tile_s(c->gs, t, H);
     vf g[MR], u[MR];
-    const float* wf = NULL;
+    float* wf = NULL;
 #if W_WIDE
-    if (r1 - r0 > W_WIDE_ROWS && (wf = tile_scratch(H * NB))) w_widen(b, sc, H, (float*)wf);
+    if (r1 - r0 > W_WIDE_ROWS) wf = tile_scratch(H * NB);
 #endif
     for (int64_t r = r0; r < r1; r += MR) {
         const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
-        if (wf) {
+        if (wf && r == r0) { /* the first block is a full one (more than W_WIDE_ROWS rows) */
+#if W_WIDE
+            tile_keep(c->xrow + r, b, sc, H, MR, g, u, wf);
+#endif
+        } else if (wf) {
 #define GUF(N) tile_f(c->xrow + r, wf, H, N, g, u)
             TILE_SWITCH(mm, GUF)
 #undef GUF
@@ -409,14 +428,18 @@ static void down_rows(void* vctx, int64_t it) {
     for (int64_t j = 0; j < H / (2 * VL); j++) {
         const uint8_t* b = tile_w(c->dp, e * (H / NB) + j, I);
         const wscale_t* sc = tile_s(c->ds, e * (H / NB) + j, I);
-        const float* wf = NULL;
+        float* wf = NULL;
 #if W_WIDE
-        if (r1 - r0 > W_WIDE_ROWS && (wf = tile_scratch(I * NB))) w_widen(b, sc, I, (float*)wf);
+        if (r1 - r0 > W_WIDE_ROWS) wf = tile_scratch(I * NB);
 #endif
         for (int64_t r = r0; r < r1; r += MR) {
             const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
             for (int m = 0; m < mm; m++) hr[m] = c->h + (r + m) * I;
-            if (wf) {
+            if (wf && r == r0) {
+#if W_WIDE
+                tile_keep(hr, b, sc, I, MR, y0, y1, wf);
+#endif
+            } else if (wf) {
 #define DNF(N) tile_f(hr, wf, I, N, y0, y1)
                 TILE_SWITCH(mm, DNF)
 #undef DNF
@@ -614,14 +637,18 @@ static void gemm_item(void* vctx, int64_t it) {
     const vf b0 = vload(bias), b1 = vload(bias + VL);
     vf y0[MR], y1[MR];
     const float* a[MR];
-    const float* wf = NULL;
+    float* wf = NULL;
 #if W_WIDE
-    if (r1 - r0 > W_WIDE_ROWS && (wf = tile_scratch(K * NB))) w_widen(b, sc, K, (float*)wf);
+    if (r1 - r0 > W_WIDE_ROWS) wf = tile_scratch(K * NB);
 #endif
     for (int64_t r = r0; r < r1; r += MR) {
         const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
         for (int m = 0; m < mm; m++) a[m] = c->x + (r + m) * c->ldx;
-        if (wf) {
+        if (wf && r == r0) {
+#if W_WIDE
+            tile_keep(a, b, sc, K, MR, y0, y1, wf);
+#endif
+        } else if (wf) {
 #define GMF(N) tile_f(a, wf, K, N, y0, y1)
             TILE_SWITCH(mm, GMF)
 #undef GMF
