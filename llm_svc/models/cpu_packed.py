@@ -23,8 +23,13 @@ to the accumulators and the down product is added, weighted, straight into each 
 Weight formats (``FORMATS``, ``builds``): one build of the source per weight element type
 (``w_elem.h``: float32, bfloat16, FP8 e4m3 with block scales, MXFP4), the way the attention
 kernels build per KV dtype. ``gemm`` / ``moe_w`` run any of them on ``qweight.PackedWeight`` /
-``PackedExperts``; each tile row is widened to float32 in registers (activations and outputs
-stay float32: W8A32 / W4A32 / W16A32), so a decode step streams the narrow weight. Decode-sized
+``PackedExperts``; each tile row is widened to float32 in registers (the arithmetic is float32:
+W8A32 / W4A32 / W16A32), so a decode step streams the narrow weight. Activations are float32 or
+bfloat16: a bfloat16 x is widened once inside the call and the result rounded to bfloat16 as it
+is stored (torch's ``.float()`` / ``.to(bfloat16)`` around a float32 call cost 5-18% of a
+decode-sized bfloat16 linear, 2-core AVX2 EPYC, one thread). A tile that several micro-tiles of
+rows read (a prefill's GEMM) is widened once, by the first of them, into per-thread scratch that
+the others read: a bfloat16 prefill GEMM runs at float32's speed (it was 4-10% behind). Decode-sized
 calls run here too (``linear.PackedLinear`` takes every row count), so the few-row kernel
 (``cpu_gemv``) stays float32-only: it serves the shapes this kernel does not pack.
 """

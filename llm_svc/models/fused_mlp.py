@@ -21,7 +21,7 @@ the few-row kernel (``cpu_gemv.moe``) for a decode step's tokens and oneDNN per 
 Experts kept in their checkpoint's width (FP8 / MXFP4 modules loaded packed, ``qweight``) or
 served at bfloat16 run the same C call on ``qweight.PackedExperts`` (``cpu_packed.moe_w``: the
 kernel's build for that format widens each weight tile in registers; activations float32, a
-bfloat16 input widened at the boundary and the output narrowed back). Loaded-packed experts
+bfloat16 input widened and the output rounded back inside the call). Loaded-packed experts
 are stacked one expert at a time and each expert module's ``qweight`` is dropped as it is
 stacked (one copy); where they cannot run packed (an activation other than SiLU, a shape the
 kernel does not take) they are widened with ``qweight.dense`` instead.
