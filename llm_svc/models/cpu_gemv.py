@@ -171,7 +171,11 @@ def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tens
 
 def supports_route(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``route`` runs this call: x [T, H] CPU float32 (any T), a float32 contiguous router
-    weight of at most 256 experts, and the kernel built."""
+    weight of at most 256 experts, and the kernel built; or x and weight both bfloat16 (a model
+    served at bfloat16: scored in float32, as the eager router does)."""
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        return (weight.shape[0] <= 256 and x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0]
+                and weight.dim() == 2 and KERNEL.available())
     return weight.shape[0] <= 256 and _few_tokens(x, weight, cap=None)
 
 
@@ -183,7 +187,10 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
     ``norm``, times ``scale``)."""
     t, h = x.shape
     e = weight.shape[0]
-    x = x.contiguous()
+    # a bfloat16 model's router scores in float32 (the eager router widens both too): the
+    # weight is [E, H], a few thousand elements, widened per call
+    x = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous()
+    weight = weight.float().contiguous() if weight.dtype != torch.float32 else weight
     idx = torch.empty(t, top_k, dtype=torch.int64)
     w = torch.empty(t, top_k, dtype=torch.float32)
     b = None if bias is None else bias.to(torch.float32).contiguous()

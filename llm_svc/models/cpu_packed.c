@@ -151,6 +151,165 @@ static inline __attribute__((always_inline)) void tile(const float* const* a, co
 #endif
 }
 
+/* The same micro-tile on a tile already widened to float32 ([K][NB] floats, w_widen below):
+ * the FMAs in the same order as tile()'s, so the results are the same bit for bit. */
+static inline __attribute__((always_inline)) void tile_f(const float* const* a, const float* b, int64_t K, int MM,
+                                                         vf acc0[MR], vf acc1[MR]) {
+    for (int m = 0; m < MM; m++) acc0[m] = acc1[m] = (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        const vf b0 = vload(b + k * NB), b1 = vload(b + k * NB + VL);
+        for (int m = 0; m < MM; m++) {
+            const float s = a[m][k];
+            acc0[m] += s * b0;
+            acc1[m] += s * b1;
+        }
+    }
+}
+
+#if W_FORMAT != 0
+/* A narrow tile read by more than MR rows (a prefill's GEMM: up to 12 row blocks an item) is
+ * widened once into a per-thread float32 copy ([K][NB], in L1 / L2 beside the rows) and every row
+ * block reads that: widening each row of the tile once per row block (a zero-extension and a
+ * shift per 8 lanes on AVX2, beside 2 MR FMAs) made bfloat16 prefill GEMMs slower than float32's.
+ * The first row block widens it as it goes (tile_keep), the others read the float32 copy. */
+static __thread float* wbuf;
+static __thread int64_t wcap;
+
+/* the calling thread's scratch of n floats (grown, kept), or NULL when memory is short */
+static float* tile_scratch(int64_t n) {
+    if (n > wcap) {
+        free(wbuf);
+        wbuf = aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64));
+        wcap = wbuf ? n : 0;
+    }
+    return wbuf;
+}
+
+/* tile() that also keeps each widened row in dst [K][NB] (the weights w_row gives, scales
+ * applied): the first row block of an item widens the tile while its FMAs run, the others read
+ * dst (tile_f). The FMAs are tile()'s, in its order. */
+static inline __attribute__((always_inline)) void tile_keep(const float* const* a, const uint8_t* b,
+                                                            const wscale_t* sc, int64_t K, int MM, vf acc0[MR],
+                                                            vf acc1[MR], float* dst) {
+    for (int m = 0; m < MM; m++) acc0[m] = acc1[m] = (vf){0};
+    vf s0 = {0}, s1 = {0};
+    for (int64_t k = 0; k < K; k++) {
+        vf b0, b1;
+#if W_GROUP
+        if (k % W_GROUP == 0) w_scales(sc + (k / W_GROUP) * NB, &s0, &s1);
+#else
+        (void)sc;
+#endif
+#if W_PREFETCH
+        W_PREFETCH_ROW(b + k * W_ROW);
+#endif
+        w_row(b + k * W_ROW, s0, s1, &b0, &b1);
+        vstore(dst + k * NB, b0);
+        vstore(dst + k * NB + VL, b1);
+        for (int m = 0; m < MM; m++) {
+            const float s = a[m][k];
+            acc0[m] += s * b0;
+            acc1[m] += s * b1;
+        }
+    }
+}
+#define W_WIDE 1
+#ifndef W_WIDE_ROWS
+#define W_WIDE_ROWS (4 * MR) /* fewer rows (a decode step's 16: 3 blocks) widen in registers: faster */
+#endif
+#else
+#define W_WIDE 0
+#endif
+
+/* ---- bfloat16 activations (mmserve_gemm_wa / mmserve_moe_wa with bf16 set): rows widened to
+ * float32 once per call, results rounded to bfloat16 (nearest even, a NaN to 0xffff: what
+ * torch's float32 -> bfloat16 conversion gives) as they are stored. The arithmetic is the
+ * float32 path's, so a bfloat16 call equals widen -> float32 call -> torch's rounding bit for
+ * bit, without the two conversions and tensors per linear. */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* o[0..n) = bf16(v[0..n)), n <= NB */
+static inline void bf16_store(uint16_t* o, const float* v, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256i one = _mm256_set1_epi32(1), rnd = _mm256_set1_epi32(0x7fff), abs = _mm256_set1_epi32(0x7fffffff),
+                  inf = _mm256_set1_epi32(0x7f800000), qnan = _mm256_set1_epi32(0xffff);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i u = _mm256_loadu_si256((const __m256i*)(v + i));
+        __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, rnd), _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
+        r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), qnan, _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf));
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        _mm_storeu_si128((__m128i*)(o + i), _mm256_castsi256_si128(p));
+    }
+#endif
+    for (; i < n; i++) o[i] = bf16_round(v[i]);
+}
+
+static inline void bf16_widen(float* dst, const uint16_t* src, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_si256((__m256i*)(dst + i),
+                            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + i))), 16));
+#endif
+    for (; i < n; i++) {
+        const uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, 4);
+    }
+}
+
+/* rows [R * i, R * (i + 1)) of a row-wise conversion, on the pool (ACT_ROWS rows an item) */
+#define ACT_ROWS 32
+typedef struct {
+    const uint16_t* h;
+    float* f;
+    uint16_t* o;
+    int64_t ldh, ldf, M, K;
+} act_ctx;
+
+static void widen_item(void* vctx, int64_t it) {
+    const act_ctx* c = vctx;
+    const int64_t r1 = (it + 1) * ACT_ROWS < c->M ? (it + 1) * ACT_ROWS : c->M;
+    for (int64_t r = it * ACT_ROWS; r < r1; r++) bf16_widen(c->f + r * c->ldf, c->h + r * c->ldh, c->K);
+}
+
+static void narrow_item(void* vctx, int64_t it) {
+    const act_ctx* c = vctx;
+    const int64_t r1 = (it + 1) * ACT_ROWS < c->M ? (it + 1) * ACT_ROWS : c->M;
+    for (int64_t r = it * ACT_ROWS; r < r1; r++)
+        for (int64_t d = 0; d < c->K; d += NB)
+            bf16_store(c->o + r * c->ldh + d, c->f + r * c->ldf + d, c->K - d < NB ? c->K - d : NB);
+}
+
+/* The calling thread's float32 scratch for a bfloat16 call's widened rows (and a MoE call's
+ * float32 result) of n floats, grown and kept: a prefill chunk's is megabytes, and a fresh
+ * malloc of that size is a fresh mmap whose page faults cost more than the widening (one MoE
+ * layer at 512 tokens: +2%). One per thread, beside the tile scratch of the pool's threads. */
+static __thread float* abuf;
+static __thread int64_t acap;
+
+static float* act_scratch(int64_t n) {
+    if (n > acap) {
+        free(abuf);
+        abuf = aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64));
+        acap = abuf ? n : 0;
+    }
+    return abuf;
+}
+
+/* fn over the ceil(M / ACT_ROWS) row items: on the pool when the rows are many */
+static void act_rows(chunk_fn_t fn, act_ctx* c, par_for_t par_for, int64_t threads) {
+    const int64_t n = (c->M + ACT_ROWS - 1) / ACT_ROWS;
+    if (par_for && threads > 1 && c->M * c->K >= (1 << 16)) par_for(fn, c, n, threads);
+    else
+        for (int64_t i = 0; i < n; i++) fn(c, i);
+}
+
 /* tile t (of tiles K deep) of a packed weight, and its scales (NULL for unscaled formats) */
 static inline const uint8_t* tile_w(const uint8_t* w, int64_t t, int64_t K) { return w + t * K * W_ROW; }
 static inline const wscale_t* tile_s(const wscale_t* s, int64_t t, int64_t K) {
@@ -202,11 +361,25 @@ static inline void gate_up_tiles(const moe_ctx* c, int64_t e, int64_t j, int64_t
     const uint8_t* b = tile_w(c->gp, t, H);
     const wscale_t* sc = tile_s(c->gs, t, H);
     vf g[MR], u[MR];
+    float* wf = NULL;
+#if W_WIDE
+    if (r1 - r0 > W_WIDE_ROWS) wf = tile_scratch(H * NB);
+#endif
     for (int64_t r = r0; r < r1; r += MR) {
         const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
+        if (wf && r == r0) { /* the first block is a full one (more than W_WIDE_ROWS rows) */
+#if W_WIDE
+            tile_keep(c->xrow + r, b, sc, H, MR, g, u, wf);
+#endif
+        } else if (wf) {
+#define GUF(N) tile_f(c->xrow + r, wf, H, N, g, u)
+            TILE_SWITCH(mm, GUF)
+#undef GUF
+        } else {
 #define GU(N) tile(c->xrow + r, b, sc, H, N, g, u)
-        TILE_SWITCH(mm, GU)
+            TILE_SWITCH(mm, GU)
 #undef GU
+        }
         for (int m = 0; m < mm; m++) {
             float gs[VL], us[VL], *o = c->h + (r + m) * I + j * VL;
             vstore(gs, g[m]);
@@ -271,12 +444,26 @@ static void down_rows(void* vctx, int64_t it) {
     for (int64_t j = 0; j < H / (2 * VL); j++) {
         const uint8_t* b = tile_w(c->dp, e * (H / NB) + j, I);
         const wscale_t* sc = tile_s(c->ds, e * (H / NB) + j, I);
+        float* wf = NULL;
+#if W_WIDE
+        if (r1 - r0 > W_WIDE_ROWS) wf = tile_scratch(I * NB);
+#endif
         for (int64_t r = r0; r < r1; r += MR) {
             const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
             for (int m = 0; m < mm; m++) hr[m] = c->h + (r + m) * I;
+            if (wf && r == r0) {
+#if W_WIDE
+                tile_keep(hr, b, sc, I, MR, y0, y1, wf);
+#endif
+            } else if (wf) {
+#define DNF(N) tile_f(hr, wf, I, N, y0, y1)
+                TILE_SWITCH(mm, DNF)
+#undef DNF
+            } else {
 #define DN(N) tile(hr, b, sc, I, N, y0, y1)
-            TILE_SWITCH(mm, DN)
+                TILE_SWITCH(mm, DN)
 #undef DN
+            }
             for (int m = 0; m < mm; m++) {
                 float* o = c->ys + (r + m) * H + j * 2 * VL;
                 vstore(o, y0[m]);
@@ -308,9 +495,9 @@ static void combine_tokens(void* vctx, int64_t chunk) {
  * h: scratch of T * K * I floats; out [T, H]. Work items on par_for (the pool of cpu_gemv.c)
  * with up to `threads` threads, or on the caller when par_for is NULL. Returns 0; 1 if an
  * index is out of range, the shape is not packable, or memory is short (out untouched). */
-int mmserve_moe_w(const float* x, int64_t T, int64_t H, const int64_t* idx, const float* w, int64_t K,
-                  const uint8_t* gp, const wscale_t* gs, const uint8_t* dp, const wscale_t* ds, int64_t E, int64_t I,
-                  float* h, float* out, par_for_t par_for, int64_t threads) {
+static int moe_run(const float* x, int64_t T, int64_t H, const int64_t* idx, const float* w, int64_t K,
+                   const uint8_t* gp, const wscale_t* gs, const uint8_t* dp, const wscale_t* ds, int64_t E, int64_t I,
+                   float* h, float* out, par_for_t par_for, int64_t threads) {
     if (I % VL || H % (2 * VL)) return 1;
     const int64_t P = T * K;
     for (int64_t p = 0; p < P; p++)
@@ -388,6 +575,32 @@ int mmserve_moe_w(const float* x, int64_t T, int64_t H, const int64_t* idx, cons
     return 0;
 }
 
+int mmserve_moe_w(const float* x, int64_t T, int64_t H, const int64_t* idx, const float* w, int64_t K,
+                  const uint8_t* gp, const wscale_t* gs, const uint8_t* dp, const wscale_t* ds, int64_t E, int64_t I,
+                  float* h, float* out, par_for_t par_for, int64_t threads) {
+    return moe_run(x, T, H, idx, w, K, gp, gs, dp, ds, E, I, h, out, par_for, threads);
+}
+
+/* mmserve_moe_w with x and out of bfloat16 (uint16) when bf16 is nonzero, else float32: x widened
+ * once, the float32 result rounded once (see bf16_store). Returns as mmserve_moe_w. */
+int mmserve_moe_wa(const void* x, int64_t T, int64_t H, const int64_t* idx, const float* w, int64_t K,
+                   const uint8_t* gp, const wscale_t* gs, const uint8_t* dp, const wscale_t* ds, int64_t E, int64_t I,
+                   float* h, void* out, int64_t bf16, par_for_t par_for, int64_t threads) {
+    if (!bf16) return moe_run(x, T, H, idx, w, K, gp, gs, dp, ds, E, I, h, out, par_for, threads);
+    if (I % VL || H % (2 * VL)) return 1;
+    float* xf = act_scratch((T ? T : 1) * H * 2); /* x, then the float32 result */
+    if (!xf) return 1;
+    float* of = xf + T * H;
+    act_ctx c = {x, xf, out, H, H, T, H};
+    act_rows(widen_item, &c, par_for, threads);
+    const int rc = moe_run(xf, T, H, idx, w, K, gp, gs, dp, ds, E, I, h, of, par_for, threads);
+    if (rc == 0) {
+        c.f = of;
+        act_rows(narrow_item, &c, par_for, threads);
+    }
+    return rc;
+}
+
 #if W_FORMAT == 0
 int mmserve_moe_packed_f32(const float* x, int64_t T, int64_t H, const int64_t* idx, const float* w, int64_t K,
                            const float* gp, const float* dp, int64_t E, int64_t I, float* h, float* out,
@@ -418,6 +631,7 @@ typedef struct {
     const uint8_t* wp;
     const wscale_t* ws;
     float* out;
+    uint16_t* outh; /* bfloat16 output (out unused), or NULL */
     int64_t ldx, ldo, M, N, K, nb, rb;
 } gemm_ctx;
 
@@ -438,12 +652,35 @@ static void gemm_item(void* vctx, int64_t it) {
     const vf b0 = vload(bias), b1 = vload(bias + VL);
     vf y0[MR], y1[MR];
     const float* a[MR];
+    float* wf = NULL;
+#if W_WIDE
+    if (r1 - r0 > W_WIDE_ROWS) wf = tile_scratch(K * NB);
+#endif
     for (int64_t r = r0; r < r1; r += MR) {
         const int mm = r1 - r < MR ? (int)(r1 - r) : MR;
         for (int m = 0; m < mm; m++) a[m] = c->x + (r + m) * c->ldx;
+        if (wf && r == r0) {
+#if W_WIDE
+            tile_keep(a, b, sc, K, MR, y0, y1, wf);
+#endif
+        } else if (wf) {
+#define GMF(N) tile_f(a, wf, K, N, y0, y1)
+            TILE_SWITCH(mm, GMF)
+#undef GMF
+        } else {
 #define GM(N) tile(a, b, sc, K, N, y0, y1)
-        TILE_SWITCH(mm, GM)
+            TILE_SWITCH(mm, GM)
 #undef GM
+        }
+        if (c->outh) {
+            for (int m = 0; m < mm; m++) {
+                float t[NB];
+                vstore(t, y0[m] + b0);
+                vstore(t + VL, y1[m] + b1);
+                bf16_store(c->outh + (r + m) * c->ldo + n0, t, nn);
+            }
+            continue;
+        }
         for (int m = 0; m < mm; m++) {
             float* o = c->out + (r + m) * c->ldo + n0;
             if (nn == NB) {
@@ -463,15 +700,39 @@ static void gemm_item(void* vctx, int64_t it) {
  * packed [ceil(N / NB)] tiles K deep in this build's format (float32: by mmserve_gemm_pack_f32),
  * ws its scales (NULL if unscaled); work items (GEMM_RB rows or fewer x NB columns) on par_for
  * as above. */
-int mmserve_gemm_w(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const wscale_t* ws,
-                   int64_t N, const float* bias, float* out, int64_t ldo, par_for_t par_for, int64_t threads) {
+static void gemm_run(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const wscale_t* ws,
+                     int64_t N, const float* bias, float* out, uint16_t* outh, int64_t ldo, par_for_t par_for,
+                     int64_t threads) {
     int64_t rb = GEMM_L2 / (K * (int64_t)sizeof(float)) / MR * MR;
     rb = rb < MR ? MR : rb > GEMM_RB ? GEMM_RB : rb;
     const int64_t nb = (N + NB - 1) / NB, items = nb * ((M + rb - 1) / rb);
-    gemm_ctx c = {x, bias, wp, ws, out, ldx, ldo, M, N, K, nb, rb};
+    gemm_ctx c = {x, bias, wp, ws, out, outh, ldx, ldo, M, N, K, nb, rb};
     if (par_for && threads > 1 && M * N * K >= MIN_PAR_MACS) par_for(gemm_item, &c, items, threads);
     else
         for (int64_t i = 0; i < items; i++) gemm_item(&c, i);
+}
+
+int mmserve_gemm_w(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const wscale_t* ws,
+                   int64_t N, const float* bias, float* out, int64_t ldo, par_for_t par_for, int64_t threads) {
+    gemm_run(x, ldx, M, K, wp, ws, N, bias, out, NULL, ldo, par_for, threads);
+    return 0;
+}
+
+/* mmserve_gemm_w with x [M, K] (row stride ldx) and out [M, N] (row stride ldo) of bfloat16
+ * (uint16) when bf16 is nonzero: x widened once into scratch, each output tile rounded as it is
+ * stored (bf16_store); bias float32 either way. Returns 0, 1 if memory is short (out untouched). */
+int mmserve_gemm_wa(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const wscale_t* ws,
+                    int64_t N, const float* bias, void* out, int64_t ldo, int64_t bf16, par_for_t par_for,
+                    int64_t threads) {
+    if (!bf16) {
+        gemm_run(x, ldx, M, K, wp, ws, N, bias, out, NULL, ldo, par_for, threads);
+        return 0;
+    }
+    float* xf = act_scratch((M ? M : 1) * K);
+    if (!xf) return 1;
+    act_ctx c = {x, xf, NULL, ldx, K, M, K};
+    act_rows(widen_item, &c, par_for, threads);
+    gemm_run(xf, K, M, K, wp, ws, N, bias, NULL, out, ldo, par_for, threads);
     return 0;
 }
 

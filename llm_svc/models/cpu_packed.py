@@ -23,8 +23,13 @@ to the accumulators and the down product is added, weighted, straight into each 
 Weight formats (``FORMATS``, ``builds``): one build of the source per weight element type
 (``w_elem.h``: float32, bfloat16, FP8 e4m3 with block scales, MXFP4), the way the attention
 kernels build per KV dtype. ``gemm`` / ``moe_w`` run any of them on ``qweight.PackedWeight`` /
-``PackedExperts``; each tile row is widened to float32 in registers (activations and outputs
-stay float32: W8A32 / W4A32 / W16A32), so a decode step streams the narrow weight. Decode-sized
+``PackedExperts``; each tile row is widened to float32 in registers (the arithmetic is float32:
+W8A32 / W4A32 / W16A32), so a decode step streams the narrow weight. Activations are float32 or
+bfloat16: a bfloat16 x is widened once inside the call and the result rounded to bfloat16 as it
+is stored (torch's ``.float()`` / ``.to(bfloat16)`` around a float32 call cost 5-18% of a
+decode-sized bfloat16 linear, 2-core AVX2 EPYC, one thread). A tile that several micro-tiles of
+rows read (a prefill's GEMM) is widened once, by the first of them, into per-thread scratch that
+the others read: a bfloat16 prefill GEMM runs at float32's speed (it was 4-10% behind). Decode-sized
 calls run here too (``linear.PackedLinear`` takes every row count), so the few-row kernel
 (``cpu_gemv``) stays float32-only: it serves the shapes this kernel does not pack.
 """
@@ -52,6 +57,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mmserve_gemm_w.restype = ctypes.c_int
     lib.mmserve_moe_w.argtypes = [p, i64, i64, p, p, i64, p, p, p, p, i64, i64, p, p, p, i64]
     lib.mmserve_moe_w.restype = ctypes.c_int
+    lib.mmserve_gemm_wa.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64, i64, p, i64]
+    lib.mmserve_gemm_wa.restype = ctypes.c_int
+    lib.mmserve_moe_wa.argtypes = [p, i64, i64, p, p, i64, p, p, p, p, i64, i64, p, p, i64, p, i64]
+    lib.mmserve_moe_wa.restype = ctypes.c_int
     if lib.mmserve_packed_format() != 0:
         return  # the narrow formats are packed in Python (qweight.py)
     lib.mmserve_gemm_pack_f32.argtypes = [p, i64, i64, p]
@@ -164,40 +173,54 @@ def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, packed: tuple[torch
     return out
 
 
+ACT_DTYPES = (torch.float32, torch.bfloat16)  # activations ``gemm`` / ``moe_w`` take and return as they are
+
+
 def gemm(x: torch.Tensor, pw, bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """``x [..., K]`` float32 times a packed weight ``pw`` (``qweight.PackedWeight``, any format)
-    transposed, plus ``bias`` -> [..., N] float32; threads as ``moe``."""
+    """``x [..., K]`` float32 or bfloat16 times a packed weight ``pw`` (``qweight.PackedWeight``,
+    any format) transposed, plus ``bias`` (float32) -> [..., N] in x's dtype; threads as ``moe``.
+    Computed in float32 either way: a bfloat16 x is widened inside the call and the result
+    rounded to bfloat16 (nearest even) as it is stored, bit for bit what widening x, a float32
+    call and ``.to(torch.bfloat16)`` give."""
     k, n = pw.k, pw.n
     if x.shape[-1] != k:
         raise ValueError(f"linear of in_features {k} got input {list(x.shape)}")
+    if x.dtype not in ACT_DTYPES:
+        raise TypeError(f"packed linear takes float32 or bfloat16 input, got {x.dtype}")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=x.dtype)
     if m:
-        pw.kernel.load().mmserve_gemm_w(x2.data_ptr(), x2.stride(0), m, k, pw.data.data_ptr(),
-                                        None if pw.scales is None else pw.scales.data_ptr(), n,
-                                        None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-                                        *cpu_gemv.pool(threads))
+        rc = pw.kernel.load().mmserve_gemm_wa(x2.data_ptr(), x2.stride(0), m, k, pw.data.data_ptr(),
+                                              None if pw.scales is None else pw.scales.data_ptr(), n,
+                                              None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                                              int(x.dtype == torch.bfloat16), *cpu_gemv.pool(threads))
+        if rc != 0:
+            raise MemoryError("packed linear: no memory for the widened rows")
     return out.view(*x.shape[:-1], n)
 
 
 def moe_w(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, pe, threads: int | None = None) -> torch.Tensor:
-    """``moe`` on packed experts ``pe`` (``qweight.PackedExperts``, any format): x [T, H] float32,
-    idx [T, K], w [T, K] -> [T, H] float32."""
+    """``moe`` on packed experts ``pe`` (``qweight.PackedExperts``, any format): x [T, H] float32
+    or bfloat16, idx [T, K], w [T, K] -> [T, H] in x's dtype (bfloat16: widened and rounded
+    inside the call, as ``gemm``)."""
     t, k = idx.shape
     e, h, i = pe.num_experts, pe.hidden, pe.inter
+    if x.dtype not in ACT_DTYPES:
+        raise TypeError(f"packed experts take float32 or bfloat16 input, got {x.dtype}")
     x = x.contiguous()
     idx = idx.to(torch.int64).contiguous()
     w = w.to(torch.float32).contiguous()
     scratch = torch.empty(t * k, i, dtype=torch.float32)
-    out = torch.empty(t, h, dtype=torch.float32)
+    out = torch.empty(t, h, dtype=x.dtype)
     g, d = pe.gate_up, pe.down
-    rc = pe.kernel.load().mmserve_moe_w(x.data_ptr(), t, h, idx.data_ptr(), w.data_ptr(), k, g.data.data_ptr(),
-                                        None if g.scales is None else g.scales.data_ptr(), d.data.data_ptr(),
-                                        None if d.scales is None else d.scales.data_ptr(), e, i,
-                                        scratch.data_ptr(), out.data_ptr(), *cpu_gemv.pool(threads))
+    rc = pe.kernel.load().mmserve_moe_wa(x.data_ptr(), t, h, idx.data_ptr(), w.data_ptr(), k, g.data.data_ptr(),
+                                         None if g.scales is None else g.scales.data_ptr(), d.data.data_ptr(),
+                                         None if d.scales is None else d.scales.data_ptr(), e, i,
+                                         scratch.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16),
+                                         *cpu_gemv.pool(threads))
     if rc != 0:
         raise ValueError(f"routed experts: an expert index outside [0, {e}) (or out of memory)")
     return out

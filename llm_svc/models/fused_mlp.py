@@ -21,7 +21,7 @@ the few-row kernel (``cpu_gemv.moe``) for a decode step's tokens and oneDNN per 
 Experts kept in their checkpoint's width (FP8 / MXFP4 modules loaded packed, ``qweight``) or
 served at bfloat16 run the same C call on ``qweight.PackedExperts`` (``cpu_packed.moe_w``: the
 kernel's build for that format widens each weight tile in registers; activations float32, a
-bfloat16 input widened at the boundary and the output narrowed back). Loaded-packed experts
+bfloat16 input widened and the output rounded back inside the call). Loaded-packed experts
 are stacked one expert at a time and each expert module's ``qweight`` is dropped as it is
 stacked (one copy); where they cannot run packed (an activation other than SiLU, a shape the
 kernel does not take) they are widened with ``qweight.dense`` instead.
@@ -196,8 +196,9 @@ class RoutedExperts:
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H]; idx [T, K] chosen experts; w [T, K] their weights -> [T, H] in x's dtype."""
         if self.packed is not None:
-            out = cpu_packed.moe_w(x if x.dtype == torch.float32 else x.float(), idx, w, self.packed)
-            return out if x.dtype == torch.float32 else out.to(x.dtype)
+            if x.dtype in cpu_packed.ACT_DTYPES:  # bfloat16 widened and rounded inside the call
+                return cpu_packed.moe_w(x, idx, w, self.packed)
+            return cpu_packed.moe_w(x.float(), idx, w, self.packed).to(x.dtype)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return self.grouped(x, idx, w)
         if self._packed is not None and x.dtype == torch.float32 and x.dim() == 2:

@@ -25,8 +25,8 @@ primitives ``warm_buckets`` builds at start-up, and the pad rows' outputs are dr
 ``auto`` (the default) is ``packed`` for CPU float32 / bfloat16 weights when the kernel's build
 for that dtype builds here, ``onednn`` for CPU float32 / bfloat16 weights when this torch has
 it, ``torch`` otherwise. At bfloat16 the packed kernel reads the bfloat16 weight (2 bytes a
-weight) and computes in float32: the bfloat16 input is widened at the kernel boundary and the
-output narrowed back (oneDNN's bfloat16 linears plus the unfused torch experts made our
+weight) and computes in float32: the bfloat16 input is widened and the output rounded back to
+bfloat16 inside the kernel call (oneDNN's bfloat16 linears plus the unfused torch experts made our
 bfloat16 slower than our float32). The packed or reordered weight of a float32 / bfloat16
 module is a second copy of the matrix, so the module's own ``weight`` keeps serving
 ``state_dict`` and tied embeddings.
@@ -154,10 +154,10 @@ class OneDNNLinear:
 class PackedLinear:
     """``x [..., in] -> [..., out]`` through ``cpu_packed`` with ``weight [out, in]`` packed once
     (float32 / bfloat16: a copy of the module's weight; or a ``PackedWeight`` of any format);
-    any row count at its own size. The kernel computes in float32: a bfloat16 (or float16) input
-    is widened at the boundary and the output returned in the input's dtype. A float32 weight
-    takes float32 inputs only and a bfloat16 one bfloat16 inputs (as ``F.linear``); FP8 / MXFP4
-    weights take any float input."""
+    any row count at its own size. The kernel computes in float32: a bfloat16 input is widened
+    and the output rounded back inside the call (a float16 one by torch around it); the output
+    has the input's dtype. A float32 weight takes float32 inputs only and a bfloat16 one
+    bfloat16 inputs (as ``F.linear``); FP8 / MXFP4 weights take any float input."""
 
     def __init__(self, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None):
         self.weight = weight if isinstance(weight, PackedWeight) else qweight.pack(packed_format(weight), weight)
@@ -169,7 +169,7 @@ class PackedLinear:
         fmt = self.weight.fmt
         if fmt in ("float32", "bfloat16") and x.dtype != _DTYPE_OF[fmt]:  # F.linear would refuse too
             raise TypeError(f"linear of {_DTYPE_OF[fmt]} weights got {x.dtype} input")
-        if x.dtype == torch.float32:
+        if x.dtype in cpu_packed.ACT_DTYPES:  # bfloat16 widened and rounded inside the call
             return cpu_packed.gemm(x, self.weight, self.bias)
         return cpu_packed.gemm(x.float(), self.weight, self.bias).to(x.dtype)
 
@@ -259,8 +259,9 @@ class OwnPacked:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         b = None if m.bias is None else m.bias.detach().float().contiguous()
-        y = cpu_packed.gemm(x if x.dtype == torch.float32 else x.float(), m.qweight, b)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if x.dtype in cpu_packed.ACT_DTYPES:
+            return cpu_packed.gemm(x, m.qweight, b)
+        return cpu_packed.gemm(x.float(), m.qweight, b).to(x.dtype)
 
 
 def join_packed(linears: list[nn.Linear]) -> tuple[PackedWeight, torch.Tensor | None]:

@@ -176,6 +176,25 @@ def test_kv_write_rounds_rows_as_torch_copy(path, kv_dtype, act_dtype, d, dv):
         cpu_paged.write(cache, torch.full((t,), 64), k, v)
 
 
+def test_kv_write_rounds_special_values_as_torch_copy(path):
+    """The vectorised rounding (8 lanes on AVX2, the scalar form for the tail) on the values where
+    rounding is delicate: ties to even both ways, carries into the exponent, overflow to infinity,
+    infinities, zeros of both signs, float32 subnormals (kept, as torch keeps them, on the
+    portable path only: the AVX-512 BF16 instruction flushes them)."""
+    bits = [0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3FFFFFFF, 0x7F7FFFFF, 0x7F7F7FFF, 0x7F800000, 0xFF800000,
+            0x00000000, 0x80000000, 0xBF808001, 0xC0FF8000, 0x3F800001, 0x477FE000]
+    if path == "portable" or not _has_bf16_instructions():
+        bits += [0x00000001, 0x807FFFFF, 0x00408000]
+    vals = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    d = 24
+    flat = vals.repeat(-(-d * 2 // len(vals)))[:2 * d]
+    cache = LayerKV(torch.zeros(1, 4, d, dtype=BF), torch.zeros(1, 4, d, dtype=BF))
+    k, v = flat[:d].view(1, 1, d), flat[d:].view(1, 1, d)
+    cpu_paged.write(cache, torch.tensor([2]), k, v)
+    assert torch.equal(cache.k[0, 2].view(torch.int16), k[0, 0].to(BF).view(torch.int16))
+    assert torch.equal(cache.v[0, 2].view(torch.int16), v[0, 0].to(BF).view(torch.int16))
+
+
 # ---------------------------------------------------------------- paged prefill
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, BF])

@@ -182,6 +182,21 @@ def test_router_kernel_equals_torch(t, e, k, h, norm, bias, threads, monkeypatch
     torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("t", [1, 16, 300])
+def test_router_kernel_takes_a_bfloat16_model(t):
+    """A model served at bfloat16: x and the router weight bfloat16, scored in float32 as the eager
+    router does (``F.linear(x.float(), weight.float())``): the same experts, float32 weights."""
+    g = torch.Generator().manual_seed(t)
+    x, weight = torch.randn(t, 512, generator=g).bfloat16(), (torch.randn(8, 512, generator=g) / 512 ** 0.5).bfloat16()
+    b = torch.randn(8, generator=g) * 0.1
+    assert cpu_gemv.supports_route(x, weight)
+    assert not cpu_gemv.supports_route(x, weight.float())  # mixed dtypes stay on the eager path
+    idx, w = cpu_gemv.route(x, weight, b, 2, True, 2.5)
+    want_idx, want_w = _route_torch(x.float(), weight.float(), b, 2, True, 2.5)
+    assert w.dtype == torch.float32 and torch.equal(idx, want_idx)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+
+
 def test_router_kernel_refuses_what_it_cannot_run():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="top_k"):

@@ -158,3 +158,67 @@ def test_fp8_scales_that_would_overflow_are_refused():
     args["scale"] = args["scale"] * 0 + 2.0 ** 121
     with pytest.raises(ValueError, match="2\\^120"):
         qweight.pack("fp8", **args)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("fmt", ("float32",) + FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 16, 40, 150])
+def test_bfloat16_activations_equal_widen_then_float32_then_round(build, fmt, rows):
+    """A bfloat16 x goes in and a bfloat16 result comes out of the call itself (a model served at
+    bfloat16): bit for bit what widening x, the float32 call and torch's rounding give, on every
+    tile tail (N 77, odd K) and row count (one, a partial micro-tile, several: the widened-tile
+    path, a GEMM's), and not dependent on threads. A NaN in x rounds as torch rounds it."""
+    kernels = BUILDS[build]
+    n, k = 77, 320 if fmt == "mxfp4" else 301
+    if fmt == "float32":
+        args = {"w": torch.randn(n, k, generator=torch.Generator().manual_seed(rows))}
+    else:
+        args, _ = _stored(fmt, n, k, seed=rows)
+    pw = qweight.pack(fmt, kernels=kernels, **args)
+    g = torch.Generator().manual_seed(rows + 7)
+    x = (torch.randn(3, rows, k, generator=g) * 4).bfloat16()[1]  # a view: the rows' own stride
+    x[0, 3] = float("nan")
+    bias = torch.randn(n, generator=g)
+    want = cpu_packed.gemm(x.float(), pw, bias, threads=1).to(torch.bfloat16)
+    got = cpu_packed.gemm(x, pw, bias, threads=1)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(cpu_packed.gemm(x, pw, bias, threads=2)), _bits(got))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        cpu_packed.gemm(x.half(), pw)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("rows", [1, 6, 7, 13, 40, 150])
+def test_widened_tile_path_equals_the_float32_kernel_bit_for_bit(build, rows):
+    """Calls of more than one micro-tile of rows widen each narrow tile once into scratch and run
+    the float32 micro-tile on it: the bfloat16 weight's result is the float32 weight's (the
+    widened one) bit for bit, at every row count, for linears and for both routed-expert passes."""
+    kernels = BUILDS[build]
+    w = torch.randn(77, 301).bfloat16()
+    x = torch.randn(rows, 301)
+    a, b = qweight.pack("bfloat16", w, kernels=kernels), qweight.pack("float32", w.float(), kernels=kernels)
+    assert torch.equal(cpu_packed.gemm(x, a, threads=2), cpu_packed.gemm(x, b, threads=2))
+    e, h, i = 4, 64, 32
+    gu, dn = torch.randn(e, 2 * i, h).bfloat16(), torch.randn(e, h, i).bfloat16()
+    pe = {fmt: qweight.pack_experts(e, lambda j: qweight.pack(fmt, (gu[j] if fmt == "bfloat16" else gu[j].float()),
+                                                              kernels=kernels),
+                                    lambda j: qweight.pack(fmt, (dn[j] if fmt == "bfloat16" else dn[j].float()),
+                                                           kernels=kernels))
+          for fmt in ("bfloat16", "float32")}
+    g = torch.Generator().manual_seed(rows)
+    xt = torch.randn(rows * 4, h, generator=g)
+    idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(rows * 4)])
+    wt = torch.rand(rows * 4, 2, generator=g)
+    one = cpu_packed.moe_w(xt, idx, wt, pe["bfloat16"], threads=2)
+    assert torch.equal(one, cpu_packed.moe_w(xt, idx, wt, pe["float32"], threads=2))
+    # bfloat16 activations through the experts: widen -> float32 call -> round, bit for bit
+    xb = xt.bfloat16()
+    want = cpu_packed.moe_w(xb.float(), idx, wt, pe["bfloat16"], threads=1).to(torch.bfloat16)
+    got = cpu_packed.moe_w(xb, idx, wt, pe["bfloat16"], threads=1)
+    assert got.dtype == torch.bfloat16 and torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(cpu_packed.moe_w(xb, idx, wt, pe["bfloat16"], threads=2)), _bits(got))
