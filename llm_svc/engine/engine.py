@@ -164,7 +164,9 @@ class Engine:
                 self._affected = [sf.req_id for sf in batch.seqs]
                 self._postprocess(batch, self._run(batch))
                 if self.speculator is not None:  # the draft policy's cost model learns from every step
-                    self.speculator.observe_step(batch.num_tokens, self.draft.mtp_rows, time.perf_counter() - t0)
+                    d = self.draft
+                    self.speculator.observe_step(batch.num_tokens, d.mtp_rows, d.mtp_layers, d.mtp_seconds,
+                                                 time.perf_counter() - t0)
             gone = self._orphans()
             self._affected = gone
             self._close_orphans(gone)

@@ -126,11 +126,13 @@ class Speculator:
     def candidate(self, req: Request, pending: int = 0) -> Candidate:
         return Candidate(req.req_id, self.room(req, pending), self.acceptance.of(req.req_id))
 
-    def observe_step(self, tokens: int, mtp_rows: int, seconds: float) -> None:
-        """A finished step's query tokens, MTP rows and wall time: the policy's cost model learns."""
+    def observe_step(self, tokens: int, mtp_rows: int, mtp_layers: int, mtp_seconds: float, seconds: float) -> None:
+        """A finished step: its query tokens and wall time, and its MTP layers' rows, layer count
+        and time (inside ``seconds``); the policy's cost models learn."""
         cost = getattr(self.policy, "cost", None)
         if cost is not None:
-            cost.observe(tokens, mtp_rows, seconds)
+            cost.observe(tokens, 0, seconds - mtp_seconds)
+            self.policy.mtp_cost.observe(mtp_rows, mtp_layers, mtp_seconds)
 
     def verify(self, logits: torch.Tensor, drafts: list[int], sampling: SamplingParams, num_outputs: int,
                generator: torch.Generator | None, history: TokenHistory | None = None,

@@ -23,12 +23,14 @@ def test_step_cost_fits_a_linear_step():
     assert c == pytest.approx(0.0001, rel=0.05) and cost.err < 0.02
 
 
-def _trained(a: float, b: float, c: float = 0.0, mtp: bool = False) -> GoodputDrafts:
-    pol = GoodputDrafts(3, mtp, explore_every=10**9)
+def _trained(a: float, b: float, m0: float = 0.0, m1: float = 0.0, mtp: bool = False) -> GoodputDrafts:
+    """A policy whose fits have seen steps of ``a + b T`` and MTP layers of ``m0 + m1 rows`` each."""
+    pol = GoodputDrafts(3, mtp)
     rng = random.Random(1)
     for _ in range(200):
-        t, r = rng.randrange(1, 300), rng.randrange(0, 300)
-        pol.cost.observe(t, r, a + b * t + c * r)
+        t, r = rng.randrange(1, 300), rng.randrange(1, 300)
+        pol.cost.observe(t, 0, a + b * t)
+        pol.mtp_cost.observe(r, 3, 3 * (m0 + m1 * r))
     return pol
 
 
@@ -46,11 +48,12 @@ def test_goodput_drafts_when_they_pay_and_not_when_they_do_not():
 
 
 def test_mtp_runs_all_its_layers_or_none():
-    pol = _trained(0.004, 0.0002, 0.003, mtp=True)  # MTP rows are dear
+    pol = _trained(0.004, 0.0002, 0.002, 0.0002, mtp=True)  # each MTP layer costs about half a step
     assert pol.bounds() == [0, 3]
+    assert pol.mtp_cost.predict(16, 3) == pytest.approx(3 * (0.002 + 0.0002 * 16), rel=0.05)
     ks = pol.choose([Candidate(f"r{i}", 3, [0.5, 0.3, 0.2]) for i in range(16)], 16, 16)
     assert set(ks.values()) == {0}
-    cheap = _trained(0.02, 0.0001, 0.00001, mtp=True)
+    cheap = _trained(0.02, 0.0001, 0.0001, 0.00001, mtp=True)
     assert set(cheap.choose([Candidate("a", 3, [0.9, 0.9, 0.9])], 1, 1).values()) == {3}
 
 

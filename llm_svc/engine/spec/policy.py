@@ -7,26 +7,25 @@
   expected tokens per second of the next step (SmartSpec / TurboSpec's goodput). Two measured
   inputs:
 
-  - **the step's cost**, ``seconds = a + b T + c R`` (``T``: the forward's query tokens, ``R``: the
-    MTP layers' rows, 0 for n-gram), fitted online by recursive least squares with forgetting
-    over every step's wall time (``StepCost``): it follows the machine, the model and the load;
+  - **the step's cost**: ``a + b T`` for the step less its MTP layers (``T``: the forward's query
+    tokens), and ``L (m0 + m1 R)`` for the MTP layers (``L`` layers over ``R`` rows, timed around
+    their own call), each fitted online by recursive least squares with forgetting over every
+    step (``StepCost``, ``MTPCost``): they follow the machine, the model and the load;
   - **each request's acceptance per draft position** (``Acceptance``): the probability that draft
     j is accepted given drafts < j were, an exponentially decayed average per request, started
     from the running average over all requests.
 
   Draft j of request i yields ``p_ij`` = the product of its first j acceptances tokens and costs
-  ``b`` (+ ``c`` per MTP row); the drafts are taken in decreasing ``p_ij`` while the step's
+  ``b``, and any draft at all costs the MTP layers' run; the drafts are taken in decreasing ``p_ij`` while the step's
   expected tokens per expected second still grows, for each bound L on the drafts per request
   (with MTP: all its layers or none), and the best L wins. k = 0 for everyone when no draft pays.
-  With MTP one step in twenty tries the other choice so the cost model sees steps with and
-  without MTP rows; the first steps use the configured k.
+  The first steps use the configured k while the fits learn.
 
 No policy changes which tokens come out: every draft is verified by the target model (greedy
 output and the sampled distribution are the same for any sequence of k)."""
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -71,7 +70,7 @@ class StepCost:
         return max(float(a), 0.0), max(float(b), 0.0) / 100.0, max(float(c), 0.0) / 100.0
 
     def observe(self, tokens: int, rows: int, seconds: float) -> None:
-        if seconds <= 0:
+        if seconds <= 0 or tokens < 0:
             return
         pred = self.predict(tokens, rows)
         self.err = 0.95 * self.err + 0.05 * abs(pred - seconds) / seconds if self.n else abs(pred - seconds) / seconds
@@ -81,6 +80,25 @@ class StepCost:
         self.theta = self.theta + gain * (seconds - x @ self.theta)
         self.p = (self.p - np.outer(gain, px)) / self.lam
         self.n += 1
+
+
+class MTPCost:
+    """The MTP layers' own time per layer run, ``m0 + m1 rows`` (timed around their step, so it
+    needs no step without them to be told apart from the LM's): least squares with forgetting."""
+
+    def __init__(self, lam: float = 0.99):
+        self.fit = StepCost(lam, prior=(0.001, 0.00005, 0.0))
+
+    @property
+    def n(self) -> int:
+        return self.fit.n
+
+    def predict(self, rows: int, layers: int) -> float:
+        return layers * self.fit.predict(rows, 0) if layers else 0.0
+
+    def observe(self, rows: int, layers: int, seconds: float) -> None:
+        if layers:
+            self.fit.observe(rows, 0, seconds / layers)
 
 
 class Acceptance:
@@ -146,13 +164,12 @@ class GoodputDrafts:
     k: int
     mtp: bool
     warmup_steps: int = 30
-    explore_every: int = 20
-    cost: StepCost = field(default_factory=StepCost)
+    cost: StepCost = field(default_factory=StepCost)  # the step less its MTP layers: a + b T
+    mtp_cost: MTPCost = field(default_factory=MTPCost)
     chosen: Counter = field(default_factory=Counter)
     name: str = "auto"
 
     def __post_init__(self) -> None:
-        self._rng = random.Random(0)
         self._steps = 0
         self.last_prediction: float | None = None
 
@@ -165,14 +182,10 @@ class GoodputDrafts:
         best_l, best = self._best(cands, base_tokens, mtp_rows)
         if self.cost.n < self.warmup_steps:
             best_l = self.k
-        elif self.mtp and self._steps % self.explore_every == 0:
-            # MTP's rows cost is seen only beside steps without them: try the other choice now and
-            # then (n-gram needs no such step: its per-token cost shows in every prefill chunk)
-            best_l = self._rng.choice(self.bounds())
         out = self._fill(cands, base_tokens, mtp_rows, best_l)[1] if best_l != best[0] else best[1]
         drafts = sum(out.values())
-        self.last_prediction = self.cost.predict(base_tokens + drafts, mtp_rows * max(out.values(), default=0)
-                                                 if self.mtp else 0)
+        layers = (self.k if any(out.values()) else 0) if self.mtp else 0
+        self.last_prediction = self.cost.predict(base_tokens + drafts) + self.mtp_cost.predict(mtp_rows, layers)
         self.chosen[(len(cands), max(out.values(), default=0))] += 1
         return out
 
@@ -191,8 +204,8 @@ class GoodputDrafts:
 
     def _fill(self, cands: list[Candidate], base_tokens: int, mtp_rows: int, bound: int) -> tuple[float, dict]:
         """The greedy fill under ``bound`` drafts per request: (expected tokens / second, k per request)."""
-        a, b, c = self.cost.coefficients()
-        fixed = a + b * base_tokens + (c * mtp_rows * bound if self.mtp else 0.0)
+        a, b, _ = self.cost.coefficients()
+        fixed = a + b * base_tokens + (self.mtp_cost.predict(mtp_rows, self.k) if self.mtp and bound else 0.0)
         gains = []
         for cd in cands:
             p = 1.0

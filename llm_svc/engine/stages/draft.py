@@ -7,6 +7,8 @@ proposal."""
 
 from __future__ import annotations
 
+import time
+
 from llm_svc.engine.live import Live
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.speculate import Speculator, TokenContext
@@ -19,7 +21,8 @@ class Draft:
         self.runner = runner
         self.live = live
         self._ks: dict[str, int] = {}  # the policy's drafts per request for the next step
-        self.mtp_rows = 0  # MTP rows x layers this step ran (the cost model's R)
+        # this step's MTP run, for the policy's cost model: rows, layers, seconds
+        self.mtp_rows, self.mtp_layers, self.mtp_seconds = 0, 0, 0.0
 
     def release(self, lv: Live) -> None:
         lv.ngram = None
@@ -33,7 +36,7 @@ class Draft:
     def mtp(self, batch: ForwardBatch, tokens: dict, requests: dict[str, Request]) -> dict[str, list[int]] | None:
         """The MTP layers' step over this batch: their drafts by request (None without MTP)."""
         spec = self.speculator
-        self.mtp_rows = 0
+        self.mtp_rows, self.mtp_layers, self.mtp_seconds = 0, 0, 0.0
         if spec is None or spec.mtp is None:
             return None
         inputs = spec.mtp_inputs(batch, tokens, requests, self.may_speculate)
@@ -43,8 +46,10 @@ class Draft:
         # all layers (their KV of the kept rows, for later drafts) unless the policy chose no
         # drafts at all for the decodes that could draft: then none (a loaded step saves them)
         layers = 0 if cands and not any(self._ks.values()) else spec.mtp.k
-        self.mtp_rows = rows * layers
-        return spec.mtp.step(batch, self.runner.last_hidden, inputs, max_layers=layers)
+        t0 = time.perf_counter()
+        out = spec.mtp.step(batch, self.runner.last_hidden, inputs, max_layers=layers)
+        self.mtp_rows, self.mtp_layers, self.mtp_seconds = rows, layers, time.perf_counter() - t0
+        return out
 
     def propose(self, batch: ForwardBatch, mtp_drafts: dict[str, list[int]] | None,
                 requests: dict[str, Request]) -> None:
