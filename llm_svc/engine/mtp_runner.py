@@ -38,6 +38,9 @@ from llm_svc.models.linear import fuse_linears, pack_linears
 from llm_svc.types.request import ForwardBatch, SeqForward
 
 
+MTP_DECODE_ROWS = 8  # rows of one request up to which its MTP attention runs as a verifying decode
+
+
 @dataclass
 class MTPInput:
     """One sequence of the step: ``rows`` of its rows stay (0: none, e.g. it finished);
@@ -152,9 +155,12 @@ class MTPRunner:
             trow = tables.row_of[sf.req_id]
             slots = tables.swa[trow, lo:stop].tolist()
             ctx = max(sf.swa_ctx_start, lo - w + 1)
-            # each query attends as a decode of its own (its causal window), as a verifying decode's do
-            sfs.append(SeqForward(sf.req_id, [0] * (stop - lo), lo, slots, slots, ctx, need_logits=True,
-                                  num_drafts=stop - lo - 1))
+            # each query attends to its own causal window: a verifying decode's form for a few rows,
+            # a prefill chunk's for more (the same keys; the chunk form runs the prefill kernel,
+            # where the decode form costs about a whole LM step per row)
+            n = stop - lo
+            sfs.append(SeqForward(sf.req_id, [0] * n, lo, slots, slots, ctx, need_logits=True,
+                                  num_drafts=n - 1 if n <= MTP_DECODE_ROWS else 0))
             rows.append(trow)
         meta = self._metas[key] = self.runner.attn.prepare(ForwardBatch(sfs), StepTables(tables.full, tables.swa, rows),
                                                            w, self.runner.device)

@@ -281,7 +281,8 @@ def make_mtp_engine(lm, spec, window, num_full=4096, num_swa=None, **cfg) -> InP
     return InProcessEngine(engine, lm.tokenizer)
 
 
-def test_mtp_drafts_equal_the_dense_chain(mimo_mtp):
+@pytest.mark.parametrize("chunk", [7, 40], ids=["decode-form", "prefill-form"])  # MTP attention of <= 8 rows / more
+def test_mtp_drafts_equal_the_dense_chain(mimo_mtp, chunk):
     """While a sequence is shorter than the window, the MTP layers' paged KV gives exactly the
     drafts of the dense teacher-forced chain (``mimo_mtp.chain``) over its committed tokens and
     the drafts before each: layer k's last row -> draft k + 1, at every step (chunked prefill
@@ -290,7 +291,7 @@ def test_mtp_drafts_equal_the_dense_chain(mimo_mtp):
     from llm_svc.models.mimo_mtp import chain
 
     lm = mimo_mtp
-    eng = make_mtp_engine(lm, MTP_FIXED, 32, max_batch_tokens=7)
+    eng = make_mtp_engine(lm, MTP_FIXED, 32, max_batch_tokens=chunk)
     p = looping_prep(lm, "m", 15, pseed=2, max_tokens=14)
     s = ListStream("m")
     eng.submit(p, s)
