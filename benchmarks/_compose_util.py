@@ -40,11 +40,12 @@ def ensure_engine() -> None:
         subprocess.run(["bash", str(ROOT / "scripts" / "docker_engine.sh")], check=True)
 
 
-def build_image(tag: str = "mmserve:latest") -> dict:
-    """scripts/docker_build.sh: base images, wheelhouse, ``docker build``; its JSON line
-    (``build_s``, ``image``, ``base``, ``redis_image``)."""
+def build_image(tag: str = "mmserve:latest", no_cache: bool = False) -> dict:
+    """scripts/docker_build.sh: base images, wheelhouse, ``docker build`` (``no_cache``: every
+    layer rebuilt); its JSON line (``build_s``, ``image``, ``base``, ``redis_image``)."""
     ensure_engine()
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "docker_build.sh"), tag], check=True,
+    env = {**os.environ, "NO_CACHE": "1" if no_cache else ""}
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "docker_build.sh"), tag], check=True, env=env,
                          capture_output=True, text=True, timeout=3600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

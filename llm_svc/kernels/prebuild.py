@@ -45,6 +45,7 @@ def prebuild(out: Path, levels: list[str], jobs: int = 2) -> dict:
         path = k.library_path(level, out / level)
         if not path.exists():
             k._build(path, level)
+            path.chmod(0o755)  # built as a private temp file: readable by the services' own user
         if cpu_runs(level):
             k.bind(ctypes.CDLL(str(path)))
         return str(path)

@@ -20,7 +20,8 @@ from benchmarks._compose_util import ComposeProject, build_image, readable_bundl
 from benchmarks._stack_util import audio_part, image_part, make_mp4, make_png, make_wav, user, video_part
 from tests.e2e.conftest import stream_chat
 
-pytestmark = [pytest.mark.e2e, pytest.mark.compose]
+# a cold image build (no layer cached) takes minutes before the first test: the module gets 40
+pytestmark = [pytest.mark.e2e, pytest.mark.compose, pytest.mark.timeout(2400)]
 
 ENCODERS, LLMS = 2, 2
 LLM_PORT, ENCODER_PORT = 8200, 8100
