@@ -9,6 +9,7 @@ scripts/docker_engine.sh); where neither can be had it fails, it never skips.
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 
@@ -87,10 +88,11 @@ def test_text_chat(client):
 def test_media_chat(client, part):
     media = {"image": lambda: image_part(make_png(seed=11)), "video": lambda: video_part(make_mp4(seconds=1.0)),
              "audio": lambda: audio_part(make_wav(seconds=1.0))}[part]()
-    r = client.chat.completions.create(model=_model(client), max_tokens=6, temperature=0,
-                                       messages=[user("What is this?", media)])
+    ask = lambda *parts: client.chat.completions.create(model=_model(client), max_tokens=6, temperature=0,  # noqa: E731
+                                                        messages=[user("What is this?", *parts)])
+    r = ask(media)
     assert r.usage.completion_tokens >= 1
-    assert r.usage.prompt_tokens > 20, r.usage  # the media's placeholder tokens are in the prompt
+    assert r.usage.prompt_tokens > ask().usage.prompt_tokens, r.usage  # the media's tokens are in the prompt
 
 
 def test_streamed_chat(client):
@@ -100,17 +102,32 @@ def test_streamed_chat(client):
 
 
 def test_tools_and_json_schema(client):
+    """A forced tool call follows its schema (a random model may run to max_tokens: seeds are tried
+    until one ends by itself), and a json_schema answer parses into the schema."""
     model = _model(client)
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}],
-                                       tools=[weather], tool_choice="required", max_tokens=60, temperature=0)
-    (call,) = r.choices[0].message.tool_calls[:1]
-    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
-    r = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "A color as JSON"}], max_tokens=40, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": {
-            "type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"]}}})
+        "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"],
+        "additionalProperties": False}}}
+    for seed in range(8):
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                           tools=[weather], tool_choice="required", parallel_tool_calls=False,
+                                           max_tokens=200, temperature=1.0, seed=seed)
+        if r.choices[0].finish_reason == "tool_calls":
+            break
+    else:
+        pytest.fail("no seed ended its tool call within max_tokens")
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Lima")
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
+              "additionalProperties": False}
+    for seed in range(8):  # the grammar allows whitespace, which a random model may pile up
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "A color as JSON"}], max_tokens=100, temperature=1.0,
+            seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+        if r.choices[0].finish_reason == "stop":
+            break
+    else:
+        pytest.fail("no seed ended its JSON within max_tokens")
     assert json.loads(r.choices[0].message.content)["color"] in ("red", "green")
 
 
@@ -162,6 +179,10 @@ def _running(project, cid: str) -> float:
 
 
 def test_a_killed_llm_container_ends_its_stream_with_an_error_and_restarts(client, project):
+    """SIGKILL to the serving LLM container's main process mid-stream, from the host: what an OOM
+    kill or a crash does. (``docker kill`` sends the same signal, but Docker counts it as an
+    operator's stop: no restart policy restarts it, checked on Docker 20.10 for always,
+    unless-stopped and on-failure; docs/deployment.md.)"""
     model = _model(client)
     llms = project.containers("llm")
     body = {"model": model, "stream": True, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
@@ -173,17 +194,15 @@ def test_a_killed_llm_container_ends_its_stream_with_an_error_and_restarts(clien
         killed.append(serving)
         restarts = project.inspect(serving)["RestartCount"]
         killed.append(restarts)
-        import subprocess
-
-        subprocess.run(["docker", "kill", serving], check=True, capture_output=True)
+        subprocess.run(["kill", "-KILL", str(project.inspect(serving)["State"]["Pid"])], check=True)
 
     events = _sse_events(project, body, kill_the_serving_replica)
     victim, restarts_before = killed
-    assert "[DONE]" not in events, "a stream whose replica died must not look finished"
-    errors = [e for e in events if isinstance(e, dict) and "error" in e]
-    assert errors, events[-3:]
-    assert not any(c.get("finish_reason") == "length" for e in events if isinstance(e, dict)
-                   for c in e.get("choices", []))
+    # the gateway's convention (tests/integration/test_gateway_chat.py): an error event, then [DONE];
+    # no chunk claims a finish
+    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    assert not any(c.get("finish_reason") for e in events[:-1] for c in e.get("choices", [])), events[-3:]
+    assert len(events) < 4000, "the stream ran to its end: the kill did not hit it"
 
     # the next requests succeed on the other replica, the gateway stays ready
     for i in range(3):
