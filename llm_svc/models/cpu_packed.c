@@ -166,6 +166,17 @@ static inline __attribute__((always_inline)) void tile_f(const float* const* a, 
     }
 }
 
+/* *buf grown to n floats (64-byte aligned) and kept for the next call, *cap its size; NULL when
+ * memory is short (the caller then takes its path without scratch) */
+static inline float* kept_scratch(float** buf, int64_t* cap, int64_t n) {
+    if (n > *cap) {
+        free(*buf);
+        *buf = aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64));
+        *cap = *buf ? n : 0;
+    }
+    return *buf;
+}
+
 #if W_FORMAT != 0
 /* A narrow tile read by more than MR rows (a prefill's GEMM: up to 12 row blocks an item) is
  * widened once into a per-thread float32 copy ([K][NB], in L1 / L2 beside the rows) and every row
@@ -175,15 +186,8 @@ static inline __attribute__((always_inline)) void tile_f(const float* const* a, 
 static __thread float* wbuf;
 static __thread int64_t wcap;
 
-/* the calling thread's scratch of n floats (grown, kept), or NULL when memory is short */
-static float* tile_scratch(int64_t n) {
-    if (n > wcap) {
-        free(wbuf);
-        wbuf = aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64));
-        wcap = wbuf ? n : 0;
-    }
-    return wbuf;
-}
+/* the calling thread's tile scratch of n floats (grown, kept), or NULL when memory is short */
+static float* tile_scratch(int64_t n) { return kept_scratch(&wbuf, &wcap, n); }
 
 /* tile() that also keeps each widened row in dst [K][NB] (the weights w_row gives, scales
  * applied): the first row block of an item widens the tile while its FMAs run, the others read
@@ -293,14 +297,7 @@ static void narrow_item(void* vctx, int64_t it) {
 static __thread float* abuf;
 static __thread int64_t acap;
 
-static float* act_scratch(int64_t n) {
-    if (n > acap) {
-        free(abuf);
-        abuf = aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64));
-        acap = abuf ? n : 0;
-    }
-    return abuf;
-}
+static float* act_scratch(int64_t n) { return kept_scratch(&abuf, &acap, n); }
 
 /* fn over the ceil(M / ACT_ROWS) row items: on the pool when the rows are many */
 static void act_rows(chunk_fn_t fn, act_ctx* c, par_for_t par_for, int64_t threads) {
