@@ -1,7 +1,11 @@
 """Hosts on one machine: Linux network namespaces on a bridge, each with its own address, and
 names resolved from a hosts file the fabric writes (what DNS is to the services).
 
-Each host is a namespace joined to the bridge by a veth pair; ``ip netns exec`` bind-mounts
+Each host is a namespace joined to the bridge by a veth pair.  The bridge itself lives in a
+namespace of its own (the "switch"), and this machine joins it by one more veth pair: frames
+between hosts are bridged there, where no firewall rule exists, so a Docker engine on this
+machine (its FORWARD DROP policy with ``br_netfilter`` calling iptables for bridged frames)
+cannot drop them.  ``ip netns exec`` bind-mounts
 ``/etc/netns/<ns>/hosts`` over ``/etc/hosts`` for what it runs, and glibc reads that file on
 every lookup, so rewriting it in place (same inode) changes what every host resolves, the way
 a DNS record changes.  ``cut(host)`` takes its link down: packets to it vanish, with no reset,
@@ -51,27 +55,39 @@ def _free_subnet(tag: int) -> str:
 class Host:
     name: str
     ns: str
-    veth: str  # the bridge side of its link
+    veth: str  # the bridge side of its link (in the switch namespace)
     ip: str
     procs: list[subprocess.Popen] = field(default_factory=list)
 
 
 class Fabric:
-    """A bridge ``<subnet>.1`` and hosts ``<subnet>.<n>`` on it; ``names`` maps each DNS name
-    to its addresses (the hosts file every namespace sees)."""
+    """A bridge (in the switch namespace), this machine at ``<subnet>.1`` and hosts
+    ``<subnet>.<n>`` on it; ``names`` maps each DNS name to its addresses (the hosts file every
+    namespace sees)."""
 
     def __init__(self, subnet: str | None = None) -> None:
         tag = os.getpid() % 100000
         self.tag = tag
         self.subnet = subnet or _free_subnet(tag)
+        self.switch = f"mm{tag}-switch"
         self.bridge = f"mmbr{tag}"
+        self.uplink = f"mmup{tag}"  # this machine's side of its link to the switch
         self.gateway_ip = f"{self.subnet}.1"
         self.hosts: dict[str, Host] = {}
         self.names: dict[str, list[str]] = {}
         self._next = 10
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.gateway_ip}/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        _ip("netns", "add", self.switch)
+        try:
+            _ip("-n", self.switch, "link", "set", "lo", "up")
+            _ip("-n", self.switch, "link", "add", self.bridge, "type", "bridge")
+            _ip("-n", self.switch, "link", "set", self.bridge, "up")
+            _ip("link", "add", self.uplink, "type", "veth", "peer", "name", "uplink", "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", "uplink", "master", self.bridge, "up")
+            _ip("addr", "add", f"{self.gateway_ip}/24", "dev", self.uplink)
+            _ip("link", "set", self.uplink, "up")
+        except subprocess.CalledProcessError:
+            self.close()
+            raise
 
     # ---- hosts ----------------------------------------------------------------------------
     def add_host(self, name: str) -> Host:
@@ -87,8 +103,8 @@ class Fabric:
         self._write_hosts(ns)
         # no DNS server on this network: a name missing from the hosts file fails at once
         (NETNS_ETC / ns / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _ip("link", "set", veth, "master", self.bridge, "up")
+        _ip("-n", self.switch, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("-n", self.switch, "link", "set", veth, "master", self.bridge, "up")
         _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
@@ -98,7 +114,7 @@ class Fabric:
 
     def cut(self, host: Host) -> None:
         """Take the host's link down: from now on nothing reaches it and nothing leaves it."""
-        _ip("link", "set", host.veth, "down")
+        _ip("-n", self.switch, "link", "set", host.veth, "down")
 
     def run(self, host: Host, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         """Start ``argv`` on ``host`` (its own process group, output appended to ``log``)."""
@@ -143,15 +159,16 @@ class Fabric:
             proc.wait(timeout=timeout)
 
     def close(self) -> None:
-        """Stop every process, remove every namespace, link, hosts file and the bridge."""
+        """Stop every process, remove every namespace, link, hosts file and the bridge (deleting
+        a namespace deletes the links in it; a veth goes with either end)."""
         for h in self.hosts.values():
             for p in h.procs:
                 self.stop(p, timeout=5.0, sig=signal.SIGKILL)
         for h in self.hosts.values():
-            _ip("link", "del", h.veth, check=False)
             _ip("netns", "del", h.ns, check=False)
             shutil.rmtree(NETNS_ETC / h.ns, ignore_errors=True)
-        _ip("link", "del", self.bridge, check=False)
+        _ip("link", "del", self.uplink, check=False)
+        _ip("netns", "del", self.switch, check=False)
         self.hosts.clear()
 
     def __enter__(self) -> "Fabric":
