@@ -50,7 +50,8 @@ from tests.integration.test_llm_engine import ListStream, run_to_end
 from tests.integration.test_vllm_oracle import vllm_python  # noqa: F401  (the venv fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
-MTP1 = {"method": "mtp", "num_speculative_tokens": 1, "draft_policy": "fixed"}  # vLLM drafts every step
+VLLM_MTP1 = {"method": "mtp", "num_speculative_tokens": 1}  # vLLM drafts every step
+MTP1 = {**VLLM_MTP1, "draft_policy": "fixed"}  # ours too (the key is ours; vLLM refuses it)
 WINDOW = 32
 MAX_TOKENS = 24
 PROMPT_LENS = (5, 17, 40, 64, 9, 30)
@@ -132,7 +133,7 @@ def _key(vllm_python: str, d: Path, job: dict) -> str:
 def vllm_mtp(vllm_python, checkpoint) -> dict:  # noqa: F811
     """vLLM's tokens and per-step counts; kept under ~/.cache/mmserve/vllm-oracle keyed by all its
     inputs (a change to the checkpoint writer, prompts, script or vLLM reruns it)."""
-    job = {"model": str(checkpoint), "prompts": prompts(), "max_tokens": MAX_TOKENS, "speculative_config": MTP1}
+    job = {"model": str(checkpoint), "prompts": prompts(), "max_tokens": MAX_TOKENS, "speculative_config": VLLM_MTP1}
     cached = CACHE_DIR / "vllm-oracle" / f"mtp-{_key(vllm_python, checkpoint, job)}.json"
     if cached.exists():
         return json.loads(cached.read_text())
