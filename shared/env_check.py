@@ -63,6 +63,23 @@ OTHER_VARS: dict[str, str] = {
     "MMSERVE_BENCH_LOCK_WAIT": "benchmarks: seconds to wait for the machine-wide benchmark lock (default 3600)",
     "MMSERVE_BENCH_LOCK_HELD": "benchmarks: set while a run holds the benchmark lock (inherited by its services)",
     "MMSERVE_ORACLE_AS_SERVED": "scripts/vllm_mimo_audio_oracle.py: 1 keeps vLLM's served dtypes",
+    "MMSERVE_IMAGE": "compose.yaml: the mmserve image of the encoders, LLMs and gateway (default mmserve:latest)",
+    "MMSERVE_BASE_IMAGE": "compose.yaml: the Dockerfile's BASE_IMAGE when compose builds (default python:3.11-slim)",
+    "MMSERVE_CUDA_WHEELS": "compose.yaml: the Dockerfile's CUDA build argument when compose builds (default 1)",
+    "MMSERVE_REDIS_IMAGE": "compose.yaml, scripts/docker_base.sh: the Redis image (default redis:7-alpine)",
+    "MMSERVE_BIND": "compose.yaml: the host address the gateway's port is published on (default 0.0.0.0)",
+    "MMSERVE_MEM_REDIS": "compose.yaml: Redis's memory limit (default 2560m)",
+    "MMSERVE_MEM_ENCODER": "compose.yaml: each encoder's memory limit (default 4g)",
+    "MMSERVE_MEM_LLM": "compose.yaml: each LLM replica's memory limit (default 8g)",
+    "MMSERVE_MEM_GATEWAY": "compose.yaml: the gateway's memory limit (default 2g)",
+    "MMSERVE_CPUS_ENCODER": "compose.yaml: each encoder's CPU limit (default 2)",
+    "MMSERVE_CPUS_LLM": "compose.yaml: each LLM replica's CPU limit (default 2)",
+    "MMSERVE_CPUS_GATEWAY": "compose.yaml: the gateway's CPU limit (default 2)",
+    "MMSERVE_GRAFANA_ADMIN_PASSWORD": "compose.yaml (.env, monitoring profile): Grafana's admin password",
+    "MMSERVE_KERNEL_PREBUILT": "the LLM service (llm_svc/kernels/ckernels.py): a directory of C kernels prebuilt "
+    "per x86-64 level, loaded where no compiler runs (the image sets /opt/mmserve/kernels)",
+    "MMSERVE_COMPOSE": "benchmarks/_compose_util.py: the Compose command (default docker-compose; 'docker compose' for v2)",
+    "MMSERVE_WHEELHOUSE_PORT": "scripts/docker_build.sh: the port the wheelhouse is served on for a build (default 18765)",
     "MMSERVE_SCREENSHOT_DIR": "tests/e2e/test_dashboard.py: where the dashboard screenshots go",
 }
 

@@ -16,6 +16,7 @@ from shared.malloc_tuning import pin_mmap_threshold
 from shared.settings import LLMSettings
 
 from llm_svc.types.errors import error_body
+from .kernels import KernelStatus
 from .routes import router
 from .tokenize_routes import router as tokenize_router
 from .state import ServiceState
@@ -42,6 +43,7 @@ def create_app(settings: LLMSettings) -> FastAPI:
     if settings.service_token:
         app.add_middleware(ServiceTokenMiddleware, token=settings.service_token)
     app.state.svc = state
+    app.state.kernels = KernelStatus(state.metrics.registry)  # /readyz, /metrics: which C kernels loaded
     app.state.exposure_warnings = service_token_warnings(  # logged at start, listed on /readyz
         settings.host, settings.service_token, "MMSERVE_LLM_", "LLM service",
         "/v1/generate, /tokenize and the KV snapshot answer any caller")

@@ -63,6 +63,9 @@ async def healthz(state: StateDep) -> JSONResponse:
 async def readyz(state: StateDep, request: Request) -> JSONResponse:
     # what this replica leaves open (no service token beyond loopback), naming the setting
     warnings = {"warnings": getattr(request.app.state, "exposure_warnings", [])}
+    kernels = getattr(request.app.state, "kernels", None)
+    if kernels is not None:  # which C kernels this replica loads (None until the report is made)
+        warnings["kernels"] = kernels.report()
     if state.ready:
         limits = None
         if state.lm is not None:
@@ -87,7 +90,10 @@ async def kv_snapshot(state: StateDep) -> JSONResponse:
 
 
 @router.get("/metrics")
-async def metrics(state: StateDep) -> Response:
+async def metrics(state: StateDep, request: Request) -> Response:
+    kernels = getattr(request.app.state, "kernels", None)
+    if kernels is not None:
+        kernels.start()  # mmserve_llm_kernel_loaded once the report is made
     stats = state.backend.stats() if state.backend else BackendStats()
     return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 

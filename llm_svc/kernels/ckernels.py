@@ -4,6 +4,12 @@ Plain C (no torch headers: a build takes about a second), compiled with the mach
 vector width (``-march=native``) into ``$MMSERVE_CACHE_DIR/kernels`` (default ``~/.cache/mmserve``),
 keyed by the source, the flags and the CPU's flags. A missing compiler or a failed build leaves
 ``available()`` False (logged once) and the callers on their torch path.
+
+Where no compiler runs (the container image's runtime stage), ``$MMSERVE_KERNEL_PREBUILT`` names a
+directory of builds made ahead for fixed x86-64 levels (``llm_svc.kernels.prebuild``:
+``<dir>/<level>/kernels/<name>-<digest>.so``, keyed by the level instead of the CPU's flags); the
+highest level this CPU runs is loaded. ``kernel_report()`` says, per kernel, which build loaded
+or why none did.
 """
 
 from __future__ import annotations
@@ -21,6 +27,14 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 FAST_FLAGS = ("-O3", "-ffast-math", "-march=native", "-fPIC", "-std=c11")
+PREBUILT_VAR = "MMSERVE_KERNEL_PREBUILT"
+# x86-64 micro-architecture levels, best first, with the CPU flags (/proc/cpuinfo) each needs
+LEVELS = {
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"),
+    "x86-64-v3": ("avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"),
+    "x86-64-v2": ("sse4_2", "ssse3", "popcnt", "cx16"),
+}
+REGISTRY: list["CKernel"] = []  # every kernel defined so far (kernel_report, prebuild)
 
 
 def _cpu_key() -> str:
@@ -31,6 +45,12 @@ def _cpu_key() -> str:
     except OSError:
         pass
     return os.uname().machine
+
+
+def cpu_runs(level: str) -> bool:
+    """Whether this CPU has every flag the x86-64 ``level`` (``LEVELS``) needs."""
+    flags = set(_cpu_key().split())
+    return all(f in flags for f in LEVELS[level])
 
 
 class CKernel:
@@ -49,17 +69,39 @@ class CKernel:
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._tried = False
+        self.build: str | None = None  # "native" or "<level> (prebuilt)" once loaded
+        self.error: str | None = None  # why neither loaded
+        self.native_error: str | None = None  # why a prebuilt build was loaded instead of a native one
+        REGISTRY.append(self)
 
-    def library_path(self) -> Path:
-        """Where this machine's build lives (built or not)."""
-        flags = " ".join(self.flags + ("|",) + self.link_flags + self.libs)
+    def level_flags(self, level: str | None) -> tuple[str, ...]:
+        """The compile flags, ``-march=native`` replaced by ``-march=<level>`` when a level is named."""
+        return self.flags if level is None else tuple(f"-march={level}" if f == "-march=native" else f
+                                                      for f in self.flags)
+
+    def library_path(self, level: str | None = None, root: Path | None = None) -> Path:
+        """Where this machine's build lives (built or not); with ``level``, the build for that x86-64
+        level under ``root`` (keyed by the level, not by this CPU's flags)."""
+        flags = " ".join(self.level_flags(level) + ("|",) + self.link_flags + self.libs)
         code = self.source.read_bytes() + b"".join(h.read_bytes() for h in self.headers)
-        digest = hashlib.sha256(code + flags.encode() + _cpu_key().encode()).hexdigest()[:16]
-        from shared.cache_dir import cache_root
-        cache = cache_root()  # $MMSERVE_CACHE_DIR ($MMSERVE_CACHE still read, deprecated)
-        return cache / "kernels" / f"{self.name}-{digest}.so"
+        digest = hashlib.sha256(code + flags.encode() + (level or _cpu_key()).encode()).hexdigest()[:16]
+        if root is None:
+            from shared.cache_dir import cache_root
+            root = cache_root()  # $MMSERVE_CACHE_DIR ($MMSERVE_CACHE still read, deprecated)
+        return root / "kernels" / f"{self.name}-{digest}.so"
 
-    def _build(self, out: Path) -> None:
+    def prebuilt_path(self) -> tuple[str, Path] | None:
+        """The best prebuilt build this CPU runs (``$MMSERVE_KERNEL_PREBUILT``), as (level, path)."""
+        base = os.environ.get(PREBUILT_VAR)
+        if not base:
+            return None
+        for level in LEVELS:
+            path = self.library_path(level, Path(base) / level)
+            if path.exists() and cpu_runs(level):
+                return level, path
+        return None
+
+    def _build(self, out: Path, level: str | None = None) -> None:
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if cc is None:
             raise RuntimeError("no C compiler (cc / gcc) on PATH")
@@ -72,7 +114,8 @@ class CKernel:
             # whole process the moment the library loads (every float op of the service, not ours)
             obj = tmp + ".o"
             try:
-                subprocess.run([cc, *self.flags, "-c", str(self.source), "-o", obj], check=True, capture_output=True,
+                subprocess.run([cc, *self.level_flags(level), "-c", str(self.source), "-o", obj], check=True,
+                               capture_output=True,
                                text=True, timeout=120)
                 subprocess.run([cc, *self.link_flags, obj, "-o", tmp, *self.libs], check=True, capture_output=True,
                                text=True, timeout=120)
@@ -92,16 +135,23 @@ class CKernel:
             if self._tried:
                 return self._lib
             try:
-                path = self.library_path()
+                path, self.build = self.library_path(), "native"
                 if not path.exists():
-                    self._build(path)
+                    try:
+                        self._build(path)
+                    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                        self.native_error = str(e)
+                        prebuilt = self.prebuilt_path()
+                        if prebuilt is None:
+                            raise
+                        path, self.build = prebuilt[1], f"{prebuilt[0]} (prebuilt)"
                 lib = ctypes.CDLL(str(path))
                 self.bind(lib)
                 self._lib = lib
             except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
                 detail = getattr(e, "stderr", "") or ""
                 log.warning("%s unavailable (%s %s); %s", self.what, e, detail[-500:], self.fallback)
-                self._lib = None
+                self._lib, self.build, self.error = None, None, f"{e} {detail[-300:]}".strip()
             self._tried = True
         return self._lib
 
@@ -197,4 +247,19 @@ def log_act_paths(families: dict[str, CKernel | None]) -> dict[str, str | None]:
         if (family, str(path)) not in _logged_paths:
             _logged_paths.add((family, str(path)))
             log.info("%s kernels: %s", family, path or "none here, torch ops")
+    return out
+
+
+def kernel_report(kernels: list[CKernel] | None = None) -> dict:
+    """Which build of each kernel loaded here (``native``, ``<level> (prebuilt)``) and which fell
+    back to torch, with why: ``{"loaded": {name: build}, "fallback": {name: reason}}``. Loads
+    (and where a compiler runs, builds) every kernel in ``kernels`` (default: every one defined)."""
+    out: dict = {"loaded": {}, "fallback": {}}
+    for k in REGISTRY if kernels is None else kernels:
+        if k.load() is not None:
+            out["loaded"][k.name] = k.build
+            if k.native_error:
+                out["native_unavailable"] = k.native_error  # one reason for all: no compiler, ...
+        else:
+            out["fallback"][k.name] = k.error or "not built"
     return out

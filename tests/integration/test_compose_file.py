@@ -92,10 +92,39 @@ def test_compose_declares_the_topology(compose, mimo_bundle):
         # no device reservation in the base file: `docker compose up` starts without NVIDIA
         assert "resources" not in svcs[name]["deploy"], name
         assert "replicas" in svcs[name]["deploy"], name
-        (vol,) = svcs[name]["volumes"]
-        assert vol["read_only"] is True and vol["source"] == str(mimo_bundle), name
+        bundle, cache = svcs[name]["volumes"]
+        assert bundle["read_only"] is True and bundle["source"] == str(mimo_bundle), name
+        assert cache == {"type": "volume", "source": "cache", "target": "/var/cache/mmserve"}, name
         assert "ports" not in svcs[name], f"{name} must not publish a port, or --scale collides"
     assert (ROOT / "Dockerfile").exists()
+
+
+def test_compose_runs_on_v1_and_hardens_every_service(compose):
+    """No top-level name: (Compose v1 refuses it); every core service read-only, without
+    capabilities, restarted, memory-bounded; only the gateway publishes a port, monitoring only on
+    loopback; the LLM's parallel settings default to one rank."""
+    assert "name" not in compose and set(compose["volumes"]) == {"cache"}
+    svcs = compose["services"]
+    for name in ("redis", "encoder", "llm", "gateway"):
+        s = svcs[name]
+        assert s["read_only"] is True and s["cap_drop"] == ["ALL"], name
+        assert s["security_opt"] == ["no-new-privileges:true"] and s["tmpfs"] == ["/tmp:size=512m"], name
+        assert s["restart"] == "unless-stopped" and s["mem_limit"] and s["pids_limit"], name
+        assert ("ports" in s) == (name == "gateway"), name
+    for name in ("prometheus", "grafana"):
+        assert all(p.startswith("127.0.0.1:") for p in svcs[name]["ports"]), name
+    assert "GF_SECURITY_ADMIN_PASSWORD" in svcs["grafana"]["environment"]
+    for name in ("encoder", "llm", "gateway"):
+        assert svcs[name]["image"] == "mmserve:latest" and svcs[name]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim"
+    assert svcs["redis"]["image"] == "redis:7-alpine"
+    env = svcs["llm"]["environment"]
+    assert (env["MMSERVE_LLM_TENSOR_PARALLEL_SIZE"], env["MMSERVE_LLM_ENABLE_EXPERT_PARALLEL"],
+            env["MMSERVE_LLM_DATA_PARALLEL_SIZE"]) == ("1", "false", "1")
+    from shared.settings import LLMSettings
+
+    s = LLMSettings(model_dir="/models/bundle", **{k.removeprefix("MMSERVE_LLM_").lower(): v for k, v in env.items()
+                       if k.endswith(("PARALLEL_SIZE", "EXPERT_PARALLEL"))})
+    assert (s.tensor_parallel_size, s.enable_expert_parallel, s.data_parallel_size) == (1, False, 1)
 
 
 def test_gpu_override_reserves_a_gpu_per_replica_and_defaults_to_cuda(mimo_bundle):

@@ -539,3 +539,32 @@ def test_llms_fetch_media_only_from_the_encoders_service():
     for d, c, svc in service_containers(objs):
         if svc == "llm":  # every pool
             assert container_env(objs, c)["MMSERVE_LLM_MEDIA_FETCH_ALLOW"] == host_port, d["metadata"]["name"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pods_run_non_root_on_read_only_roots_without_a_token(variant):
+    """Every pod: no service-account token, non-root; every container (init ones too): no
+    privilege escalation, no capabilities, a read-only root, resources; the mmserve containers
+    write only to their emptyDir mounts (/tmp, the kernel cache, the model)."""
+    for d in of_kind(render(variant), "Deployment"):
+        pod = d["spec"]["template"]["spec"]
+        name = d["metadata"]["name"]
+        assert pod["automountServiceAccountToken"] is False, name
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, name
+        emptydirs = {v["name"] for v in pod.get("volumes", []) if "emptyDir" in v}
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            sc = c["securityContext"]
+            assert sc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                          "capabilities": {"drop": ["ALL"]}}, (name, c["name"])
+            assert c["resources"]["limits"]["memory"], (name, c["name"])
+            if c.get("command", [None])[0] == "mmserve" or c["name"] == "model":
+                writable = {m["mountPath"] for m in c.get("volumeMounts", []) if not m.get("readOnly")}
+                assert "/tmp" in writable, (name, c["name"])
+                assert {m["name"] for m in c.get("volumeMounts", []) if not m.get("readOnly")} <= emptydirs
+
+
+def test_llm_parallel_settings_default_to_one_rank():
+    (llm,) = [c for d, c, svc in service_containers(render("cpu")) if svc == "llm"]
+    env = {e["name"]: e.get("value") for e in llm["env"]}
+    assert (env["MMSERVE_LLM_TENSOR_PARALLEL_SIZE"], env["MMSERVE_LLM_ENABLE_EXPERT_PARALLEL"],
+            env["MMSERVE_LLM_DATA_PARALLEL_SIZE"]) == ("1", "false", "1")
