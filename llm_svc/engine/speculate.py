@@ -131,7 +131,7 @@ class Speculator:
         and time (inside ``seconds``); the policy's cost models learn."""
         cost = getattr(self.policy, "cost", None)
         if cost is not None:
-            cost.observe(tokens, 0, seconds - mtp_seconds)
+            cost.observe(tokens, seconds - mtp_seconds)
             self.policy.mtp_cost.observe(mtp_rows, mtp_layers, mtp_seconds)
 
     def verify(self, logits: torch.Tensor, drafts: list[int], sampling: SamplingParams, num_outputs: int,

@@ -412,10 +412,10 @@ class FrozenCost:
         self.a, self.b, self.n, self.err = a, b, 10**6, 0.0
 
     def coefficients(self):
-        return self.a, self.b, 0.0
+        return self.a, self.b
 
-    def predict(self, tokens: int, rows: int = 0) -> float:
+    def predict(self, tokens: int) -> float:
         return self.a + self.b * tokens
 
-    def observe(self, tokens: int, rows: int, seconds: float) -> None:
-        self.err = abs(self.predict(tokens, rows) - seconds) / seconds
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.err = abs(self.predict(tokens) - seconds) / seconds

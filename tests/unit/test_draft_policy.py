@@ -16,11 +16,23 @@ from llm_svc.engine.spec.policy import (Acceptance, Candidate, FixedDrafts, Good
 def test_step_cost_fits_a_linear_step():
     cost, rng = StepCost(), random.Random(0)
     for _ in range(300):
-        t, r = rng.randrange(1, 400), rng.randrange(0, 200)
-        cost.observe(t, r, 0.004 + 0.0002 * t + 0.0001 * r)
-    a, b, c = cost.coefficients()
-    assert a == pytest.approx(0.004, rel=0.05) and b == pytest.approx(0.0002, rel=0.05)
-    assert c == pytest.approx(0.0001, rel=0.05) and cost.err < 0.02
+        t = rng.randrange(1, 400)
+        cost.observe(t, 0.004 + 0.0002 * t)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.004, rel=0.05) and b == pytest.approx(0.0002, rel=0.05) and cost.err < 0.02
+
+
+def test_step_cost_forgets_an_old_machine():
+    """After the step's cost changes (another load on the machine), the fit follows the new one."""
+    cost, rng = StepCost(), random.Random(2)
+    for _ in range(300):
+        t = rng.randrange(1, 400)
+        cost.observe(t, 0.004 + 0.0002 * t)
+    for _ in range(3000):
+        t = rng.randrange(1, 400)
+        cost.observe(t, 0.008 + 0.0004 * t)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.008, rel=0.05) and b == pytest.approx(0.0004, rel=0.05)
 
 
 def _trained(a: float, b: float, m0: float = 0.0, m1: float = 0.0, mtp: bool = False) -> GoodputDrafts:
@@ -29,7 +41,7 @@ def _trained(a: float, b: float, m0: float = 0.0, m1: float = 0.0, mtp: bool = F
     rng = random.Random(1)
     for _ in range(200):
         t, r = rng.randrange(1, 300), rng.randrange(1, 300)
-        pol.cost.observe(t, 0, a + b * t)
+        pol.cost.observe(t, a + b * t)
         pol.mtp_cost.observe(r, 3, 3 * (m0 + m1 * r))
     return pol
 

@@ -43,38 +43,39 @@ class Candidate:
 
 
 class StepCost:
-    """``seconds ~ a + b T + c R`` by recursive least squares with forgetting ``lam`` (features
-    scaled to hundreds of tokens so the fit is well conditioned)."""
+    """``seconds ~ a + b T`` (``T``: the step's query tokens) by recursive least squares with
+    forgetting ``lam`` (``T`` scaled to hundreds of tokens so the fit is well conditioned). The
+    MTP layers' time is fitted apart (``MTPCost``): the engine subtracts it before observing."""
 
     # forgetting 0.998 (a memory of ~500 steps): the prefill chunks seen go on telling the per-token
     # cost apart from the fixed one while only decodes run (their T barely varies at one request)
-    def __init__(self, lam: float = 0.998, prior: tuple[float, float, float] = (0.005, 0.0002, 0.0002)):
+    def __init__(self, lam: float = 0.998, prior: tuple[float, float] = (0.005, 0.0002)):
         self.lam = lam
-        self.theta = np.array([prior[0], prior[1] * 100, prior[2] * 100])
-        self.p = np.eye(3) * 10.0
+        self.theta = np.array([prior[0], prior[1] * 100])
+        self.p = np.eye(2) * 10.0
         self.n = 0
         self.err = 0.0  # decayed mean |predicted - measured| / measured
 
     @staticmethod
-    def _x(tokens: int, rows: int) -> np.ndarray:
-        return np.array([1.0, tokens / 100.0, rows / 100.0])
+    def _x(tokens: int) -> np.ndarray:
+        return np.array([1.0, tokens / 100.0])
 
-    def predict(self, tokens: int, rows: int = 0) -> float:
-        a, b, c = self.coefficients()
-        return a + b * tokens + c * rows
+    def predict(self, tokens: int) -> float:
+        a, b = self.coefficients()
+        return a + b * tokens
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """``(a, b, c)`` in seconds, seconds per token, seconds per MTP row; never negative
-        (a negative fit says "free", which the policy must not believe)."""
-        a, b, c = self.theta
-        return max(float(a), 0.0), max(float(b), 0.0) / 100.0, max(float(c), 0.0) / 100.0
+    def coefficients(self) -> tuple[float, float]:
+        """``(a, b)`` in seconds and seconds per token; never negative (a negative fit says
+        "free", which the policy must not believe)."""
+        a, b = self.theta
+        return max(float(a), 0.0), max(float(b), 0.0) / 100.0
 
-    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float) -> None:
         if seconds <= 0 or tokens < 0:
             return
-        pred = self.predict(tokens, rows)
+        pred = self.predict(tokens)
         self.err = 0.95 * self.err + 0.05 * abs(pred - seconds) / seconds if self.n else abs(pred - seconds) / seconds
-        x = self._x(tokens, rows)
+        x = self._x(tokens)
         px = self.p @ x
         gain = px / (self.lam + x @ px)
         self.theta = self.theta + gain * (seconds - x @ self.theta)
@@ -87,18 +88,18 @@ class MTPCost:
     needs no step without them to be told apart from the LM's): least squares with forgetting."""
 
     def __init__(self, lam: float = 0.99):
-        self.fit = StepCost(lam, prior=(0.001, 0.00005, 0.0))
+        self.fit = StepCost(lam, prior=(0.001, 0.00005))
 
     @property
     def n(self) -> int:
         return self.fit.n
 
     def predict(self, rows: int, layers: int) -> float:
-        return layers * self.fit.predict(rows, 0) if layers else 0.0
+        return layers * self.fit.predict(rows) if layers else 0.0
 
     def observe(self, rows: int, layers: int, seconds: float) -> None:
         if layers:
-            self.fit.observe(rows, 0, seconds / layers)
+            self.fit.observe(rows, seconds / layers)
 
 
 class Acceptance:
@@ -204,7 +205,7 @@ class GoodputDrafts:
 
     def _fill(self, cands: list[Candidate], base_tokens: int, mtp_rows: int, bound: int) -> tuple[float, dict]:
         """The greedy fill under ``bound`` drafts per request: (expected tokens / second, k per request)."""
-        a, b, _ = self.cost.coefficients()
+        a, b = self.cost.coefficients()
         fixed = a + b * base_tokens + (self.mtp_cost.predict(mtp_rows, self.k) if self.mtp and bound else 0.0)
         gains = []
         for cd in cands:
