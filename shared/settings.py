@@ -264,8 +264,8 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "(vLLM's --enable-expert-parallel; expert-parallel size = tensor_parallel_size x data_parallel_size)",
     )
     data_parallel_size: int = Field(
-        default=1, ge=1, le=1, description="data-parallel attention replicas (vLLM's --data-parallel-size): 1 so "
-        "far; scale replicas behind the gateway instead",
+        default=1, ge=1, description="data-parallel attention replicas (vLLM's --data-parallel-size): only 1 is "
+        "served so far (more is refused at start); scale replicas behind the gateway instead",
     )
     distributed_backend: str = Field(
         default="auto", description="the ranks' collectives: auto (NCCL on CUDA, gloo on the CPU), gloo or nccl",
@@ -394,6 +394,9 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
             raise ValueError("host_kv_full_bytes and host_kv_swa_bytes are both 0 (no host tier) or both > 0")
         if self.distributed_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"distributed_backend must be auto, gloo or nccl, got {self.distributed_backend!r}")
+        if self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 (data-parallel attention) is not served yet: run one replica per "
+                             "data-parallel rank behind the gateway, or use tensor_parallel_size")
         if self.tensor_parallel_size > 1:
             if self.backend != "swa":
                 raise ValueError("tensor_parallel_size > 1 needs the swa backend (the hf reference runs one process)")

@@ -38,7 +38,7 @@ def test_settings_refuse_what_the_group_does_not_serve_yet(kw, match):
     with pytest.raises(ValueError, match=match):
         LLMSettings(model_dir="x", tensor_parallel_size=2, **kw)
     LLMSettings(model_dir="x", tensor_parallel_size=1, **kw)  # one rank takes them
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="data_parallel_size > 1 .* run one replica per data-parallel rank"):
         LLMSettings(model_dir="x", data_parallel_size=2)
 
 
