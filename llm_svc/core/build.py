@@ -161,7 +161,7 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     if spec is not None:
         mtp = MTPRunner(runner, mtp_layers, lm.model.get_input_embeddings(), lm.model.get_output_embeddings(),
                         model.window, linear=settings.linear_backend) if mtp_layers else None
-        speculator = Speculator(spec, lm.eos_token_ids, mtp)
+        speculator = Speculator(spec, lm.eos_token_ids, mtp, max_draft_tokens=settings.max_draft_tokens)
     if settings.warmup and lm.device.type == "cpu":
         warm_buckets(settings.max_batch_tokens, threads)  # the MTP runner's linears included
     if lm.device.type == "cpu":

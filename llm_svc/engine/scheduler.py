@@ -157,8 +157,11 @@ class Scheduler:
         in_batch: set[str] = set()
         prefill = 0  # prompt tokens of this step
         preempted_before = self.num_preemptions
-        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed == 1)
-        per_decode = max(1, cfg.max_draft_tokens // max(1, decoding))  # drafts each decode may verify
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        # drafts each decode may verify: all of them when they fit the step's draft budget (the
+        # draft policy shares it out), else an even share of it
+        asked = sum(len(r.spec_tokens) for r in decoding)
+        per_decode = asked if asked <= cfg.max_draft_tokens else max(1, cfg.max_draft_tokens // len(decoding))
         for req in list(self.running):  # decodes, each with its drafts if it has room for them
             if budget < 1:
                 break

@@ -57,7 +57,8 @@ class Speculator:
     prompt lookup (``propose``, between steps) or from the checkpoint's MTP layers (``mtp``, an
     ``MTPRunner`` the engine drives after each step's sampling)."""
 
-    def __init__(self, config: SpeculativeConfig, eos_token_ids: list[int], mtp: MTPRunner | None = None):
+    def __init__(self, config: SpeculativeConfig, eos_token_ids: list[int], mtp: MTPRunner | None = None,
+                 max_draft_tokens: int | None = None):
         self.config = config
         self.k = config.num_speculative_tokens
         self.mtp = mtp
@@ -71,7 +72,8 @@ class Speculator:
                          if config.method == "ngram" else None)
         self.eos_token_ids = list(eos_token_ids)
         self.stats = SpecStats(self.k)
-        self.policy = make_policy(config, mtp=mtp is not None)  # drafts per request and step (spec/policy.py)
+        # drafts per request and step (spec/policy.py), within the step's budget (the scheduler's too)
+        self.policy = make_policy(config, mtp=mtp is not None, budget=max_draft_tokens)
         self.acceptance = Acceptance(self.k)
 
     @staticmethod

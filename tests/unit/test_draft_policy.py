@@ -59,14 +59,42 @@ def test_goodput_drafts_when_they_pay_and_not_when_they_do_not():
     assert cheap.choose([Candidate("z", 1, [0.9, 0.9, 0.9])], 1, 0) == {"z": 1}  # never past room
 
 
-def test_mtp_runs_all_its_layers_or_none():
+def test_mtp_runs_as_many_layers_as_its_longest_draft():
     pol = _trained(0.004, 0.0002, 0.002, 0.0002, mtp=True)  # each MTP layer costs about half a step
-    assert pol.bounds() == [0, 3]
+    assert pol.bounds() == [0, 1, 2, 3]
     assert pol.mtp_cost.predict(16, 3) == pytest.approx(3 * (0.002 + 0.0002 * 16), rel=0.05)
     ks = pol.choose([Candidate(f"r{i}", 3, [0.5, 0.3, 0.2]) for i in range(16)], 16, 16)
-    assert set(ks.values()) == {0}
+    assert set(ks.values()) == {0} and pol.layers(ks) == 0
     cheap = _trained(0.02, 0.0001, 0.0001, 0.00001, mtp=True)
-    assert set(cheap.choose([Candidate("a", 3, [0.9, 0.9, 0.9])], 1, 1).values()) == {3}
+    ks = cheap.choose([Candidate("a", 3, [0.9, 0.9, 0.9])], 1, 1)
+    assert ks == {"a": 3} and cheap.layers(ks) == 3
+    # the third layer's drafts are rarely accepted: two layers, not three
+    ks = cheap.choose([Candidate(f"r{i}", 3, [0.95, 0.9, 0.01]) for i in range(4)], 4, 4)
+    assert set(ks.values()) == {2} and cheap.layers(ks) == 2
+
+
+def test_every_policy_keeps_a_step_within_its_draft_budget():
+    """16 decodes that could each draft 3 under a budget of 32 draft tokens: never more than 32
+    in all; the fixed policy shares it evenly (2 each, as the scheduler would), the goodput one
+    gives it to the likeliest drafts and, with MTP, runs only the layers those drafts need."""
+    cands = [Candidate(f"r{i}", 3, [0.95, 0.9, 0.85] if i < 4 else [0.9, 0.6, 0.3]) for i in range(16)]
+    fixed = make_policy(SpeculativeConfig("ngram", 3, draft_policy="fixed"), mtp=False, budget=32)
+    assert fixed.choose(cands, 16, 0) == {c.req_id: 2 for c in cands}
+    assert fixed.choose(cands[:8], 8, 0) == {c.req_id: 3 for c in cands[:8]}  # 24 fit: no cut
+    pol = GoodputDrafts(3, True, budget=32)
+    rng = random.Random(1)
+    for _ in range(200):
+        t, r = rng.randrange(1, 300), rng.randrange(1, 300)
+        pol.cost.observe(t, 0.02 + 0.0001 * t)
+        pol.mtp_cost.observe(r, 3, 3 * (0.0001 + 0.00001 * r))
+    ks = pol.choose(cands, 16, 16)
+    assert sum(ks.values()) <= 32 and all(ks[f"r{i}"] == 3 for i in range(4))
+    assert pol.layers(ks) == 3
+    unbounded = GoodputDrafts(3, True)
+    unbounded.cost, unbounded.mtp_cost = pol.cost, pol.mtp_cost
+    assert sum(unbounded.choose(cands, 16, 16).values()) > 32
+    warming = GoodputDrafts(3, True, budget=32)  # before its fits learn: the most the budget takes
+    assert warming.choose(cands, 16, 16) == {c.req_id: 2 for c in cands}
 
 
 def test_acceptance_is_per_position_given_the_earlier_ones():

@@ -389,7 +389,8 @@ def test_identical_prompts_share_one_prefill(cache):
 
 def test_drafts_share_the_steps_draft_budget():
     """Speculative decoding: 16 decodes with 4 drafts each under a budget of 32 draft tokens
-    verify 2 each; one decode alone verifies all 4."""
+    verify 2 each; drafts that fit the budget in all (uneven) are all verified; one decode alone
+    verifies all 4."""
     from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
     from llm_svc.types.request import Request
     from shared.schemas import SamplingParams
@@ -406,6 +407,12 @@ def test_drafts_share_the_steps_draft_budget():
     batch = s.schedule()
     assert [sf.num_drafts for sf in batch.seqs] == [2] * 16
     s.postprocess(batch, {sf.req_id: [1, 2, 9] for sf in batch.seqs})
+    s.check_integrity()
+    for i, r in enumerate(reqs):  # drafts the policy shared out within the budget: all verified
+        r.spec_tokens = [1, 2, 3, 4] if i < 6 else [1] if i < 14 else []
+    batch = s.schedule()
+    assert [sf.num_drafts for sf in batch.seqs] == [4] * 6 + [1] * 8 + [0] * 2
+    s.postprocess(batch, {sf.req_id: [1] for sf in batch.seqs})
     s.check_integrity()
     for r in reqs[1:]:
         s.abort(r.req_id)

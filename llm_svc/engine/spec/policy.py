@@ -1,6 +1,10 @@
 """How many drafts each decode sends next step: the draft-length policies.
 
-* ``FixedDrafts``: always the configured ``k`` (what every step did before).
+Every policy keeps a step's drafts within its budget (``max_draft_tokens``: draft tokens one
+step verifies; None: no bound), which the scheduler also enforces (an even share when a step's
+drafts exceed it).
+
+* ``FixedDrafts``: always the configured ``k``, cut to an even share of the budget.
 * ``TableDrafts``: vLLM's ``num_speculative_tokens_per_batch_size``: ``[(first, last, k), ...]``,
   inclusive batch-size ranges -> k for every decode of a batch of that size (0 outside them).
 * ``GoodputDrafts`` (``"draft_policy": "auto"``, the default): k per request, chosen for the
@@ -16,9 +20,11 @@
     from the running average over all requests.
 
   Draft j of request i yields ``p_ij`` = the product of its first j acceptances tokens and costs
-  ``b``, and any draft at all costs the MTP layers' run; the drafts are taken in decreasing ``p_ij`` while the step's
-  expected tokens per expected second still grows, for each bound L on the drafts per request
-  (with MTP: all its layers or none), and the best L wins. k = 0 for everyone when no draft pays.
+  ``b``; with MTP, drafts up to L per request cost L layers' run. The drafts are taken in
+  decreasing ``p_ij`` while the step's expected tokens per expected second still grows and the
+  budget lasts, for each bound L on the drafts per request, and the best L wins (MTP then runs L
+  of its layers: a layer left out leaves its KV of those rows unwritten, which lowers its later
+  drafts' acceptance for a window, never the output). k = 0 for everyone when no draft pays.
   The first steps use the configured k while the fits learn.
 
 No policy changes which tokens come out: every draft is verified by the target model (greedy
@@ -126,15 +132,27 @@ class Acceptance:
         self.per_req.pop(req_id, None)
 
 
+def share(budget: int | None, n: int) -> int | None:
+    """An even share of a step's draft budget over ``n`` decodes (at least one each)."""
+    return None if budget is None or n < 1 else max(1, budget // n)
+
+
 class FixedDrafts:
     name = "fixed"
 
-    def __init__(self, k: int):
-        self.k = k
+    def __init__(self, k: int, budget: int | None = None):
+        self.k, self.budget = k, budget
         self.chosen: Counter = Counter()  # (batch size, k) -> steps
 
+    def k_for(self, batch: int) -> int:
+        return self.k
+
     def choose(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> dict[str, int]:
-        out = {c.req_id: min(self.k, c.room) for c in cands}
+        k = min(self.k, self.k_for(len(cands)))
+        cap = share(self.budget, len(cands))
+        if cap is not None and k * len(cands) > self.budget:
+            k = min(k, cap)
+        out = {c.req_id: min(k, c.room) for c in cands}
         self.chosen[(len(cands), max(out.values(), default=0))] += 1
         return out
 
@@ -144,18 +162,12 @@ class TableDrafts(FixedDrafts):
 
     name = "table"
 
-    def __init__(self, k: int, table: list[tuple[int, int, int]]):
-        super().__init__(k)
+    def __init__(self, k: int, table: list[tuple[int, int, int]], budget: int | None = None):
+        super().__init__(k, budget)
         self.table = table
 
     def k_for(self, batch: int) -> int:
         return next((k for lo, hi, k in self.table if lo <= batch <= hi), 0)
-
-    def choose(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> dict[str, int]:
-        k = min(self.k, self.k_for(len(cands)))
-        out = {c.req_id: min(k, c.room) for c in cands}
-        self.chosen[(len(cands), k)] += 1
-        return out
 
 
 @dataclass
@@ -164,6 +176,7 @@ class GoodputDrafts:
 
     k: int
     mtp: bool
+    budget: int | None = None  # draft tokens one step verifies (None: no bound)
     warmup_steps: int = 30
     cost: StepCost = field(default_factory=StepCost)  # the step less its MTP layers: a + b T
     mtp_cost: MTPCost = field(default_factory=MTPCost)
@@ -181,19 +194,24 @@ class GoodputDrafts:
         if not cands:
             return {}
         best_l, best = self._best(cands, base_tokens, mtp_rows)
-        if self.cost.n < self.warmup_steps:
-            best_l = self.k
-        out = self._fill(cands, base_tokens, mtp_rows, best_l)[1] if best_l != best[0] else best[1]
+        if self.cost.n < self.warmup_steps:  # the fits learn: the most drafts the budget takes
+            cap = share(self.budget, len(cands))
+            warm = min(self.k, cap) if cap is not None and self.k * len(cands) > self.budget else self.k
+            best = (warm, {c.req_id: min(warm, c.room) for c in cands})
+        out = best[1]
         drafts = sum(out.values())
-        layers = (self.k if any(out.values()) else 0) if self.mtp else 0
+        layers = self.layers(out)
         self.last_prediction = self.cost.predict(base_tokens + drafts) + self.mtp_cost.predict(mtp_rows, layers)
         self.chosen[(len(cands), max(out.values(), default=0))] += 1
         return out
 
     def bounds(self) -> list[int]:
-        """The layer bounds tried: MTP runs all its layers or none (a layer skipped on some rows
-        leaves holes in its KV that lower later drafts' acceptance for a window); n-gram any k."""
-        return [0, self.k] if self.mtp else list(range(self.k + 1))
+        """The bounds on drafts per request tried (with MTP: the layers run)."""
+        return list(range(self.k + 1))
+
+    def layers(self, ks: dict[str, int]) -> int:
+        """MTP layers a step with drafts ``ks`` runs: as many as its longest draft (0 without MTP)."""
+        return max(ks.values(), default=0) if self.mtp else 0
 
     def _best(self, cands, base_tokens: int, mtp_rows: int):
         best_l, best, best_g = 0, None, -1.0
@@ -206,7 +224,7 @@ class GoodputDrafts:
     def _fill(self, cands: list[Candidate], base_tokens: int, mtp_rows: int, bound: int) -> tuple[float, dict]:
         """The greedy fill under ``bound`` drafts per request: (expected tokens / second, k per request)."""
         a, b = self.cost.coefficients()
-        fixed = a + b * base_tokens + (self.mtp_cost.predict(mtp_rows, self.k) if self.mtp and bound else 0.0)
+        fixed = a + b * base_tokens + (self.mtp_cost.predict(mtp_rows, bound) if self.mtp else 0.0)
         gains = []
         for cd in cands:
             p = 1.0
@@ -217,22 +235,23 @@ class GoodputDrafts:
         tokens, seconds = float(len(cands)), max(fixed, 1e-6)
         ks = {cd.req_id: 0 for cd in cands}
         best = tokens / seconds
-        for p, rid in gains:
+        budget = len(gains) if self.budget is None else self.budget
+        for p, rid in gains[:budget]:
             t, s = tokens + p, seconds + b
             if t / s <= best:
                 break
             tokens, seconds, best = t, s, t / s
             ks[rid] += 1
-        if bound and not any(ks.values()):
-            return tokens / max(a + b * base_tokens, 1e-6), ks  # no draft: no MTP layer need run
+        if bound and max(ks.values(), default=0) < bound:
+            return -1.0, ks  # a smaller bound gives these drafts without its unused layers
         return best, ks
 
 
-def make_policy(config, mtp: bool):
-    """The policy a ``SpeculativeConfig`` names."""
+def make_policy(config, mtp: bool, budget: int | None = None):
+    """The policy a ``SpeculativeConfig`` names (``budget``: draft tokens one step verifies)."""
     k = config.num_speculative_tokens
     if config.num_speculative_tokens_per_batch_size:
-        return TableDrafts(k, [tuple(x) for x in config.num_speculative_tokens_per_batch_size])
+        return TableDrafts(k, [tuple(x) for x in config.num_speculative_tokens_per_batch_size], budget)
     if config.draft_policy == "fixed":
-        return FixedDrafts(k)
-    return GoodputDrafts(k, mtp)
+        return FixedDrafts(k, budget)
+    return GoodputDrafts(k, mtp, budget)

@@ -43,9 +43,9 @@ class Draft:
         cands = [spec.candidate(requests[rid], len(_as_list(tokens.get(rid)))) for rid, x in inputs.items() if x.draft]
         rows = sum(x.rows for x in inputs.values())
         self._ks = spec.choose(cands, _base_tokens(batch), rows, requests)
-        # all layers (their KV of the kept rows, for later drafts) unless the policy chose no
-        # drafts at all for the decodes that could draft: then none (a loaded step saves them)
-        layers = 0 if cands and not any(self._ks.values()) else spec.mtp.k
+        # as many layers as the longest draft asked for (none when no decode drafts: a loaded step
+        # saves them); all of them when no decode could draft (their KV of a prompt's rows)
+        layers = max(self._ks.values(), default=0) if cands else spec.mtp.k
         t0 = time.perf_counter()
         out = spec.mtp.step(batch, self.runner.last_hidden, inputs, max_layers=layers)
         self.mtp_rows, self.mtp_layers, self.mtp_seconds = rows, layers, time.perf_counter() - t0
