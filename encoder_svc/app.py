@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -23,6 +22,7 @@ from encoder_svc.video.decode import ChunkedVideoDecoder
 from shared.gc_tuning import freeze_startup_heap, thaw_heap
 from shared.service_auth import ServiceTokenMiddleware
 from shared.bundle import load_bundle_spec
+from shared.cpus import usable_cpus
 from shared.settings import EncoderSettings
 from shared.exposure import log_warnings, service_token_warnings
 
@@ -51,7 +51,7 @@ def build_service(settings: EncoderSettings, metrics: EncoderMetrics, models: Lo
     elif models.takes_patches and settings.image_backend != "torchvision":
         log.warning("image_backend=%s does not apply to the MiMo-V2.5 ViT: it decodes with torchvision (nvJPEG on "
                     "CUDA) and resizes as its published processor does", settings.image_backend)
-    pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="encoder-cpu")
+    pool = ThreadPoolExecutor(max_workers=max(2, usable_cpus()), thread_name_prefix="encoder-cpu")
     video = None
     if models.vision is not None:
         video = ChunkedVideoDecoder(settings.video_backend, settings.video_workers)

@@ -11,7 +11,6 @@ the part that cannot be interrupted."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,6 +22,7 @@ from encoder_svc.decode_limits import DecodeGuard
 from encoder_svc.video.backends import VIDEO_BACKENDS, VideoInfo
 from encoder_svc.video.sampling import split_chunks
 from encoder_svc.video.stepping import plan_calls
+from shared.cpus import usable_cpus
 
 SUB_BATCH_PIXELS = 16_000_000  # frames one decoder call returns: ~8 1080p frames
 CALL_WORK_PIXELS = 64_000_000  # frames one call decodes (stones included): 0.3-0.7 s here at 94-216 Mpx/s
@@ -34,7 +34,7 @@ class ChunkedVideoDecoder:
             raise ValueError("max_chunk and chunks_per_worker must be >= 1")
         self.backend = backend
         self._open = VIDEO_BACKENDS.get(backend)
-        self.workers = workers or os.cpu_count() or 1
+        self.workers = workers or usable_cpus()
         self.max_chunk = max_chunk
         # more chunks than threads: a thread that gets less CPU (a shared machine) takes fewer chunks
         self.chunks_per_worker = chunks_per_worker

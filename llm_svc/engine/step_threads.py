@@ -32,6 +32,7 @@ import torch
 
 from llm_svc.attention import cpu_paged
 from llm_svc.models import cpu_gemv
+from shared.cpus import usable_cpus
 
 
 def _cpu_sample() -> tuple[float, float, float] | None:
@@ -80,8 +81,9 @@ class OtherLoad:
 
 
 def allowed_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """CPUs this process may use: its affinity mask, capped by its cgroup's CPU quota (a
+    container's ``cpus`` limit; ``shared.cpus``)."""
+    return usable_cpus()
 
 
 @dataclass(frozen=True)
