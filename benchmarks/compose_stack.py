@@ -1,14 +1,16 @@
 """compose_stack: the container path's cost. The same chat load (closed-loop clients, text chats
 of ``--max-tokens`` output tokens with ``ignore_eos``, greedy) through compose.yaml's stack on this
 machine's Docker engine and through ``mmserve up``'s local processes, 1 encoder and 2 LLM
-replicas each, on the tiny model; the sides alternate (local, compose, local, compose, ...), each
-round in a fresh stack. Reported: output tok/s per side (median over rounds) and
+replicas each, on the tiny model, with the same features on both sides: the local stack gets a
+Redis too (``--redis-url``, this machine's), so its LLMs write the L3 KV tier, publish KV events
+and sign what they store as compose's do, and only the container path differs. The sides
+alternate A-B-B-A (local, compose, compose, local, ...), each run in a fresh stack. Reported: output tok/s per side (median over rounds) and
 ``figures.ratios.compose_over_local`` (target >= 0.9: the container path costs little), and the
 image build time: warm (``docker build`` with every layer cached, what a CI run with unchanged
 sources pays) and, in full mode, cold (``--no-cache``, the base images and wheelhouse already
 there). The image is built offline (scripts/docker_build.sh). The last line is JSON.
 
-    python -m benchmarks.compose_stack --quick     # one round per side, warm build only (~5 min)
+    python -m benchmarks.compose_stack --quick     # two runs per side, warm build only (~6 min)
     python -m benchmarks.compose_stack             # two rounds per side, cold + warm builds
     python -m benchmarks.compose_stack --smoke     # local side only, compose.yaml checked by the engine's compose
 
@@ -68,7 +70,8 @@ async def client_warmup(http: httpx.AsyncClient, url: str, model: str) -> None:
 def local_side(bundle: Path, args, log_dir: Path) -> dict:
     from mmserve.launcher import LocalStack, StackSpec
 
-    with LocalStack(StackSpec(model_dir=str(bundle), gateway_port=0, encoders=1, llms=2), log_dir=log_dir) as s:
+    spec = StackSpec(model_dir=str(bundle), gateway_port=0, encoders=1, llms=2, redis_url=args.redis_url or None)
+    with LocalStack(spec, log_dir=log_dir) as s:
         s.wait_ready(timeout=300)
         return asyncio.run(chat_load(s.url, s.model_name, args.clients, args.requests, args.max_tokens))
 
@@ -98,15 +101,17 @@ def compose_config_ok() -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per side (default 2; --quick 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="A-B-B-A rounds: 2 runs per side each (default 2; --quick 1)")
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=None, help="chats per round (default 96; --quick 48)")
+    ap.add_argument("--requests", type=int, default=None, help="chats per run (default 320; --quick 160)")
+    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                    help="the local stack's Redis (compose runs its own); empty: none (the embedded cache)")
     ap.add_argument("--max-tokens", type=int, default=32)
     _results.add_mode_args(ap)
     args = ap.parse_args()
     mode = _results.mode_of(args)
     rounds = args.rounds or {"smoke": 1, "quick": 1, "full": 2}[mode]
-    args.requests = args.requests or {"smoke": 4, "quick": 48, "full": 96}[mode]
+    args.requests = args.requests or {"smoke": 4, "quick": 160, "full": 320}[mode]
     if mode == "smoke":
         args.clients = min(args.clients, 2)
 
@@ -127,9 +132,11 @@ def main() -> int:
             out["build_cold_s"] = build_image("mmserve:latest", no_cache=True)["build_s"]
         warm = build_image("mmserve:latest")
         out["build_warm_s"] = warm["build_s"]
-        for r in range(rounds):
-            sides["local"].append(local_side(bundle, args, tmp / f"logs-{r}"))
+        for r in range(rounds):  # A-B-B-A
+            sides["local"].append(local_side(bundle, args, tmp / f"logs-{r}a"))
             sides["compose"].append(compose_side(bundle, warm, args))
+            sides["compose"].append(compose_side(bundle, warm, args))
+            sides["local"].append(local_side(bundle, args, tmp / f"logs-{r}b"))
     for side, runs in sides.items():
         if runs:
             out[side] = {"tok_s": statistics.median(x["tok_s"] for x in runs), "runs": runs}
