@@ -48,8 +48,10 @@ def path(request, monkeypatch):
     if request.param == "portable":
         monkeypatch.setitem(cpu_fused.KERNELS, BF, _portable(cpu_fused.KERNELS[BF]))
         for mod in (cpu_paged, cpu_prefill):
-            for key in [k for k in mod.ACT_KERNELS if k[0] == BF]:
+            for key in [k for k in mod.ACT_KERNELS if BF in k]:  # bf16 activations or a bf16 pool
                 monkeypatch.setitem(mod.ACT_KERNELS, key, _portable(mod.ACT_KERNELS[key]))
+            if BF in getattr(mod, "KERNELS", {}):  # float32 activations' builds, by pool dtype
+                monkeypatch.setitem(mod.KERNELS, BF, mod.ACT_KERNELS[(torch.float32, BF)])
         cpu_prefill.tile_rows.cache_clear()
     yield request.param
     cpu_prefill.tile_rows.cache_clear()
