@@ -126,6 +126,10 @@ class CheckpointTensors:
 Convert = Callable[[str, torch.Tensor, bool], list[tuple[str, torch.Tensor]]]
 
 
+# (the checkpoint's tensors, a stored tensor's name, its module name) -> the module tensors filled, or None
+Pack = Callable[["CheckpointTensors", str, str], "list[str] | None"]
+
+
 def fp8_packs_here(scheme: QuantScheme | None, device: str | torch.device = "cpu") -> bool:
     """Whether ``load_strict(keep_packed=True)`` keeps this checkpoint's FP8 linears packed: a
     block-FP8 scheme with 128-deep K blocks, a CPU model, and the kernel's FP8 build built here."""
@@ -238,7 +242,8 @@ _libc = None
 def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dtype,
                 rename: Callable[[str], str | None] = lambda n: n, derived: frozenset[str] = frozenset(),
                 scheme: QuantScheme | None = None, convert: Convert | None = None,
-                row_groups: Callable[[str], int] = lambda n: 1, keep_packed: bool = False, shard=None) -> None:
+                row_groups: Callable[[str], int] = lambda n: 1, keep_packed: bool = False, shard=None,
+                pack: Pack | None = None) -> None:
     """Copy the checkpoint's tensors into ``module`` (its parameters and persistent buffers).
 
     ``rename`` maps a file's tensor name to the module's name, or None for a tensor to read past
@@ -257,7 +262,11 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
     ``shard`` (a tensor-parallel rank's, e.g. ``mimo_tp.MiMoShard``): ``shard.slice(target)`` is
     ``(dim, start, stop)`` of each module tensor this rank holds part of (None: all of it); the
     module was built with the rank's shapes, and each tensor is cut as it is read, one at a time,
-    so a rank's peak memory stays near its share."""
+    so a rank's peak memory stays near its share.
+
+    ``pack(src, name, target)``: a model's own packing of a stored tensor (gpt-oss' MXFP4
+    experts: ``gpt_oss_moe``), given first refusal on every tensor: the module tensors it filled,
+    or None for the paths above to read it."""
     src = CheckpointTensors(model_dir, scheme)
     want = dict(module.state_dict())
     seen: set[str] = set()
@@ -276,6 +285,10 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
     since_trim = 0
     with torch.no_grad():
         for name, target in todo:
+            filled = pack(src, name, target) if pack is not None else None
+            if filled:
+                seen.update(filled)
+                continue
             packed = _packed_linears(module, src, name, target, want, convert, row_groups(name), shard) \
                 if keep_packed else None
             if packed:
