@@ -59,15 +59,15 @@ class PackedGptOssExperts(nn.Module):
         return cls(experts.num_experts, experts.hidden_size, experts.intermediate_size, float(experts.alpha),
                    float(experts.limit), weight_dtype)
 
-    def set_packed(self, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    def set_packed(self, name: str, blocks: torch.Tensor, scales: torch.Tensor, kernels=None) -> None:
         """Pack ``name``'s (``GATE_UP`` / ``DOWN``) stored blocks ``[E, N, K / 32, 16]`` and scales
-        ``[E, N, K / 32]``, one expert at a time."""
+        ``[E, N, K / 32]``, one expert at a time (for ``kernels``' MXFP4 build: default ``cpu_packed.KERNELS``)."""
         want = {GATE_UP: (2 * self.intermediate_size, self.hidden_size),
                 DOWN: (self.hidden_size, self.intermediate_size)}[name]
         e, n, g = self.num_experts, *want
         if blocks.dim() != 4 or tuple(blocks.shape[:3]) != (e, n, g // 32):
             raise ValueError(f"has shape {list(blocks.shape)}, the config implies [{e}, {n}, {g // 32}, 16]")
-        self.packed[name] = [qweight.pack("mxfp4", blocks[i], scales[i]) for i in range(e)]
+        self.packed[name] = [qweight.pack("mxfp4", blocks[i], scales[i], kernels=kernels) for i in range(e)]
 
     @property
     def nbytes(self) -> int:
