@@ -251,8 +251,10 @@ def _load_dequantized_hf(cls, lm_dir: Path, scheme, dtype: torch.dtype, device: 
 
 def _pack_gpt_oss_experts(model):
     """``load_strict``'s ``pack``: a stored MXFP4 experts tensor packed into its layer's
-    ``PackedGptOssExperts`` as read (``[E, out, in / 32, 16]`` blocks, one expert at a time)."""
+    ``PackedGptOssExperts`` as read (``[E, out, in / 32, 16]`` blocks, read and packed one expert
+    at a time: never the whole stored tensor at once)."""
     from llm_svc.models.quant import check_mxfp4
+    from llm_svc.models.weights import malloc_trim
 
     def pack(src, name: str, target: str) -> list[str] | None:
         group = src.groups[name]
@@ -263,16 +265,18 @@ def _pack_gpt_oss_experts(model):
             experts = model.get_submodule(owner)
         except AttributeError:
             return None  # not part of the model: the read path words the error
-        where = src.where(group["blocks"])
-        blocks, scales = src.read(group["blocks"]), src.read(group["scales"])
+        bname, where = group["blocks"], src.where(group["blocks"])
+        blocks, scales = src.meta(bname), src.read(group["scales"])  # the blocks are read expert by expert
         try:
-            check_mxfp4(blocks, scales, repr(group["blocks"]))
+            check_mxfp4(blocks, scales, repr(bname))
         except ValueError as e:
             raise CheckpointError(f"{where}: {e}") from e
         try:
-            experts.set_packed(attr, blocks, scales)
+            experts.set_packed(attr, blocks, expert=lambda e: (src.read(bname, e), scales[e]))
         except ValueError as e:
-            raise CheckpointError(f"{where}: tensor {group['blocks']!r} {e}") from e
+            raise CheckpointError(f"{where}: tensor {bname!r} {e}") from e
+        del scales
+        malloc_trim()  # the packing's temporaries, given back before the next tensor
         return [target]
 
     return pack

@@ -14,6 +14,8 @@ torch, ``down`` + bias, weighted by the router's score and summed into each toke
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -59,15 +61,19 @@ class PackedGptOssExperts(nn.Module):
         return cls(experts.num_experts, experts.hidden_size, experts.intermediate_size, float(experts.alpha),
                    float(experts.limit), weight_dtype)
 
-    def set_packed(self, name: str, blocks: torch.Tensor, scales: torch.Tensor, kernels=None) -> None:
+    def set_packed(self, name: str, blocks: torch.Tensor, scales: torch.Tensor | None = None,
+                   expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None, kernels=None) -> None:
         """Pack ``name``'s (``GATE_UP`` / ``DOWN``) stored blocks ``[E, N, K / 32, 16]`` and scales
-        ``[E, N, K / 32]``, one expert at a time (for ``kernels``' MXFP4 build: default ``cpu_packed.KERNELS``)."""
+        ``[E, N, K / 32]``, one expert at a time (for ``kernels``' MXFP4 build: default
+        ``cpu_packed.KERNELS``). ``expert(e)``: expert e's (blocks, scales) read on demand, where
+        ``blocks`` (then maybe a meta tensor) only gives the shape."""
         want = {GATE_UP: (2 * self.intermediate_size, self.hidden_size),
                 DOWN: (self.hidden_size, self.intermediate_size)}[name]
         e, n, g = self.num_experts, *want
         if blocks.dim() != 4 or tuple(blocks.shape[:3]) != (e, n, g // 32):
             raise ValueError(f"has shape {list(blocks.shape)}, the config implies [{e}, {n}, {g // 32}, 16]")
-        self.packed[name] = [qweight.pack("mxfp4", blocks[i], scales[i], kernels=kernels) for i in range(e)]
+        get = expert or (lambda i: (blocks[i], scales[i]))
+        self.packed[name] = [qweight.pack("mxfp4", *get(i), kernels=kernels) for i in range(e)]
 
     @property
     def nbytes(self) -> int:

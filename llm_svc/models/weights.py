@@ -64,7 +64,14 @@ class _SafetensorsFile:
         self.start = 8 + n
         self._st = None
 
-    def get_tensor(self, name: str) -> torch.Tensor:
+    def meta(self, name: str) -> torch.Tensor:
+        """``name``'s shape and dtype as a meta tensor (nothing read); an unknown dtype reads as uint8."""
+        m = self.header[name]
+        return torch.empty(m["shape"], dtype=_ST_DTYPES.get(m["dtype"], torch.uint8), device="meta")
+
+    def get_tensor(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor ``name``, or only its ``index``-th entry along dimension 0 (an expert of a
+        stacked tensor: only its bytes are read)."""
         meta = self.header[name]
         dtype = _ST_DTYPES.get(meta["dtype"])
         if dtype is None:
@@ -72,8 +79,14 @@ class _SafetensorsFile:
 
             if self._st is None:
                 self._st = safe_open(str(self.path), "pt")
-            return self._st.get_tensor(name)
+            return self._st.get_tensor(name) if index is None else self._st.get_slice(name)[index]
         b, e = meta["data_offsets"]
+        shape = meta["shape"]
+        if index is not None:
+            if not 0 <= index < shape[0]:
+                raise IndexError(f"{name}: entry {index} of {shape[0]}")
+            row = (e - b) // shape[0]
+            b, e, shape = b + index * row, b + (index + 1) * row, shape[1:]
         raw = torch.empty(e - b, dtype=torch.uint8)
         with open(self.path, "rb", buffering=0) as f:
             got, view = 0, memoryview(raw.numpy())
@@ -82,7 +95,7 @@ class _SafetensorsFile:
                 if k <= 0:
                     raise CheckpointError(f"{self.path}: tensor {name!r} is cut short")
                 got += k
-        return raw.view(dtype).view(meta["shape"])
+        return raw.view(dtype).view(shape)
 
 
 class CheckpointTensors:
@@ -105,14 +118,22 @@ class CheckpointTensors:
     def where(self, name: str) -> Path:
         return self.files.get(name, next(iter(self.files.values()), Path(".")))
 
-    def read(self, name: str) -> torch.Tensor:
-        """One stored tensor, read into memory of its own (``_SafetensorsFile``)."""
+    def _file(self, name: str) -> _SafetensorsFile:
         if name not in self.files:
             raise CheckpointError(f"{self.where(name)}: tensor {name!r} is missing from the checkpoint")
         f = self.files[name]
         if f not in self._open:
             self._open[f] = _SafetensorsFile(f)
-        return self._open[f].get_tensor(name)
+        return self._open[f]
+
+    def read(self, name: str, index: int | None = None) -> torch.Tensor:
+        """One stored tensor (or its ``index``-th entry along dimension 0), read into memory of its
+        own (``_SafetensorsFile``)."""
+        return self._file(name).get_tensor(name, index)
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A stored tensor's shape and dtype (a meta tensor: nothing is read)."""
+        return self._file(name).meta(name)
 
     def get(self, logical: str, row_groups: int = 1) -> tuple[torch.Tensor, bool]:
         """The float tensor of ``logical`` and whether it was stored quantized."""
@@ -220,7 +241,7 @@ def widen_mixed_groups(module: torch.nn.Module, parts: tuple[str, ...] = ("gate_
 _TRIM_EVERY = 32 << 20  # bytes packed between two malloc_trim calls
 
 
-def _malloc_trim() -> None:
+def malloc_trim() -> None:
     """Give the C heap's free pages back (glibc; a no-op elsewhere). Packing frees a tensor's
     temporaries between long-lived packed copies, and glibc kept those holes resident: a
     200 MB FP8 MiMo peaked at 1.9x its packed size while loading, 1.0x trimmed every 32 MB."""
@@ -301,7 +322,7 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
                     seen.add(tgt)
                     since_trim += pw.nbytes
                 if since_trim >= _TRIM_EVERY:
-                    _malloc_trim()
+                    malloc_trim()
                     since_trim = 0
                 continue
             t, quantized = src.get(name, row_groups(name))
@@ -333,7 +354,7 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
                     dst.copy_(piece.to(dst.dtype))
                 seen.add(tgt)
     if keep_packed:
-        _malloc_trim()
+        malloc_trim()
     missing = sorted(set(want) - seen - derived)
     if missing:
         root = Path(model_dir)

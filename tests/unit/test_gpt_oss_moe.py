@@ -52,7 +52,7 @@ def _packed(ref, stored, kernels=None) -> PackedGptOssExperts:
         m.gate_up_proj_bias.copy_(ref.gate_up_proj_bias)
         m.down_proj_bias.copy_(ref.down_proj_bias)
     for name, (blocks, scales) in stored.items():
-        m.set_packed(name, blocks, scales, kernels)
+        m.set_packed(name, blocks, scales, kernels=kernels)
     return m
 
 
