@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from .context_len import DEFAULT_CONTEXT_LEN, context_length
 from .media_layout import TimestampLayout
 from .prompt_bound import TokenBound
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -245,6 +247,12 @@ def _load_dequantized_hf(cls, lm_dir: Path, scheme, dtype: torch.dtype, device: 
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"tensors not loaded: {left[:5]}")
+    if packed:
+        nbytes = sum(layer.mlp.experts.nbytes for layer in model.model.layers)
+        log.info("MXFP4 experts kept packed: %d layers, %.2f GiB", len(model.model.layers), nbytes / 2**30)
+    elif scheme.method == "mxfp4":
+        log.info("MXFP4 experts dequantized to %s at load (%s)", dtype, "keep_packed off" if not keep_packed else
+                 "not on the CPU, or the packed kernel's MXFP4 build unavailable")
     model.generation_config = _ConfigOnly(config, lm_dir).generation_config or model.generation_config
     return model.to(device).eval().requires_grad_(False)
 
