@@ -107,9 +107,9 @@ def write_gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, head_dim:
                     "rope_type": "yarn", "truncate": False}
     cfg = GptOssConfig(
         vocab_size=-(-len(tok) // 64) * 64, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=len(layer_types),
-        layer_types=layer_types, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-        num_local_experts=experts, num_experts_per_tok=2, sliding_window=sliding_window, max_position_embeddings=131072,
+        num_hidden_layers=len(layer_types), layer_types=layer_types, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=head_dim, num_local_experts=experts, num_experts_per_tok=2, sliding_window=sliding_window,
+        max_position_embeddings=131072,
         rope_parameters={"rope_theta": 150000.0, **rope_scaling}, eos_token_id=eos, pad_token_id=pad,
         attention_bias=True, tie_word_embeddings=False)
     cfg.architectures = ["GptOssForCausalLM"]
