@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from .context_len import DEFAULT_CONTEXT_LEN, context_length
 from .media_layout import TimestampLayout
 from .prompt_bound import TokenBound
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -86,8 +88,9 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
             keep_packed: bool = True, parallel=None, group=None) -> LoadedLM:
     """Read the bundle spec, the tokenizer and the LM weights from ``model_dir``.
 
-    ``keep_packed``: a published MiMo's FP8 linears stay packed in their stored width on the
-    CPU (``mimo_native.load_mimo``); False dequantizes them at load as before.
+    ``keep_packed``: a published MiMo's FP8 linears (``mimo_native.load_mimo``) and gpt-oss'
+    MXFP4 experts (``gpt_oss_moe``) stay packed in their stored width on the CPU; False
+    dequantizes them at load as before.
 
     ``weights=False`` (the HTTP front of the engine-core split) reads only the config: the
     returned ``model`` is None, everything else is filled in.
@@ -128,7 +131,7 @@ def load_lm(model_dir: str, device: str = "cpu", dtype: str = "float32", weights
         if cls is None:
             raise ValueError(f"transformers has no class {spec.lm_architecture!r}")
         if weights and scheme is not None:
-            model = _load_dequantized_hf(cls, spec.lm_dir, scheme, tdtype, device, kwargs)
+            model = _load_dequantized_hf(cls, spec.lm_dir, scheme, tdtype, device, kwargs, keep_packed)
             config, eos_src = model.config, model
         elif weights:
             model = cls.from_pretrained(spec.lm_dir, dtype=tdtype, **kwargs).to(device).eval()
@@ -214,11 +217,16 @@ def _gpt_oss_convert(target: str, t: torch.Tensor, quantized: bool) -> list[tupl
     return [(target, t.transpose(-1, -2))]
 
 
-def _load_dequantized_hf(cls, lm_dir: Path, scheme, dtype: torch.dtype, device: str, kwargs: dict):
+def _load_dequantized_hf(cls, lm_dir: Path, scheme, dtype: torch.dtype, device: str, kwargs: dict,
+                         keep_packed: bool = True):
     """A quantized checkpoint of a transformers class: the float model built from its config, its
-    weights dequantized by mmserve at load (``models/quant.py``) instead of transformers' quantizer."""
+    weights dequantized by mmserve at load (``models/quant.py``) instead of transformers' quantizer.
+    gpt-oss' MXFP4 experts instead stay packed where ``keep_packed`` and the CPU kernel builds
+    (``gpt_oss_moe``): the model is built on the meta device, its experts modules replaced by
+    packed ones, and every tensor read replaces its placeholder (no float experts, ever)."""
     import transformers
 
+    from llm_svc.models.gpt_oss_moe import PackedGptOssExperts, mxfp4_experts_pack_here
     from llm_svc.models.weights import load_strict
 
     config = transformers.AutoConfig.from_pretrained(lm_dir)
@@ -226,11 +234,60 @@ def _load_dequantized_hf(cls, lm_dir: Path, scheme, dtype: torch.dtype, device: 
         del config.quantization_config
     from transformers.initialization import no_init_weights
 
-    with no_init_weights():  # every parameter is then read from the file (load_strict checks it)
+    packed = keep_packed and scheme.method == "mxfp4" and mxfp4_experts_pack_here(device)
+    with no_init_weights(), torch.device("meta" if packed else "cpu"):  # every parameter is read from the file
         model = cls._from_config(config, dtype=dtype, **kwargs)
-    load_strict(model, lm_dir, dtype, scheme=scheme, convert=_gpt_oss_convert)
+        if packed:
+            for layer in model.model.layers:
+                layer.mlp.experts = PackedGptOssExperts.like(layer.mlp.experts, dtype)
+    if packed:  # the rope tables are computed, not read
+        model.model.rotary_emb = type(model.model.rotary_emb)(config)
+    load_strict(model, lm_dir, dtype, scheme=scheme, convert=_gpt_oss_convert,
+                pack=_pack_gpt_oss_experts(model) if packed else None)
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors not loaded: {left[:5]}")
+    if packed:
+        nbytes = sum(layer.mlp.experts.nbytes for layer in model.model.layers)
+        log.info("MXFP4 experts kept packed: %d layers, %.2f GiB", len(model.model.layers), nbytes / 2**30)
+    elif scheme.method == "mxfp4":
+        log.info("MXFP4 experts dequantized to %s at load (%s)", dtype, "keep_packed off" if not keep_packed else
+                 "not on the CPU, or the packed kernel's MXFP4 build unavailable")
     model.generation_config = _ConfigOnly(config, lm_dir).generation_config or model.generation_config
     return model.to(device).eval().requires_grad_(False)
+
+
+def _pack_gpt_oss_experts(model):
+    """``load_strict``'s ``pack``: a stored MXFP4 experts tensor packed into its layer's
+    ``PackedGptOssExperts`` as read (``[E, out, in / 32, 16]`` blocks, read and packed one expert
+    at a time: never the whole stored tensor at once)."""
+    from llm_svc.models.quant import check_mxfp4
+    from llm_svc.models.weights import malloc_trim
+
+    def pack(src, name: str, target: str) -> list[str] | None:
+        group = src.groups[name]
+        if "blocks" not in group or not target.endswith(_GPT_OSS_EXPERTS):
+            return None
+        owner, _, attr = target.rpartition(".")
+        try:
+            experts = model.get_submodule(owner)
+        except AttributeError:
+            return None  # not part of the model: the read path words the error
+        bname, where = group["blocks"], src.where(group["blocks"])
+        blocks, scales = src.meta(bname), src.read(group["scales"])  # the blocks are read expert by expert
+        try:
+            check_mxfp4(blocks, scales, repr(bname))
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from e
+        try:
+            experts.set_packed(attr, blocks, expert=lambda e: (src.read(bname, e), scales[e]))
+        except ValueError as e:
+            raise CheckpointError(f"{where}: tensor {bname!r} {e}") from e
+        del scales
+        malloc_trim()  # the packing's temporaries, given back before the next tensor
+        return [target]
+
+    return pack
 
 
 def _load_native_mimo(lm_dir: Path, geometry, dtype: torch.dtype, device: str, weights: bool,

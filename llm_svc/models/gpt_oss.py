@@ -1,6 +1,8 @@
 """gpt-oss (``GptOssForCausalLM``): sliding / full layers alternating, per-head attention sinks
 on every layer, q/k/v/o biases, YaRN rope, MoE with a clamped SwiGLU (transformers' own modules
-for the MLP, norms and rotary tables; our attention over the pools)."""
+for the router, norms and rotary tables; our attention over the pools). The experts are
+transformers' ``GptOssExperts``, or, for MXFP4 checkpoints on the CPU, ``gpt_oss_moe``'s packed
+ones (the loader swaps them in: ``loading.loader._load_dequantized_hf``)."""
 
 from __future__ import annotations
 

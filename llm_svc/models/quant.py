@@ -211,15 +211,20 @@ MXFP4_GROUP = 32
 def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     """``blocks`` uint8 ``[..., N, G, 16]`` + E8M0 ``scales`` uint8 ``[..., N, G]`` -> float32
     ``[..., N, G*32]`` (element ``2i`` of a group in the low nibble of byte ``i``)."""
+    check_mxfp4(blocks, scales, what)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    vals = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)  # [..., N, G, 16, 2]
+    vals = vals.flatten(-2) * torch.exp2(scales.float() - 127.0)[..., None]  # [..., N, G, 32]
+    return vals.flatten(-2)
+
+
+def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, what: str = "tensor") -> None:
+    """Raise ValueError unless ``blocks`` / ``scales`` are uint8 ``[..., N, G, 16]`` / ``[..., N, G]``."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"{what}: blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() < 2 or blocks.shape[-1] != MXFP4_GROUP // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"{what}: blocks {list(blocks.shape)} and scales {list(scales.shape)} must be "
                          f"[..., N, G, {MXFP4_GROUP // 2}] and [..., N, G]")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    vals = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)  # [..., N, G, 16, 2]
-    vals = vals.flatten(-2) * torch.exp2(scales.float() - 127.0)[..., None]  # [..., N, G, 32]
-    return vals.flatten(-2)
 
 
 @QUANT_SCHEMES.register("mxfp4")

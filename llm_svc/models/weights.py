@@ -64,7 +64,14 @@ class _SafetensorsFile:
         self.start = 8 + n
         self._st = None
 
-    def get_tensor(self, name: str) -> torch.Tensor:
+    def meta(self, name: str) -> torch.Tensor:
+        """``name``'s shape and dtype as a meta tensor (nothing read); an unknown dtype reads as uint8."""
+        m = self.header[name]
+        return torch.empty(m["shape"], dtype=_ST_DTYPES.get(m["dtype"], torch.uint8), device="meta")
+
+    def get_tensor(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor ``name``, or only its ``index``-th entry along dimension 0 (an expert of a
+        stacked tensor: only its bytes are read)."""
         meta = self.header[name]
         dtype = _ST_DTYPES.get(meta["dtype"])
         if dtype is None:
@@ -72,8 +79,14 @@ class _SafetensorsFile:
 
             if self._st is None:
                 self._st = safe_open(str(self.path), "pt")
-            return self._st.get_tensor(name)
+            return self._st.get_tensor(name) if index is None else self._st.get_slice(name)[index]
         b, e = meta["data_offsets"]
+        shape = meta["shape"]
+        if index is not None:
+            if not 0 <= index < shape[0]:
+                raise IndexError(f"{name}: entry {index} of {shape[0]}")
+            row = (e - b) // shape[0]
+            b, e, shape = b + index * row, b + (index + 1) * row, shape[1:]
         raw = torch.empty(e - b, dtype=torch.uint8)
         with open(self.path, "rb", buffering=0) as f:
             got, view = 0, memoryview(raw.numpy())
@@ -82,7 +95,7 @@ class _SafetensorsFile:
                 if k <= 0:
                     raise CheckpointError(f"{self.path}: tensor {name!r} is cut short")
                 got += k
-        return raw.view(dtype).view(meta["shape"])
+        return raw.view(dtype).view(shape)
 
 
 class CheckpointTensors:
@@ -105,14 +118,22 @@ class CheckpointTensors:
     def where(self, name: str) -> Path:
         return self.files.get(name, next(iter(self.files.values()), Path(".")))
 
-    def read(self, name: str) -> torch.Tensor:
-        """One stored tensor, read into memory of its own (``_SafetensorsFile``)."""
+    def _file(self, name: str) -> _SafetensorsFile:
         if name not in self.files:
             raise CheckpointError(f"{self.where(name)}: tensor {name!r} is missing from the checkpoint")
         f = self.files[name]
         if f not in self._open:
             self._open[f] = _SafetensorsFile(f)
-        return self._open[f].get_tensor(name)
+        return self._open[f]
+
+    def read(self, name: str, index: int | None = None) -> torch.Tensor:
+        """One stored tensor (or its ``index``-th entry along dimension 0), read into memory of its
+        own (``_SafetensorsFile``)."""
+        return self._file(name).get_tensor(name, index)
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A stored tensor's shape and dtype (a meta tensor: nothing is read)."""
+        return self._file(name).meta(name)
 
     def get(self, logical: str, row_groups: int = 1) -> tuple[torch.Tensor, bool]:
         """The float tensor of ``logical`` and whether it was stored quantized."""
@@ -124,6 +145,10 @@ class CheckpointTensors:
 
 # (target module name, the file tensor as read, it was stored quantized) -> (module name, tensor) pairs
 Convert = Callable[[str, torch.Tensor, bool], list[tuple[str, torch.Tensor]]]
+
+
+# (the checkpoint's tensors, a stored tensor's name, its module name) -> the module tensors filled, or None
+Pack = Callable[["CheckpointTensors", str, str], "list[str] | None"]
 
 
 def fp8_packs_here(scheme: QuantScheme | None, device: str | torch.device = "cpu") -> bool:
@@ -216,7 +241,7 @@ def widen_mixed_groups(module: torch.nn.Module, parts: tuple[str, ...] = ("gate_
 _TRIM_EVERY = 32 << 20  # bytes packed between two malloc_trim calls
 
 
-def _malloc_trim() -> None:
+def malloc_trim() -> None:
     """Give the C heap's free pages back (glibc; a no-op elsewhere). Packing frees a tensor's
     temporaries between long-lived packed copies, and glibc kept those holes resident: a
     200 MB FP8 MiMo peaked at 1.9x its packed size while loading, 1.0x trimmed every 32 MB."""
@@ -238,7 +263,8 @@ _libc = None
 def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dtype,
                 rename: Callable[[str], str | None] = lambda n: n, derived: frozenset[str] = frozenset(),
                 scheme: QuantScheme | None = None, convert: Convert | None = None,
-                row_groups: Callable[[str], int] = lambda n: 1, keep_packed: bool = False, shard=None) -> None:
+                row_groups: Callable[[str], int] = lambda n: 1, keep_packed: bool = False, shard=None,
+                pack: Pack | None = None) -> None:
     """Copy the checkpoint's tensors into ``module`` (its parameters and persistent buffers).
 
     ``rename`` maps a file's tensor name to the module's name, or None for a tensor to read past
@@ -257,7 +283,11 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
     ``shard`` (a tensor-parallel rank's, e.g. ``mimo_tp.MiMoShard``): ``shard.slice(target)`` is
     ``(dim, start, stop)`` of each module tensor this rank holds part of (None: all of it); the
     module was built with the rank's shapes, and each tensor is cut as it is read, one at a time,
-    so a rank's peak memory stays near its share."""
+    so a rank's peak memory stays near its share.
+
+    ``pack(src, name, target)``: a model's own packing of a stored tensor (gpt-oss' MXFP4
+    experts: ``gpt_oss_moe``), given first refusal on every tensor: the module tensors it filled,
+    or None for the paths above to read it."""
     src = CheckpointTensors(model_dir, scheme)
     want = dict(module.state_dict())
     seen: set[str] = set()
@@ -276,6 +306,10 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
     since_trim = 0
     with torch.no_grad():
         for name, target in todo:
+            filled = pack(src, name, target) if pack is not None else None
+            if filled:
+                seen.update(filled)
+                continue
             packed = _packed_linears(module, src, name, target, want, convert, row_groups(name), shard) \
                 if keep_packed else None
             if packed:
@@ -288,7 +322,7 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
                     seen.add(tgt)
                     since_trim += pw.nbytes
                 if since_trim >= _TRIM_EVERY:
-                    _malloc_trim()
+                    malloc_trim()
                     since_trim = 0
                 continue
             t, quantized = src.get(name, row_groups(name))
@@ -320,7 +354,7 @@ def load_strict(module: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
                     dst.copy_(piece.to(dst.dtype))
                 seen.add(tgt)
     if keep_packed:
-        _malloc_trim()
+        malloc_trim()
     missing = sorted(set(want) - seen - derived)
     if missing:
         root = Path(model_dir)

@@ -85,9 +85,13 @@ def pack_experts_mxfp4(model_dir: Path) -> None:
 
 
 def write_gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, head_dim: int = 32,
-                  quant: str | None = None) -> Path:
+                  quant: str | None = None, hidden: int = 128, intermediate: int = 128, experts: int = 4,
+                  layers: int = 6) -> Path:
     """Write a tiny random-weight ``GptOssForCausalLM`` checkpoint to ``out`` (``quant="mxfp4"``:
-    experts packed as on the hub)."""
+    experts packed as on the hub; ``hidden`` / ``intermediate`` multiples of 32 there). ``layers``
+    (even) alternate sliding / full; the sizes' defaults are the tiny model's."""
+    if layers < 2 or layers % 2:
+        raise ValueError(f"gpt-oss layers alternate sliding / full: an even count, got {layers}")
     if quant not in (None, "mxfp4"):
         raise ValueError(f"gpt-oss quant must be None or 'mxfp4', got {quant!r}")
     import torch
@@ -98,13 +102,14 @@ def write_gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, head_dim:
     torch.manual_seed(seed)
     tok = build_tokenizer(HARMONY_SPECIALS, 640, HARMONY_TEMPLATE, eos="<|return|>", pad_token="<|endoftext|>")
     eos, pad = tok.convert_tokens_to_ids("<|return|>"), tok.convert_tokens_to_ids("<|endoftext|>")
-    layer_types = ["sliding_attention", "full_attention"] * 3
+    layer_types = ["sliding_attention", "full_attention"] * (layers // 2)
     rope_scaling = {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
                     "rope_type": "yarn", "truncate": False}
     cfg = GptOssConfig(
-        vocab_size=-(-len(tok) // 64) * 64, hidden_size=128, intermediate_size=128, num_hidden_layers=len(layer_types),
-        layer_types=layer_types, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=sliding_window, max_position_embeddings=131072,
+        vocab_size=-(-len(tok) // 64) * 64, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=len(layer_types), layer_types=layer_types, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=head_dim, num_local_experts=experts, num_experts_per_tok=2, sliding_window=sliding_window,
+        max_position_embeddings=131072,
         rope_parameters={"rope_theta": 150000.0, **rope_scaling}, eos_token_id=eos, pad_token_id=pad,
         attention_bias=True, tie_word_embeddings=False)
     cfg.architectures = ["GptOssForCausalLM"]

@@ -5,7 +5,9 @@
   dequantized by this test's own element-wise reference (bitwise: fp32 products).
 * gpt-oss MXFP4: transformers' ``GptOssForCausalLM`` with ``Mxfp4Config(dequantize=True)`` as
   the oracle (greedy tokens equal, logits within 2e-4), and the same model as the float
-  checkpoint whose experts transformers' ``convert_moe_packed_tensors`` dequantized.
+  checkpoint whose experts transformers' ``convert_moe_packed_tensors`` dequantized; served
+  with its experts kept packed (the CPU default), the same greedy tokens through the engine as
+  the dequantize-at-load path, with no float copy of the experts.
 * wrong checkpoints fail at startup naming the file and the tensor / field.
 """
 
@@ -318,6 +320,43 @@ def test_gpt_oss_mxfp4_is_the_float_model_of_its_dequantized_experts(oss_mxfp4, 
     del cfg["quantization_config"]
     (d / "config.json").write_text(json.dumps(cfg))
     _assert_same_weights(oss_pair[0], load_lm(str(d)))
+
+
+def _expert_weights(lm) -> list:
+    return [layer.mlp.experts for layer in lm.model.model.layers]
+
+
+def test_gpt_oss_mxfp4_served_packed_is_the_dequantized_path(oss_mxfp4, oss_pair):
+    """Served packed (the default on the CPU: ``gpt_oss_moe``), the greedy tokens through the
+    engine are the dequantize-at-load path's (``keep_packed=False``: transformers' experts)."""
+    from llm_svc.models.gpt_oss_moe import PackedGptOssExperts
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    packed, ref = oss_pair[0], load_lm(str(oss_mxfp4), keep_packed=False)
+    assert all(type(m) is PackedGptOssExperts for m in _expert_weights(packed))
+    assert all(type(m) is GptOssExperts for m in _expert_weights(ref))
+    prompts = _prompts()
+    got, want = _greedy(packed, prompts, max_tokens=16), _greedy(ref, prompts, max_tokens=16)
+    print(f"\n[gpt-oss mxfp4] packed vs dequantized: greedy equal {sum(a == b for a, b in zip(got, want))}/"
+          f"{len(prompts)}, {len({t for g in got for t in g})} distinct tokens", file=sys.stderr)
+    assert got == want
+    assert len({t for g in got for t in g}) > 8
+
+
+def test_gpt_oss_mxfp4_loaded_packed_holds_no_float_experts(oss_mxfp4, oss_pair):
+    """The packed model's experts are their MXFP4 bytes (1/2 + 1/32 byte a weight) and its float
+    parameters are the dequantized model's less the expert weights (biases stay float)."""
+    packed, ref = oss_pair[0], load_lm(str(oss_mxfp4), keep_packed=False)
+    names = [n for n, _ in packed.model.named_parameters()]
+    assert not [n for n in names if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert all(n.endswith("_bias") for n in names if ".experts." in n)
+    floats = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    experts_f32 = sum(m.gate_up_proj.nbytes + m.down_proj.nbytes for m in _expert_weights(ref))
+    experts_packed = sum(m.nbytes for m in _expert_weights(packed))
+    assert floats(packed.model) == floats(ref.model) - experts_f32
+    assert experts_packed * 4 == experts_f32 * (1 / 2 + 1 / 32)  # 4.25 bits a weight against 32
+    print(f"\n[gpt-oss mxfp4] experts resident: packed {experts_packed} B, dequantized float32 {experts_f32} B "
+          f"({experts_f32 / experts_packed:.2f}x)", file=sys.stderr)
 
 
 @pytest.mark.parametrize("edit, match", [
