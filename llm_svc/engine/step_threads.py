@@ -105,7 +105,12 @@ class StepThreads:
     def spare_core(self) -> bool:
         """Whether ``gemv`` threads would not have to fight other processes for their cores:
         the rest of the machine used at most ``cpus - gemv + 0.75`` cores over the last second."""
-        return self.others.cores() <= self.cpus - self.gemv + 0.75
+        return self.spare_for(self.gemv)
+
+    def spare_for(self, threads: int) -> bool:
+        """Whether ``threads`` threads would have their cores: the rest of the machine used at
+        most ``cpus - threads + 0.75`` cores over the last second."""
+        return self.others.cores() <= self.cpus - threads + 0.75
 
     def gemv_threads(self) -> int:
         return self.gemv if self.gemv > 1 and self.spare_core() else 1
@@ -114,6 +119,12 @@ class StepThreads:
         """Set torch's thread count for a step of ``num_tokens`` tokens (a no-op when unchanged)
         and the few-row kernel's; returns torch's."""
         n = self.threads_for(num_tokens)
+        # torch's OpenMP regions wait at barriers for every thread: one that lost its core to
+        # another process holds the whole GEMM for a time slice. Measured on the 2-core AMX Xeon
+        # with a training run on one core (vs_vllm MiMo at bfloat16, 1,024-token prefill):
+        # 0.52-0.66 s on two threads, 0.35 on one; with oneDNN's AMX GEMMs 1.0-2.4 s on two, 0.20 on one
+        if n > 1 and not self.spare_for(n):
+            n = 1
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         gemv = self.gemv_threads()

@@ -47,6 +47,11 @@ def _cpu_key() -> str:
     return os.uname().machine
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    return frozenset(_cpu_key().split()[1:])
+
+
 def cpu_runs(level: str) -> bool:
     """Whether this CPU has every flag the x86-64 ``level`` (``LEVELS``) needs."""
     flags = set(_cpu_key().split())

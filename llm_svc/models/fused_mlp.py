@@ -33,8 +33,6 @@ reordered copy).
 """
 
 from __future__ import annotations
-
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_gemv, cpu_packed, qweight
-from .linear import DenseOfPacked, Linear, join_packed, make_linear, resolve, stack_linears
+from .linear import (AMX_MIN_ROWS, DenseOfPacked, Linear, amx_splits, join_packed, make_linear, resolve, row_bucket,
+                     stack_linears)
 from .qweight import PackedExperts, PackedWeight
 
 
@@ -122,6 +121,10 @@ class RoutedExperts:
         self._act = act_kind(self.act)
         self._packed = None
         self._linears: tuple[list[Linear], list[Linear]] | None = None  # per-expert GEMMs, made on first use
+        # bfloat16 on a CPU with AMX: calls whose experts average AMX_MIN_ROWS rows (prefill
+        # chunks) run expert by expert through F.linear on the stacked weights (oneDNN's AMX
+        # GEMM, ``linear.AmxSplitLinear``'s reasons); fewer rows stay in the one packed C call
+        self._amx = self.gate_up is not None and amx_splits(self.backend, self.gate_up[0])
         if self.packed is not None:
             if self._act != "silu":
                 raise ValueError("packed experts are SiLU-gated; widen them (qweight.dense) for another activation")
@@ -195,6 +198,8 @@ class RoutedExperts:
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H]; idx [T, K] chosen experts; w [T, K] their weights -> [T, H] in x's dtype."""
+        if self._amx and x.dim() == 2 and idx.numel() >= AMX_MIN_ROWS * self.num_experts:
+            return self._amx_experts(x, idx, w)
         if self.packed is not None:
             if x.dtype in cpu_packed.ACT_DTYPES:  # bfloat16 widened and rounded inside the call
                 return cpu_packed.moe_w(x, idx, w, self.packed)
@@ -208,7 +213,41 @@ class RoutedExperts:
         if self._linears is None:
             self._linears = ([make_linear(w, backend=self.backend) for w in self.gate_up],
                              [make_linear(w, backend=self.backend) for w in self.down])
-        gate_ups, downs = self._linears
+        return self._per_expert(x, idx, w, *self._linears)
+
+    def _amx_experts(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``__call__``'s product expert by expert through torch's matmuls (oneDNN's AMX GEMM on
+        the stacked weights), each expert's rows padded to ``row_bucket`` (oneDNN builds a
+        primitive per row count, a few ms each, and caches it by shape): the (token, expert)
+        pairs gathered once into one padded buffer [sum of padded rows, H], zero rows between."""
+        t, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # [T*K]: pairs grouped by expert, token order inside
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        padded = [row_bucket(c) if c else 0 for c in counts]
+        starts = [0]
+        for p in padded:
+            starts.append(starts[-1] + p)
+        # the slot of each sorted pair in the padded buffer: its expert's start + its rank there
+        gaps = torch.tensor([starts[e] - sum(counts[:e]) for e in range(self.num_experts)], dtype=torch.long)
+        dest = torch.arange(t * k) + gaps.repeat_interleave(torch.tensor(counts), output_size=t * k)  # [T*K]
+        tok = order // k
+        xs = x.new_zeros(starts[-1], x.shape[1])  # [P, H]
+        xs.index_copy_(0, dest, x.index_select(0, tok))
+        ys = x.new_empty(starts[-1], x.shape[1])  # [P, H]
+        for e, p in enumerate(padded):
+            if p:
+                s0 = starts[e]
+                h = _gated(F.linear(xs[s0:s0 + p], self.gate_up[e]), self.act, self._act)  # [p, I]
+                torch.mm(h, self.down[e].t(), out=ys[s0:s0 + p])
+        out = ys.index_select(0, dest)  # [T*K, H]
+        out.mul_(w.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
+        return torch.zeros_like(x).index_add_(0, tok, out)
+
+    def _per_expert(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_ups: list[Linear],
+                    downs: list[Linear]) -> torch.Tensor:
+        """``__call__``'s product one expert at a time: the (token, expert) pairs grouped by
+        expert, each group through ``gate_ups[e]`` and ``downs[e]``."""
         t, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # [T*K]: pairs grouped by expert, token order inside

@@ -31,6 +31,16 @@ bfloat16 slower than our float32). The packed or reordered weight of a float32 /
 module is a second copy of the matrix, so the module's own ``weight`` keeps serving
 ``state_dict`` and tied embeddings.
 
+bfloat16 on a CPU with AMX tiles (``amx_bf16``): ``auto`` splits by rows (``AmxSplitLinear``):
+calls of fewer than ``AMX_MIN_ROWS`` rows take the packed kernel, more take ``F.linear`` on the
+module's own weight, which torch hands to oneDNN's AMX GEMM (the weight reordered per call, so no
+third copy). Measured on the 2-core Xeon with AMX (best of 40 calls, [M, 512] x [512, 1536] and
+[M, 4096] x [4096, 4096]): one thread, the packed kernel 135-175 GFLOP/s at every M (float32 FMAs
+on widened weights), ``F.linear`` 200-240 at 16 rows, 340-410 at 32, 530-600 at 64, 750-1100 at
+256; at 8 rows 105-128, slower than packed. oneDNN on a weight reordered once is up to 1.5x faster
+again on one thread but, with two, collapses to 2-40 GFLOP/s whenever another process takes a
+core (its threads wait at barriers), where ``F.linear`` held 300-1800.
+
 FP8 / MXFP4 linears loaded packed (``weights.load_strict`` with ``keep_packed``) have no float
 ``weight`` at all: the module's ``weight`` is None and ``module.qweight`` holds the
 ``qweight.PackedWeight``; every function here takes such a module (``make_linear`` takes the
@@ -48,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.ckernels import cpu_flags
 from . import cpu_gemv, cpu_packed, qweight
 from .qweight import PackedWeight
 
@@ -75,6 +86,16 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
                     str(dtype).removeprefix("torch."), str(e).splitlines()[0])
         return False
 
+
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether bfloat16 GEMMs here can run on AMX tiles: the CPU has AMX-BF16 and this torch
+    runs oneDNN bfloat16 matmuls (``onednn_available``)."""
+    return {"amx_bf16", "amx_tile"} <= cpu_flags() and onednn_available(torch.bfloat16)
+
+
+# the fewest rows a bfloat16 call sends to oneDNN's AMX GEMM on such a CPU (the module doc's figures)
+AMX_MIN_ROWS = 16
 
 _FORMAT_OF = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -177,12 +198,56 @@ class PackedLinear:
 _DTYPE_OF = {v: k for k, v in _FORMAT_OF.items()}
 
 
+class AmxSplitLinear:
+    """A CPU bfloat16 ``x [..., in] -> [..., out]`` on a CPU with AMX (``amx_bf16``): calls of
+    fewer than ``AMX_MIN_ROWS`` rows through the packed kernel (``PackedLinear``), more through
+    ``F.linear`` on ``weight`` itself (oneDNN's AMX GEMM; no copy kept beyond the packed one)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.small = PackedLinear(weight, bias)
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach().to(weight.dtype)
+        self.out_features, self.in_features = self.weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < AMX_MIN_ROWS * self.in_features:
+            return self.small(x)
+        if x.dtype != self.weight.dtype:  # F.linear would refuse too; say which side is off
+            raise TypeError(f"linear of {self.weight.dtype} weights got {x.dtype} input")
+        return bucketed_linear(x, self.weight, self.bias)
+
+
+def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with the rows padded to ``row_bucket``: oneDNN (under torch's CPU matmul)
+    builds a primitive per row count, a few ms each with AMX, and caches it by shape; a prefill
+    chunk's or an expert's rows are seldom the same twice (measured: per-expert calls with
+    their own row counts ran 4.5x slower than the packed kernel, bucketed ones faster)."""
+    k = weight.shape[1]
+    rows = x.numel() // k
+    padded = row_bucket(rows)
+    if padded == rows:
+        return F.linear(x, weight, bias)
+    xp = x.new_empty(padded, k)
+    xp[:rows].copy_(x.reshape(rows, k))
+    xp[rows:].zero_()
+    return F.linear(xp, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])  # [..., out]
+
+
+def amx_splits(backend: str, weight: torch.Tensor | PackedWeight) -> bool:
+    """Whether ``backend`` ``auto`` on ``weight`` means ``AmxSplitLinear``: a CPU bfloat16 tensor
+    the packed kernel takes, on a CPU with AMX."""
+    return (backend == "auto" and isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
+            and resolve(backend, weight) == "packed" and amx_bf16())
+
+
 _MAKERS = {"packed": PackedLinear, "onednn": OneDNNLinear}
 
 
 def make_linear(weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None, backend: str = "auto") -> Linear:
     """A callable computing ``F.linear(x, weight, bias)`` on ``backend`` (a ``PackedWeight``:
-    always the packed kernel)."""
+    always the packed kernel; ``auto`` on a bfloat16 weight on a CPU with AMX: ``AmxSplitLinear``)."""
+    if amx_splits(backend, weight):
+        return AmxSplitLinear(weight, bias)
     maker = _MAKERS.get(resolve(backend, weight))
     return maker(weight, bias) if maker else functools.partial(F.linear, weight=weight, bias=bias)
 
@@ -202,9 +267,8 @@ def pack_linears(linears: Iterable[nn.Module], backend: str = "auto") -> int:
         if not isinstance(m, nn.Linear):
             raise TypeError(f"pack_linears packs nn.Linear modules, got {type(m).__name__}")
         w = weight_of(m)
-        maker = _MAKERS.get(resolve(backend, w))
-        if maker:
-            m.forward = maker(w, m.bias)
+        if amx_splits(backend, w) or resolve(backend, w) in _MAKERS:
+            m.forward = make_linear(w, m.bias, backend)
             n += 1
     return n
 

@@ -72,7 +72,14 @@ def test_bfloat16_serves_through_the_packed_kernels(quant, tmp_path):
     """``--dtype bfloat16``: FP8 linears stay packed (bfloat16 activations widened at the kernel
     boundary) and a float checkpoint's linears and experts run the kernel's bfloat16 build."""
     from llm_svc.models.fused_mlp import RoutedExperts
-    from llm_svc.models.linear import PackedLinear
+    from llm_svc.models.linear import AmxSplitLinear, PackedLinear, amx_bf16
+
+    def packed_of(fwd):
+        """The packed kernel's linear; on a CPU with AMX a bfloat16 tensor's is inside its split."""
+        if isinstance(fwd, AmxSplitLinear):
+            assert amx_bf16() and fwd.weight.dtype == torch.bfloat16
+            return fwd.small
+        return fwd
 
     d = mp.write_mimo_published(tmp_path / "m", PRESETS["mimo-v2-flash"], sliding_window=SMALL_W, quant=quant)
     lm = load_lm(str(d), dtype="bfloat16")
@@ -80,13 +87,13 @@ def test_bfloat16_serves_through_the_packed_kernels(quant, tmp_path):
     got = _greedy(lm, prompts)
     assert all(len(t) == 12 for t in got)
     fmt = "fp8" if quant else "bfloat16"
-    assert lm.model.lm_head.forward.weight.fmt == "bfloat16"
+    assert packed_of(lm.model.lm_head.forward).weight.fmt == "bfloat16"
     moe = lm.model.model.layers[1].mlp.experts
     if quant:
         assert moe.packed_experts.fmt == "fp8"
     else:
         assert RoutedExperts.pack(moe).packed.fmt == fmt
-    assert isinstance(lm.model.model.layers[0].self_attn.o_proj.forward, PackedLinear)
+    assert isinstance(packed_of(lm.model.model.layers[0].self_attn.o_proj.forward), PackedLinear)
     want = _greedy(load_lm(str(d)), prompts)  # float32 on the same weights
     assert any(g[0] == w[0] for g, w in zip(got, want))  # a random tiny model: bfloat16 soon diverges
 

@@ -140,3 +140,30 @@ def test_tanh_gelu_mlps_take_the_fused_pass_and_equal_the_module():
     assert fused._act == "gelu_tanh"
     want = mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))
     torch.testing.assert_close(fused(x), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_bf16_experts_on_amx_run_many_rows_expert_by_expert_and_few_in_the_packed_call(monkeypatch, amx):
+    """bfloat16 experts under auto: on a CPU with AMX (forced here, so every CPU runs this) a call
+    whose experts average AMX_MIN_ROWS rows goes expert by expert through F.linear (oneDNN's AMX
+    GEMM), a smaller one to the one packed C call; without AMX, always the packed call. Both
+    equal the per-expert loop within bfloat16 rounding."""
+    from llm_svc.models import cpu_packed, fused_mlp, linear
+
+    monkeypatch.setattr(linear, "amx_bf16", lambda: amx)
+    packed_calls = []
+    real = cpu_packed.moe_w
+    monkeypatch.setattr(cpu_packed, "moe_w", lambda *a, **k: packed_calls.append(a[0].shape[0]) or real(*a, **k))
+    torch.manual_seed(7)
+    experts = nn.ModuleList(_MLP(64, 32) for _ in range(4)).bfloat16()
+    fused = RoutedExperts.pack(experts)
+    assert fused.packed is not None  # bfloat16 experts this shape pack
+    many = 2 * fused_mlp.AMX_MIN_ROWS * 4  # tokens x 2 choices over 4 experts: 2 x AMX_MIN_ROWS each
+    for tokens in (3, many):
+        x = torch.randn(tokens, 64).bfloat16()
+        idx = torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])
+        w = torch.rand(tokens, 2).bfloat16()
+        want = _loop_moe(experts.float(), x.float(), idx, w.float())
+        experts.bfloat16()
+        torch.testing.assert_close(fused(x, idx, w).float(), want, rtol=3e-2, atol=3e-2)
+    assert packed_calls == ([3] if amx else [3, many])

@@ -47,11 +47,38 @@ def test_cpu_linears_equal_f_linear(backend, dtype, rows):
     # bfloat16 oneDNN needs AVX-512 or AVX-NE-CONVERT: elsewhere it resolves to torch
     want = "packed" if backend == "auto" else "onednn" if L.onednn_available(dtype) else "torch"
     assert L.resolve(backend, w) == want
-    assert isinstance(L.make_linear(w, backend=backend), {"packed": L.PackedLinear, "onednn": L.OneDNNLinear}.get(want, object))
+    # on a CPU with AMX a bfloat16 weight under auto splits by rows (test_amx_split_linear_...)
+    made = {"packed": L.AmxSplitLinear if L.amx_splits(backend, w) else L.PackedLinear,
+            "onednn": L.OneDNNLinear}.get(want, object)
+    assert isinstance(L.make_linear(w, backend=backend), made)
     torch.testing.assert_close(L.make_linear(w, b, backend)(x), F.linear(x, w, b), **tol)
     torch.testing.assert_close(L.make_linear(w, backend=backend)(x[None]), F.linear(x[None], w), **tol)  # [1, T, in]
     xs = torch.randn(rows, 80, generator=g).to(dtype)[:, ::2]  # a strided view
     torch.testing.assert_close(L.make_linear(w, backend=backend)(xs), F.linear(xs, w), **tol)
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_amx_split_linear_takes_the_packed_kernel_below_its_rows_and_f_linear_from_them(monkeypatch, amx):
+    """auto on a bfloat16 weight: on a CPU with AMX (forced here, so every CPU runs this) calls of
+    fewer than AMX_MIN_ROWS rows go to the packed kernel, more to F.linear on the weight itself;
+    without AMX, the packed kernel only. Either way the result is F.linear's."""
+    monkeypatch.setattr(L, "amx_bf16", lambda: amx)
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 40, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    lin = L.make_linear(w, b)
+    assert isinstance(lin, L.AmxSplitLinear if amx else L.PackedLinear)
+    assert not isinstance(L.make_linear(w, b, "packed"), L.AmxSplitLinear)  # packed asked for: packed only
+    assert not isinstance(L.make_linear(w.float(), b.float()), L.AmxSplitLinear)  # float32: packed
+    calls = []
+    if amx:
+        real = lin.small
+        lin.small = lambda x: calls.append(x.shape[0]) or real(x)
+    for rows in (1, L.AMX_MIN_ROWS - 1, L.AMX_MIN_ROWS, 300):
+        x = torch.randn(rows, 40, generator=g).bfloat16()
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=2e-2, atol=5e-2)
+    assert calls == ([1, L.AMX_MIN_ROWS - 1] if amx else [])
+    with pytest.raises(TypeError, match="bfloat16 weights got torch.float32"):
+        L.make_linear(w)(torch.randn(L.AMX_MIN_ROWS, 40))
 
 
 @pytest.mark.parametrize("backend", ["packed", "onednn"])

@@ -38,14 +38,24 @@ def test_core_env_preloads_tcmalloc_with_bounded_thread_caches():
 
 
 def test_small_steps_run_on_fewer_threads_than_big_ones():
+    from dataclasses import replace
+
     import torch
 
     from llm_svc.core.process import step_threads
-    from llm_svc.engine.step_threads import StepThreads
+    from llm_svc.engine.step_threads import OtherLoad, StepThreads
 
     plan = step_threads(LLMSettings(model_dir="m", threads=2, small_step_threads=1, small_step_tokens=64))
     assert plan == StepThreads(large=2, small=1, min_tokens=64, gemv=2)
     assert [plan.threads_for(n) for n in (1, 63, 64, 2048)] == [1, 1, 2, 2]
+    clock = [0.0]
+
+    def quiet():  # a second later each call, only this process busy
+        clock[0] += 1.0
+        return clock[0], clock[0], clock[0]
+
+    plan = replace(plan, cpus=2, others=OtherLoad(interval=0.0, sample=quiet))
+    plan.others.cores()
     before = torch.get_num_threads()
     try:
         assert plan.apply(16) == 1 and torch.get_num_threads() == 1
@@ -94,6 +104,13 @@ def test_few_row_kernel_runs_on_every_core_while_one_is_spare():
         assert cpu_paged.pool() == (None, 1)
         busy[0] = 0.7  # most of it: still a quarter core left for the helper
         assert plan.gemv_threads() == 2
+        # a big step's torch threads: every core while they are spare, one while another process
+        # holds a core (an OpenMP barrier would wait for the thread that lost it)
+        busy[0] = 0.2
+        assert plan.apply(2048) == 2 == torch.get_num_threads()
+        busy[0] = 0.9
+        assert plan.apply(2048) == 1 == torch.get_num_threads()
+        assert plan.threads_for(2048) == 2  # the plan itself is unchanged
         pinned = replace(step_threads(LLMSettings(model_dir="m", threads=2, gemv_threads=1)), cpus=2,
                          others=OtherLoad(interval=0.0, sample=sample))
         assert [pinned.gemv_threads() for _ in range(3)] == [1, 1, 1]
