@@ -230,8 +230,8 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "triton_paged (CUDA: reads the paged pools in place), torch_batched, torch_sdpa_loop",
     )
     linear_backend: Literal["auto", "packed", "onednn", "torch"] = Field(
-        default="auto", description="GEMMs of the model's linears and MLPs: auto (packed on CPU for float32, onednn "
-        "for bfloat16, torch elsewhere), packed (our CPU float32 kernel on weights packed once, on the elastic thread "
+        default="auto", description="GEMMs of the model's linears and MLPs: auto (packed on CPU for float32 and "
+        "bfloat16; on a CPU with AMX, bfloat16 calls of 16 rows or more on oneDNN's AMX GEMM; torch elsewhere), packed (our CPU float32 kernel on weights packed once, on the elastic thread "
         "pool; falls back to onednn where it cannot run), onednn (oneDNN on weights reordered once; falls back to "
         "torch where it cannot run), torch (F.linear: MKL on CPU, cuBLAS on CUDA)",
     )
