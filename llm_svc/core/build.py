@@ -23,7 +23,7 @@ from ..engine.speculate import Speculator
 from ..kv.budget import size_pools
 from llm_svc.loading.loader import DTYPES, LoadedLM
 from ..models import build_model
-from ..models.linear import warm_buckets
+from ..models.linear import AMX_MIN_ROWS, amx_bf16, warm_buckets
 from ..parallel import SINGLE, RankGroup
 from ..engine.spec import SpeculativeConfig
 
@@ -166,6 +166,9 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
         warm_buckets(settings.max_batch_tokens, threads)  # the MTP runner's linears included
     if lm.device.type == "cpu":
         log_kernel_paths(lm.dtype, kv_dtype)
+        if lm.dtype == torch.bfloat16 and settings.linear_backend == "auto" and amx_bf16():
+            log.info("linears and experts: bfloat16 calls of %d rows or more on oneDNN's AMX GEMM, fewer on the "
+                     "packed kernel (linear_backend=packed: the packed kernel only)", AMX_MIN_ROWS)
     return Engine(runner, scheduler, lm.eos_token_ids, tiers=tiers, media_timeout=2 * settings.media_fetch_timeout + 1,
                   grammars=grammars, speculator=speculator)
 

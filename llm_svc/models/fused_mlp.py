@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_gemv, cpu_packed, qweight
-from .linear import (AMX_MIN_ROWS, DenseOfPacked, Linear, amx_splits, join_packed, make_linear, resolve, row_bucket,
-                     stack_linears)
+from .linear import (AMX_MIN_ROWS, DenseOfPacked, Linear, amx_shape, amx_splits, join_packed, make_linear, resolve,
+                     row_bucket, stack_linears)
 from .qweight import PackedExperts, PackedWeight
 
 
@@ -125,6 +125,13 @@ class RoutedExperts:
         # chunks) run expert by expert through F.linear on the stacked weights (oneDNN's AMX
         # GEMM, ``linear.AmxSplitLinear``'s reasons); fewer rows stay in the one packed C call
         self._amx = self.gate_up is not None and amx_splits(self.backend, self.gate_up[0])
+        if self._amx:  # their primitives built at start-up (``linear.warm_buckets``): one expert stands for all
+            e, i2, h = self.gate_up.shape
+            g0, d0 = self.gate_up[0], self.down[0]
+            self._amx_shapes = (amx_shape(("experts_gate_up", h, i2, self.gate_up.dtype), lambda x: F.linear(x, g0), h,
+                                          self.gate_up.dtype),
+                                amx_shape(("experts_down", i2 // 2, h, self.down.dtype), lambda x: torch.mm(x, d0.t()),
+                                          i2 // 2, self.down.dtype))
         if self.packed is not None:
             if self._act != "silu":
                 raise ValueError("packed experts are SiLU-gated; widen them (qweight.dense) for another activation")

@@ -156,6 +156,10 @@ class OneDNNLinear:
         self.weight = w if w.dtype == torch.float32 and w.is_contiguous() else None
         _SHAPES.setdefault((self.in_features, self.out_features, self.bias is not None, self.dtype), self)
 
+    def warm(self, x: torch.Tensor) -> None:
+        """One call of exactly ``x``'s rows (a bucket size): builds that primitive."""
+        torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:  # F.linear would refuse too; say which side is off
             raise TypeError(f"linear of {self.dtype} weights got {x.dtype} input")
@@ -198,6 +202,27 @@ class PackedLinear:
 _DTYPE_OF = {v: k for k, v in _FORMAT_OF.items()}
 
 
+# one AmxShape per distinct GEMM on the AMX path (warm_buckets builds their primitives)
+_AMX_SHAPES: "weakref.WeakValueDictionary[tuple, AmxShape]" = weakref.WeakValueDictionary()
+
+
+class AmxShape:
+    """A GEMM shape on the AMX path and the call that runs it (``x [rows, in] -> [rows, out]``);
+    ``amx_shape`` registers one, held by its user (the registry holds it weakly)."""
+
+    def __init__(self, call: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype):
+        self.warm, self.in_features, self.dtype = call, in_features, dtype
+
+
+def amx_shape(key: tuple, call: Callable[[torch.Tensor], torch.Tensor], in_features: int,
+              dtype: torch.dtype) -> AmxShape:
+    """Register ``call`` as the GEMM of shape ``key`` for ``warm_buckets`` (the first one of a
+    key stays); keep the returned object alive as long as the call is in use."""
+    shape = AmxShape(call, in_features, dtype)
+    _AMX_SHAPES.setdefault(key, shape)
+    return shape
+
+
 class AmxSplitLinear:
     """A CPU bfloat16 ``x [..., in] -> [..., out]`` on a CPU with AMX (``amx_bf16``): calls of
     fewer than ``AMX_MIN_ROWS`` rows through the packed kernel (``PackedLinear``), more through
@@ -208,6 +233,9 @@ class AmxSplitLinear:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach().to(weight.dtype)
         self.out_features, self.in_features = self.weight.shape
+        self._shape = amx_shape(("linear", self.in_features, self.out_features, bias is not None, weight.dtype),
+                                lambda x, w=self.weight, b=self.bias: F.linear(x, w, b), self.in_features,
+                                weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < AMX_MIN_ROWS * self.in_features:
@@ -368,28 +396,35 @@ def fuse_linears(linears: list[nn.Linear], backend: str = "auto") -> Linear:
 def warm_buckets(max_rows: int, threads=None) -> int:
     """Build the oneDNN primitives of every row bucket up to ``max_rows`` for every linear shape
     made so far (one call each, on zeros), so no request pays for one; returns the calls made.
-    A primitive is built for a thread count: with ``threads`` (the engine's ``StepThreads``) a
-    bucket of fewer rows than a large step's tokens is built for the small steps' count too (a
-    small step's linears have at most its tokens as rows). A shape already warmed this far for
-    a thread count is skipped (the primitive cache is the process's: a second engine, or a test
-    process building many, pays only for shapes it adds)."""
+    Shapes: every ``OneDNNLinear``'s from ``cpu_gemv.MAX_ROWS + 1`` rows and every GEMM on the AMX
+    path (``AmxSplitLinear``, bfloat16 experts: ``amx_shape``) from ``AMX_MIN_ROWS``.
+    A primitive is built for a thread count: with ``threads`` (the engine's ``StepThreads``) for
+    the large steps' count, for one thread (a large step runs on one while another process holds
+    a core: ``StepThreads.apply``) and for the small steps' count up to their ``min_tokens - 1``
+    rows (a small step's linears have at most its tokens as rows). A shape already warmed this far
+    for a thread count is skipped (the primitive cache is the process's: a second engine, or a
+    test process building many, pays only for shapes it adds)."""
     before = torch.get_num_threads()
-    counts = (threads.large, threads.small) if threads is not None else (before,)
+    if threads is None:
+        tops = {before: max_rows}
+    else:
+        tops = {threads.large: max_rows, 1: max_rows}
+        tops[threads.small] = max(tops.get(threads.small, 0), threads.min_tokens - 1)
     n = 0
     try:
         with torch.inference_mode():
-            for nthr in dict.fromkeys(counts):
-                top = max_rows if threads is None or nthr == threads.large else threads.min_tokens - 1
-                for key, lin in list(_SHAPES.items()):
-                    if _WARMED.get((key, nthr), 0) >= top:
-                        continue
-                    torch.set_num_threads(nthr)
-                    sizes = buckets_up_to(top)
-                    zeros = torch.zeros(max(sizes, default=0), lin.in_features, dtype=lin.dtype)  # sliced per bucket
-                    for rows in sizes:
-                        torch.ops.mkldnn._linear_pointwise(zeros[:rows], lin.packed, lin.bias, "none", [], "")
-                        n += 1
-                    _WARMED[(key, nthr)] = top
+            for nthr, top in tops.items():
+                for registry, first in ((_SHAPES, cpu_gemv.MAX_ROWS + 1), (_AMX_SHAPES, AMX_MIN_ROWS)):
+                    for key, lin in list(registry.items()):
+                        if _WARMED.get((key, nthr), 0) >= top:
+                            continue
+                        torch.set_num_threads(nthr)
+                        sizes = buckets_up_to(top, first)
+                        zeros = torch.zeros(max(sizes, default=0), lin.in_features, dtype=lin.dtype)  # sliced per bucket
+                        for rows in sizes:
+                            lin.warm(zeros[:rows])
+                            n += 1
+                        _WARMED[(key, nthr)] = top
     finally:
         torch.set_num_threads(before)
     return n

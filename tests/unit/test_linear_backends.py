@@ -178,6 +178,23 @@ def test_warm_buckets_builds_small_step_buckets_for_the_small_thread_count_too()
     keep = L.OneDNNLinear(torch.randn(17, 9))
     before = torch.get_num_threads()
     got = L.warm_buckets(100, StepThreads(large=2, small=1, min_tokens=40))
-    assert got == len(L.buckets_up_to(100)) + len(L.buckets_up_to(39))
+    # two threads and one (the small steps', and a large step's while a core is taken), every bucket
+    assert got == 2 * len(L.buckets_up_to(100))
+    keep2 = L.OneDNNLinear(torch.randn(17, 11))
+    got = L.warm_buckets(100, StepThreads(large=3, small=2, min_tokens=40))  # 3 and 1 to 100, 2 to 39
+    assert got == 2 * len(L.buckets_up_to(100)) + len(L.buckets_up_to(39)) + len(L.buckets_up_to(100))
+    del keep2
     assert torch.get_num_threads() == before  # left as it was
+    del keep
+
+
+def test_warm_buckets_builds_the_amx_path_from_its_fewest_rows(monkeypatch):
+    """A bfloat16 linear split for AMX (forced here) gets its F.linear primitives built for every
+    bucket from AMX_MIN_ROWS rows; its packed half needs none."""
+    monkeypatch.setattr(L, "amx_bf16", lambda: True)
+    L.warm_buckets(100)
+    keep = L.make_linear(torch.randn(23, 13).bfloat16())
+    assert isinstance(keep, L.AmxSplitLinear)
+    assert L.warm_buckets(100) == len(L.buckets_up_to(100, L.AMX_MIN_ROWS))
+    assert L.warm_buckets(100) == 0
     del keep
