@@ -18,6 +18,8 @@
  *   qkv_post:    p = bf(bf(x0 * c) + bf(-x1 * s)), v = bf(v * vscale)   (bit-identical to eager bf16)
  *   add_rmsnorm: h = bf(h + y), out = bf(w * bf(h * rsqrt(mean(h^2) + eps)))   (mimo_blocks.RMSNorm at
  *                bf16: the mean in float32, summed in another order than torch's: within an ulp)
+ *   add_rmsnorm_w32: h = bf(h + y), out = bf(w32 * (h * rsqrt(...)))  (Gemma3RMSNorm at bf16: a float32
+ *                (1 + weight), one rounding)
  */
 #include <math.h>
 #include <stdint.h>
@@ -130,6 +132,7 @@ typedef struct {
     act_t* out;
     int64_t T, ldh, ldy, H;
     float eps;
+    const float* w32; /* add_rmsnorm_w32: a float32 weight, the product rounded once (else NULL) */
 } norm_ctx;
 
 #if ACT_IS_F32
@@ -151,7 +154,8 @@ static void norm_rows(void* vctx, int64_t b) {
         for (; i < H; i++) ss += hr[i] * hr[i];
         for (int j = 0; j < 8; j++) ss += lane[j];
         const float inv = 1.0f / sqrtf(ss / (float)H + a->eps);
-        for (int64_t k = 0; k < H; k++) o[k] = a->w[k] * (hr[k] * inv);
+        const float* w = a->w32 ? a->w32 : a->w;
+        for (int64_t k = 0; k < H; k++) o[k] = w[k] * (hr[k] * inv);
     }
 }
 #else
@@ -180,7 +184,13 @@ static void norm_rows(void* vctx, int64_t b) {
         }
         for (int j = 0; j < 8; j++) ss += lane[j];
         const float inv = 1.0f / sqrtf(ss / (float)H + a->eps);
-        for (int64_t i0 = 0; i0 < H; i0 += 2 * CH) {
+        for (int64_t i0 = 0; i0 < H && a->w32; i0 += 2 * CH) { /* Gemma: bf((h * inv) * w32), one rounding */
+            const int64_t n = H - i0 < 2 * CH ? H - i0 : 2 * CH;
+            act_load_row(x, hr + i0, n);
+            for (int64_t i = 0; i < n; i++) x[i] = (x[i] * inv) * a->w32[i0 + i];
+            act_store_row(o + i0, x, n);
+        }
+        for (int64_t i0 = 0; i0 < H && !a->w32; i0 += 2 * CH) {
             const int64_t n = H - i0 < 2 * CH ? H - i0 : 2 * CH;
             act_load_row(x, hr + i0, n);
             act_load_row(y, a->w + i0, n);
@@ -195,7 +205,16 @@ static void norm_rows(void* vctx, int64_t b) {
 
 int mmserve_add_rmsnorm_f32(act_t* h, int64_t ldh, const act_t* y, int64_t ldy, const act_t* w, act_t* out,
                             int64_t T, int64_t H, float eps, par_for_t par_for, int64_t threads) {
-    norm_ctx a = {h, y, w, out, T, ldh, ldy, H, eps};
+    norm_ctx a = {h, y, w, out, T, ldh, ldy, H, eps, NULL};
+    over_rows(norm_rows, &a, T, par_for, threads);
+    return 0;
+}
+
+/* add_rmsnorm with a float32 weight whatever the activations' dtype, out = act(w32 * (h * inv)):
+ * Gemma3RMSNorm, which normalizes and multiplies by (1 + weight) in float32 and rounds once */
+int mmserve_add_rmsnorm_w32(act_t* h, int64_t ldh, const act_t* y, int64_t ldy, const float* w32, act_t* out,
+                            int64_t T, int64_t H, float eps, par_for_t par_for, int64_t threads) {
+    norm_ctx a = {h, y, NULL, out, T, ldh, ldy, H, eps, w32};
     over_rows(norm_rows, &a, T, par_for, threads);
     return 0;
 }

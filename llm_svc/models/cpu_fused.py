@@ -42,6 +42,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mmserve_qkv_post_f32.restype = ctypes.c_int
     lib.mmserve_add_rmsnorm_f32.argtypes = [p, i64, p, i64, p, p, i64, i64, f32, p, i64]
     lib.mmserve_add_rmsnorm_f32.restype = ctypes.c_int
+    lib.mmserve_add_rmsnorm_w32.argtypes = [p, i64, p, i64, p, p, i64, i64, f32, p, i64]
+    lib.mmserve_add_rmsnorm_w32.restype = ctypes.c_int
 
 
 # {activation dtype: build}: float32 and bfloat16 (``-DACT_BF16``, ``act_elem.h``)
@@ -95,15 +97,24 @@ def supports_norm(h: torch.Tensor, weight: torch.Tensor) -> bool:
             and available(h.dtype))
 
 
+def supports_norm_w32(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``add_rmsnorm`` runs here with a float32 ``weight`` on rows of their own dtype
+    (float32 or bfloat16; Gemma's ``1 + weight``, multiplied in float32 and rounded once)."""
+    return (h.device.type == "cpu" and h.dtype in KERNELS and weight.dtype == torch.float32 and h.dim() == 2
+            and h.stride(1) == 1 and weight.is_contiguous() and available(h.dtype))
+
+
 def add_rmsnorm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``h += y`` in place (``y`` None: no add), then ``rmsnorm(h) * weight`` as a new tensor:
-    h, y [T, H] (check ``supports_norm`` first; y with unit stride inside a row)."""
+    h, y [T, H] (check ``supports_norm`` first; y with unit stride inside a row). A float32
+    ``weight`` on bfloat16 rows (``supports_norm_w32``): the product in float32, rounded once."""
     t, n = h.shape
     if y is not None and (y.shape != h.shape or y.stride(1) != 1 or not _cpu_same(h, y)):
         raise ValueError(f"residual {tuple(y.shape)} {y.dtype} does not match the hidden states "
                          f"{tuple(h.shape)} {h.dtype}")
     out = torch.empty(t, n, dtype=h.dtype)
-    _lib(h.dtype).mmserve_add_rmsnorm_f32(h.data_ptr(), h.stride(0), None if y is None else y.data_ptr(),
-                                          0 if y is None else y.stride(0), weight.data_ptr(), out.data_ptr(), t, n,
-                                          float(eps), *cpu_gemv.pool())
+    lib = _lib(h.dtype)
+    fn = lib.mmserve_add_rmsnorm_w32 if weight.dtype == torch.float32 else lib.mmserve_add_rmsnorm_f32
+    fn(h.data_ptr(), h.stride(0), None if y is None else y.data_ptr(), 0 if y is None else y.stride(0),
+       weight.data_ptr(), out.data_ptr(), t, n, float(eps), *cpu_gemv.pool())
     return out

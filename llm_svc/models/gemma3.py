@@ -1,13 +1,14 @@
 """Gemma 3 (text LM, or the LM inside Gemma3ForConditionalGeneration): q/k RMS norms, sandwich
 norms around attention and MLP, query_pre_attn_scalar, per-layer-type rope, scaled embeddings.
 
-On the CPU in float32 the layers run fused (``_forward_fused``): q | k | v in one GEMM, gate | up in
+On the CPU in float32 or bfloat16 the layers run fused (``_forward_fused``): q | k | v in one GEMM, gate | up in
 one, every RMSNorm and residual add as ``cpu_fused.add_rmsnorm`` passes (Gemma's ``1 + weight``
 taken once at load: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` rounds as transformers' does), q / k
 norms over head rows, rope in place (``qkv_post``). Eager, a decode step was ~40 small ops per
 layer: the benchmark checkpoint's (12 layers, hidden 512) one-sequence decode step 19.4 ms
-in-process against the MiMo checkpoint's 11.7 at the same weight bytes. Elsewhere (CUDA, bf16,
-no C compiler) the eager modules run as before."""
+in-process against the MiMo checkpoint's 11.7 at the same weight bytes. At bfloat16 the norms
+take the float32 ``1 + w`` and round once (``cpu_fused.add_rmsnorm`` with a float32 weight), as
+Gemma3RMSNorm does. Elsewhere (CUDA, float16, no C compiler) the eager modules run as before."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ class Gemma3Model(HybridModel):
             # (Gemma 3 checkpoints leave it None): neither do we, so both give the same logits
             self.params.append(AttentionParams(scale=a.scaling))
         w = hf_model.lm_head.weight
-        self.fused = w.device.type == "cpu" and w.dtype == torch.float32 and cpu_fused.KERNEL.available()
+        # float32, or bfloat16 with the norms' float32 (1 + weight) rounded once, as Gemma3RMSNorm
+        self.fused = (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+                      and cpu_fused.available(w.dtype))
         if not self.fused:
             pack_linears(linears_in(self.inner.layers) + [hf_model.lm_head], linear)
             return
@@ -65,7 +68,7 @@ class Gemma3Model(HybridModel):
     def forward(self, h, positions, kv: list[LayerKV], attn: AttentionBackend, meta) -> torch.Tensor:
         t = h.shape[0]
         rope = self.rope_tables(self.inner.rotary_emb, h, positions, self.layer_types)
-        if self.fused and h.dtype == torch.float32:
+        if self.fused and h.dtype == self.hf.lm_head.weight.dtype:
             return self._forward_fused(h.contiguous(), rope, kv, attn, meta)
         for i, layer in enumerate(self.inner.layers):
             a = layer.self_attn

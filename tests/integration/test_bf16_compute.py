@@ -111,8 +111,9 @@ def test_bf16_model_runs_the_kernels_and_matches_the_torch_path(mimo16, mimo_bf1
 
 @pytest.mark.parametrize("arch", ["gemma3", "gpt-oss"])
 def test_other_architectures_at_bf16_run_the_attention_kernels(arch, tmp_path_factory, monkeypatch):
-    """Gemma 3 and gpt-oss at bfloat16 (norms and rope on torch: their fused paths are float32
-    only) take the bfloat16 attention and KV-write builds, with the torch path's first tokens."""
+    """Gemma 3 and gpt-oss at bfloat16 take the bfloat16 attention and KV-write builds (Gemma 3
+    its norms too: a float32 (1 + weight), rounded once; gpt-oss's norms and rope stay on torch),
+    with the torch path's first tokens."""
     from mmserve.tiny_model import write_tiny_model
 
     lm = load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / arch, arch=arch, sliding_window=16)),
@@ -120,6 +121,7 @@ def test_other_architectures_at_bf16_run_the_attention_kernels(arch, tmp_path_fa
     with monkeypatch.context() as m:
         ours, calls = _generate(lm, m)
     assert calls["paged_decode"] and calls["paged_prefill"] and calls["write"], calls
+    assert bool(calls["add_rmsnorm"]) == (arch == "gemma3"), calls
     with monkeypatch.context() as m:
         _without_bf16_builds(m)
         theirs, calls = _generate(lm, m)

@@ -123,6 +123,31 @@ def test_add_rmsnorm_bf16_equals_the_bf16_module(path, t, h, with_add):
     assert (got == want).float().mean() > 0.95
 
 
+@pytest.mark.parametrize("with_add", [False, True])
+def test_add_rmsnorm_with_a_float32_weight_equals_gemma3s_norm_at_bf16(path, with_add):
+    """Gemma3RMSNorm at bfloat16 normalizes and multiplies by (1 + weight) in float32 and rounds
+    once: the kernel given that float32 weight does the same (within an ulp: the mean's sum order)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    t, h = 19, 72
+    g = torch.Generator().manual_seed(h)
+    base, y = (torch.randn(t, h, generator=g) * 3).to(BF), torch.randn(t, h, generator=g).to(BF)
+    norm = Gemma3RMSNorm(h, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(h, generator=g) * 0.5)
+    norm = norm.to(BF)
+    want_h = base + y if with_add else base.clone()
+    want = norm(want_h)
+    w1 = (1.0 + norm.weight.detach().float()).contiguous()
+    hh = base.clone()
+    assert cpu_fused.supports_norm_w32(hh, w1) and not cpu_fused.supports_norm(hh, w1)
+    got = cpu_fused.add_rmsnorm(hh, y if with_add else None, w1, 1e-6)
+    assert torch.equal(hh, want_h) and got.dtype == BF
+    ulp = torch.ldexp(torch.ones_like(want.float()), torch.frexp(want.float().abs())[1] - 8)
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+    assert (got == want).float().mean() > 0.95
+
+
 # ---------------------------------------------------------------- paged decode
 
 def _pool(g, hkv, slots, d, dtype):
