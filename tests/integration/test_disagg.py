@@ -211,3 +211,44 @@ def test_a_handover_from_another_geometry_is_recomputed(mimo16):
     assert adopted == {"r0": False} and dside.fallbacks == {"fingerprint": 1}
     assert [handovers[0].first_token] + got["r0"] == want["r0"]
     assert_clean(pe, de)
+
+
+def test_adoption_that_evicts_to_the_host_tier_keeps_every_cached_prefix_right(mimo16):
+    """A decode engine whose pools are full of other prompts' KV: adopting a hand-over evicts some
+    of it to the host tier, and the demotions copy it down before the hand-over overwrites those
+    slots (a returning prompt loaded back from the host still gives the unified engine's tokens)."""
+    from llm_svc.offload.host_kv import HostKV
+    from llm_svc.offload.tiers import KVTiers
+
+    lm = mimo16
+    first, second = preps(lm, seed=3), preps(lm, seed=4)
+    second = [PreparedRequest(request_id=f"b{i}", prompt_ids=p.prompt_ids, sampling=p.sampling)
+              for i, p in enumerate(second)]
+    want = unified(lm, first + second)
+    _, _, handovers = prefill_all(lm, second)
+    cfg = SchedulerConfig(window=W, max_batch_tokens=48, max_running=6)
+    num_full, num_swa = 200, cfg.min_swa_slots() + 40
+    model = build_model(lm.arch, lm.model)
+    runner = ModelRunner(model, num_full, num_swa)
+    sched = Scheduler(cfg, num_full, num_swa, num_host_full=2000, num_host_swa=400)
+    tiers = KVTiers(sched.kv, HostKV(runner.kv, [s.kind for s in model.layers], 2000, 400), None)
+    e = Engine(runner, sched, lm.eos_token_ids, tiers=tiers)
+    for p in first:
+        e.add(request(e, p))
+    got = drain(e)
+    side = DecodeSide(e, kv_fingerprint(e))
+    by_id = {p.request_id: p for p in second}
+    assert all(side.add(request(e, by_id[h.request_id]), h) for h in handovers)
+    got.update(drain(e))
+    assert e.stats()["tree_demoted_full"] > 0  # adoption (and the decodes) pushed the first prompts down
+    again = [PreparedRequest(request_id=f"{p.request_id}-again", prompt_ids=p.prompt_ids, sampling=p.sampling)
+             for p in first]
+    for p in again:
+        e.add(request(e, p))
+    got.update(drain(e))
+    assert e.stats()["tree_loaded_full"] > 0  # some came back from the host tier
+    for h in handovers:
+        assert [h.first_token] + got[h.request_id] == want[h.request_id]
+    for p in first:
+        assert got[p.request_id] == got[f"{p.request_id}-again"] == want[p.request_id]
+    assert_clean(e)
