@@ -20,6 +20,8 @@ from llm_svc.disagg.transport import TcpReceiver, TcpSender, frames
 from llm_svc.engine.engine import Engine
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
+from llm_svc.engine.spec import SpeculativeConfig
+from llm_svc.engine.speculate import Speculator
 from llm_svc.models import build_model
 from llm_svc.offload import kv_pack
 from llm_svc.types.request import PreparedRequest
@@ -32,11 +34,13 @@ PAGE = 16
 LENGTHS = (101, 40, 7)  # past the window by several windows (a short last page), past it, inside it
 
 
-def make_engine(lm, num_full=700, extra_swa=40) -> Engine:
+def make_engine(lm, num_full=700, extra_swa=40, spec: dict | None = None) -> Engine:
     cfg = SchedulerConfig(window=W, max_batch_tokens=48, max_running=6)
     num_swa = cfg.min_swa_slots() + extra_swa
+    sc = SpeculativeConfig.parse(spec)
     return Engine(ModelRunner(build_model(lm.arch, lm.model), num_full, num_swa),
-                  Scheduler(cfg, num_full, num_swa), lm.eos_token_ids)
+                  Scheduler(cfg, num_full, num_swa), lm.eos_token_ids,
+                  speculator=Speculator(sc, lm.eos_token_ids) if sc is not None else None)
 
 
 def preps(lm, seed=0, max_tokens=10) -> list[PreparedRequest]:
@@ -71,8 +75,8 @@ def unified(lm, reqs) -> dict[str, list[int]]:
     return drain(e)
 
 
-def prefill_all(lm, reqs):
-    e = make_engine(lm)
+def prefill_all(lm, reqs, engine: Engine | None = None):
+    e = engine or make_engine(lm)
     side = PrefillSide(e, PrefillConfig(PAGE, kv_fingerprint(e)))
     for p in reqs:
         side.add(request(e, p))
@@ -115,8 +119,8 @@ async def through_tcp(handovers, cut: dict[str, int] | None = None):
         await rx.close()
 
 
-def decode_all(lm, reqs, handovers):
-    e = make_engine(lm)
+def decode_all(lm, reqs, handovers, spec: dict | None = None):
+    e = make_engine(lm, spec=spec)
     side = DecodeSide(e, kv_fingerprint(e))
     by_id = {p.request_id: p for p in reqs}
     adopted = {h.request_id: side.add(request(e, by_id[h.request_id]), h) for h in handovers}
@@ -252,3 +256,30 @@ def test_adoption_that_evicts_to_the_host_tier_keeps_every_cached_prefix_right(m
     for p in first:
         assert got[p.request_id] == got[f"{p.request_id}-again"] == want[p.request_id]
     assert_clean(e)
+
+
+def test_prefix_hits_on_the_prefill_side_and_ngram_drafts_on_the_decode_side(mimo16):
+    """The second wave of prompts shares long prefixes with the first: the prefill engine serves
+    them from its prefix tree and still hands over the whole prompt's KV; the decode engine
+    speculates (n-gram, k = 4) from the adopted prefix; greedy output equals the unified engine's."""
+    lm = mimo16
+    base = preps(lm, seed=5, max_tokens=16)
+    g = torch.Generator().manual_seed(6)
+    follow = [PreparedRequest(request_id=f"{p.request_id}-next", sampling=p.sampling,
+                              prompt_ids=p.prompt_ids[:-2] + torch.randint(20, lm.vocab_size, (23,), generator=g).tolist())
+              for p in base]
+    want = unified(lm, base + follow)
+    pe = make_engine(lm)
+    _, _, first = prefill_all(lm, base, pe)
+    _, pside, second = prefill_all(lm, follow, pe)
+    assert pe.scheduler.stats()["cached_tokens"] > 0  # the follow-ups hit the prefill engine's tree
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+             "draft_policy": "fixed"}
+    received, _ = asyncio.run(through_tcp(first + second))
+    de, dside, adopted, got, cached = decode_all(lm, base + follow, received, spec=ngram)
+    assert all(adopted.values()) and dside.num_fallbacks == 0
+    for h in received:
+        assert [h.first_token] + got[h.request_id] == want[h.request_id], h.request_id
+        assert cached[h.request_id] == len(h.prompt_ids)
+    assert de.stats()["spec_num_drafts"] > 0  # the decode side did speculate
+    assert_clean(pe, de)
