@@ -7,6 +7,10 @@ pages into the pools and gives the slots to the prefix tree. The request then jo
 with the first token as its first output: its admission matches the whole prompt in the tree and
 its first step is the decode of that token, as in the unified engine.
 
+The adopted prefix stays locked in the tree until the request is admitted (its own match then
+holds it) or gone, so the KV is not evicted while the request waits: ``step`` releases those
+locks after each engine step.
+
 Anything that does not check out (or no room for the KV) and the request is queued the same way
 without the KV: it recomputes prompt + first token, as after a preemption, and never decodes from
 KV it could not prove. Each such fallback is counted by its reason.
@@ -19,7 +23,9 @@ from collections import Counter
 from llm_svc.attention import FULL, SLIDING
 from llm_svc.disagg.messages import FULL_PAGE, WINDOW_PAGE, Handover
 from llm_svc.engine.engine import Engine
+from llm_svc.kv.radix import LockHandle
 from llm_svc.offload import kv_pack
+from llm_svc.types.messages import CoreToken
 from llm_svc.types.request import Request
 
 
@@ -67,6 +73,7 @@ class DecodeSide:
         self.swa_token_bytes = kv_pack.token_bytes(runner.kv, self._kinds, SLIDING)
         self.stats = {"adopted": 0, "adopted_tokens": 0, "adopted_kv_bytes": 0}
         self.fallbacks: Counter[str] = Counter()  # reason -> requests that recomputed their prompt
+        self._held: dict[str, LockHandle] = {}  # adopted prefixes locked until their request is admitted
 
     def add(self, req: Request, h: Handover) -> bool:
         """Continue ``req`` (built from the same request the prefill side ran, with its own
@@ -83,14 +90,34 @@ class DecodeSide:
         reason = check(h, req, self.fingerprint, e.scheduler.config.window, self.full_token_bytes,
                        self.swa_token_bytes)
         if reason is None:
-            reason = self._adopt(h)
+            reason = self._adopt(h, req.req_id)
         if reason is not None:
             self.fallbacks[reason] += 1
         req.output_ids.append(h.first_token)
         e.add(req)
         return reason is None
 
-    def _adopt(self, h: Handover) -> str | None:
+    def step(self) -> list[CoreToken]:
+        """One engine step, then the locks of adopted prefixes whose request is admitted or gone
+        are released."""
+        outs = self.engine.step()
+        self.release_admitted()
+        return outs
+
+    def release_admitted(self) -> None:
+        """Unlock the adopted prefixes of requests now running (their own match holds the KV) or
+        ended; those still waiting (an L3 lookup, the queue) keep theirs."""
+        e = self.engine
+        sched = e.scheduler
+        for rid in [r for r in self._held
+                    if not e.is_live(r) or ((q := sched.requests.get(r)) is not None and q.kv is not None)]:
+            sched.kv.tree.unlock(self._held.pop(rid))
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def _adopt(self, h: Handover, req_id: str) -> str | None:
         """The pages into the pools and the tree; a reason when there is no room."""
         e = self.engine
         kv = e.scheduler.kv
@@ -110,7 +137,9 @@ class DecodeSide:
         except Exception:
             kv.give_back(full, swa)
             raise
-        kv.cache_adopted(list(h.prompt_keys), full, swa, w0)
+        keys = list(h.prompt_keys)
+        kv.cache_adopted(keys, full, swa, w0)
+        self._held[req_id] = kv.tree.lock(kv.tree.match_exact(keys))
         self.stats["adopted"] += 1
         self.stats["adopted_tokens"] += n
         self.stats["adopted_kv_bytes"] += h.kv_bytes

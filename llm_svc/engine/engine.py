@@ -152,6 +152,10 @@ class Engine:
     def num_live(self) -> int:
         return len(self._live)
 
+    def is_live(self, req_id: str) -> bool:
+        """``req_id`` was added and has not ended (waiting for anything, queued or running)."""
+        return req_id in self._live
+
     # ------------------------------------------------------------------ one step
     def step(self) -> list[CoreToken]:
         """Schedule, run, postprocess one batch, then close orphans; returns this step's token

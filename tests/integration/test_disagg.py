@@ -127,7 +127,7 @@ def decode_all(lm, reqs, handovers, spec: dict | None = None):
     cached: dict[str, int] = {}
 
     def step():
-        outs = e.step()
+        outs = side.step()
         for t in outs:
             cached.setdefault(t.request_id, t.num_cached_tokens)
         return outs
@@ -135,7 +135,8 @@ def decode_all(lm, reqs, handovers, spec: dict | None = None):
     return e, side, adopted, drain(e, step), cached
 
 
-def assert_clean(*engines: Engine) -> None:
+def assert_clean(*engines: Engine, sides: tuple[DecodeSide, ...] = ()) -> None:
+    assert all(side.num_held == 0 for side in sides)  # every adopted prefix's lock released
     for e in engines:
         e.scheduler.check_integrity()
         st = e.scheduler.stats()
@@ -172,7 +173,7 @@ def test_prefill_handover_over_tcp_then_decode_equals_unified(mimo16):
     assert len(long.pages) == -(-max(LENGTHS) // PAGE) + 1  # the full pages, the last one short, and the window
     assert sent >= sum(h.kv_bytes for h in handovers)  # every KV byte crossed the socket (plus the heads)
     assert pside.stats["handover_kv_bytes"] == dside.stats["adopted_kv_bytes"] == sum(h.kv_bytes for h in received)
-    assert_clean(pe, de)
+    assert_clean(pe, de, sides=(dside,))
 
 
 def test_corrupt_page_and_cut_transfer_recompute_with_the_same_output(mimo16):
@@ -201,7 +202,7 @@ def test_corrupt_page_and_cut_transfer_recompute_with_the_same_output(mimo16):
     for rid in want:
         assert [by_id[rid].first_token] + got[rid] == want[rid], rid
     assert cached["r0"] == cached["r1"] == 0 and cached["r2"] == LENGTHS[2]  # the bad ones recomputed
-    assert_clean(pe, de)
+    assert_clean(pe, de, sides=(dside,))
 
 
 def test_a_handover_from_another_geometry_is_recomputed(mimo16):
@@ -214,7 +215,7 @@ def test_a_handover_from_another_geometry_is_recomputed(mimo16):
     de, dside, adopted, got, _ = decode_all(lm, reqs, foreign)
     assert adopted == {"r0": False} and dside.fallbacks == {"fingerprint": 1}
     assert [handovers[0].first_token] + got["r0"] == want["r0"]
-    assert_clean(pe, de)
+    assert_clean(pe, de, sides=(dside,))
 
 
 def test_adoption_that_evicts_to_the_host_tier_keeps_every_cached_prefix_right(mimo16):
@@ -243,19 +244,19 @@ def test_adoption_that_evicts_to_the_host_tier_keeps_every_cached_prefix_right(m
     side = DecodeSide(e, kv_fingerprint(e))
     by_id = {p.request_id: p for p in second}
     assert all(side.add(request(e, by_id[h.request_id]), h) for h in handovers)
-    got.update(drain(e))
+    got.update(drain(e, side.step))
     assert e.stats()["tree_demoted_full"] > 0  # adoption (and the decodes) pushed the first prompts down
     again = [PreparedRequest(request_id=f"{p.request_id}-again", prompt_ids=p.prompt_ids, sampling=p.sampling)
              for p in first]
     for p in again:
         e.add(request(e, p))
-    got.update(drain(e))
+    got.update(drain(e, side.step))
     assert e.stats()["tree_loaded_full"] > 0  # some came back from the host tier
     for h in handovers:
         assert [h.first_token] + got[h.request_id] == want[h.request_id]
     for p in first:
         assert got[p.request_id] == got[f"{p.request_id}-again"] == want[p.request_id]
-    assert_clean(e)
+    assert_clean(e, sides=(side,))
 
 
 def test_prefix_hits_on_the_prefill_side_and_ngram_drafts_on_the_decode_side(mimo16):
@@ -282,4 +283,46 @@ def test_prefix_hits_on_the_prefill_side_and_ngram_drafts_on_the_decode_side(mim
         assert [h.first_token] + got[h.request_id] == want[h.request_id], h.request_id
         assert cached[h.request_id] == len(h.prompt_ids)
     assert de.stats()["spec_num_drafts"] > 0  # the decode side did speculate
-    assert_clean(pe, de)
+    assert_clean(pe, de, sides=(dside,))
+
+
+def test_an_adopted_prefix_is_not_evicted_before_its_request_is_admitted(mimo16):
+    """Eviction between the adoption and the request's admission (pools under pressure) cannot
+    take the adopted KV: it stays locked until the request holds it, then is released."""
+    lm = mimo16
+    reqs = preps(lm, seed=7)[:1]
+    want = unified(lm, reqs)
+    pe, _, handovers = prefill_all(lm, reqs)
+    e = make_engine(lm)
+    side = DecodeSide(e, kv_fingerprint(e))
+    assert side.add(request(e, reqs[0]), handovers[0])
+    kv = e.scheduler.kv
+    n = len(reqs[0].prompt_ids)
+    assert side.num_held == 1 and kv.tree.full_tokens == n
+    kv.tree.evict(kv.full_pool.num_slots, kv.swa_pool.num_slots)  # everything evictable goes
+    assert kv.tree.full_tokens == n  # but not the adopted prompt
+    cached: dict[str, int] = {}
+
+    def step():
+        outs = side.step()
+        for t in outs:
+            cached.setdefault(t.request_id, t.num_cached_tokens)
+        return outs
+
+    got = drain(e, step)
+    assert [handovers[0].first_token] + got["r0"] == want["r0"] and cached["r0"] == n
+    assert_clean(pe, e, sides=(side,))
+
+
+def test_an_adopted_request_aborted_before_admission_leaks_nothing(mimo16):
+    lm = mimo16
+    reqs = preps(lm, seed=8)[:1]
+    pe, _, handovers = prefill_all(lm, reqs)
+    e = make_engine(lm)
+    side = DecodeSide(e, kv_fingerprint(e))
+    assert side.add(request(e, reqs[0]), handovers[0])
+    e.abort("r0")
+    outs = side.step()
+    assert [(t.request_id, t.finish_reason) for t in outs] == [("r0", "abort")]
+    assert_clean(pe, e, sides=(side,))
+    assert e.scheduler.kv.tree.evictable_full() == len(reqs[0].prompt_ids)  # the adopted KV is plain cache now
