@@ -95,6 +95,7 @@ class DecodeSide:
             self.fallbacks[reason] += 1
         req.output_ids.append(h.first_token)
         e.add(req)
+        e.skip_draw(req.req_id)  # the prefill side drew the first token
         return reason is None
 
     def step(self) -> list[CoreToken]:

@@ -326,3 +326,20 @@ def test_an_adopted_request_aborted_before_admission_leaks_nothing(mimo16):
     assert [(t.request_id, t.finish_reason) for t in outs] == [("r0", "abort")]
     assert_clean(pe, e, sides=(side,))
     assert e.scheduler.kv.tree.evictable_full() == len(reqs[0].prompt_ids)  # the adopted KV is plain cache now
+
+
+def test_seeded_sampling_through_a_handover_equals_unified(mimo16):
+    """A seeded sampled request draws one uniform a token from its own generator: the decode side
+    skips the draw the prefill side made for the first token, so every later token is the unified
+    engine's."""
+    lm = mimo16
+    reqs = [PreparedRequest(request_id=p.request_id, prompt_ids=p.prompt_ids,
+                            sampling=SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=1000 + i))
+            for i, p in enumerate(preps(lm, seed=9))]
+    want = unified(lm, reqs)
+    pe, _, handovers = prefill_all(lm, reqs)
+    de, dside, adopted, got, _ = decode_all(lm, reqs, handovers)
+    assert all(adopted.values())
+    for h in handovers:
+        assert [h.first_token] + got[h.request_id] == want[h.request_id], h.request_id
+    assert_clean(pe, de, sides=(dside,))
