@@ -35,12 +35,22 @@ LENGTHS = (101, 40, 7)  # past the window by several windows (a short last page)
 
 
 def make_engine(lm, num_full=700, extra_swa=40, spec: dict | None = None) -> Engine:
-    cfg = SchedulerConfig(window=W, max_batch_tokens=48, max_running=6)
+    model = build_model(lm.arch, lm.model)
+    cfg = SchedulerConfig(window=model.window, max_batch_tokens=48, max_running=6)
     num_swa = cfg.min_swa_slots() + extra_swa
+    runner = ModelRunner(model, num_full, num_swa)
     sc = SpeculativeConfig.parse(spec)
-    return Engine(ModelRunner(build_model(lm.arch, lm.model), num_full, num_swa),
-                  Scheduler(cfg, num_full, num_swa), lm.eos_token_ids,
-                  speculator=Speculator(sc, lm.eos_token_ids) if sc is not None else None)
+    speculator = None
+    if sc is not None:
+        mtp = None
+        if sc.method == "mtp":
+            from llm_svc.engine.mtp_runner import MTPRunner
+
+            sc = sc.with_mtp_layers(len(lm.model.mtp))
+            mtp = MTPRunner(runner, lm.model.mtp[:sc.num_speculative_tokens], lm.model.get_input_embeddings(),
+                            lm.model.get_output_embeddings(), model.window)
+        speculator = Speculator(sc, lm.eos_token_ids, mtp)
+    return Engine(runner, Scheduler(cfg, num_full, num_swa), lm.eos_token_ids, speculator=speculator)
 
 
 def preps(lm, seed=0, max_tokens=10) -> list[PreparedRequest]:
@@ -68,8 +78,8 @@ def drain(engine: Engine, step=None, max_steps=2000) -> dict[str, list[int]]:
     raise AssertionError("engine did not finish")
 
 
-def unified(lm, reqs) -> dict[str, list[int]]:
-    e = make_engine(lm)
+def unified(lm, reqs, spec: dict | None = None) -> dict[str, list[int]]:
+    e = make_engine(lm, spec=spec)
     for p in reqs:
         e.add(request(e, p))
     return drain(e)
@@ -342,4 +352,32 @@ def test_seeded_sampling_through_a_handover_equals_unified(mimo16):
     assert all(adopted.values())
     for h in handovers:
         assert [h.first_token] + got[h.request_id] == want[h.request_id], h.request_id
+    assert_clean(pe, de, sides=(dside,))
+
+
+@pytest.fixture(scope="module")
+def mimo_mtp(tmp_path_factory):
+    """The tiny published-layout MiMo-V2.5 with its 3 MTP layers, window 32."""
+    from llm_svc.loading.loader import load_lm
+    from mmserve.tiny_model import write_tiny_model
+
+    return load_lm(str(write_tiny_model(tmp_path_factory.mktemp("b") / "v25", arch="mimo-v2.5", sliding_window=32)))
+
+
+def test_mtp_speculation_on_the_decode_side_keeps_the_output(mimo_mtp):
+    """The MTP layers' KV of the prompt is not handed over (their drafts are weaker for a window);
+    verification keeps the output the unified engine's, with and without MTP there."""
+    lm = mimo_mtp
+    mtp = {"method": "mtp", "num_speculative_tokens": 3, "draft_policy": "fixed"}
+    reqs = preps(lm, seed=10, max_tokens=24)
+    want = unified(lm, reqs)
+    assert unified(lm, reqs, spec=mtp) == want
+    pe, _, handovers = prefill_all(lm, reqs)
+    assert handovers[0].window == 32 and handovers[0].pages[-1].tokens == 32
+    de, dside, adopted, got, cached = decode_all(lm, reqs, handovers, spec=mtp)
+    assert all(adopted.values())
+    for h in handovers:
+        assert [h.first_token] + got[h.request_id] == want[h.request_id], h.request_id
+        assert cached[h.request_id] == len(h.prompt_ids)
+    assert de.stats()["spec_num_drafts"] > 0
     assert_clean(pe, de, sides=(dside,))
