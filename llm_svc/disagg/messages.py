@@ -5,23 +5,25 @@ them differ), the first token the prefill sampled, and its KV as ``KVPage``s in 
 page format (``llm_svc.offload.kv_pack``): the full-attention layers' KV of every prompt position
 in pages of ``page_tokens`` (the last one may be short), then one page of the sliding layers' KV
 of the last ``min(W, n)`` positions, the only ones a later token attends to. Each page names its
-kind, first position and token count, and carries its byte length and a BLAKE2b-128 digest of
-its header and bytes, so the decode side can prove every byte arrived as it left.
+kind, first position and token count, and carries its byte length and a digest of
+its header and bytes (XXH3-128), so the decode side can prove every byte arrived as it left.
 """
 
 from __future__ import annotations
 
-import hashlib
-
 import msgspec
+import xxhash
 
 FULL_PAGE = "full"
 WINDOW_PAGE = "sliding"
 
 
 def page_digest(kind: str, start: int, tokens: int, data: bytes) -> bytes:
-    """BLAKE2b-128 over the page's header and bytes (a page moved or relabelled fails too)."""
-    h = hashlib.blake2b(f"{kind}:{start}:{tokens}:".encode(), digest_size=16)
+    """XXH3-128 over the page's header and bytes (a page moved or relabelled fails too). An
+    integrity check, not an authentication: 13.4 GiB/s on the 2-core test VM against 0.86 for
+    BLAKE2b and 2.0 for CRC32, i.e. 17 ms instead of 270 ms for a 4,096-token MiMo-V2.5-Pro
+    hand-over (238 MiB) on each side."""
+    h = xxhash.xxh3_128(f"{kind}:{start}:{tokens}:".encode())
     h.update(data)
     return h.digest()
 

@@ -12,7 +12,7 @@ import pytest
 from llm_svc.disagg.decode import check
 from llm_svc.disagg.messages import (FULL_PAGE, WINDOW_PAGE, Handover, KVPage, full_attention_bytes,
                                      handover_bytes)
-from llm_svc.disagg.transport import TransferError, frames, read_handover
+from llm_svc.disagg.transport import TransferError, HandoverProtocol, frames
 from llm_svc.types.request import Request
 
 pytestmark = pytest.mark.unit
@@ -79,36 +79,55 @@ def test_a_page_relabelled_onto_other_positions_fails_its_digest():
     assert why(h) == "digest"
 
 
-def read_all(blob: bytes) -> list[Handover | None | str]:
-    async def go():
-        r = asyncio.StreamReader()
-        r.feed_data(blob)
-        r.feed_eof()
-        out = []
-        while True:
-            try:
-                h = await read_handover(r)
-            except TransferError as e:
-                out.append(f"error: {e}")
-                return out
-            out.append(h)
-            if h is None:
-                return out
-    return asyncio.run(go())
+class _Transport:
+    def close(self) -> None:
+        pass
+
+
+def read_all(blob: bytes, chunk: int = 7) -> list[Handover | str]:
+    """What the receiver's protocol makes of ``blob`` arriving ``chunk`` bytes at a time, then
+    the connection closing: hand-overs, or ``error: ...``."""
+    q: asyncio.Queue = asyncio.Queue()
+    proto = HandoverProtocol(q)
+    proto.connection_made(_Transport())
+    for i in range(0, len(blob), chunk):
+        part = blob[i:i + chunk]
+        while part:
+            buf = proto.get_buffer(len(part))
+            n = min(len(buf), len(part))
+            buf[:n] = part[:n]
+            proto.buffer_updated(n)
+            part = part[n:]
+    proto.connection_lost(None)
+    out = []
+    while not q.empty():
+        got = q.get_nowait()
+        out.append(f"error: {got}" if isinstance(got, TransferError) else got)
+    return out
 
 
 def test_the_wire_round_trips_and_a_cut_is_short_pages_or_an_error():
     h, h2 = handover(), handover(3)
-    assert read_all(b"".join(frames(h)) + b"".join(frames(h2))) == [h, h2, None]
+    two = b"".join(frames(h)) + b"".join(frames(h2))
+    for chunk in (1, 7, len(two)):
+        assert read_all(two, chunk) == [h, h2]
+    assert read_all(b"") == []  # a connection closed between hand-overs
     head, *pages = frames(h)
     for cut in range(1, len(head)):  # inside the length or the head: an error, no hand-over
         (got,) = read_all(head[:cut])
         assert got.startswith("error: ")
     blob = b"".join([head, *pages])
     for cut in range(len(head), len(blob)):
-        got = read_all(blob[:cut])[0]
+        (got,) = read_all(blob[:cut])
         assert isinstance(got, Handover) and got.prompt_ids == h.prompt_ids
         assert why(got) == ("truncated" if cut < len(blob) else None)
+
+
+def test_a_head_too_big_or_malformed_is_an_error():
+    (got,) = read_all((1 << 40).to_bytes(8, "big") + b"x" * 100)
+    assert got.startswith("error: hand-over head of")
+    (got,) = read_all((5).to_bytes(8, "big") + b"\xc1\xc1\xc1\xc1\xc1")
+    assert got.startswith("error: hand-over head unreadable")
 
 
 def test_mimo_v25_pro_moves_under_a_fifth_of_a_full_attention_transfer():
