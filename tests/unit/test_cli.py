@@ -88,3 +88,14 @@ def test_the_llm_role_and_vllms_kv_role_names(monkeypatch, capsys):
         settings(["llm", "--model", "/m", "--role", "encode"])
     err = capsys.readouterr().err
     assert "--role / MMSERVE_LLM_ROLE" in err and "prefill, decode or both" in err and "kv_producer" in err
+
+
+def test_the_role_is_on_metrics():
+    from llm_svc.front.metrics import LLMMetrics
+    from llm_svc.types.request import BackendStats
+
+    m = LLMMetrics()
+    assert 'mmserve_llm_role{role="both"} 1.0' in m.render(BackendStats()).decode()  # today's default
+    m.set_role("decode")
+    text = m.render(BackendStats()).decode()
+    assert 'mmserve_llm_role{role="decode"} 1.0' in text and 'mmserve_llm_role{role="both"} 0.0' in text
