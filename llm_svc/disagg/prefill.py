@@ -52,10 +52,12 @@ class PrefillConfig:
 @dataclass
 class PrefillStep:
     """One step's results: ``handovers`` ready to send, ``failed`` (errors and aborts of requests
-    that never reached their first token, as the engine reported them)."""
+    that never reached their first token, as the engine reported them), and ``outputs``: the
+    engine's outputs of requests added to it directly (a ``both`` replica serves those as usual)."""
 
     handovers: list[Handover] = field(default_factory=list)
     failed: list[CoreToken] = field(default_factory=list)
+    outputs: list[CoreToken] = field(default_factory=list)
 
 
 class PrefillSide:
@@ -85,6 +87,7 @@ class PrefillSide:
         for t in self.engine.step():
             got = self._pending.pop(t.request_id, None)
             if got is None:
+                out.outputs.append(t)
                 continue
             if t.token_id is None or t.error is not None:
                 out.failed.append(t)

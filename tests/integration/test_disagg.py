@@ -381,3 +381,33 @@ def test_mtp_speculation_on_the_decode_side_keeps_the_output(mimo_mtp):
         assert cached[h.request_id] == len(h.prompt_ids)
     assert de.stats()["spec_num_drafts"] > 0
     assert_clean(pe, de, sides=(dside,))
+
+
+def test_a_decode_engine_without_prefix_cache_recomputes_and_a_prefill_engine_serves_its_own_requests(mimo16):
+    lm = mimo16
+    reqs = preps(lm, seed=11)
+    want = unified(lm, reqs)
+    pe = make_engine(lm)
+    side = PrefillSide(pe, PrefillConfig(PAGE, kv_fingerprint(pe)))
+    side.add(request(pe, reqs[0]))
+    for p in reqs[1:]:  # a "both" replica: requests served here beside the ones handed over
+        pe.add(request(pe, p))
+    handovers, own = [], {}
+    while side.has_work():
+        got = side.step()
+        handovers += got.handovers
+        for t in got.outputs:
+            own.setdefault(t.request_id, []).append(t.token_id)
+    assert [h.request_id for h in handovers] == ["r0"]
+    assert own == {p.request_id: want[p.request_id] for p in reqs[1:]}
+    model = build_model(lm.arch, lm.model)
+    cfg = SchedulerConfig(window=W, max_batch_tokens=48, max_running=6, enable_prefix_cache=False)
+    num_swa = cfg.min_swa_slots() + 40
+    de = Engine(ModelRunner(model, 700, num_swa), Scheduler(cfg, 700, num_swa), lm.eos_token_ids)
+    dside = DecodeSide(de, kv_fingerprint(de))
+    assert not dside.add(request(de, reqs[0]), handovers[0])
+    assert dside.fallbacks == {"no_prefix_cache": 1}
+    got = drain(de, dside.step)
+    assert [handovers[0].first_token] + got["r0"] == want["r0"]
+    assert_clean(pe, sides=(dside,))
+    de.scheduler.check_integrity()
