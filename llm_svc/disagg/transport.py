@@ -29,6 +29,8 @@ from llm_svc.disagg.messages import Handover, KVPage
 
 _LEN = struct.Struct(">Q")
 MAX_HEAD_BYTES = 64 * 1024 * 1024
+# a hand-over's pages in all: a 128K-token MiMo-V2.5-Pro prompt moves 6.3 GiB (bf16)
+MAX_HANDOVER_BYTES = 16 * 1024**3
 
 
 class TransferError(Exception):
@@ -98,8 +100,9 @@ class HandoverProtocol(asyncio.BufferedProtocol):
     Every hand-over, or ``TransferError``, goes to ``out``. Parts: ``len`` (8 bytes), ``head``,
     then ``page`` after page."""
 
-    def __init__(self, out: asyncio.Queue) -> None:
+    def __init__(self, out: asyncio.Queue, max_bytes: int = MAX_HANDOVER_BYTES) -> None:
         self.out = out
+        self.max_bytes = max_bytes
         self.transport: asyncio.BaseTransport | None = None
         self._next_handover()
 
@@ -134,6 +137,9 @@ class HandoverProtocol(asyncio.BufferedProtocol):
                 self._head = msgspec.msgpack.decode(self._buf, type=Handover)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 return self._fail(f"hand-over head unreadable: {type(e).__name__}")
+            total = sum(p.nbytes for p in self._head.pages)
+            if total > self.max_bytes or any(p.nbytes < 0 for p in self._head.pages):
+                return self._fail(f"hand-over of {total} bytes (at most {self.max_bytes})")
         else:
             self._pages.append(msgspec.structs.replace(self._head.pages[len(self._pages)], data=bytes(self._buf)))
         if len(self._pages) == len(self._head.pages):
@@ -166,16 +172,20 @@ class TcpReceiver(HandoverReceiver):
     """Listens on ``host:port`` (0: any free port, then ``port`` says which); hand-overs from
     every connection arrive in one queue."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = MAX_HANDOVER_BYTES) -> None:
         self._queue: asyncio.Queue[Handover | TransferError] = asyncio.Queue()
         self._server: asyncio.AbstractServer | None = None
+        self.max_bytes = max_bytes
         self.port = 0
 
     @classmethod
-    async def listen(cls, host: str = "127.0.0.1", port: int = 0) -> "TcpReceiver":
-        r = cls()
+    async def listen(cls, host: str = "127.0.0.1", port: int = 0,
+                     max_bytes: int = MAX_HANDOVER_BYTES) -> "TcpReceiver":
+        """``max_bytes``: the most page bytes one hand-over may announce (its head is refused
+        past it, before anything is allocated)."""
+        r = cls(max_bytes)
         loop = asyncio.get_running_loop()
-        r._server = await loop.create_server(lambda: HandoverProtocol(r._queue), host, port)
+        r._server = await loop.create_server(lambda: HandoverProtocol(r._queue, max_bytes), host, port)
         r.port = r._server.sockets[0].getsockname()[1]
         return r
 

@@ -84,11 +84,11 @@ class _Transport:
         pass
 
 
-def read_all(blob: bytes, chunk: int = 7) -> list[Handover | str]:
+def read_all(blob: bytes, chunk: int = 7, **limits) -> list[Handover | str]:
     """What the receiver's protocol makes of ``blob`` arriving ``chunk`` bytes at a time, then
     the connection closing: hand-overs, or ``error: ...``."""
     q: asyncio.Queue = asyncio.Queue()
-    proto = HandoverProtocol(q)
+    proto = HandoverProtocol(q, **limits)
     proto.connection_made(_Transport())
     for i in range(0, len(blob), chunk):
         part = blob[i:i + chunk]
@@ -143,3 +143,14 @@ def test_mimo_v25_pro_moves_under_a_fifth_of_a_full_attention_transfer():
     assert ratio(4096) == pytest.approx(0.1696, abs=1e-4) and ratio(4096) <= 0.2
     assert ratio(32768) == pytest.approx(0.1462, abs=1e-4)
     assert ratio(1 << 24) == pytest.approx(f / (f + s), abs=1e-4)  # the geometry's limit, 1/7
+
+
+def test_a_head_announcing_more_than_the_bound_is_refused_before_anything_is_allocated():
+    h = handover()
+    blob = b"".join(frames(h))
+    assert read_all(blob, max_bytes=h.kv_bytes) == [h]
+    (got,) = read_all(blob, max_bytes=h.kv_bytes - 1)
+    assert got == f"error: hand-over of {h.kv_bytes} bytes (at most {h.kv_bytes - 1})"
+    huge = with_page(h, 0, nbytes=1 << 50)  # a head may claim anything: no 1 PiB buffer follows
+    (got,) = read_all(frames(huge)[0])
+    assert got.startswith("error: hand-over of")
