@@ -21,6 +21,7 @@ from llm_svc.engine.textproc import token_finish_reason
 from llm_svc.offload import kv_pack
 from llm_svc.types.messages import CoreToken
 from llm_svc.types.request import Request
+from shared.schemas import SamplingParams
 
 
 def kv_fingerprint(engine: Engine, model_id: str = "") -> str:
@@ -66,7 +67,7 @@ class PrefillSide:
     def __init__(self, engine: Engine, config: PrefillConfig) -> None:
         self.engine = engine
         self.config = config
-        self._pending: dict[str, tuple[Request, object]] = {}  # id -> (request, its own sampling)
+        self._pending: dict[str, tuple[Request, SamplingParams]] = {}  # id -> (request, its own sampling)
         self.stats = {"handovers": 0, "handovers_without_kv": 0, "handover_kv_bytes": 0}
 
     def add(self, req: Request) -> None:
@@ -83,6 +84,8 @@ class PrefillSide:
         return self.engine.has_work()
 
     def step(self) -> PrefillStep:
+        """One engine step; the requests that reached their first token leave as hand-overs,
+        exported now (before a later schedule could evict their prompt's KV)."""
         out = PrefillStep()
         for t in self.engine.step():
             got = self._pending.pop(t.request_id, None)
