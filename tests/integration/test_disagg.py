@@ -24,8 +24,9 @@ from tests.disagg_engines import (LENGTHS, PAGE, W, assert_clean, decode_all, ma
 pytestmark = pytest.mark.integration
 
 
-def test_prefill_handover_over_tcp_then_decode_equals_unified(mimo16):
-    lm = mimo16
+@pytest.mark.parametrize("model", ["mimo16", "gemma16"])  # MiMo: sinks, qk != v; Gemma 3: soft-cap
+def test_prefill_handover_over_tcp_then_decode_equals_unified(model, request):
+    lm = request.getfixturevalue(model)
     reqs = preps(lm)
     want = unified(lm, reqs)
     pe, pside, handovers = prefill_all(lm, reqs)
