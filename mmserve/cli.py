@@ -36,6 +36,7 @@ SETTINGS_ALIASES = {
     "max-running": "max-num-seqs",
     "max-batch-tokens": "max-num-batched-tokens",
     "enable-prefix-cache": "enable-prefix-caching",
+    "role": "kv-role",
 }
 
 

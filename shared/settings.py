@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 from typing import Annotated, Literal
 
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -42,6 +42,28 @@ def length_bucket_range(label: str) -> tuple[int, int]:
     if not sep or not lo.strip().isdigit() or not hi.strip().isdigit() or int(lo) >= int(hi):
         raise ValueError(f"length bucket {label!r}: use short, medium, long or LO-HI tokens with LO < HI")
     return int(lo), int(hi)
+
+
+# prefill / decode disaggregation (issue 48): what one LLM replica runs, and vLLM's KV-connector
+# names for the same roles (kv_transfer_config's kv_role)
+LLM_ROLES = ("prefill", "decode", "both")
+VLLM_KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+
+
+def llm_role(value: object) -> object:
+    """``prefill`` / ``decode`` / ``both``, or vLLM's ``kv_producer`` / ``kv_consumer`` /
+    ``kv_both`` (same meaning); anything else is refused with the accepted names."""
+    if not isinstance(value, str):
+        return value
+    v = value.strip().lower().replace("-", "_")
+    v = VLLM_KV_ROLES.get(v, v)
+    if v not in LLM_ROLES:
+        raise ValueError(f"role must be prefill, decode or both (vLLM's kv_producer, kv_consumer, kv_both), "
+                         f"got {value!r}")
+    return v
+
+
+LLMRole = Annotated[Literal["prefill", "decode", "both"], BeforeValidator(llm_role)]
 
 
 KV_EVENTS_STREAM = "mmserve:kv-events"
@@ -191,6 +213,11 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         if v is not None:
             length_bucket_range(v)  # raises on a bad label
         return v
+    role: LLMRole = Field(
+        default="both", description="prefill / decode disaggregation (docs/disagg.md): prefill (run prompts to their "
+        "first token and hand the KV over), decode (continue requests from a hand-over), both (today's unified "
+        "replica); vLLM's kv_role names kv_producer, kv_consumer, kv_both are accepted with that meaning",
+    )
     # swa engine
     kv_bytes: int = Field(
         default=256 * 1024 * 1024, ge=0, description="bytes of the device KV pools (full and SWA layers together) "

@@ -33,7 +33,7 @@ from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.grammar import GrammarCache, GrammarError
 from llm_svc.engine.grammar_errors import CompilerUnavailable
 from llm_svc.engine.live import Compiling, Live, Prefetch
-from llm_svc.engine.sampler import make_generator, sample, suppress
+from llm_svc.engine.sampler import make_generator, sample, skip_draw, suppress
 from llm_svc.engine.scheduler import Scheduler
 from llm_svc.engine.stages import Draft, GrammarMask, Logprobs, Penalties, Verify
 from llm_svc.engine.stages.grammar_mask import BROKEN, STUCK
@@ -151,6 +151,18 @@ class Engine:
     @property
     def num_live(self) -> int:
         return len(self._live)
+
+    def skip_draw(self, req_id: str) -> None:
+        """``req_id``'s own generator (a seeded or sampled request) skips one token's draw: its
+        first token was sampled on another engine (a prefill replica), so its next one draws what
+        the unified engine's would."""
+        lv = self._live.get(req_id)
+        if lv is not None and lv.generator is not None:
+            skip_draw(lv.generator, self.runner.device)
+
+    def is_live(self, req_id: str) -> bool:
+        """``req_id`` was added and has not ended (waiting for anything, queued or running)."""
+        return req_id in self._live
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[CoreToken]:

@@ -65,6 +65,12 @@ def _uniform_row(u_row: torch.Tensor, g: torch.Generator) -> None:
         u_row.copy_(torch.rand(u_row.shape, generator=g, device=g.device, dtype=u_row.dtype))
 
 
+def skip_draw(g: torch.Generator, device: torch.device | str) -> None:
+    """Advance ``g`` past the draw of one sampled row, as ``sample`` makes it on ``device`` (the
+    token was sampled elsewhere: a prefill replica's first token)."""
+    _uniform_row(torch.empty(1, device=device, dtype=torch.float64), g)
+
+
 def suppress(logits: torch.Tensor, banned: dict[int, list[int]]) -> torch.Tensor:
     """logits [B, V] -> a copy with ``banned[row]`` token ids at -inf in that row (EOS before
     ``min_tokens``); ``logits`` itself is left as it is (logprobs report the raw model)."""

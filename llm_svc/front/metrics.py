@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from shared.malloc_tuning import heap_gauge
+from shared.settings import LLM_ROLES
 
 from llm_svc.types.request import BackendStats
 
@@ -56,6 +57,10 @@ class LLMMetrics:
         self._core_auth_failures = 0  # the core's count when last folded in
         self.deadline_drops = Counter("mmserve_llm_deadline_drops", "Requests stopped because their deadline passed",
                                       registry=r)
+        # prefill / decode disaggregation (docs/disagg.md): 1 on this replica's role, 0 on the others
+        self.role = Gauge("mmserve_llm_role", "This replica's role: prefill, decode or both (1 on its own)",
+                          ["role"], registry=r)
+        self.set_role("both")
         self.admitted = Gauge("mmserve_llm_admitted_in_flight", "Requests holding an admission slot", registry=r)
         self.running = Gauge("mmserve_llm_running_requests", "Requests being generated", registry=r)
         self.waiting = Gauge("mmserve_llm_waiting_requests", "Requests waiting to start", registry=r)
@@ -91,6 +96,10 @@ class LLMMetrics:
 
     def watch_admission(self, admission) -> None:
         self.admitted.set_function(lambda: admission.in_flight)
+
+    def set_role(self, role: str) -> None:
+        for r in LLM_ROLES:
+            self.role.labels(r).set(1 if r == role else 0)
 
     def render(self, stats: BackendStats) -> bytes:
         self.running.set(stats.running)

@@ -88,6 +88,7 @@ class ServiceState:
         # no queue here: the engine's scheduler is the queue; past the bound the front says 429
         self.admission = Admission(AdmissionConfig(self.settings.max_in_flight), "LLM service")
         self.metrics.watch_admission(self.admission)
+        self.metrics.set_role(self.settings.role)
 
     @property
     def in_flight(self):

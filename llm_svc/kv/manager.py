@@ -231,6 +231,41 @@ class KVManager:
         seq.keep_ends = ()
         return added
 
+    # ------------------------------------------------------------------ KV computed elsewhere
+    def adopt(self, n: int, window_from: int) -> tuple[list[int], list[int]] | None:
+        """Slots for the KV of ``n`` positions computed elsewhere (a prefill replica's hand-over):
+        a full slot for each of ``[0, n)``, a SWA slot for each of ``[window_from, n)``, evicting
+        cached KV if needed. None (nothing taken) without a prefix cache or when the pools cannot
+        hold it. Eviction may record tier copies of the slots handed out: the caller runs them
+        (``take_ops``) before writing the KV, then gives the slots to the tree (``cache_adopted``)
+        before the next ``schedule``."""
+        assert 0 <= window_from <= n
+        if not self.enable_prefix_cache or n < 1:
+            return None
+        need_full, need_swa = n, n - window_from
+        if need_full > self.available_full() or need_swa > self.available_swa():
+            return None
+        short_full = need_full - self.full_pool.num_free
+        short_swa = need_swa - self.swa_pool.num_free
+        if short_full > 0 or short_swa > 0:
+            self.tree.evict(max(0, short_full), max(0, short_swa))
+        full = self.full_pool.alloc(need_full)
+        swa = self.swa_pool.alloc(need_swa)
+        assert full is not None and swa is not None, "eviction freed less than it promised"
+        return full, swa
+
+    def cache_adopted(self, keys: list[int], full: list[int], swa: list[int], window_from: int) -> int:
+        """Hand ``adopt``'s slots, now holding the KV of ``keys``, to the prefix tree (positions
+        before ``window_from`` have no SWA KV); a request with that prefix then hits it like any
+        cached prefix. Returns the tokens newly cached (slots of keys the tree had are freed)."""
+        assert len(full) == len(keys) and len(swa) == len(keys) - window_from
+        return self.tree.insert(keys, full, [NO_SLOT] * window_from + swa, 0)
+
+    def give_back(self, full: list[int], swa: list[int]) -> None:
+        """``adopt``'s slots when their KV cannot be used after all."""
+        self.full_pool.free(full)
+        self.swa_pool.free(swa)
+
     # ------------------------------------------------------------------ lower-tier notes
     def note_l3(self, seq: SeqKV, keys: list[int], upto: int, boundaries: list[int] = ()) -> None:
         """Note the KV of positions ``< upto`` (computed) for the lower tier, with the SWA window

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from llm_svc.attention import FULL, LayerKV
+from llm_svc.offload import kv_pack
 
 
 class HostKV:
@@ -69,15 +70,8 @@ class HostKV:
             torch.cuda.current_stream().synchronize()  # host tensors are read/written next
 
     def pack(self, kind: str, slots: list[int]) -> bytes:
-        """KV of device ``slots`` of ``kind`` as bytes (module doc)."""
-        parts = []
-        for kv, k in zip(self.device_kv, self.kinds):
-            if k != kind:
-                continue
-            idx = torch.tensor(slots, dtype=torch.long, device=kv.k.device)
-            for t in (kv.k, kv.v):
-                parts.append(t.index_select(1, idx).cpu().contiguous().view(torch.uint8).reshape(-1))
-        return torch.cat(parts).numpy().tobytes() if parts else b""
+        """KV of device ``slots`` of ``kind`` as bytes (module doc; ``llm_svc.offload.kv_pack``)."""
+        return kv_pack.pack(self.device_kv, self.kinds, kind, slots)
 
     def unpack_to_host(self, kind: str, data: bytes, n: int, rows: list[int], host_slots: list[int]) -> None:
         """Write rows ``rows`` (token indices in ``data``, ``n`` tokens in all) of packed ``data``

@@ -75,3 +75,27 @@ def test_a_bad_value_names_its_flag_and_variable(capsys):
         settings(["llm", "--model", "/m", "--max-model-len", "many"])
     assert e.value.code == 2
     assert "--max-model-len / MMSERVE_LLM_MAX_MODEL_LEN" in capsys.readouterr().err
+
+
+def test_the_llm_role_and_vllms_kv_role_names(monkeypatch, capsys):
+    assert settings(["llm", "--model", "/m"]).role == "both"  # today's unified replica
+    assert settings(["llm", "--model", "/m", "--role", "prefill"]).role == "prefill"
+    for vllm, ours in (("kv_producer", "prefill"), ("kv_consumer", "decode"), ("kv_both", "both")):
+        assert settings(["llm", "--model", "/m", "--kv-role", vllm]).role == ours
+    monkeypatch.setenv("MMSERVE_LLM_ROLE", "kv_consumer")
+    assert settings(["llm", "--model", "/m"]).role == "decode"
+    with pytest.raises(SystemExit):
+        settings(["llm", "--model", "/m", "--role", "encode"])
+    err = capsys.readouterr().err
+    assert "--role / MMSERVE_LLM_ROLE" in err and "prefill, decode or both" in err and "kv_producer" in err
+
+
+def test_the_role_is_on_metrics():
+    from llm_svc.front.metrics import LLMMetrics
+    from llm_svc.types.request import BackendStats
+
+    m = LLMMetrics()
+    assert 'mmserve_llm_role{role="both"} 1.0' in m.render(BackendStats()).decode()  # today's default
+    m.set_role("decode")
+    text = m.render(BackendStats()).decode()
+    assert 'mmserve_llm_role{role="decode"} 1.0' in text and 'mmserve_llm_role{role="both"} 0.0' in text

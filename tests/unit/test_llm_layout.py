@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"loading", "parsers", "kv"},  # bundle loading; output parsers; slot pools and the prefix tree (no tensors)
     {"offload"},  # host and Redis tiers
     {"engine"},  # scheduler, runner, step, speculative decoding
-    {"core"},  # the engine core process and the front's client of it
+    {"core", "disagg"},  # the engine core process and the front's client of it; prefill / decode hand-over
     {"backends"},  # the front's generation interface: hf and swa
     {"front"},  # the HTTP service
 ]
