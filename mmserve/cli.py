@@ -130,7 +130,12 @@ def _run_service(args: argparse.Namespace, create_app, access_log: bool = True) 
 
     settings = _settings(args)
     maybe_start(args.cmd)  # MMSERVE_TRACEMALLOC=1 only
-    _serve(create_app(settings), settings, access_log)
+    try:
+        app = create_app(settings)
+    except ValueError as e:  # a combination of settings the service refuses: say so, no traceback
+        print(f"mmserve {args.cmd}: {e}", file=sys.stderr)
+        return 2
+    _serve(app, settings, access_log)
     return 0
 
 

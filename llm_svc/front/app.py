@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: LLMSettings) -> FastAPI:
     """Build the app; the model loads in the background at start-up (``/readyz`` says when)."""
+    if settings.role != "both":
+        # the hand-over exists at the engine level (llm_svc/disagg, docs/disagg.md); the service
+        # does not yet act on a role, so serving one would silently be a unified replica
+        raise ValueError(f"role {settings.role!r} is not served by the LLM service yet (the prefill / decode "
+                         "hand-over is built at the engine level only: docs/disagg.md); run role=both")
     state = ServiceState(settings)
 
     @contextlib.asynccontextmanager

@@ -90,6 +90,15 @@ def test_the_llm_role_and_vllms_kv_role_names(monkeypatch, capsys):
     assert "--role / MMSERVE_LLM_ROLE" in err and "prefill, decode or both" in err and "kv_producer" in err
 
 
+def test_a_role_other_than_both_is_refused_at_start_until_the_service_serves_it(capsys):
+    """The hand-over exists at the engine level only: a prefill or decode replica would silently
+    serve as a unified one, so the service refuses to start one and says why."""
+    assert cli.main(["llm", "--model", "/m", "--role", "prefill"]) == 2
+    err = capsys.readouterr().err
+    assert "role 'prefill' is not served by the LLM service yet" in err and "docs/disagg.md" in err
+    assert "Traceback" not in err
+
+
 def test_the_role_is_on_metrics():
     from llm_svc.front.metrics import LLMMetrics
     from llm_svc.types.request import BackendStats
