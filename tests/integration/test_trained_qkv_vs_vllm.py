@@ -43,7 +43,8 @@ VLLM_MTP1 = {"method": "mtp", "num_speculative_tokens": 1}
 PROMPTS = (
     "def __init__(self, name, value=None):\n        self.",
     "import os\nimport sys\n\n\ndef main(argv):\n    ",
-    "class Queue:\n    \"\"\"A FIFO queue.\"\"\"\n\n    def __init__(self, maxsize=0):\n        self.maxsize = maxsize\n"
+    "class Queue:\n    \"\"\"A FIFO queue.\"\"\"\n\n    def __init__(self, maxsize=0):\n"
+    "        self.maxsize = maxsize\n"
     "        self._init(maxsize)\n\n    def put(self, item, block=True, timeout=None):\n        ",
     "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__, ",
     "\n".join(f"    def get_{n}(self):\n        \"\"\"Return the {n}.\"\"\"\n        return self._{n}\n"
@@ -136,7 +137,8 @@ def test_greedy_spec_off_equals_vllms(vllm_python, lm, prompts, ours_off):  # no
     ref = run_vllm(vllm_python, prompts, None)
     assert max(len(p) for p in prompts) > cfg["sliding_window_size"]  # one prompt spans the window
     for i in range(len(prompts)):
-        assert ours_off[i] == ref[i]["tokens"], (i, lm.tokenizer.decode(ours_off[i]), lm.tokenizer.decode(ref[i]["tokens"]))
+        assert ours_off[i] == ref[i]["tokens"], (i, lm.tokenizer.decode(ours_off[i]),
+                                                 lm.tokenizer.decode(ref[i]["tokens"]))
     text = lm.tokenizer.decode(ours_off[0])
     assert text.isascii() and len(set(sum(ours_off, []))) > 8, text  # trained: text-like, not one repeated token
 
