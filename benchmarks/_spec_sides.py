@@ -48,6 +48,19 @@ def mtp_layers(model_dir: Path) -> int:
     return int(cfg.get("num_nextn_predict_layers") or 0)
 
 
+def vllm_cpu_refusal(model_dir: Path) -> str | None:
+    """Why vLLM 0.32's CPU build cannot serve the checkpoint (None: it can, as far as known).
+    qk head dim != v head dim (MiMo-V2-Flash's 192 / 128, ``mmserve/tiny/trained_mimo``'s 32 / 16):
+    its ``mimo_v2.py`` picks ``TRITON_ATTN_DIFFKV``, and without Triton's CPU backend the first
+    forward fails (``module 'triton' has no attribute 'next_power_of_2'``) after minutes of start-up."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    dims = [(cfg.get("head_dim"), cfg.get("v_head_dim")), (cfg.get("swa_head_dim"), cfg.get("swa_v_head_dim"))]
+    if any(q is not None and v is not None and q != v for q, v in dims):
+        return ("vLLM 0.32 CPU has no attention for qk head dim != v head dim (TRITON_ATTN_DIFFKV is Triton-only); "
+                "mmserve/tiny/trained_mimo_qkv is the trained checkpoint it serves")
+    return None
+
+
 # the default checkpoint when MTP sides run: vs_vllm's MiMo (qk head dim = v head dim, which vLLM's
 # CPU build needs) with 3 random MTP layers (as the hub's), the LM's weights unchanged
 MTP_LAYERS = 3
@@ -66,7 +79,7 @@ def side_list(args, model_dir: Path) -> list[SideSpec]:
     and with all (the service refuses what it does not serve: recorded), vLLM off, vLLM n-gram
     per k, vLLM MTP with one layer (its ``mimo_v2_mtp`` runs only the first MTP layer) when the
     checkpoint has MTP layers (``default_checkpoint`` has; a vLLM start-up costs minutes here, so a
-    start it must refuse is not tried)."""
+    start it must refuse is not tried: no vLLM side for a checkpoint ``vllm_cpu_refusal`` names)."""
     lo, hi = args.ngram_min, args.ngram_max
     out = [SideSpec("ours-off", "ours")]
     out += [SideSpec(f"ours-ngram{k}", "ours", ngram(k, lo, hi)) for k in args.ngram_k]
@@ -78,10 +91,12 @@ def side_list(args, model_dir: Path) -> list[SideSpec]:
                 SideSpec("ours-mtp", "ours", {"method": "mtp"}),
                 SideSpec("ours-mtp-fixed", "ours", {"method": "mtp", "draft_policy": "fixed"})]  # fmt: skip
     if args.vllm:
-        out.append(SideSpec("vllm-off", "vllm"))
-        out += [SideSpec(f"vllm-ngram{k}", "vllm", ngram(k, lo, hi)) for k in args.vllm_ngram_k]
+        cannot = vllm_cpu_refusal(model_dir)
+        out.append(SideSpec("vllm-off", "vllm", skip=cannot))
+        out += [SideSpec(f"vllm-ngram{k}", "vllm", ngram(k, lo, hi), skip=cannot) for k in args.vllm_ngram_k]
         if args.mtp:
-            why = None if mtp_layers(model_dir) else "the checkpoint has no MTP layers (num_nextn_predict_layers 0)"
+            why = cannot or (None if mtp_layers(model_dir) else
+                             "the checkpoint has no MTP layers (num_nextn_predict_layers 0)")
             out.append(SideSpec("vllm-mtp1", "vllm", {"method": "mtp", "num_speculative_tokens": 1}, skip=why))
     return out
 

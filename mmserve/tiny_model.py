@@ -22,6 +22,9 @@ Architectures (``--arch``):
   standard library by ``scripts/train_tiny_mimo.py``, committed in ``mmserve/tiny/trained_mimo``
   (its ``training.json`` says how and what it reached): text-like greedy output, MTP drafts that
   get accepted.
+* ``mimo-trained-qkv``: the same, trained the same way (``--spec flash-qkv``) with qk head dim =
+  v head dim (32 / 32), committed in ``mmserve/tiny/trained_mimo_qkv``: the trained checkpoint
+  vLLM 0.32's CPU build also serves (it has no attention for qk != v).
 
 Weights are random but seeded, so two runs write identical bundles (``mimo-trained``: a copy).
 """
@@ -232,19 +235,28 @@ def _mimo_published(preset: str):
 
 
 TRAINED_MIMO = Path(__file__).resolve().parent / "tiny" / "trained_mimo"
+TRAINED_MIMO_QKV = Path(__file__).resolve().parent / "tiny" / "trained_mimo_qkv"  # qk = v: vLLM CPU serves it
 
 
-def write_trained_mimo(out: Path, sliding_window: int = 128, seed: int = 0) -> Path:
-    """Copy the committed trained checkpoint to ``out`` (its window and weights are what it was
-    trained with: another ``sliding_window`` or ``seed`` is refused)."""
-    import shutil
+def _copy_trained(src: Path, arch: str):
+    """A writer that copies the committed trained checkpoint ``src`` to ``out`` (its window and
+    weights are what it was trained with: another ``sliding_window`` or ``seed`` is refused)."""
 
-    window = json.loads((TRAINED_MIMO / "config.json").read_text())["sliding_window_size"]
-    if sliding_window != window or seed != 0:
-        raise ValueError(f"--arch mimo-trained is trained with sliding window {window} and fixed weights "
-                         f"(no --sliding-window {sliding_window} / --seed {seed})")
-    shutil.copytree(TRAINED_MIMO, out, dirs_exist_ok=True)
-    return out
+    def write(out: Path, sliding_window: int = 128, seed: int = 0) -> Path:
+        import shutil
+
+        window = json.loads((src / "config.json").read_text())["sliding_window_size"]
+        if sliding_window != window or seed != 0:
+            raise ValueError(f"--arch {arch} is trained with sliding window {window} and fixed weights "
+                             f"(no --sliding-window {sliding_window} / --seed {seed})")
+        shutil.copytree(src, out, dirs_exist_ok=True)
+        return out
+
+    return write
+
+
+write_trained_mimo = _copy_trained(TRAINED_MIMO, "mimo-trained")
+write_trained_mimo_qkv = _copy_trained(TRAINED_MIMO_QKV, "mimo-trained-qkv")
 
 
 def _gpt_oss(out: Path, sliding_window: int = 128, seed: int = 0, quant: str | None = None) -> Path:
@@ -262,6 +274,7 @@ ARCHS = {
         "mmserve.tiny.mimo_omni", fromlist=["write_mimo_omni"]).write_mimo_omni(out, seed, sliding_window),
     "gpt-oss": _gpt_oss,
     "mimo-trained": write_trained_mimo,  # scripts/train_tiny_mimo.py's checkpoint, committed
+    "mimo-trained-qkv": write_trained_mimo_qkv,  # the same with qk = v head dims (--spec flash-qkv)
 }
 # the published variants each arch can write (``--layout`` / ``--quant``)
 VARIANTS = {"mimo-v2-flash": {"layout": ("split", "fused_qkv"), "quant": (None, "fp8")},

@@ -2,12 +2,15 @@
 standard library's own sources, so its greedy output is text-like and its MTP drafts mean
 something (issue 23). Seeded and deterministic on one machine (same torch, same thread count).
 
-    python scripts/train_tiny_mimo.py --out DIR [--steps 400] [--threads 2]
+    python scripts/train_tiny_mimo.py --out DIR [--spec flash|flash-qkv] [--steps 400] [--threads 2]
 
 Data: the top-level ``*.py`` files of this interpreter's stdlib directory, sorted by name; every
 10th file is held out. Tokenized with the tiny checkpoint's own byte-level BPE (ChatML
-specials), documents joined by ``<|endoftext|>``. Model: ``TinyMiMoSpec`` ``FLASH`` (8 layers:
-2 full + 6 sliding of window 128 with sinks, 7 MoE; 3 MTP layers), trained in float32 with
+specials), documents joined by ``<|endoftext|>``. Model (``--spec``): ``TinyMiMoSpec`` ``FLASH``
+(8 layers: 2 full + 6 sliding of window 128 with sinks, 7 MoE; 3 MTP layers; qk head dim 32, v
+head dim 16 as MiMo-V2-Flash's 192 / 128: ``mmserve/tiny/trained_mimo``) or ``FLASH_QKV`` (the
+same with v head dim 32, which vLLM 0.32's CPU build also serves: ``mmserve/tiny/trained_mimo_qkv``),
+trained in float32 with
 loss = LM + 0.3 x the mean of the MTP layers' losses (DeepSeek-V3's weighting), the routers'
 ``e_score_correction_bias`` balanced without a loss (its aux-loss-free update). ``DIR`` gets the
 published-layout checkpoint in bfloat16 (as the hub stores it) and ``training.json`` with the
@@ -33,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 HELD_OUT_EVERY = 10
 MTP_WEIGHT = 0.3
 BIAS_UPDATE = 1e-3  # aux-loss-free balancing: the router bias step per update
+SPECS = {"flash": "FLASH", "flash-qkv": "FLASH_QKV"}  # --spec -> mmserve.tiny.mimo_published geometry
 
 
 def stdlib_files(limit: int | None = None) -> list[Path]:
@@ -110,7 +114,7 @@ def train(args) -> dict:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     out = Path(args.out)
-    mp.write_mimo_published(out, mp.FLASH, seed=args.seed)  # config, tokenizer and the random init
+    mp.write_mimo_published(out, getattr(mp, SPECS[args.spec]), seed=args.seed)  # config, tokenizer, random init
     lm = load_lm(str(out))
     model = lm.model.train().requires_grad_(True)
     files = stdlib_files(args.files)
@@ -220,6 +224,8 @@ def chain_acceptance(drafts: list[torch.Tensor], x: torch.Tensor, start: int) ->
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory to write the trained checkpoint to")
+    ap.add_argument("--spec", choices=sorted(SPECS), default="flash",
+                    help="geometry: flash (qk 32 != v 16) or flash-qkv (qk = v = 32, servable by vLLM's CPU build)")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256, help="tokens per row (the sliding window is 128)")

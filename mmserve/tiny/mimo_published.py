@@ -69,6 +69,9 @@ class TinyMiMoSpec:
 
 
 FLASH = TinyMiMoSpec()
+# FLASH with qk head dim = v head dim: vLLM 0.32's CPU build has attention only for equal dims
+# (its diff-kv backends are Triton-only), so this is the geometry both engines serve there
+FLASH_QKV = TinyMiMoSpec(v_head_dim=TinyMiMoSpec.head_dim)
 # MiMo-V2.5(-Pro): sliding layers keep the full layers' KV heads (8 and 8 on the hub), 1 full : 6 sliding
 V25 = TinyMiMoSpec(architecture="MiMoV2ForCausalLM", pattern=(0, 1, 1, 1, 1, 1, 1, 0), moe=(0,) + (1,) * 7,
                    kv_heads=2, swa_kv_heads=2, rope_theta=10_000_000.0)

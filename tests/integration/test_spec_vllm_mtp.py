@@ -161,17 +161,17 @@ def _preps(ps: list[list[int]]) -> list[PreparedRequest]:
             for i, p in enumerate(ps)]
 
 
-def _vllm_steps_ours_would_draft(req: dict) -> list[tuple[int, int]]:
-    """vLLM's (drafted, accepted) per verify step, less a step that began with ``MAX_TOKENS - 1``
+def _vllm_steps_ours_would_draft(req: dict, max_tokens: int = MAX_TOKENS) -> list[tuple[int, int]]:
+    """vLLM's (drafted, accepted) per verify step, less a step that began with ``max_tokens - 1``
     output tokens (it can emit only the last one: ours does not draft there)."""
     out, n = [], 1  # the prefill step emits the first token (no draft verified)
     for i, (d, a) in enumerate(zip(req["drafted"], req["accepted"])):
-        if n == MAX_TOKENS - 1:
+        if n == max_tokens - 1:
             assert i == len(req["drafted"]) - 1, req  # only ever the request's last step
         else:
             out.append((d, a))
         n += 1 + a
-    assert n >= MAX_TOKENS, req
+    assert n >= max_tokens, req
     return out
 
 

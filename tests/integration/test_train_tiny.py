@@ -1,7 +1,8 @@
 """``scripts/train_tiny_mimo.py``: deterministic (two short runs write identical tensors), its
-greedy-chain acceptance arithmetic on known drafts, and the committed trained checkpoint: it
-loads with its MTP layers, ``mmserve tiny-model --arch mimo-trained`` writes it, and it is
-trained (its drafts agree with its LM far beyond chance)."""
+greedy-chain acceptance arithmetic on known drafts, and the committed trained checkpoints (qk
+head dim != v head dim, and ``--spec flash-qkv``'s qk = v): each loads with its MTP layers,
+``mmserve tiny-model --arch mimo-trained[-qkv]`` writes it, and it is trained (its drafts agree
+with its LM far beyond chance)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from safetensors.torch import load_file
 
 from llm_svc.loading.loader import load_lm
 from mmserve.tiny import mimo_published as mp
-from mmserve.tiny_model import TRAINED_MIMO, write_tiny_model
+from mmserve.tiny_model import TRAINED_MIMO, TRAINED_MIMO_QKV, write_tiny_model
 
 pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny_mimo.py"
+# (arch, committed directory, v head dim): the hub's qk != v form, and qk = v (vLLM's CPU build serves it)
+COMMITTED = [("mimo-trained", TRAINED_MIMO, 16), ("mimo-trained-qkv", TRAINED_MIMO_QKV, 32)]
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +71,19 @@ def test_chain_acceptance_on_known_drafts(script):
     assert (got["mean_acceptance_length"], got["verify_steps"], got["acceptance_per_position"]) == (2.0, 4, [1.0, 0, 0])
 
 
-def test_committed_checkpoint_loads_with_its_mtp_layers_and_is_trained():
-    lm = load_lm(str(TRAINED_MIMO))
-    report = json.loads((TRAINED_MIMO / "training.json").read_text())
+def test_qk_eq_v_spec_writes_equal_head_dims(script, torch_globals, tmp_path):
+    assert script.main(["--out", str(tmp_path / "q"), "--spec", "flash-qkv", *SHORT]) == 0
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["head_dim"] == cfg["v_head_dim"] == cfg["swa_v_head_dim"] == 32
+    assert json.loads((tmp_path / "q" / "training.json").read_text())["settings"]["spec"] == "flash-qkv"
+
+
+@pytest.mark.parametrize(("arch", "path", "v_dim"), COMMITTED, ids=[c[0] for c in COMMITTED])
+def test_committed_checkpoint_loads_with_its_mtp_layers_and_is_trained(arch, path, v_dim):
+    lm = load_lm(str(path))
+    report = json.loads((path / "training.json").read_text())
+    cfg = json.loads((path / "config.json").read_text())
+    assert (cfg["head_dim"], cfg["v_head_dim"], cfg["torch_dtype"]) == (32, v_dim, "bfloat16")
     assert len(lm.model.mtp) == lm.model.geometry.mtp_layers == 3
     assert report["held_out"]["mean_acceptance_length"] > 1.5 and report["held_out"]["lm_loss"] < 3.0
     ids = lm.tokenizer("def __init__(self, name, value=None):\n        self.", return_tensors="pt")["input_ids"]
@@ -90,9 +103,10 @@ def test_committed_checkpoint_loads_with_its_mtp_layers_and_is_trained():
     assert agree > 0.3, agree  # a random MTP layer agrees about 1 / vocab of the time
 
 
-def test_tiny_model_writes_the_trained_checkpoint(tmp_path):
-    out = write_tiny_model(tmp_path / "m", arch="mimo-trained")
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in TRAINED_MIMO.iterdir())
-    assert (out / "model.safetensors").read_bytes() == (TRAINED_MIMO / "model.safetensors").read_bytes()
-    with pytest.raises(ValueError, match="trained with sliding window 128"):
-        write_tiny_model(tmp_path / "w", arch="mimo-trained", sliding_window=16)
+@pytest.mark.parametrize(("arch", "path", "v_dim"), COMMITTED, ids=[c[0] for c in COMMITTED])
+def test_tiny_model_writes_the_trained_checkpoint(arch, path, v_dim, tmp_path):
+    out = write_tiny_model(tmp_path / "m", arch=arch)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in path.iterdir())
+    assert (out / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=f"--arch {arch} is trained with sliding window 128"):
+        write_tiny_model(tmp_path / "w", arch=arch, sliding_window=16)

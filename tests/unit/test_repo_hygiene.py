@@ -10,8 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_BYTES = 1_000_000
-# the trained tiny MiMo: a checkpoint the tests and the quickstart load (no hub is reachable)
-LARGE_FIXTURES = {"mmserve/tiny/trained_mimo/model.safetensors"}
+# the trained tiny MiMos: checkpoints the tests and the quickstart load (no hub is reachable); the
+# qk = v one is the trained checkpoint vLLM's CPU build serves (the vLLM oracle tests, spec_decode)
+LARGE_FIXTURES = {"mmserve/tiny/trained_mimo/model.safetensors", "mmserve/tiny/trained_mimo_qkv/model.safetensors"}
 
 
 def tracked_files() -> list[str]:
