@@ -122,27 +122,3 @@ def test_vllm_batch_size_table():
                                      "num_speculative_tokens_per_batch_size": bad})
     with pytest.raises(ValueError, match="draft_policy"):
         SpeculativeConfig("ngram", 2, draft_policy="fast")
-
-
-def test_the_step_cost_is_priced_where_the_step_runs_not_by_one_line_over_the_history():
-    """A CPU step's time is flat while the weights' streaming dominates, then rises per token. A
-    server's history of one request's steps (1-4 tokens, drafting) followed by 16 requests': the
-    octave means price a draft at 16 in flight by the slope there (no draft pays), and at one
-    request by the flat part (every draft pays)."""
-    def step_s(t):  # 5 ms up to 8 tokens, then 0.6 ms a token
-        return 0.005 + 0.0006 * max(0, t - 8)
-
-    pol = GoodputDrafts(3, False)
-    for i in range(600):  # one request at a time: 1-4 tokens a step
-        pol.cost.observe(1 + i % 4, step_s(1 + i % 4))
-    for i in range(60):  # then 16 in flight, drafting 0-3 each
-        t = 16 * (1 + i % 4)
-        pol.cost.observe(t, step_s(t))
-    assert pol.cost.predict(16) == pytest.approx(step_s(16), rel=0.02)
-    assert pol.cost.predict(40) == pytest.approx(step_s(40), rel=0.1)
-    sixteen = [Candidate(f"r{i}", 3, [0.7, 0.5, 0.4]) for i in range(16)]
-    assert set(pol.choose(sixteen, 16, 0).values()) == {0}
-    assert pol.choose([Candidate("one", 3, [0.7, 0.5, 0.4])], 1, 0) == {"one": 3}
-    # one line over the same history (the octaves off) misprices the step where it runs
-    pol.cost.local = False
-    assert abs(pol.cost.predict(16) - step_s(16)) > 0.15 * step_s(16)

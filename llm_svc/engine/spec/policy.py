@@ -11,15 +11,10 @@ drafts exceed it).
   expected tokens per second of the next step (SmartSpec / TurboSpec's goodput). Two measured
   inputs:
 
-  - **the step's cost**: for the step less its MTP layers, by ``T`` (the forward's query
-    tokens): a decayed mean time per octave of ``T``, interpolated between the octaves seen, and
-    ``a + b T`` fitted by recursive least squares with forgetting over every step beyond them
-    (``StepCost``); ``L (m0 + m1 R)`` for the MTP layers (``L`` layers over ``R`` rows, timed
-    around their own call; ``MTPCost``). Why octaves: a CPU step's time is not linear in ``T``
-    (flat while the weights' streaming dominates, then rising), and one line fitted over a
-    server's mixed history (one request's steps of 2-4 tokens, then 16 requests') priced drafts
-    at 16 in flight by the slope of 1-4 tokens: drafting there ran 0.73-0.83x spec-off
-    (spec_decode --quick on trained_mimo_qkv, Xeon), MTP with k = 1 included;
+  - **the step's cost**: ``a + b T`` for the step less its MTP layers (``T``: the forward's query
+    tokens), and ``L (m0 + m1 R)`` for the MTP layers (``L`` layers over ``R`` rows, timed around
+    their own call), each fitted online by recursive least squares with forgetting over every
+    step (``StepCost``, ``MTPCost``): they follow the machine, the model and the load;
   - **each request's acceptance per draft position** (``Acceptance``): the probability that draft
     j is accepted given drafts < j were, an exponentially decayed average per request, started
     from the running average over all requests.
@@ -54,25 +49,18 @@ class Candidate:
 
 
 class StepCost:
-    """A step's seconds by its query tokens ``T``: ``a + b T`` by recursive least squares with
-    forgetting ``lam`` (``T`` scaled to hundreds of tokens so the fit is well conditioned), and
-    (``local``) a decayed mean of (T, seconds) per octave of ``T`` (``T.bit_length()``) that
-    ``predict`` interpolates between once an octave has ``MIN_SEEN`` steps. The MTP layers' time
-    is fitted apart (``MTPCost``): the engine subtracts it before observing."""
-
-    MIN_SEEN = 4
+    """``seconds ~ a + b T`` (``T``: the step's query tokens) by recursive least squares with
+    forgetting ``lam`` (``T`` scaled to hundreds of tokens so the fit is well conditioned). The
+    MTP layers' time is fitted apart (``MTPCost``): the engine subtracts it before observing."""
 
     # forgetting 0.998 (a memory of ~500 steps): the prefill chunks seen go on telling the per-token
     # cost apart from the fixed one while only decodes run (their T barely varies at one request)
-    def __init__(self, lam: float = 0.998, prior: tuple[float, float] = (0.005, 0.0002), local: bool = True,
-                 decay: float = 0.9):
+    def __init__(self, lam: float = 0.998, prior: tuple[float, float] = (0.005, 0.0002)):
         self.lam = lam
         self.theta = np.array([prior[0], prior[1] * 100])
         self.p = np.eye(2) * 10.0
         self.n = 0
         self.err = 0.0  # decayed mean |predicted - measured| / measured
-        self.local, self.decay = local, decay
-        self.octaves: dict[int, list[float]] = {}  # T.bit_length() -> [mean T, mean seconds, steps]
 
     @staticmethod
     def _x(tokens: int) -> np.ndarray:
@@ -80,16 +68,7 @@ class StepCost:
 
     def predict(self, tokens: int) -> float:
         a, b = self.coefficients()
-        pts = sorted((m[0], m[1]) for m in self.octaves.values() if m[2] >= self.MIN_SEEN) if self.local else []
-        if not pts:
-            return a + b * tokens
-        # between two octaves seen: the line through their means; past the last one: its mean
-        # plus the global slope; before the first: its mean less the slope, never below zero
-        for (t0, s0), (t1, s1) in zip(pts, pts[1:]):
-            if t0 <= tokens <= t1:
-                return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0) if t1 > t0 else s0
-        t_edge, s_edge = pts[-1] if tokens > pts[-1][0] else pts[0]
-        return max(0.0, s_edge + b * (tokens - t_edge))
+        return a + b * tokens
 
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)`` in seconds and seconds per token; never negative (a negative fit says
@@ -108,11 +87,6 @@ class StepCost:
         self.theta = self.theta + gain * (seconds - x @ self.theta)
         self.p = (self.p - np.outer(gain, px)) / self.lam
         self.n += 1
-        m = self.octaves.setdefault(int(tokens).bit_length(), [float(tokens), seconds, 0.0])
-        w = max(self.decay, 1.0 / (m[2] + 1.0))  # a plain mean for the first steps, then decayed
-        m[0] += (1.0 - w) * (tokens - m[0]) if m[2] else 0.0
-        m[1] += (1.0 - w) * (seconds - m[1]) if m[2] else 0.0
-        m[2] += 1.0
 
 
 class MTPCost:
@@ -120,7 +94,7 @@ class MTPCost:
     needs no step without them to be told apart from the LM's): least squares with forgetting."""
 
     def __init__(self, lam: float = 0.99):
-        self.fit = StepCost(lam, prior=(0.001, 0.00005), local=False)
+        self.fit = StepCost(lam, prior=(0.001, 0.00005))
 
     @property
     def n(self) -> int:
@@ -249,8 +223,8 @@ class GoodputDrafts:
 
     def _fill(self, cands: list[Candidate], base_tokens: int, mtp_rows: int, bound: int) -> tuple[float, dict]:
         """The greedy fill under ``bound`` drafts per request: (expected tokens / second, k per request)."""
-        layers_s = self.mtp_cost.predict(mtp_rows, bound) if self.mtp else 0.0
-        fixed = self.cost.predict(base_tokens) + layers_s
+        a, b = self.cost.coefficients()
+        fixed = a + b * base_tokens + (self.mtp_cost.predict(mtp_rows, bound) if self.mtp else 0.0)
         gains = []
         for cd in cands:
             p = 1.0
@@ -262,8 +236,8 @@ class GoodputDrafts:
         ks = {cd.req_id: 0 for cd in cands}
         best = tokens / seconds
         budget = len(gains) if self.budget is None else self.budget
-        for n, (p, rid) in enumerate(gains[:budget], 1):
-            t, s = tokens + p, max(self.cost.predict(base_tokens + n) + layers_s, 1e-6)
+        for p, rid in gains[:budget]:
+            t, s = tokens + p, seconds + b
             if t / s <= best:
                 break
             tokens, seconds, best = t, s, t / s
