@@ -51,6 +51,9 @@ class MTPInput:
     first: int
     tokens: list[int]
     draft: bool
+    # positions before it are never read again by a layer (a prompt's rows more than the window
+    # and the layer chain before its end: ``MTPRunner.useful_from``); their rows are skipped
+    useful_from: int = 0
 
 
 class MTPRunner:
@@ -104,7 +107,12 @@ class MTPRunner:
                 if prev is not None and self._end.get(sf.req_id) == sf.start and len(prev):
                     h = torch.cat([prev, h])
                 lo = end - h.shape[0]
-                lo = max(lo, x.first)
+                lo = max(lo, x.first, x.useful_from)
+                if lo >= end:  # a prompt chunk no later draft reads: no layer runs over it
+                    self._hid.pop(sf.req_id, None)
+                    self._end.pop(sf.req_id, None)
+                    row += n
+                    continue
                 h = h[h.shape[0] - (end - lo):]
                 seqs.append((sf, lo, end, x, h))
                 keep = min(self.k - 1, h.shape[0])
@@ -136,6 +144,14 @@ class MTPRunner:
             for sf, _, _, _, _ in seqs:
                 prev.setdefault(sf.req_id, torch.empty(0, device=hidden.device))
         return {rid: d for rid, d in drafts.items() if d}
+
+    def useful_from(self, prompt_len: int) -> int:
+        """The first prompt position whose MTP rows a later step can read: each layer is a
+        sliding layer, so a query at position q >= ``prompt_len`` reads keys from q - W + 1 on,
+        and a later chunk looks back K - 1 rows for the chained hidden states. Rows before it
+        cost a prompt's prefill K layers each for nothing (MiMo-V2.5's prompts of thousands of
+        tokens against W = 128)."""
+        return max(0, prompt_len - self.window - self.k)
 
     def _argmax(self, h: torch.Tensor) -> int:
         return int(self.lm_head(h).float().argmax(dim=-1)[0])

@@ -101,7 +101,9 @@ class Speculator:
             rows = len(new) if sf.num_drafts else len(sf.token_ids)
             first = max(0, sf.start - span + 1)
             ids = req.token_slice(first, min(req.num_tokens, sf.end + span)) + new
-            out[sf.req_id] = MTPInput(rows, first, ids, bool(new) and self.room(req, len(new)) > 0)
+            # a prompt's chunks: only its last rows matter to later drafts (sliding MTP layers)
+            useful = self.mtp.useful_from(len(req.prompt_ids)) if sf.end <= len(req.prompt_ids) else 0
+            out[sf.req_id] = MTPInput(rows, first, ids, bool(new) and self.room(req, len(new)) > 0, useful)
         return out
 
     def propose(self, req: Request, ctx: TokenContext, limit: int | None = None) -> list[int]:

@@ -314,6 +314,43 @@ def test_mtp_drafts_equal_the_dense_chain(mimo_mtp, chunk):
     assert eng.engine.stats()["spec_num_drafts"] >= 3
 
 
+def test_mtp_layers_skip_the_prompt_rows_no_later_step_reads(mimo_mtp, monkeypatch):
+    """The MTP layers are sliding layers: of a prompt longer than the window they run only over
+    its last W + K positions. The drafts of every step are the ones every row would give (the
+    rows skipped are never read), and far fewer rows run."""
+    from llm_svc.engine.mtp_runner import MTPRunner
+
+    lm = mimo_mtp
+
+    def run():
+        rows = []
+        real = MTPRunner._layer
+
+        def layer(self, k, mod, parts, prev, drafts):
+            rows.append(sum(stop - lo for _, lo, stop, _ in parts))
+            return real(self, k, mod, parts, prev, drafts)
+
+        with monkeypatch.context() as m:
+            m.setattr(MTPRunner, "_layer", layer)
+            eng = make_mtp_engine(lm, MTP_FIXED, 32, max_batch_tokens=24)
+            s = ListStream("m")
+            eng.submit(looping_prep(lm, "m", 150, pseed=4, max_tokens=12), s)
+            drafts = []
+            while not s.done:
+                eng.step()
+                eng.scheduler.check_integrity()
+                req = eng.scheduler.requests.get("m")
+                drafts.append(list(req.spec_tokens) if req is not None else None)
+        return drafts, sum(rows), s.tokens
+
+    skipped = run()
+    monkeypatch.setattr(MTPRunner, "useful_from", lambda self, n: 0)
+    every = run()
+    assert skipped[0] == every[0] and any(skipped[0])  # the same drafts at every step
+    assert skipped[2] == every[2]
+    assert skipped[1] < every[1] - 2 * 100  # 3 layers over ~115 fewer prompt positions
+
+
 @pytest.mark.parametrize("spec,enable_prefix_cache", [(MTP, True), (MTP, False), (NGRAM, True)])
 def test_published_mimo_greedy_tokens_equal_without_speculation(mimo_mtp, spec, enable_prefix_cache):
     """The published-layout MiMo-V2.5: random MTP weights draft badly, n-gram drafts hit;
