@@ -135,16 +135,10 @@ class KVManager:
         (``swa_end <= full_end``), evicting cached KV if needed. All or nothing: False (nothing
         taken) if the pools cannot hold it even after eviction."""
         assert swa_end <= full_end
-        need_full, need_swa = self.needs(seq, full_end, swa_from, swa_end)
-        if need_full > self.available_full() or need_swa > self.available_swa():
+        got = self._take(*self.needs(seq, full_end, swa_from, swa_end))
+        if got is None:
             return False
-        short_full = need_full - self.full_pool.num_free
-        short_swa = need_swa - self.swa_pool.num_free
-        if short_full > 0 or short_swa > 0:
-            self.tree.evict(max(0, short_full), max(0, short_swa))
-        full = self.full_pool.alloc(need_full)
-        swa = self.swa_pool.alloc(need_swa)
-        assert full is not None and swa is not None, "eviction freed less than it promised"
+        full, swa = got
         seq.full.extend(full)
         if len(seq.swa) < full_end:
             seq.swa.extend([NO_SLOT] * (full_end - len(seq.swa)))
@@ -242,7 +236,11 @@ class KVManager:
         assert 0 <= window_from <= n
         if not self.enable_prefix_cache or n < 1:
             return None
-        need_full, need_swa = n, n - window_from
+        return self._take(n, n - window_from)
+
+    def _take(self, need_full: int, need_swa: int) -> tuple[list[int], list[int]] | None:
+        """``need_full`` full and ``need_swa`` SWA slots, evicting cached KV for them if needed;
+        None (nothing taken) if the pools cannot hold them even after eviction."""
         if need_full > self.available_full() or need_swa > self.available_swa():
             return None
         short_full = need_full - self.full_pool.num_free

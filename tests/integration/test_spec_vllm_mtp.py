@@ -117,11 +117,11 @@ def checkpoint(tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("mtp-oracle") / "flash-qk-v")
 
 
-def _key(vllm_python: str, d: Path, job: dict) -> str:
-    """Hash of what vLLM's answer depends on: the checkpoint's bytes, the job, this side's script
+def _key(vllm_python: str, d: Path, job: dict, side: str = VLLM_SIDE) -> str:
+    """Hash of what vLLM's answer depends on: the checkpoint's bytes, the job, the side's script
     and the venv's vLLM version stamp."""
     h = hashlib.sha256(json.dumps({k: v for k, v in job.items() if k != "model"}, sort_keys=True).encode())
-    h.update(VLLM_SIDE.encode())
+    h.update(side.encode())
     h.update(" ".join(sorted(p.name for p in Path(vllm_python).parents[1].glob(".mmserve-vllm-*"))).encode())
     for f in sorted(d.iterdir()):
         h.update(f.name.encode())
@@ -134,13 +134,19 @@ def vllm_mtp(vllm_python, checkpoint) -> dict:  # noqa: F811
     """vLLM's tokens and per-step counts; kept under ~/.cache/mmserve/vllm-oracle keyed by all its
     inputs (a change to the checkpoint writer, prompts, script or vLLM reruns it)."""
     job = {"model": str(checkpoint), "prompts": prompts(), "max_tokens": MAX_TOKENS, "speculative_config": VLLM_MTP1}
-    cached = CACHE_DIR / "vllm-oracle" / f"mtp-{_key(vllm_python, checkpoint, job)}.json"
+    return run_vllm_job(vllm_python, VLLM_SIDE, job, checkpoint, "mtp", timeout=600)
+
+
+def run_vllm_job(vllm_python: str, side: str, job: dict, model_dir: Path, name: str, timeout: int):
+    """``side`` (a script reading ``job`` as JSON on stdin, its answer as JSON on its last line)
+    run in vLLM's venv; the answer kept under ~/.cache/mmserve/vllm-oracle as ``name-<key>``."""
+    cached = CACHE_DIR / "vllm-oracle" / f"{name}-{_key(vllm_python, model_dir, job, side)}.json"
     if cached.exists():
         return json.loads(cached.read_text())
-    proc = subprocess.run([vllm_python, "-c", VLLM_SIDE], input=json.dumps(job), capture_output=True, text=True,
-                          timeout=600, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1",
-                                            "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
-                                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    proc = subprocess.run([vllm_python, "-c", side], input=json.dumps(job), capture_output=True, text=True,
+                          timeout=timeout, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1",
+                                                "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
+                                                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     if proc.returncode != 0:
         pytest.fail(f"vLLM failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -19,21 +19,17 @@ under ``~/.cache/mmserve/vllm-oracle`` keyed by every input."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from llm_svc.loading.loader import load_lm
 from llm_svc.types.request import PreparedRequest
-from mmserve.cli import CACHE_DIR
 from mmserve.tiny_model import TRAINED_MIMO_QKV
 from shared.schemas import SamplingParams
 from tests.integration.test_llm_engine import run_to_end
-from tests.integration.test_spec_vllm_mtp import _engine, _run_recording, _vllm_steps_ours_would_draft
+from tests.integration.test_spec_vllm_mtp import _engine, _run_recording, _vllm_steps_ours_would_draft, run_vllm_job
 from tests.integration.test_vllm_oracle import vllm_python  # noqa: F401  (the venv fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -89,34 +85,10 @@ def prompts(lm) -> list[list[int]]:
     return [lm.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
 
 
-def _key(vllm_python: str, job: dict) -> str:
-    """Hash of what vLLM's answer depends on: the checkpoint's bytes, the job, this side's script
-    and the venv's vLLM version stamp."""
-    h = hashlib.sha256(json.dumps({k: v for k, v in job.items() if k != "model"}, sort_keys=True).encode())
-    h.update(VLLM_SIDE.encode())
-    h.update(" ".join(sorted(p.name for p in Path(vllm_python).parents[1].glob(".mmserve-vllm-*"))).encode())
-    for f in sorted(TRAINED_MIMO_QKV.iterdir()):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()[:24]
-
-
 def run_vllm(vllm_python: str, prompts: list[list[int]], spec: dict | None) -> list[dict]:  # noqa: F811
     """vLLM's tokens (and per-step drafted / accepted counts with ``spec``) on ``prompts``."""
     job = {"model": str(TRAINED_MIMO_QKV), "prompts": prompts, "max_tokens": MAX_TOKENS, "speculative_config": spec}
-    cached = CACHE_DIR / "vllm-oracle" / f"trained-qkv-{_key(vllm_python, job)}.json"
-    if cached.exists():
-        return json.loads(cached.read_text())
-    proc = subprocess.run([vllm_python, "-c", VLLM_SIDE], input=json.dumps(job), capture_output=True, text=True,
-                          timeout=900, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1",
-                                            "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
-                                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    if proc.returncode != 0:
-        pytest.fail(f"vLLM failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    cached.write_text(json.dumps(res))
-    return res
+    return run_vllm_job(vllm_python, VLLM_SIDE, job, TRAINED_MIMO_QKV, "trained-qkv", timeout=900)
 
 
 def _preps(ps: list[list[int]]) -> list[PreparedRequest]:
