@@ -127,6 +127,13 @@ def decode_all(lm, reqs, handovers, spec: dict | None = None):
     side = DecodeSide(e, kv_fingerprint(e))
     by_id = {p.request_id: p for p in reqs}
     adopted = {h.request_id: side.add(request(e, by_id[h.request_id]), h) for h in handovers}
+    step, cached = recording_step(side)
+    return e, side, adopted, drain(e, step), cached
+
+
+def recording_step(side):
+    """``side.step`` that notes each request's cached prompt tokens (from its first output), and
+    that note: {request id: cached tokens}."""
     cached: dict[str, int] = {}
 
     def step():
@@ -135,7 +142,7 @@ def decode_all(lm, reqs, handovers, spec: dict | None = None):
             cached.setdefault(t.request_id, t.num_cached_tokens)
         return outs
 
-    return e, side, adopted, drain(e, step), cached
+    return step, cached
 
 
 def assert_clean(*engines: Engine, sides: tuple[DecodeSide, ...] = ()) -> None:

@@ -14,8 +14,8 @@ from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
 from llm_svc.models import build_model
 from llm_svc.types.request import PreparedRequest
-from tests.disagg_engines import (PAGE, W, assert_clean, drain, make_engine, preps, prefill_all, request,
-                                  unified)
+from tests.disagg_engines import (PAGE, W, assert_clean, drain, make_engine, preps, prefill_all, recording_step,
+                                  request, unified)
 
 pytestmark = pytest.mark.integration
 
@@ -76,14 +76,7 @@ def test_an_adopted_prefix_is_not_evicted_before_its_request_is_admitted(mimo16)
     assert side.num_held == 1 and kv.tree.full_tokens == n
     kv.tree.evict(kv.full_pool.num_slots, kv.swa_pool.num_slots)  # everything evictable goes
     assert kv.tree.full_tokens == n  # but not the adopted prompt
-    cached: dict[str, int] = {}
-
-    def step():
-        outs = side.step()
-        for t in outs:
-            cached.setdefault(t.request_id, t.num_cached_tokens)
-        return outs
-
+    step, cached = recording_step(side)
     got = drain(e, step)
     assert [handovers[0].first_token] + got["r0"] == want["r0"] and cached["r0"] == n
     assert_clean(pe, e, sides=(side,))
