@@ -93,15 +93,17 @@ def qkv_post(buf: torch.Tensor, hq: int, hk: int, d: int, dv: int, cos: torch.Te
 def supports_norm(h: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``add_rmsnorm`` runs here: CPU 2-D rows with unit stride inside a row, a contiguous
     weight of their dtype (float32 or bfloat16), and that dtype's kernel built."""
-    return (_cpu_same(h, weight) and h.dim() == 2 and h.stride(1) == 1 and weight.is_contiguous()
-            and available(h.dtype))
+    return _cpu_same(h, weight) and _norm_rows(h, weight)
 
 
 def supports_norm_w32(h: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``add_rmsnorm`` runs here with a float32 ``weight`` on rows of their own dtype
     (float32 or bfloat16; Gemma's ``1 + weight``, multiplied in float32 and rounded once)."""
-    return (h.device.type == "cpu" and h.dtype in KERNELS and weight.dtype == torch.float32 and h.dim() == 2
-            and h.stride(1) == 1 and weight.is_contiguous() and available(h.dtype))
+    return _cpu_same(h) and _cpu_same(weight) and weight.dtype == torch.float32 and _norm_rows(h, weight)
+
+
+def _norm_rows(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    return h.dim() == 2 and h.stride(1) == 1 and weight.is_contiguous() and available(h.dtype)
 
 
 def add_rmsnorm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

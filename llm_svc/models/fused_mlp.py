@@ -33,6 +33,8 @@ reordered copy).
 """
 
 from __future__ import annotations
+
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,14 +126,16 @@ class RoutedExperts:
         # bfloat16 on a CPU with AMX: calls whose experts average AMX_MIN_ROWS rows (prefill
         # chunks) run expert by expert through F.linear on the stacked weights (oneDNN's AMX
         # GEMM, ``linear.AmxSplitLinear``'s reasons); fewer rows stay in the one packed C call
-        self._amx = self.gate_up is not None and amx_splits(self.backend, self.gate_up[0])
-        if self._amx:  # their primitives built at start-up (``linear.warm_buckets``): one expert stands for all
+        self._amx: tuple[list[Linear], list[Linear]] | None = None
+        if self.gate_up is not None and amx_splits(self.backend, self.gate_up[0]):
+            self._amx = ([functools.partial(F.linear, weight=g) for g in self.gate_up],
+                         [functools.partial(F.linear, weight=d) for d in self.down])
+            # their primitives built at start-up (``linear.warm_buckets``): one expert stands for all
             e, i2, h = self.gate_up.shape
-            g0, d0 = self.gate_up[0], self.down[0]
-            self._amx_shapes = (amx_shape(("experts_gate_up", h, i2, self.gate_up.dtype), lambda x: F.linear(x, g0), h,
+            self._amx_shapes = (amx_shape(("experts_gate_up", h, i2, self.gate_up.dtype), self._amx[0][0], h,
                                           self.gate_up.dtype),
-                                amx_shape(("experts_down", i2 // 2, h, self.down.dtype), lambda x: torch.mm(x, d0.t()),
-                                          i2 // 2, self.down.dtype))
+                                amx_shape(("experts_down", i2 // 2, h, self.down.dtype), self._amx[1][0], i2 // 2,
+                                          self.down.dtype))
         if self.packed is not None:
             if self._act != "silu":
                 raise ValueError("packed experts are SiLU-gated; widen them (qweight.dense) for another activation")
@@ -205,8 +209,10 @@ class RoutedExperts:
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H]; idx [T, K] chosen experts; w [T, K] their weights -> [T, H] in x's dtype."""
-        if self._amx and x.dim() == 2 and idx.numel() >= AMX_MIN_ROWS * self.num_experts:
-            return self._amx_experts(x, idx, w)
+        if self._amx is not None and x.dim() == 2 and idx.numel() >= AMX_MIN_ROWS * self.num_experts:
+            # rows padded to ``row_bucket``: oneDNN builds a primitive per row count (a few ms
+            # each) and caches it by shape
+            return self._per_expert(x, idx, w, *self._amx, pad=row_bucket)
         if self.packed is not None:
             if x.dtype in cpu_packed.ACT_DTYPES:  # bfloat16 widened and rounded inside the call
                 return cpu_packed.moe_w(x, idx, w, self.packed)
@@ -222,51 +228,37 @@ class RoutedExperts:
                              [make_linear(w, backend=self.backend) for w in self.down])
         return self._per_expert(x, idx, w, *self._linears)
 
-    def _amx_experts(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``__call__``'s product expert by expert through torch's matmuls (oneDNN's AMX GEMM on
-        the stacked weights), each expert's rows padded to ``row_bucket`` (oneDNN builds a
-        primitive per row count, a few ms each, and caches it by shape): the (token, expert)
-        pairs gathered once into one padded buffer [sum of padded rows, H], zero rows between."""
-        t, k = idx.shape
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # [T*K]: pairs grouped by expert, token order inside
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        padded = [row_bucket(c) if c else 0 for c in counts]
-        starts = [0]
-        for p in padded:
-            starts.append(starts[-1] + p)
-        # the slot of each sorted pair in the padded buffer: its expert's start + its rank there
-        gaps = torch.tensor([starts[e] - sum(counts[:e]) for e in range(self.num_experts)], dtype=torch.long)
-        dest = torch.arange(t * k) + gaps.repeat_interleave(torch.tensor(counts), output_size=t * k)  # [T*K]
-        tok = order // k
-        xs = x.new_zeros(starts[-1], x.shape[1])  # [P, H]
-        xs.index_copy_(0, dest, x.index_select(0, tok))
-        ys = x.new_empty(starts[-1], x.shape[1])  # [P, H]
-        for e, p in enumerate(padded):
-            if p:
-                s0 = starts[e]
-                h = _gated(F.linear(xs[s0:s0 + p], self.gate_up[e]), self.act, self._act)  # [p, I]
-                torch.mm(h, self.down[e].t(), out=ys[s0:s0 + p])
-        out = ys.index_select(0, dest)  # [T*K, H]
-        out.mul_(w.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
-        return torch.zeros_like(x).index_add_(0, tok, out)
-
     def _per_expert(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_ups: list[Linear],
-                    downs: list[Linear]) -> torch.Tensor:
+                    downs: list[Linear], pad: Callable[[int], int] | None = None) -> torch.Tensor:
         """``__call__``'s product one expert at a time: the (token, expert) pairs grouped by
-        expert, each group through ``gate_ups[e]`` and ``downs[e]``."""
+        expert, each group through ``gate_ups[e]`` and ``downs[e]``. ``pad``: each expert's group
+        runs as ``pad(rows)`` rows, zero rows after its own (the pairs gathered once into one
+        padded buffer)."""
         t, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # [T*K]: pairs grouped by expert, token order inside
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tok = order // k
-        xs = x.index_select(0, tok)  # [T*K, H]
+        sizes = counts if pad is None else [pad(c) if c else 0 for c in counts]
+        dest = None  # each sorted pair's row in the padded buffer (None: no padding)
+        if sizes == counts:
+            xs = x.index_select(0, tok)  # [T*K, H]
+        else:
+            shift, gaps = 0, []  # rows of padding before each expert's group
+            for c, size in zip(counts, sizes):
+                gaps.append(shift)
+                shift += size - c
+            dest = torch.arange(t * k) + torch.tensor(gaps).repeat_interleave(torch.tensor(counts), output_size=t * k)
+            xs = x.new_zeros(sum(sizes), x.shape[1])  # [P, H]
+            xs.index_copy_(0, dest, x.index_select(0, tok))
         ys = torch.empty_like(xs)
         start = 0
-        for e, c in enumerate(counts):
-            if c:
-                ys[start:start + c] = downs[e](_gated(gate_ups[e](xs[start:start + c]), self.act, self._act))
-                start += c
+        for e, size in enumerate(sizes):
+            if size:
+                ys[start:start + size] = downs[e](_gated(gate_ups[e](xs[start:start + size]), self.act, self._act))
+                start += size
+        if dest is not None:
+            ys = ys.index_select(0, dest)  # [T*K, H]
         ys.mul_(w.reshape(-1).index_select(0, order).to(ys.dtype)[:, None])
         return torch.zeros_like(x).index_add_(0, tok, ys)
 

@@ -156,24 +156,18 @@ class OneDNNLinear:
         self.weight = w if w.dtype == torch.float32 and w.is_contiguous() else None
         _SHAPES.setdefault((self.in_features, self.out_features, self.bias is not None, self.dtype), self)
 
-    def warm(self, x: torch.Tensor) -> None:
-        """One call of exactly ``x``'s rows (a bucket size): builds that primitive."""
-        torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """One call of exactly ``x``'s rows ``[rows, in]`` (a bucket size's: builds that primitive)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    warm = gemm  # what warm_buckets calls
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:  # F.linear would refuse too; say which side is off
             raise TypeError(f"linear of {self.dtype} weights got {x.dtype} input")
         if self.weight is not None and cpu_gemv.supports(x, self.weight):
             return cpu_gemv.linear(x, self.weight, self.bias)
-        rows = x.numel() // self.in_features if x.dim() != 2 else x.shape[0]
-        padded = row_bucket(rows)
-        if padded == rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        xp = x.new_empty(padded, self.in_features)
-        xp[:rows].copy_(x.reshape(rows, self.in_features))
-        xp[rows:].zero_()
-        y = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], "")
-        return y[:rows].view(*x.shape[:-1], self.out_features)  # [..., out], contiguous
+        return bucketed(x, self.in_features, self.out_features, self.gemm)
 
 
 class PackedLinear:
@@ -233,32 +227,34 @@ class AmxSplitLinear:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach().to(weight.dtype)
         self.out_features, self.in_features = self.weight.shape
+        # ``F.linear`` on exactly its input's rows (oneDNN's AMX GEMM); not a method: the shape
+        # registry's entry must not keep this object alive
+        self.gemm = functools.partial(F.linear, weight=self.weight, bias=self.bias)
         self._shape = amx_shape(("linear", self.in_features, self.out_features, bias is not None, weight.dtype),
-                                lambda x, w=self.weight, b=self.bias: F.linear(x, w, b), self.in_features,
-                                weight.dtype)
+                                self.gemm, self.in_features, weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < AMX_MIN_ROWS * self.in_features:
             return self.small(x)
         if x.dtype != self.weight.dtype:  # F.linear would refuse too; say which side is off
             raise TypeError(f"linear of {self.weight.dtype} weights got {x.dtype} input")
-        return bucketed_linear(x, self.weight, self.bias)
+        return bucketed(x, self.in_features, self.out_features, self.gemm)
 
 
-def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with the rows padded to ``row_bucket``: oneDNN (under torch's CPU matmul)
-    builds a primitive per row count, a few ms each with AMX, and caches it by shape; a prefill
-    chunk's or an expert's rows are seldom the same twice (measured: per-expert calls with
-    their own row counts ran 4.5x slower than the packed kernel, bucketed ones faster)."""
-    k = weight.shape[1]
-    rows = x.numel() // k
+def bucketed(x: torch.Tensor, in_features: int, out_features: int,
+             call: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``call`` (a GEMM ``[rows, in] -> [rows, out]``) on ``x [..., in]`` with the rows padded to
+    ``row_bucket``, the pad rows' outputs dropped: oneDNN builds a primitive per row count (~0.5
+    ms each, a few ms with AMX) and caches it by shape, and a prefill chunk's rows are seldom the
+    same twice."""
+    rows = x.numel() // in_features
     padded = row_bucket(rows)
     if padded == rows:
-        return F.linear(x, weight, bias)
-    xp = x.new_empty(padded, k)
-    xp[:rows].copy_(x.reshape(rows, k))
+        return call(x)
+    xp = x.new_empty(padded, in_features)
+    xp[:rows].copy_(x.reshape(rows, in_features))
     xp[rows:].zero_()
-    return F.linear(xp, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])  # [..., out]
+    return call(xp)[:rows].view(*x.shape[:-1], out_features)  # [..., out], contiguous
 
 
 def amx_splits(backend: str, weight: torch.Tensor | PackedWeight) -> bool:
@@ -295,7 +291,7 @@ def pack_linears(linears: Iterable[nn.Module], backend: str = "auto") -> int:
         if not isinstance(m, nn.Linear):
             raise TypeError(f"pack_linears packs nn.Linear modules, got {type(m).__name__}")
         w = weight_of(m)
-        if amx_splits(backend, w) or resolve(backend, w) in _MAKERS:
+        if resolve(backend, w) in _MAKERS:  # (the AMX split resolves to packed)
             m.forward = make_linear(w, m.bias, backend)
             n += 1
     return n

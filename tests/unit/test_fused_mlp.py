@@ -167,3 +167,27 @@ def test_bf16_experts_on_amx_run_many_rows_expert_by_expert_and_few_in_the_packe
         experts.bfloat16()
         torch.testing.assert_close(fused(x, idx, w).float(), want, rtol=3e-2, atol=3e-2)
     assert packed_calls == ([3] if amx else [3, many])
+
+
+def test_per_expert_groups_padded_with_zero_rows_give_the_same_product():
+    """The AMX path runs each expert's group padded (to its row bucket): the pad rows are zeros
+    whose outputs are dropped, so the product is the unpadded one, an idle expert included."""
+    torch.manual_seed(3)
+    experts = nn.ModuleList(_MLP(32, 16) for _ in range(5))
+    fused = RoutedExperts.pack(experts)
+    x = torch.randn(37, 32)
+    idx = torch.stack([torch.randperm(4)[:2] for _ in range(37)])  # expert 4 idle
+    w = torch.rand(37, 2)
+    gate_ups = [lambda v, g=g: v @ g.T for g in fused.gate_up]
+    downs = [lambda v, d=d: v @ d.T for d in fused.down]
+    sizes = []
+
+    def pad(c):
+        sizes.append(c + 3)
+        return c + 3
+
+    want = fused._per_expert(x, idx, w, gate_ups, downs)
+    got = fused._per_expert(x, idx, w, gate_ups, downs, pad=pad)
+    assert len(sizes) == 4  # the idle expert gets no group
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(want, _loop_moe(experts, x, idx, w), atol=1e-5, rtol=1e-5)
