@@ -43,8 +43,7 @@ class HostKV:
 
     def token_bytes(self, kind: str) -> int:
         """Bytes of one token of ``kind`` over all its layers (K + V)."""
-        return sum(kv.k.shape[0] * (kv.k.shape[2] + kv.v.shape[2]) * kv.k.element_size()
-                   for kv, k in zip(self.device_kv, self.kinds) if k == kind)
+        return kv_pack.token_bytes(self.device_kv, self.kinds, kind)
 
     def apply(self, ops: list[tuple[str, list[int], list[int]]]) -> None:
         """Run the tree's copies in order (an op may reuse a slot an earlier one freed)."""
@@ -76,19 +75,4 @@ class HostKV:
     def unpack_to_host(self, kind: str, data: bytes, n: int, rows: list[int], host_slots: list[int]) -> None:
         """Write rows ``rows`` (token indices in ``data``, ``n`` tokens in all) of packed ``data``
         into host ``host_slots`` of ``kind``."""
-        if not rows:
-            return
-        assert len(data) == n * self.token_bytes(kind), "packed KV of the wrong size"
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        r = torch.tensor(rows, dtype=torch.long)
-        d = torch.tensor(host_slots, dtype=torch.long)
-        off = 0
-        for host, k in zip(self.host, self.kinds):
-            if k != kind:
-                continue
-            for t in (host.k, host.v):
-                heads, _, dim = t.shape
-                size = heads * n * dim * t.element_size()
-                src = buf[off:off + size].view(t.dtype).view(heads, n, dim)
-                t.index_copy_(1, d, src.index_select(1, r))
-                off += size
+        kv_pack.unpack(self.host, self.kinds, kind, data, host_slots, rows=rows, n=n)

@@ -30,13 +30,18 @@ def pack(pools: list[LayerKV], kinds: list[str], kind: str, slots: list[int]) ->
     return torch.cat(parts).numpy().tobytes() if parts else b""
 
 
-def unpack(pools: list[LayerKV], kinds: list[str], kind: str, data: bytes, slots: list[int]) -> None:
-    """Write packed ``data`` (``len(slots)`` tokens) into ``slots`` of ``kind``."""
-    n = len(slots)
+def unpack(pools: list[LayerKV], kinds: list[str], kind: str, data: bytes, slots: list[int],
+           rows: list[int] | None = None, n: int | None = None) -> None:
+    """Write packed ``data`` into ``slots`` of ``kind``: all its ``len(slots)`` tokens, or (``rows``)
+    those token indices of its ``n`` tokens, in order."""
+    if rows is not None and not rows:
+        return
+    n = len(slots) if n is None else n
     assert len(data) == n * token_bytes(pools, kinds, kind), "packed KV of the wrong size"
     if not n:
         return
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    pick = None if rows is None else torch.tensor(rows, dtype=torch.long)
     off = 0
     for kv, k in zip(pools, kinds):
         if k != kind:
@@ -46,5 +51,7 @@ def unpack(pools: list[LayerKV], kinds: list[str], kind: str, data: bytes, slots
             heads, _, dim = t.shape
             size = heads * n * dim * t.element_size()
             src = buf[off:off + size].view(t.dtype).view(heads, n, dim)  # [kv_heads, n, dim]
+            if pick is not None:
+                src = src.index_select(1, pick)
             t.index_copy_(1, idx, src.to(t.device))
             off += size
