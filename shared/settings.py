@@ -321,6 +321,16 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "120-schema test corpus compiles in 46 ms at the median and 0.76 s at most, 128 tools x 10 parameters "
         "under tool_choice required in 1.3 s, a string of maxLength 5000 in 7.9 s; hostile schemas run for minutes",
     )
+    grammar_full_speed_cpu_s: float = Field(
+        default=1.0, gt=0, description="CPU seconds a grammar compile runs at full speed (the lowest priority); past "
+        "them it gets grammar_slow_cpu_share of a core until grammar_compile_timeout_s. The test corpus's slowest "
+        "schema takes 0.76 s",
+    )
+    grammar_slow_cpu_share: float = Field(
+        default=0.25, gt=0, le=1, description="share of a core a grammar compile gets past grammar_full_speed_cpu_s "
+        "(stopped the rest of each 100 ms): a compile burning idle cores at the lowest priority still slowed the "
+        "steady streams' p99 ITL 1.3-1.5x on the 2-core EPYC VM; 1 turns the throttle off",
+    )
     max_grammar_bytes: int = Field(
         default=256 * 1024, ge=1024, description="largest structured-output spec (JSON schema, regex, EBNF grammar or "
         "choices; under a forced tool_choice every tool's parameters) in UTF-8 bytes; past it a 400 naming this "

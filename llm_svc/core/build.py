@@ -156,7 +156,9 @@ def build_engine(settings: LLMSettings, lm: LoadedLM, scheduler_overrides: dict 
     # the front tries each source within media_fetch_timeout; this is the core's backstop
     grammars = GrammarCache(lm.tokenizer, lm.vocab_size, lm.eos_token_ids, threads=settings.grammar_threads,
                             any_whitespace=settings.structured_any_whitespace, workers=settings.grammar_workers,
-                            max_bytes=settings.max_grammar_bytes, timeout_s=settings.grammar_compile_timeout_s)
+                            max_bytes=settings.max_grammar_bytes, timeout_s=settings.grammar_compile_timeout_s,
+                            full_speed_s=settings.grammar_full_speed_cpu_s,
+                            slow_share=settings.grammar_slow_cpu_share)
     speculator = None
     if spec is not None:
         mtp = MTPRunner(runner, mtp_layers, lm.model.get_input_embeddings(), lm.model.get_output_embeddings(),

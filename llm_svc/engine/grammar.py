@@ -116,7 +116,7 @@ class GrammarCache:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 1, capacity: int = 256,
                  any_whitespace: bool = True, workers: int = 2, max_bytes: int = 256 * 1024,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, full_speed_s: float = 1.0, slow_share: float = 1.0) -> None:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, list(stop_token_ids)
         self.capacity = capacity
         self.any_whitespace = any_whitespace  # a spec's default (vLLM's too); False: compact JSON, no whitespace
@@ -136,7 +136,8 @@ class GrammarCache:
             if cache is not None:
                 cache._finished(job, result, error)
 
-        self._pool = CompilePool(init, workers=workers, threads=threads, timeout_s=timeout_s)
+        self._pool = CompilePool(init, workers=workers, threads=threads, timeout_s=timeout_s,
+                                 full_speed_s=full_speed_s, slow_share=slow_share)
         self._on_done = done
         weakref.finalize(self, self._pool.close)
 

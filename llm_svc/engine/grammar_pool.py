@@ -8,6 +8,12 @@ compile runs in a process of its own and this pool enforces two things a thread 
   at the lowest priority: on a busy machine a normal compile may wait long for a core, which is
   not its fault; a wall-clock backstop (``wall_factor`` times the limit) still ends a worker that
   never gets one (a stopped process);
+* a **CPU share**: past its first ``full_speed_s`` CPU seconds (a normal compile is done by then)
+  a compile runs ``slow_share`` of each ``DUTY_PERIOD_S`` and is stopped (``SIGSTOP``) for the
+  rest. The lowest priority alone does not keep a long compile harmless: on these VMs a process
+  burning "idle" cores at ``SCHED_IDLE`` still slowed the steady streams' p99 ITL 1.3-1.5x (the
+  host does not know the guest's priorities), so a compile that looks hostile gets a fraction of
+  a core until its time limit ends it;
 * **cancellation**: a queued job nobody waits for is dropped; a running one is killed after
   ``grace_s`` (it may be about to finish: its result is then kept by the caller's cache).
 
@@ -26,6 +32,7 @@ import collections
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -40,6 +47,7 @@ from .grammar_frames import read_frame, write_frame
 log = logging.getLogger(__name__)
 
 _TICK = 0.1  # seconds between limit checks while a compile runs
+DUTY_PERIOD_S = 0.1  # a throttled compile runs slow_share of each such period
 # a worker holds about 300 MiB of its own (xgrammar imports torch): beyond the one kept warm,
 # workers idle this long exit
 IDLE_RETIRE_S = 60.0
@@ -68,6 +76,9 @@ class _Worker:
     started: float = 0.0  # the job's start, wall clock
     idle_since: float = field(default_factory=time.monotonic)
     cpu0: float = 0.0  # the worker's CPU seconds when the job started
+    throttled: bool = False  # its job passed full_speed_s: it runs slow_share of each period
+    paused: bool = False  # stopped (SIGSTOP) until switch_at
+    switch_at: float = 0.0
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -78,6 +89,17 @@ def _cpu_seconds(pid: int) -> float | None:
         return (int(rest[11]) + int(rest[12])) / _CLK_TCK  # utime, stime (fields 14 and 15)
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> bool:
+    """Send ``sig`` to a live ``proc``; False when it has already exited."""
+    if proc.poll() is not None:
+        return False
+    try:
+        proc.send_signal(sig)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _worker_env() -> dict[str, str]:
@@ -93,10 +115,16 @@ class CompilePool:
     thread, before the first worker starts."""
 
     def __init__(self, init: Callable[[], str], workers: int = 2, threads: int = 1, timeout_s: float = 10.0,
-                 grace_s: float = 0.5, wall_factor: float = 10.0) -> None:
+                 grace_s: float = 0.5, wall_factor: float = 10.0, full_speed_s: float = 1.0,
+                 slow_share: float = 1.0) -> None:
+        if not 0.0 < slow_share <= 1.0:
+            raise ValueError(f"slow_share must be in (0, 1], got {slow_share}")
         self._init, self._init_frame = init, None
         self.max_workers, self.threads, self.timeout_s = max(1, workers), threads, timeout_s
-        self.grace_s, self.wall_limit = grace_s, max(60.0, wall_factor * timeout_s)
+        self.full_speed_s, self.slow_share = full_speed_s, slow_share
+        # the wall time a compile needs to reach its CPU limit at its share, times the factor
+        needed = min(timeout_s, full_speed_s) + max(0.0, timeout_s - full_speed_s) / slow_share
+        self.grace_s, self.wall_limit = grace_s, max(60.0, wall_factor * needed)
         self._queue: collections.deque[Job] = collections.deque()
         self._workers: list[_Worker] = []  # the pool thread's alone
         self._lock = threading.Lock()
@@ -138,7 +166,7 @@ class CompilePool:
         return {"grammar_workers": len(workers), "grammar_queued": queued,
                 "grammar_running": sum(w.job is not None for w in workers),
                 "grammar_timeouts": self.counts["timeouts"], "grammar_abandoned": self.counts["abandoned"],
-                "grammar_worker_starts": self.counts["starts"]}
+                "grammar_worker_starts": self.counts["starts"], "grammar_throttled": self.counts["throttled"]}
 
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in list(self._workers)]
@@ -190,6 +218,9 @@ class CompilePool:
         busy = [w for w in self._workers if w.job is not None]
         starting = [w for w in self._workers if not w.ready]
         wait = _TICK if busy else (1.0 if starting or self._queue or len(self._workers) > 1 else None)
+        switches = [w.switch_at for w in busy if w.throttled]
+        if switches:
+            wait = max(0.001, min(wait, min(switches) - time.monotonic()))
         poll = select.poll()
         poll.register(self._wake_r, select.POLLIN)
         by_fd = {}
@@ -197,7 +228,7 @@ class CompilePool:
             fd = w.proc.stdout.fileno()
             by_fd[fd] = w
             poll.register(fd, select.POLLIN)
-        for fd, _ in poll.poll(None if wait is None else int(wait * 1000)):
+        for fd, _ in poll.poll(None if wait is None else max(1, int(wait * 1000))):
             if fd == self._wake_r:
                 os.read(self._wake_r, 4096)
             else:
@@ -253,6 +284,7 @@ class CompilePool:
                 job = self._queue.popleft()
             w.job, w.started = job, time.monotonic()
             w.cpu0 = _cpu_seconds(w.proc.pid) or 0.0
+            self._full_speed(w)
             try:
                 write_frame(w.proc.stdin, job.payload)
             except OSError:
@@ -268,6 +300,7 @@ class CompilePool:
             w.ready = self._warm = True
             return
         job, w.job, w.idle_since = w.job, None, time.monotonic()
+        self._full_speed(w)  # it may have been stopped right after it wrote this reply
         if job is None:
             return
         # a cancelled job's result is still reported: the caller's cache keeps it
@@ -294,6 +327,31 @@ class CompilePool:
                             used, now - w.started, w.proc.pid)
                 self._kill(w)
                 job.on_done(job, None, CompileTimeout(job.timeout_message))
+            elif self.slow_share < 1.0:
+                self._duty_cycle(w, used, now)
+
+    def _duty_cycle(self, w: _Worker, used: float, now: float) -> None:
+        """Past ``full_speed_s`` CPU seconds, ``w`` runs ``slow_share`` of each period, stopped for the rest."""
+        if not w.throttled:
+            if used <= self.full_speed_s:
+                return
+            w.throttled, w.switch_at = True, now
+            self.counts["throttled"] += 1
+            log.info("a grammar compile passed %.1f s of CPU: worker %d now runs %.0f%% of a core until its limit",
+                     self.full_speed_s, w.proc.pid, self.slow_share * 100)
+        if now < w.switch_at:
+            return
+        pause = not w.paused
+        if not _signal(w.proc, signal.SIGSTOP if pause else signal.SIGCONT):
+            return  # gone: its reply (or its loss) is read next round
+        w.paused = pause
+        w.switch_at = now + DUTY_PERIOD_S * ((1.0 - self.slow_share) if pause else self.slow_share)
+
+    def _full_speed(self, w: _Worker) -> None:
+        """``w`` runs unthrottled again (its job ended, or a new one starts)."""
+        if w.paused:
+            _signal(w.proc, signal.SIGCONT)
+        w.throttled = w.paused = False
 
     def _retire_idle(self) -> None:
         """Workers past the warm one that had nothing to do for ``IDLE_RETIRE_S`` exit."""

@@ -1,7 +1,8 @@
 """The grammar compile pool without a model (a 96-token vocabulary): a spec over the size limit
 starts nothing; a compile past its CPU-time limit is killed while another worker serves a simple
 one; a queued compile nobody waits for never runs, a running one is killed; a bad spec's error
-names the problem, not xgrammar's sources; closing kills and reaps every worker."""
+names the problem, not xgrammar's sources; a long compile is stopped part of each period past
+its full-speed CPU seconds and its worker runs on after it; closing kills and reaps every worker."""
 
 from __future__ import annotations
 
@@ -50,6 +51,14 @@ def _until(cond, limit: float = 60.0) -> None:
     while not cond():
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
 
 
 def _alive(pid: int) -> bool:
@@ -138,3 +147,34 @@ def test_workers_past_the_warm_one_exit_when_idle(monkeypatch):
         assert pool.stats()["grammar_worker_starts"] == 2
     finally:
         pool.close()
+
+
+def test_a_long_compile_is_stopped_part_of_the_time_and_its_worker_runs_on_after_it():
+    done = Results()
+    with pytest.raises(ValueError, match="slow_share"):
+        CompilePool(_table, slow_share=0.0)
+    pool = CompilePool(_table, workers=1, timeout_s=120.0, full_speed_s=0.2, slow_share=0.5)
+    assert pool.wall_limit >= 10.0 * (0.2 + 119.8 / 0.5)  # the wall backstop leaves room for the share
+    try:
+        pool.submit(["json", HOSTILE.replace("16000", "3000"), True], done, key="long")  # ~1.6 s of CPU
+        stopped = []
+
+        def paused_or_done() -> bool:
+            pids = pool.worker_pids()
+            if pids and _state(pids[0]) == "T":
+                stopped.append(pids[0])
+            return bool(stopped) or "long" in done.got
+
+        _until(paused_or_done)
+        assert stopped, "the compile was never stopped past its full-speed CPU seconds"
+        result, error = done.wait("long")
+        assert error is None and json.loads(result)  # throttled, not failed
+        assert pool.stats()["grammar_throttled"] == 1
+        pool.submit(["regex", "[a-c]+", True], done, key="next")
+        assert done.wait("next", timeout=30)[1] is None  # the same worker, not left stopped
+        assert pool.worker_pids() == stopped[:1] and _state(stopped[0]) != "T"
+        assert pool.stats()["grammar_worker_starts"] == 1
+    finally:
+        pids = pool.worker_pids()
+        pool.close()
+    assert not any(_alive(p) for p in pids)
