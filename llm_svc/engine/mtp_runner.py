@@ -135,12 +135,13 @@ class MTPRunner:
                 break
             out = self._layer(k, layer, parts, prev, drafts)
             prev = {sf.req_id: out[sf.req_id] for sf, _, _, _ in parts}
-            for sf, lo, stop, x in parts:
-                d = drafts.get(sf.req_id)
-                # the row at ``stop - 1`` predicts token ``stop + k + 1``: draft k + 1 (token
-                # ``N + k``, N the committed tokens) when ``stop = N - 1``
-                if d is not None and len(d) == k and stop == x.first + len(x.tokens) - 1:
-                    d.append(self._argmax(out[sf.req_id][-1:]))
+            # the row at ``stop - 1`` predicts token ``stop + k + 1``: draft k + 1 (token ``N + k``,
+            # N the committed tokens) when ``stop = N - 1``; one lm_head call for the whole batch
+            want = [sf.req_id for sf, lo, stop, x in parts
+                    if sf.req_id in drafts and len(drafts[sf.req_id]) == k and stop == x.first + len(x.tokens) - 1]
+            if want:
+                for rid, tok in zip(want, self._argmax(torch.cat([out[rid][-1:] for rid in want]))):
+                    drafts[rid].append(tok)
             for sf, _, _, _, _ in seqs:
                 prev.setdefault(sf.req_id, torch.empty(0, device=hidden.device))
         return {rid: d for rid, d in drafts.items() if d}
@@ -153,8 +154,9 @@ class MTPRunner:
         tokens against W = 128)."""
         return max(0, prompt_len - self.window - self.k)
 
-    def _argmax(self, h: torch.Tensor) -> int:
-        return int(self.lm_head(h).float().argmax(dim=-1)[0])
+    def _argmax(self, h: torch.Tensor) -> list[int]:
+        """The greedy token of each row of ``h [n, H]``."""
+        return self.lm_head(h).float().argmax(dim=-1).tolist()
 
     def _meta(self, parts):
         """The attention metadata of one layer's parts (the same for every layer over the same

@@ -127,6 +127,14 @@ class Speculator:
                     ks[c.req_id] = c.room
         return ks
 
+    def prompt_layers(self, reqs: list[Request]) -> int:
+        """MTP layers worth running over the rows of a step in which no request drafts yet (prompt
+        chunks): as many as the policy plans for the decodes these requests become. Those rows'
+        MTP KV serves only those drafts, so a batch too large to draft skips them (a loaded burst's
+        prefill paid up to K layers over every prompt row for nothing)."""
+        cands = [Candidate(r.req_id, self.room(r), self.acceptance.of(r.req_id)) for r in reqs]
+        return self.policy.planned_layers(cands, len(cands), len(cands)) if cands else 0
+
     def candidate(self, req: Request, pending: int = 0) -> Candidate:
         return Candidate(req.req_id, self.room(req, pending), self.acceptance.of(req.req_id))
 

@@ -73,6 +73,25 @@ def test_mtp_runs_as_many_layers_as_its_longest_draft():
     assert set(ks.values()) == {2} and cheap.layers(ks) == 2
 
 
+def test_prompt_rows_get_the_layers_their_decodes_will_draft_with():
+    """A step of prompt chunks only (nobody drafts yet) runs the MTP layers the policy plans for
+    the decodes those requests become: none for a burst too large to draft, all at one request,
+    all while the fits learn; planning counts nothing (no histogram, no step)."""
+    pol = _trained(0.004, 0.0002, 0.002, 0.0002, mtp=True)
+    burst = [Candidate(f"r{i}", 3, [0.5, 0.3, 0.2]) for i in range(16)]
+    before = (dict(pol.chosen), pol._steps)
+    assert pol.planned_layers(burst, 16, 16) == 0
+    assert pol.planned_layers([], 0, 0) == 0
+    assert (dict(pol.chosen), pol._steps) == before
+    cheap = _trained(0.02, 0.0001, 0.0001, 0.00001, mtp=True)
+    assert cheap.planned_layers([Candidate("a", 3, [0.9, 0.9, 0.9])], 1, 1) == 3
+    assert cheap.planned_layers([Candidate("a", 2, [0.9, 0.9, 0.9])], 1, 1) == 2  # its room
+    assert GoodputDrafts(3, True).planned_layers(burst, 16, 16) == 3  # learning: all of them
+    table = TableDrafts(3, [(1, 4, 3), (5, 16, 1)])
+    assert table.planned_layers(burst[:2], 2, 2) == 3 and table.planned_layers(burst, 16, 16) == 1
+    assert table.planned_layers(burst + burst, 32, 32) == 0
+
+
 def test_every_policy_keeps_a_step_within_its_draft_budget():
     """16 decodes that could each draft 3 under a budget of 32 draft tokens: never more than 32
     in all; the fixed policy shares it evenly (2 each, as the scheduler would), the goodput one

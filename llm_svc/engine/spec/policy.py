@@ -157,6 +157,11 @@ class FixedDrafts:
         return out
 
 
+    def planned_layers(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> int:
+        """The drafts per request (MTP layers) a step of decodes ``cands`` would get, nothing counted."""
+        return min(self.k, self.k_for(len(cands)), max((c.room for c in cands), default=0))
+
+
 class TableDrafts(FixedDrafts):
     """vLLM's ``num_speculative_tokens_per_batch_size``."""
 
@@ -204,6 +209,16 @@ class GoodputDrafts:
         self.last_prediction = self.cost.predict(base_tokens + drafts) + self.mtp_cost.predict(mtp_rows, layers)
         self.chosen[(len(cands), max(out.values(), default=0))] += 1
         return out
+
+    def planned_layers(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> int:
+        """The MTP layers a step of decodes ``cands`` would run (all of them while the fits learn),
+        nothing counted."""
+        if not cands:
+            return 0
+        if self.cost.n < self.warmup_steps:
+            return min(self.k, max(c.room for c in cands))
+        _, (_, ks) = self._best(cands, base_tokens, mtp_rows)
+        return max(ks.values(), default=0)
 
     def bounds(self) -> list[int]:
         """The bounds on drafts per request tried (with MTP: the layers run)."""

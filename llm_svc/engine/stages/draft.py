@@ -44,8 +44,10 @@ class Draft:
         rows = sum(x.rows for x in inputs.values())
         self._ks = spec.choose(cands, _base_tokens(batch), rows, requests)
         # as many layers as the longest draft asked for (none when no decode drafts: a loaded step
-        # saves them); all of them when no decode could draft (their KV of a prompt's rows)
-        layers = max(self._ks.values(), default=0) if cands else spec.mtp.k
+        # saves them); when no request could draft yet (prompt chunks), as many as the policy plans
+        # for the decodes they become (their KV of a prompt's rows serves those drafts only)
+        layers = (max(self._ks.values(), default=0) if cands
+                  else spec.prompt_layers([requests[rid] for rid in inputs]))
         t0 = time.perf_counter()
         out = spec.mtp.step(batch, self.runner.last_hidden, inputs, max_layers=layers)
         self.mtp_rows, self.mtp_layers, self.mtp_seconds = rows, layers, time.perf_counter() - t0
