@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import signal
 import tempfile
@@ -130,7 +131,8 @@ def main() -> None:
                          "bounded structures all full)")
     ap.add_argument("--tracemalloc", action="store_true",
                     help="every process traces its Python allocations (MMSERVE_TRACEMALLOC=1) and writes where "
-                         "they grew to the log dir every --interval x 6 s (slows the services: not a measured run)")
+                         "they grew to the log dir every --interval x 6 s (slows the services: not a measured run, no "
+                         "results file)")
     _results.add_mode_args(ap)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _stop)  # a `timeout` or `kill` still stops the stack (its own sessions)
@@ -190,6 +192,10 @@ def main() -> None:
         out["counts"] = counts
     out.update(growth_after_warmup(out["series"], minutes, args.warmup_minutes))
     growth = out["growth_pct_per_30min_after_warmup"]
+    if args.tracemalloc:  # a diagnostic run (tracing slows and grows every process): no results file
+        print(json.dumps({**out, "benchmark": "soak", "kind": "wall-clock", "mode": _results.mode_of(args),
+                          "diagnostic": "--tracemalloc"}, default=str), flush=True)
+        return
     _results.record("soak", ap, args, out, kind="wall-clock", baseline="none: our services' memory over time",
                     summary=f"{minutes:g} min, {counts.get('ok', 0)} requests: RSS growth per 30 min after warm-up "
                             f"(from {out['warm_from_s']:g} s) "
