@@ -32,9 +32,11 @@ import torch
 from llm_svc.attention import SLIDING, AttentionParams, LayerKV
 from llm_svc.attention.slot_tables import StepTables
 from llm_svc.engine.model_runner import ModelRunner
+from llm_svc.models import cpu_fused
 from llm_svc.models.base import apply_rope
 from llm_svc.models.fused_mlp import GatedMLP
 from llm_svc.models.linear import fuse_linears, pack_linears
+from llm_svc.models.mimo import add_norm
 from llm_svc.types.request import ForwardBatch, SeqForward
 
 
@@ -199,20 +201,25 @@ class MTPRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         e = self.embed(torch.tensor(ids, dtype=torch.long, device=dev))
         meta = self._meta(parts)
-        x = layer.fuse(h_prev, e)  # [T, H]
+        # layer.fuse's eh_proj(cat(enorm(e), hnorm(h))), its norms (and the block's) one C pass
+        # each on the CPU (torch's rms_norm took ~46 us a call on a few rows: 5 a layer)
+        x = layer.eh_proj(torch.cat([add_norm(e, None, layer.enorm)[1], add_norm(h_prev, None, layer.hnorm)[1]],
+                                    dim=-1))  # [T, H]
         a = layer.self_attn
         t = x.shape[0]
-        y = layer.input_layernorm(x)
+        y = add_norm(x, None, layer.input_layernorm)[1]
         cos, sin = self._rope(layer, y, positions)
         qkv = self.qkv[k](y)  # [T, (Hq + Hkv) * Dqk + Hkv * Dv]
         nq, nk = a.q_proj.out_features, a.k_proj.out_features
-        q = apply_rope(qkv[:, :nq].view(t, -1, a.head_dim), cos, sin)
-        kk = apply_rope(qkv[:, nq:nq + nk].view(t, -1, a.head_dim), cos, sin)
-        v = qkv[:, nq + nk:].reshape(t, -1, a.v_head_dim) * a.v_scale
+        q, kk = qkv[:, :nq].view(t, -1, a.head_dim), qkv[:, nq:nq + nk].view(t, -1, a.head_dim)
+        v = qkv[:, nq + nk:].view(t, -1, a.v_head_dim)
+        if cpu_fused.supports_qkv(qkv, cos, sin):  # rope and the value scale in place, one C pass (as the LM)
+            cpu_fused.qkv_post(qkv, q.shape[1], kk.shape[1], a.head_dim, a.v_head_dim, cos, sin, a.v_scale)
+        else:
+            q, kk, v = apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v * a.v_scale
         o = self.runner.attn.forward(SLIDING, q, kk, v, self.kv[k], meta, self.params[k])  # [T, Hq, Dv]
-        x = x + a.o_proj(o.reshape(t, -1))
-        x = x + self.mlps[k](layer.pre_mlp_layernorm(x))
-        x = layer.final_layernorm(x)
+        x, y = add_norm(x, a.o_proj(o.reshape(t, -1)), layer.pre_mlp_layernorm)  # x += attention, in place
+        x = add_norm(x, self.mlps[k](y), layer.final_layernorm)[1]
         out, i = {}, 0
         for sf, lo, stop, _ in parts:
             out[sf.req_id] = x[i:i + stop - lo]

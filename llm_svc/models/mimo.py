@@ -67,7 +67,7 @@ class MiMoModel(HybridModel):
         for i, layer in enumerate(self.inner.layers):
             a = layer.self_attn
             spec = self.layers[i]
-            h, x = _add_norm(h, y, self.norms[i])
+            h, x = add_norm(h, y, self.norms[i])
             hq, hk = self.heads[i], spec.kv_heads
             qkv = self.qkv[i](x)  # [T, (Hq + Hkv) * Dqk + Hkv * Dv]
             cos, sin = rope[self.layer_types[i]]
@@ -80,15 +80,15 @@ class MiMoModel(HybridModel):
             else:
                 q, k, v = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v * a.v_scale
             o = attn.forward(spec.kind, q, k, v, kv[i], meta, self.params[i])  # [T, Hq, Dv]
-            h, x = _add_norm(h, self.group.all_reduce(a.o_proj(o.reshape(t, -1))), layer.post_attention_layernorm)
+            h, x = add_norm(h, self.group.all_reduce(a.o_proj(o.reshape(t, -1))), layer.post_attention_layernorm)
             y = self.group.all_reduce(self.mlps[i](x))
-        return _add_norm(h, y, self.norms[-1])[1]
+        return add_norm(h, y, self.norms[-1])[1]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(h).float()
 
 
-def _add_norm(h: torch.Tensor, y: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+def add_norm(h: torch.Tensor, y: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
     """``h + y`` (y None: h) and its RMSNorm by ``norm`` (a MiMo RMSNorm module: ``weight``,
     ``eps`` or transformers' ``variance_epsilon``): one C pass on the CPU, h updated in place."""
     if cpu_fused.supports_norm(h, norm.weight) and (y is None or y.stride(-1) == 1):
