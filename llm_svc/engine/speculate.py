@@ -132,7 +132,7 @@ class Speculator:
         chunks): as many as the policy plans for the decodes these requests become. Those rows'
         MTP KV serves only those drafts, so a batch too large to draft skips them (a loaded burst's
         prefill paid up to K layers over every prompt row for nothing)."""
-        cands = [Candidate(r.req_id, self.room(r), self.acceptance.of(r.req_id)) for r in reqs]
+        cands = [self.candidate(r) for r in reqs]
         return self.policy.planned_layers(cands, len(cands), len(cands)) if cands else 0
 
     def candidate(self, req: Request, pending: int = 0) -> Candidate:

@@ -148,18 +148,20 @@ class FixedDrafts:
         return self.k
 
     def choose(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> dict[str, int]:
+        out = self._plan(cands)
+        self.chosen[(len(cands), max(out.values(), default=0))] += 1
+        return out
+
+    def planned_layers(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> int:
+        """The drafts per request (MTP layers) a step of decodes ``cands`` would get, nothing counted."""
+        return max(self._plan(cands).values(), default=0)
+
+    def _plan(self, cands: list[Candidate]) -> dict[str, int]:
         k = min(self.k, self.k_for(len(cands)))
         cap = share(self.budget, len(cands))
         if cap is not None and k * len(cands) > self.budget:
             k = min(k, cap)
-        out = {c.req_id: min(k, c.room) for c in cands}
-        self.chosen[(len(cands), max(out.values(), default=0))] += 1
-        return out
-
-
-    def planned_layers(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> int:
-        """The drafts per request (MTP layers) a step of decodes ``cands`` would get, nothing counted."""
-        return min(self.k, self.k_for(len(cands)), max((c.room for c in cands), default=0))
+        return {c.req_id: min(k, c.room) for c in cands}
 
 
 class TableDrafts(FixedDrafts):
@@ -198,12 +200,7 @@ class GoodputDrafts:
         self._steps += 1
         if not cands:
             return {}
-        best_l, best = self._best(cands, base_tokens, mtp_rows)
-        if self.cost.n < self.warmup_steps:  # the fits learn: the most drafts the budget takes
-            cap = share(self.budget, len(cands))
-            warm = min(self.k, cap) if cap is not None and self.k * len(cands) > self.budget else self.k
-            best = (warm, {c.req_id: min(warm, c.room) for c in cands})
-        out = best[1]
+        out = self._plan(cands, base_tokens, mtp_rows)
         drafts = sum(out.values())
         layers = self.layers(out)
         self.last_prediction = self.cost.predict(base_tokens + drafts) + self.mtp_cost.predict(mtp_rows, layers)
@@ -213,12 +210,15 @@ class GoodputDrafts:
     def planned_layers(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> int:
         """The MTP layers a step of decodes ``cands`` would run (all of them while the fits learn),
         nothing counted."""
-        if not cands:
-            return 0
-        if self.cost.n < self.warmup_steps:
-            return min(self.k, max(c.room for c in cands))
-        _, (_, ks) = self._best(cands, base_tokens, mtp_rows)
-        return max(ks.values(), default=0)
+        return max(self._plan(cands, base_tokens, mtp_rows).values(), default=0)
+
+    def _plan(self, cands: list[Candidate], base_tokens: int, mtp_rows: int) -> dict[str, int]:
+        """``choose``'s drafts per request, nothing counted."""
+        if self.cost.n < self.warmup_steps:  # the fits learn: the most drafts the budget takes
+            cap = share(self.budget, len(cands))
+            warm = min(self.k, cap) if cap is not None and self.k * len(cands) > self.budget else self.k
+            return {c.req_id: min(warm, c.room) for c in cands}
+        return self._best(cands, base_tokens, mtp_rows)[1][1]
 
     def bounds(self) -> list[int]:
         """The bounds on drafts per request tried (with MTP: the layers run)."""
