@@ -482,6 +482,34 @@ class SamplingParams(BaseModel):
         return self
 
 
+class KVTransferParams(BaseModel):
+    """vLLM's ``kv_transfer_params`` on ``/v1/generate``, the fields that have a meaning here
+    (docs/disagg.md). ``do_remote_decode`` (to a ``role: prefill`` replica): run the prompt to its
+    first token and hand its KV to the decode core at ``remote_host:remote_port``; the answer is
+    that token with ``finish_reason`` ``remote_decode`` (or its own reason when it ends the
+    request). ``do_remote_prefill`` (to a ``role: decode`` replica): have the replica at
+    ``remote_prefill_url`` prefill the prompt first, then continue from its KV."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    do_remote_decode: bool = False
+    remote_host: str | None = Field(default=None, min_length=1, max_length=255)
+    remote_port: int | None = Field(default=None, ge=1, le=65535)
+    do_remote_prefill: bool = False
+    remote_prefill_url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+(/[^\s]*)?$", max_length=2048)
+
+    @model_validator(mode="after")
+    def _one_side(self) -> "KVTransferParams":
+        if self.do_remote_decode == self.do_remote_prefill:
+            raise ValueError("kv_transfer_params: set exactly one of do_remote_decode and do_remote_prefill")
+        if self.do_remote_decode and (self.remote_host is None or self.remote_port is None):
+            raise ValueError("kv_transfer_params: do_remote_decode needs remote_host and remote_port (the decode "
+                             "replica's hand-over address)")
+        if self.do_remote_prefill and self.remote_prefill_url is None:
+            raise ValueError("kv_transfer_params: do_remote_prefill needs remote_prefill_url (the prefill replica)")
+        return self
+
+
 class GenerateRequest(BaseModel):
     """One generation: chat ``messages`` (rendered by the model's template), or a raw ``prompt``
     string (tokenized with the tokenizer's special tokens, as vLLM's completions) or token ids."""
@@ -500,6 +528,7 @@ class GenerateRequest(BaseModel):
     tools: ToolSpec | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     include_reasoning: bool = True
+    kv_transfer_params: KVTransferParams | None = None  # prefill / decode disaggregation (vLLM's name)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
@@ -525,7 +554,9 @@ class GenerateRequest(BaseModel):
         return sorted(items, key=lambda p: p.index)
 
 
-FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+# remote_decode: a prefill replica's answer to kv_transfer_params.do_remote_decode (its first
+# token; the decode replica continues), never an OpenAI finish reason
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "remote_decode"]
 
 
 class TokenLogprob(BaseModel):

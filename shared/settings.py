@@ -218,6 +218,23 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "first token and hand the KV over), decode (continue requests from a hand-over), both (today's unified "
         "replica); vLLM's kv_role names kv_producer, kv_consumer, kv_both are accepted with that meaning",
     )
+    handover_host: str = Field(
+        default="127.0.0.1", description="role decode: the address the engine core receives hand-overs on, and "
+        "tells prefill replicas to send them to (a name the prefill replicas resolve, e.g. the compose service)",
+    )
+    handover_port: int = Field(default=0, ge=0, le=65535, description="role decode: the hand-over port; 0 picks "
+                               "a free one (shown on /readyz)")
+    handover_timeout_s: float = Field(
+        default=10.0, gt=0, description="role prefill: the longest a hand-over's send may take (past it the request "
+        "fails with 503 and the decode replica recomputes); role decode: the longest a request waits for its "
+        "announced hand-over before it recomputes the prompt (counted as timeout)",
+    )
+    handover_ttl_s: float = Field(default=60.0, gt=0, description="role decode: a received hand-over no request "
+                                  "claims within this is dropped (counted as expired)")
+    remote_prefill_timeout_s: float = Field(
+        default=600.0, gt=0, description="role decode: the longest the call to a prefill replica may take; past it, "
+        "or on its failure, the prompt is prefilled here",
+    )
     # swa engine
     kv_bytes: int = Field(
         default=256 * 1024 * 1024, ge=0, description="bytes of the device KV pools (full and SWA layers together) "

@@ -53,6 +53,10 @@ class Backend(ABC):
     def stats(self) -> BackendStats:
         return BackendStats()
 
+    def handover_port(self) -> int:
+        """Role decode: the port its engine core receives hand-overs on (0: none)."""
+        return 0
+
     def max_sequence_tokens(self) -> int | None:
         """The most tokens (prompt + output) one sequence can ever hold, once started: the KV
         pool's size; None: no bound of the backend's own."""

@@ -52,6 +52,10 @@ class SWABackend(Backend):
     async def close(self) -> None:
         await self.client.close()
 
+    def handover_port(self) -> int:
+        cap = self.client.capacity
+        return cap.handover_port if cap is not None else 0
+
     def max_sequence_tokens(self) -> int | None:
         cap = self.client.capacity
         return cap.num_full_slots if cap is not None else None

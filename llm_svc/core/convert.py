@@ -48,7 +48,7 @@ def to_core_add(prep: PreparedRequest, epoch: int, request_id: str | None = None
         mm_spans=[tuple(x) for x in prep.mm_spans],
         mm_hashes=list(prep.mm_hashes), bidirectional=prep.bidirectional, return_logprobs=prep.return_logprobs,
         swa_checkpoints=list(prep.swa_checkpoints), top_logprobs=prep.top_logprobs,
-        router_keys=list(prep.router_keys),
+        router_keys=list(prep.router_keys), remote=prep.remote,
     )
 
 

@@ -120,8 +120,12 @@ class CoreLoop:
     """One core's loop over an ``Engine``; ``run`` returns on shutdown."""
 
     def __init__(self, engine, inputs: zmq.Socket, outputs: zmq.Socket, epoch: int, parent: int,
-                 media_dtype, kv_keys=None):
+                 media_dtype, kv_keys=None, roles=None):
+        from .roles import RoleDriver
+
         self.engine = engine
+        # how the engine steps for this replica's role (prefill / decode / both: docs/disagg.md)
+        self.roles = roles if roles is not None else RoleDriver(engine)
         self.kv_keys = kv_keys  # llm_svc.kv.events.KVKeyTracker when KV events are published
         self.inputs, self.outputs = inputs, outputs
         self.epoch, self.parent = epoch, parent
@@ -135,11 +139,12 @@ class CoreLoop:
 
     def run(self) -> None:
         while not self._stop:
-            idle = not self.engine.has_work()
-            wait = HEARTBEAT_S if idle else MEDIA_POLL_S if self.engine.stalled() else 0.0
+            idle = not self.roles.has_work()
+            wait = HEARTBEAT_S if idle else MEDIA_POLL_S if self.engine.stalled() or (
+                self.roles.busy() and not self.engine.has_work()) else 0.0
             if self.inputs.poll(int(wait * 1000)):
                 self._drain()
-            outs = self.engine.step() if self.engine.has_work() else []
+            outs = self.roles.step() if self.roles.has_work() else []
             self._send(outs, self.engine.take_needs())
             if idle and os.getppid() != self.parent:
                 log.warning("the front process is gone; core exiting")
@@ -163,7 +168,8 @@ class CoreLoop:
                 self._add(msg, pending)
             elif isinstance(msg, CoreAbort):
                 for rid in msg.request_ids:
-                    self.engine.abort(rid)
+                    if not self.roles.abort(rid):
+                        self.engine.abort(rid)
                     if self.kv_keys is not None:
                         self.kv_keys.settle(rid)
             elif isinstance(msg, CoreMedia):
@@ -178,7 +184,7 @@ class CoreLoop:
 
         try:
             req = request_from_core(msg, self._device, self._media_dtype, self.engine.eos_token_ids)
-            self.engine.add(req)
+            self.roles.add(req, msg.remote)
             if self.kv_keys is not None and msg.router_keys:
                 self.kv_keys.expect(msg.request_id, req.prompt_keys, [tuple(a) for a in msg.router_keys])
         except InvalidRequest as e:
@@ -223,6 +229,7 @@ class CoreLoop:
 
     def _stats(self) -> CoreStats:
         s = self.engine.stats()
+        s.update(self.roles.stats())
         return CoreStats(
             running=int(s["running"]), waiting=int(s["waiting"]),
             kv_full_usage=1.0 - s["full_free"] / s["full_total"], kv_swa_usage=1.0 - s["swa_free"] / s["swa_total"],
@@ -231,7 +238,7 @@ class CoreLoop:
         )
 
 
-TIER_STAT_PREFIXES = ("host_", "l3_", "tree_", "prefetching", "spec_", "grammar_")
+TIER_STAT_PREFIXES = ("host_", "l3_", "tree_", "prefetching", "spec_", "grammar_", "handover_")
 
 
 def _start_ranks(settings: LLMSettings, par, outputs: zmq.Socket, enc, epoch: int):
@@ -301,10 +308,22 @@ def main(argv: list[str] | None = None) -> int:
         from ..kv.events import KVKeyTracker
 
         kv_keys = KVKeyTracker(engine.scheduler.kv.tree, settings.swa_retention_interval, settings.kv_events_keys)
-    loop = CoreLoop(engine, inputs, outputs, args.epoch, args.parent, lm.dtype, kv_keys)
+    try:
+        from .build import model_identity
+        from .roles import RoleDriver
+
+        roles = RoleDriver(engine, settings, model_identity(settings.model_dir) if settings.role != "both" else "")
+    except Exception as e:  # e.g. the hand-over port is taken
+        log.exception("engine core could not take its role")
+        outputs.send(enc.encode(CoreFailed(args.epoch, f"role {settings.role}: {type(e).__name__}: {e}")))
+        inputs.close()
+        outputs.close()
+        ctx.term()
+        return EXIT_LOAD_FAILED
+    loop = CoreLoop(engine, inputs, outputs, args.epoch, args.parent, lm.dtype, kv_keys, roles)
     r = engine.runner
     outputs.send(enc.encode(CoreReady(args.epoch, os.getpid(), r.num_full_slots, r.num_swa_slots,
-                                      engine.scheduler.config.window, r.kv_bytes())))
+                                      engine.scheduler.config.window, r.kv_bytes(), roles.handover_port)))
     log.info("engine core %d ready (epoch %d): %d full / %d swa slots", os.getpid(), args.epoch,
              r.num_full_slots, r.num_swa_slots)
     if workers is not None:
@@ -321,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         log.exception("engine core broken; exiting so the front restarts it")
         code = EXIT_BROKEN
+    roles.close()
     if engine.grammars is not None:  # its compile workers are killed and reaped (they die with us anyway)
         engine.grammars.close()
     if workers is not None:

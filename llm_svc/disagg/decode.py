@@ -91,12 +91,22 @@ class DecodeSide:
                        self.swa_token_bytes)
         if reason is None:
             reason = self._adopt(h, req.req_id)
-        if reason is not None:
-            self.fallbacks[reason] += 1
-        req.output_ids.append(h.first_token)
+        self._continue(req, h.first_token, reason)
+        return reason is None
+
+    def recompute(self, req: Request, first_token: int, reason: str) -> None:
+        """Continue ``req`` after ``first_token`` without a hand-over (none arrived, or none was
+        made): it recomputes its prompt, counted under ``reason``."""
+        assert not req.output_ids, "a request continues from a hand-over once"
+        self._continue(req, first_token, reason)
+
+    def _continue(self, req: Request, first_token: int, fallback: str | None) -> None:
+        if fallback is not None:
+            self.fallbacks[fallback] += 1
+        req.output_ids.append(first_token)
+        e = self.engine
         e.add(req)
         e.skip_draw(req.req_id)  # the prefill side drew the first token
-        return reason is None
 
     def step(self) -> list[CoreToken]:
         """One engine step, then the locks of adopted prefixes whose request is admitted or gone

@@ -59,6 +59,7 @@ class PrefillStep:
     handovers: list[Handover] = field(default_factory=list)
     failed: list[CoreToken] = field(default_factory=list)
     outputs: list[CoreToken] = field(default_factory=list)
+    finish_reasons: dict[str, str] = field(default_factory=dict)  # request id -> why a finished hand-over ended
 
 
 class PrefillSide:
@@ -97,8 +98,10 @@ class PrefillSide:
                 continue
             req, sampling = got
             req.sampling = sampling
-            done = token_finish_reason(t.token_id, 1, sampling, req.eos_token_ids) is not None
-            out.handovers.append(self._export(req, t.token_id, done))
+            reason = token_finish_reason(t.token_id, 1, sampling, req.eos_token_ids)
+            if reason is not None:
+                out.finish_reasons[req.req_id] = reason
+            out.handovers.append(self._export(req, t.token_id, reason is not None))
         return out
 
     def _export(self, req: Request, first: int, finished: bool) -> Handover:

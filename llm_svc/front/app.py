@@ -26,11 +26,12 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: LLMSettings) -> FastAPI:
     """Build the app; the model loads in the background at start-up (``/readyz`` says when)."""
-    if settings.role != "both":
-        # the hand-over exists at the engine level (llm_svc/disagg, docs/disagg.md); the service
-        # does not yet act on a role, so serving one would silently be a unified replica
-        raise ValueError(f"role {settings.role!r} is not served by the LLM service yet (the prefill / decode "
-                         "hand-over is built at the engine level only: docs/disagg.md); run role=both")
+    if settings.role != "both" and settings.backend != "swa":
+        # the hand-over runs in the engine core (llm_svc/disagg, docs/disagg.md)
+        raise ValueError(f"role {settings.role!r} needs the engine core: --backend swa (docs/disagg.md)")
+    if settings.role != "both" and settings.tensor_parallel_size > 1:
+        raise ValueError(f"role {settings.role!r} with tensor_parallel_size > 1 is not served yet: each rank holds "
+                         "its heads' share of the KV, and the hand-over moves one rank's (docs/disagg.md)")
     state = ServiceState(settings)
 
     @contextlib.asynccontextmanager

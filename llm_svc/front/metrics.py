@@ -61,6 +61,12 @@ class LLMMetrics:
         self.role = Gauge("mmserve_llm_role", "This replica's role: prefill, decode or both (1 on its own)",
                           ["role"], registry=r)
         self.set_role("both")
+        self.remote_prefill = Counter("mmserve_llm_remote_prefill", "Requests a decode replica had prefilled "
+                                      "elsewhere, by outcome (handed_over; finished: the first token ended it; "
+                                      "fallback_*: prefilled here instead)", ["outcome"], registry=r)
+        self.handover = Gauge("mmserve_llm_handover", "Prefill / decode hand-overs of the engine core (cumulative "
+                              "since it started): sent, received, adopted, bytes, send_ms, fallback_<reason>, ...",
+                              ["event"], registry=r)
         self.admitted = Gauge("mmserve_llm_admitted_in_flight", "Requests holding an admission slot", registry=r)
         self.running = Gauge("mmserve_llm_running_requests", "Requests being generated", registry=r)
         self.waiting = Gauge("mmserve_llm_waiting_requests", "Requests waiting to start", registry=r)
@@ -108,6 +114,9 @@ class LLMMetrics:
         self.kv_usage.labels(pool="full").set(stats.kv_full_usage)
         self.kv_usage.labels(pool="swa").set(stats.kv_swa_usage)
         t = stats.tiers
+        for key, value in t.items():
+            if key.startswith("handover_"):
+                self.handover.labels(key.removeprefix("handover_")).set(value)
         if "tree_nodes" in t:
             self.tree_nodes.set(t["tree_nodes"])
         for pool in ("host_full", "host_swa"):

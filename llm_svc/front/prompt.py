@@ -248,6 +248,7 @@ def prepare_request(
         system_len=system_len,
         router_keys=key_positions(prefix_layout(req.messages), len(out), item_spans, system_len) if req.messages else [],
         shaper=build_shaper(lm, req),
+        kv_transfer=req.kv_transfer_params,
     )
 
 

@@ -31,6 +31,7 @@ from llm_svc.types.errors import InvalidRequest, error_body
 from llm_svc.core.media_fetch import MEDIA_UNAVAILABLE, MediaUnavailable
 from .output_shape import merge_calls
 from .prompt import prepare_request
+from .remote_prefill import check_transfer, remote_prefill
 from llm_svc.types.request import PreparedRequest
 from .state import ServiceState
 
@@ -75,7 +76,11 @@ async def readyz(state: StateDep, request: Request) -> JSONResponse:
         body = HealthStatus(status="ok", service="llm", model=state.model_name, limits=limits,
                             kv_instance=state.kv_events.instance if state.kv_events is not None else None,
                             speculative_config=state.spec.to_dict() if state.spec is not None else None)
-        return JSONResponse({**body.model_dump(), **warnings})
+        role = {"role": state.settings.role}
+        port = state.backend.handover_port()
+        if port:  # role decode: where prefill replicas send this replica's hand-overs
+            role["handover"] = {"host": state.settings.handover_host, "port": port}
+        return JSONResponse({**body.model_dump(), **role, **warnings})
     status = "error" if state.error else "loading"
     body = HealthStatus(status=status, service="llm", model=state.model_name, detail=state.not_ready_detail)
     return JSONResponse({**body.model_dump(), **warnings}, status_code=503)
@@ -176,6 +181,13 @@ async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadl
         failed = await _fetch_all(state, prep)
         if failed is not None:
             return failed
+    if prep.kv_transfer is not None:
+        try:
+            check_transfer(state.settings.role, prep)
+        except InvalidRequest as e:
+            return _error(state, 400, e.message, e.param, e.code)
+        if prep.kv_transfer.do_remote_prefill:
+            prep.remote = await remote_prefill(state, prep, body)
     try:
         stream = state.backend.submit(prep)
     except InvalidRequest as e:

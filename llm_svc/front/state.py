@@ -82,6 +82,7 @@ class ServiceState:
     error: str | None = None
     spec: SpeculativeConfig | None = None  # speculative decoding in force (None: off)
     live: dict = field(default_factory=dict)  # request id -> routes._Live (ticket, deadline timer)
+    remote_http: object | None = None  # httpx.AsyncClient to prefill replicas (role decode), made on first use
     admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
@@ -170,3 +171,5 @@ class ServiceState:
             await self.media.close()
         if self.kv_events is not None:
             await self.kv_events.close()
+        if self.remote_http is not None:
+            await self.remote_http.aclose()

@@ -45,6 +45,20 @@ class CoreSampling(msgspec.Struct, frozen=True):
     prompt_logprobs: int | None = None
 
 
+class CoreRemote(msgspec.Struct, frozen=True):
+    """A request's part in prefill / decode disaggregation (docs/disagg.md). Prefill side:
+    ``send_host:send_port``, the decode core the hand-over goes to, under ``transfer_id``. Decode
+    side: ``first_token`` (sampled by the prefill replica) and ``transfer_id``, the hand-over to
+    continue from; ``finish_reason`` when that token ended the request (nothing to decode);
+    ``transfer_id`` empty: no hand-over was made, recompute the prompt."""
+
+    transfer_id: str = ""
+    send_host: str = ""
+    send_port: int = 0
+    first_token: int | None = None
+    finish_reason: str | None = None
+
+
 class CoreAdd(msgspec.Struct, tag="add"):
     """Start a request: the tokenized prompt with its media embeddings and spans."""
 
@@ -60,6 +74,7 @@ class CoreAdd(msgspec.Struct, tag="add"):
     swa_checkpoints: list[int] = []  # prompt positions whose SWA windows the prefix cache keeps
     top_logprobs: int = 0
     router_keys: list[tuple[int, int]] = []  # (router block key, prompt tokens it needs): KV events
+    remote: CoreRemote | None = None  # prefill / decode disaggregation
 
 
 class CoreAbort(msgspec.Struct, tag="abort"):
@@ -150,6 +165,7 @@ class CoreReady(msgspec.Struct, tag="ready"):
     num_swa_slots: int
     window: int
     kv_bytes: int
+    handover_port: int = 0  # role decode: where hand-overs are received
 
 
 class CoreFailed(msgspec.Struct, tag="failed"):

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from shared.hashing import content_hash, hash_to_int
-from shared.schemas import PromptTokenLogprob, SampledLogprob, SamplingParams
+from shared.schemas import KVTransferParams, PromptTokenLogprob, SampledLogprob, SamplingParams
 
 
 # ---------------------------------------------------------------------------- the front's request
@@ -89,6 +89,10 @@ class PreparedRequest:
     router_keys: list[tuple[int, int]] = field(default_factory=list)
     # chat: splits the text into content, reasoning and tool calls (``llm_svc.front.output_shape``); front only
     shaper: object | None = None
+    # prefill / decode disaggregation (docs/disagg.md): what the request asked (front only), and
+    # the engine core's part in it (``llm_svc.types.messages.CoreRemote``)
+    kv_transfer: KVTransferParams | None = None
+    remote: object | None = None
 
     def __post_init__(self) -> None:
         assert self.prompt_ids, "empty prompt"

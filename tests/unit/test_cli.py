@@ -90,13 +90,16 @@ def test_the_llm_role_and_vllms_kv_role_names(monkeypatch, capsys):
     assert "--role / MMSERVE_LLM_ROLE" in err and "prefill, decode or both" in err and "kv_producer" in err
 
 
-def test_a_role_other_than_both_is_refused_at_start_until_the_service_serves_it(capsys):
-    """The hand-over exists at the engine level only: a prefill or decode replica would silently
-    serve as a unified one, so the service refuses to start one and says why."""
-    assert cli.main(["llm", "--model", "/m", "--role", "prefill"]) == 2
+def test_a_role_other_than_both_is_refused_where_the_engine_core_cannot_serve_it(capsys):
+    """The hand-over runs in the engine core: with the transformers reference backend, or split
+    over tensor-parallel ranks, a prefill or decode replica would silently be a unified one, so
+    the service refuses to start and says why."""
+    assert cli.main(["llm", "--model", "/m", "--role", "prefill", "--backend", "hf"]) == 2
     err = capsys.readouterr().err
-    assert "role 'prefill' is not served by the LLM service yet" in err and "docs/disagg.md" in err
-    assert "Traceback" not in err
+    assert "role 'prefill' needs the engine core" in err and "--backend swa" in err and "Traceback" not in err
+    assert cli.main(["llm", "--model", "/m", "--role", "decode", "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor_parallel_size > 1 is not served yet" in err and "Traceback" not in err
 
 
 def test_the_role_is_on_metrics():

@@ -1,0 +1,106 @@
+"""A decode replica's call to a prefill replica (docs/disagg.md).
+
+A request to a ``role: decode`` replica with ``kv_transfer_params.do_remote_prefill`` is first
+sent, as it came (text only, not streamed), to ``remote_prefill_url``'s ``/v1/generate`` with
+``do_remote_decode`` naming this replica's hand-over address. The prefill replica answers with
+the first token once the KV is on its way here (``finish_reason`` ``remote_decode``), or with
+the first token and its own reason when that token ended the request. Any failure (no answer,
+an error, a timeout) and the prompt is prefilled here instead: the client sees at most a later
+first token. Outcomes are counted on ``mmserve_llm_remote_prefill{outcome}``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+
+from llm_svc.types.errors import InvalidRequest
+from llm_svc.types.messages import CoreRemote
+from llm_svc.types.request import PreparedRequest
+from shared.rawwire import SAFETENSORS_MIME, pack_raw
+from shared.schemas import GenerateRequest, GenerateResponse, KVTransferParams
+from shared.service_auth import token_headers
+from shared.wire import unpack
+
+log = logging.getLogger(__name__)
+
+REMOTE_DECODE = "remote_decode"  # llm_svc.core.roles.REMOTE_DECODE (the front does not import the core's loop)
+
+
+def check_transfer(role: str, prep: PreparedRequest) -> None:
+    """Refuse (``InvalidRequest``) what this replica's role cannot do with ``prep.kv_transfer``,
+    and what does not travel in a hand-over yet."""
+    kt = prep.kv_transfer
+    if kt is None:
+        return
+    if kt.do_remote_decode and role != "prefill":
+        raise InvalidRequest(f"kv_transfer_params.do_remote_decode needs a prefill replica; this one's role is {role}",
+                             param="kv_transfer_params")
+    if kt.do_remote_prefill and role != "decode":
+        raise InvalidRequest(f"kv_transfer_params.do_remote_prefill needs a decode replica; this one's role is {role}",
+                             param="kv_transfer_params")
+    why = ("media" if prep.mm_spans else "structured outputs or tools" if prep.sampling.structured is not None
+           else "logprobs" if prep.return_logprobs or prep.sampling.prompt_logprobs is not None
+           else "echo" if prep.echo_text else None)
+    if why is not None:
+        raise InvalidRequest(f"a request with {why} is not handed over between replicas yet; send it without "
+                             "kv_transfer_params (a unified replica serves it)", param="kv_transfer_params")
+    if kt.do_remote_decode:
+        prep.remote = CoreRemote(transfer_id=prep.request_id, send_host=kt.remote_host, send_port=kt.remote_port)
+
+
+def _prefill_body(_lm, body: bytes, host: str, port: int) -> bytes:
+    _, req = unpack(body, GenerateRequest)
+    req = req.model_copy(update={"stream": False, "kv_transfer_params": KVTransferParams(
+        do_remote_decode=True, remote_host=host, remote_port=port)})
+    return pack_raw({}, req)
+
+
+async def remote_prefill(state, prep: PreparedRequest, body: bytes) -> CoreRemote | None:
+    """Have the prefill replica run ``prep``'s prompt; the ``CoreRemote`` this replica continues
+    with, or None to prefill here."""
+    s = state.settings
+    url = prep.kv_transfer.remote_prefill_url.rstrip("/")
+    port = state.backend.handover_port()
+    outcome = "fallback_no_port"
+    try:
+        if not port:
+            return None
+        payload = await state.prep.run(_prefill_body, body, s.handover_host, port)
+        if state.remote_http is None:
+            state.remote_http = httpx.AsyncClient(trust_env=False, headers=token_headers(s.service_token))
+        try:
+            r = await state.remote_http.post(f"{url}/v1/generate", content=payload,
+                                             headers={"content-type": SAFETENSORS_MIME},
+                                             timeout=s.remote_prefill_timeout_s)
+        except httpx.TimeoutException:
+            outcome = "fallback_timeout"
+            return None
+        except httpx.HTTPError as e:
+            outcome = "fallback_unreachable"
+            log.warning("prefill replica %s unreachable for %s: %s", url, prep.request_id, type(e).__name__)
+            return None
+        if r.status_code != 200:
+            outcome = f"fallback_http_{r.status_code}"
+            log.warning("prefill replica %s answered %s for %s: %s", url, r.status_code, prep.request_id, r.text[:300])
+            return None
+        try:
+            got = GenerateResponse.model_validate_json(r.content)
+        except ValueError:
+            outcome = "fallback_bad_answer"
+            return None
+        if len(got.token_ids) != 1:
+            outcome = "fallback_bad_answer"
+            return None
+        if got.finish_reason == REMOTE_DECODE:
+            outcome = "handed_over"
+            return CoreRemote(transfer_id=prep.request_id, first_token=got.token_ids[0])
+        outcome = "finished"
+        return CoreRemote(first_token=got.token_ids[0], finish_reason=got.finish_reason)
+    except Exception:  # whatever went wrong on the way, the prompt is prefilled here
+        outcome = "fallback_error"
+        log.exception("remote prefill of %s at %s failed", prep.request_id, url)
+        return None
+    finally:
+        state.metrics.remote_prefill.labels(outcome).inc()

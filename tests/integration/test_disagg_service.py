@@ -1,0 +1,146 @@
+"""Prefill / decode disaggregation through the LLM service: three real replicas (uvicorn fronts
+in threads, each with its engine-core process), the hand-over over real TCP between the two
+cores, against a unified replica of the same checkpoint (docs/disagg.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+import httpx
+import pytest
+
+from shared.schemas import GenerateRequest, KVTransferParams, PromptMessage, PromptText, SamplingParams
+from shared.wire import SAFETENSORS_MIME, pack
+from tests.integration.test_llm_service import start_service
+
+pytestmark = pytest.mark.integration
+
+W = 16
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    from mmserve.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path_factory.mktemp("pd") / "mimo16", sliding_window=W)
+    both = start_service(model, "swa")
+    prefill = start_service(model, "swa", role="prefill")
+    decode = start_service(model, "swa", role="decode", handover_timeout_s=5.0)
+    with both, prefill, decode:
+        yield {"both": both, "prefill": prefill, "decode": decode}
+
+
+def _gen(rid: str, text: str, max_tokens: int = 12, stream: bool = False, kt: KVTransferParams | None = None,
+         **sampling) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, messages=[PromptMessage(role="user", content=[PromptText(text=text)])],
+                           sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling),
+                           stream=stream, kv_transfer_params=kt)
+
+
+def _post(svc, req: GenerateRequest) -> httpx.Response:
+    return httpx.post(svc.url + "/v1/generate", content=pack({}, req), headers={"content-type": SAFETENSORS_MIME},
+                      timeout=120)
+
+
+def _tokens(r: httpx.Response, stream: bool) -> tuple[list[int], str]:
+    assert r.status_code == 200, r.text
+    if not stream:
+        body = r.json()
+        return body["token_ids"], body["finish_reason"]
+    ids, reason = [], None
+    for line in r.text.splitlines():
+        chunk = json.loads(line)
+        ids += chunk.get("token_ids", [])
+        reason = chunk.get("finish_reason") or reason
+    return ids, reason
+
+
+def _metric(svc, name: str, **labels) -> float:
+    text = httpx.get(svc.url + "/metrics", timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^{re.escape(name)}{{{re.escape(want)}}} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _remote(svc) -> KVTransferParams:
+    return KVTransferParams(do_remote_prefill=True, remote_prefill_url=svc.url)
+
+
+PROMPTS = ["tell me a long story about " + "the sea and its waves " * 12,  # several windows
+           "hi there", "count: " + " ".join(str(i) for i in range(40))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_replica_with_a_remote_prefill_gives_the_unified_tokens(replicas, stream):
+    before = _metric(replicas["decode"], "mmserve_llm_remote_prefill_total", outcome="handed_over")
+    adopted = _metric(replicas["decode"], "mmserve_llm_handover", event="adopted")
+    for i, text in enumerate(PROMPTS):
+        want = _tokens(_post(replicas["both"], _gen(f"u{i}{stream}", text, stream=stream)), stream)
+        got = _tokens(_post(replicas["decode"], _gen(f"d{i}{stream}", text, stream=stream,
+                                                      kt=_remote(replicas["prefill"]))), stream)
+        assert got == want, text[:40]
+        assert len(got[0]) == 12 and got[1] == "length"
+    d = replicas["decode"]
+    assert _metric(d, "mmserve_llm_remote_prefill_total", outcome="handed_over") == before + len(PROMPTS)
+    # every request continued from the KV that crossed the wire, none recomputed
+    assert _metric(d, "mmserve_llm_handover", event="adopted") == adopted + len(PROMPTS)
+    assert _metric(d, "mmserve_llm_handover", event="waiting") == 0
+    assert _metric(d, "mmserve_llm_handover", event="held") == 0
+    assert _metric(replicas["prefill"], "mmserve_llm_handover", event="sent") >= len(PROMPTS)
+    assert _metric(replicas["prefill"], "mmserve_llm_handover", event="sending") == 0
+
+
+def test_a_first_token_that_ends_the_request_is_the_answer_without_a_hand_over(replicas):
+    want = _tokens(_post(replicas["both"], _gen("u-one", PROMPTS[0], max_tokens=1)), False)
+    sent = _metric(replicas["prefill"], "mmserve_llm_handover", event="sent")
+    got = _tokens(_post(replicas["decode"], _gen("d-one", PROMPTS[0], max_tokens=1, kt=_remote(replicas["prefill"]))),
+                  False)
+    assert got == want and got[1] == "length"
+    assert _metric(replicas["prefill"], "mmserve_llm_handover", event="sent") == sent
+    assert _metric(replicas["decode"], "mmserve_llm_remote_prefill_total", outcome="finished") >= 1
+
+
+def test_an_unreachable_prefill_replica_is_prefilled_locally_with_the_same_tokens(replicas):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+    want = _tokens(_post(replicas["both"], _gen("u-dead", PROMPTS[2])), False)
+    kt = KVTransferParams(do_remote_prefill=True, remote_prefill_url=dead)
+    got = _tokens(_post(replicas["decode"], _gen("d-dead", PROMPTS[2], kt=kt)), False)
+    assert got == want
+    assert _metric(replicas["decode"], "mmserve_llm_remote_prefill_total", outcome="fallback_unreachable") >= 1
+
+
+def test_a_prefill_replica_whose_hand_over_cannot_be_sent_answers_503(replicas):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kt = KVTransferParams(do_remote_decode=True, remote_host="127.0.0.1", remote_port=port)
+    failures = _metric(replicas["prefill"], "mmserve_llm_handover", event="send_failures")
+    r = _post(replicas["prefill"], _gen("p-dead", PROMPTS[0], kt=kt))
+    assert r.status_code == 503, r.text
+    assert "hand-over to the decode replica failed" in r.json()["error"]["message"]
+    assert _metric(replicas["prefill"], "mmserve_llm_handover", event="send_failures") == failures + 1
+    assert _metric(replicas["prefill"], "mmserve_llm_handover", event="sending") == 0
+
+
+def test_roles_refuse_the_transfer_they_do_not_play_and_what_does_not_travel(replicas):
+    r = _post(replicas["both"], _gen("x1", "hi", kt=_remote(replicas["prefill"])))
+    assert r.status_code == 400 and "needs a decode replica" in r.json()["error"]["message"]
+    kt = KVTransferParams(do_remote_decode=True, remote_host="127.0.0.1", remote_port=1)
+    r = _post(replicas["decode"], _gen("x2", "hi", kt=kt))
+    assert r.status_code == 400 and "needs a prefill replica" in r.json()["error"]["message"]
+    r = _post(replicas["decode"], _gen("x3", "hi", kt=_remote(replicas["prefill"]), prompt_logprobs=1))
+    assert r.status_code == 400 and "not handed over between replicas yet" in r.json()["error"]["message"]
+    with pytest.raises(ValueError, match="exactly one of"):
+        KVTransferParams(do_remote_decode=True, do_remote_prefill=True, remote_host="h", remote_port=1,
+                         remote_prefill_url="http://p")
+
+
+def test_readyz_names_the_role_and_the_decode_replicas_hand_over_address(replicas):
+    d = httpx.get(replicas["decode"].url + "/readyz", timeout=10).json()
+    assert d["role"] == "decode" and d["handover"]["host"] == "127.0.0.1" and d["handover"]["port"] > 0
+    p = httpx.get(replicas["prefill"].url + "/readyz", timeout=10).json()
+    assert p["role"] == "prefill" and "handover" not in p
