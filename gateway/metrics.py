@@ -114,6 +114,27 @@ class GatewayMetrics:
 
         self.registry.register(_Replicas())
 
+    def watch_pairing(self, pairing) -> None:
+        """Prefill / decode pairing (docs/disagg.md), read at scrape time: requests by decision
+        (remote: prefilled on a prefill replica; local_*: on their decode replica, and why) and
+        each prefill replica's state."""
+
+        class _Pairing:
+            def collect(self):
+                dec = CounterMetricFamily("mmserve_gateway_disagg_decisions", "requests by prefill / decode pairing "
+                                          "decision (remote; local_media, local_short, local_cached, local_no_prefill)",
+                                          labels=["decision"])
+                for d, n in pairing.decisions.items():
+                    dec.add_metric([d], n)
+                up = GaugeMetricFamily("mmserve_gateway_prefill_replica_up", "1 while a prefill replica is in rotation",
+                                       labels=["replica"])
+                healthy = set(pairing.pool.healthy())
+                for r in pairing.pool.replicas():
+                    up.add_metric([r], float(r in healthy))
+                yield from (dec, up)
+
+        self.registry.register(_Pairing())
+
     def watch_admission(self, admission) -> None:
         """Gauges read the gate's counters at scrape time."""
         self.admission_in_flight.set_function(lambda: admission.in_flight)

@@ -16,6 +16,7 @@ from gateway.routing.encoder_ring import EncoderRing
 from gateway.routing.kv_feed import KVEventFeed
 from gateway.routing.kv_index import KVIndex
 from gateway.routing.llm_router import EventRouter, LLMRouter, make_router
+from gateway.routing.pairing import PairingConfig, PrefillPairing
 from gateway.routing.replicas import ReplicaPool, http_prober
 from gateway.media.ssrf import SSRFGuard
 from gateway.upstream import EncoderClient, LLMClient
@@ -87,7 +88,13 @@ class GatewayState:
             max_request_video_pixels=s.max_request_video_pixels,
         )
         router, kv_feed = cls._router(s, http, llm_pool, llm_limits)
-        llms = LLMClient(http, llm_pool, router, attempts=s.upstream_attempts, timeout=timeout, limits=llm_limits)
+        pairing = None
+        if s.prefill_urls:  # prefill / decode disaggregation: docs/disagg.md
+            prefill_pool = ReplicaPool("llm-prefill", s.prefill_urls, prober=prober, fail_threshold=threshold)
+            pairing = PrefillPairing(prefill_pool, make_router("cache_aware", s.router_index_blocks),
+                                     PairingConfig(s.disagg_min_prompt_tokens, s.disagg_max_cached_fraction))
+        llms = LLMClient(http, llm_pool, router, attempts=s.upstream_attempts, timeout=timeout, limits=llm_limits,
+                         pairing=pairing)
         fetcher = MediaFetcher(
             fetch_http, SSRFGuard(s.allowed_hosts),
             max_bytes=s.max_media_bytes, timeout=s.fetch_timeout, max_redirects=s.max_redirects,
@@ -96,6 +103,8 @@ class GatewayState:
         metrics.watch_admission(admission)
         metrics.watch_router(llms.router)
         metrics.watch_replicas(encoder=(encoder_pool, encoders), llm=(llm_pool, llms))
+        if pairing is not None:
+            metrics.watch_pairing(pairing)
         if kv_feed is not None:
             metrics.watch_kv_feed(kv_feed)
         return cls(s, metrics, http, fetch_http, encoder_pool, llm_pool, encoders, llms, fetcher, llm_limits,
@@ -126,7 +135,10 @@ class GatewayState:
     def start(self) -> None:
         """Background DNS refresh and health probes of both pools."""
         s = self.settings
-        for pool in (self.encoder_pool, self.llm_pool):
+        pools = [self.encoder_pool, self.llm_pool]
+        if self.llms.pairing is not None:
+            pools.append(self.llms.pairing.pool)
+        for pool in pools:
             self.tasks.append(asyncio.create_task(pool.run(s.health_interval, s.dns_interval)))
         if self.kv_feed is not None:
             self.tasks.append(asyncio.create_task(self.kv_feed.run()))

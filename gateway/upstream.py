@@ -40,6 +40,7 @@ from gateway.routing.capacity import ReplicaLimits, estimate_prompt_tokens
 from gateway.routing.encoder_ring import EncoderRing
 from gateway.routing.inflight import InFlightWaits, ReplicaLost
 from gateway.routing.llm_router import LLMRouter
+from gateway.routing.pairing import PrefillPairing
 from shared.prefix_keys import prefix_blocks
 from gateway.routing.replicas import ReplicaPool
 from shared.admission import deadline_header
@@ -381,8 +382,10 @@ class LLMClient:
         attempts: int,
         timeout: httpx.Timeout,
         limits: ReplicaLimits | None = None,
+        pairing: PrefillPairing | None = None,
     ) -> None:
         self._client = client
+        self.pairing = pairing  # prefill replicas (role prefill), when configured: docs/disagg.md
         self._pool = pool
         self.router = router
         self.attempts = attempts
@@ -436,21 +439,26 @@ class LLMClient:
         replica to try first (the one holding a sibling choice's prefill)."""
         return await self._send(req, body, prefer)
 
-    def _candidates(self, req: GenerateRequest) -> tuple[list[str], list[int]]:
+    def _candidates(self, req: GenerateRequest) -> tuple[list[str], list[int], int]:
         replicas = self._pool.routable()
         if not replicas:
             raise UpstreamError("no LLM replica is configured", status=503)
         text = sum(len(p.text.encode("utf-8")) for m in req.messages for p in m.content if isinstance(p, PromptText))
-        replicas = self.limits.bucketed(replicas, estimate_prompt_tokens(text, sum(p.num_tokens for p in req.media())))
-        return replicas, prefix_blocks(req.messages)
+        est = estimate_prompt_tokens(text, sum(p.num_tokens for p in req.media()))
+        # the pairing's estimate counts a completions prompt too (text or ids)
+        whole = est + estimate_prompt_tokens(len((req.prompt or "").encode("utf-8")), len(req.prompt_ids or ()))
+        return self.limits.bucketed(replicas, est), prefix_blocks(req.messages), whole
 
     def route(self, req: GenerateRequest) -> str:
         """The replica the router picks for ``req`` (sent nothing): where sibling choices go."""
-        replicas, blocks = self._candidates(req)
+        replicas, blocks, _ = self._candidates(req)
         return self.router.choose(replicas, blocks)
 
     async def _send(self, req: GenerateRequest, body: bytes, prefer: str | None = None) -> LLMStream:
-        replicas, blocks = self._candidates(req)
+        replicas, blocks, est = self._candidates(req)
+        # what each replica holds of the prompt before this request is routed (choosing records it)
+        held = {r: self.router.match_len(r, blocks) for r in replicas} \
+            if self.pairing is not None and hasattr(self.router, "match_len") else {}
         tried: list[str] = []
         errors: list[str] = []
         dropped = 0
@@ -462,8 +470,19 @@ class LLMClient:
             else:
                 replica = self.router.choose([r for r in replicas if r not in tried], blocks)
             tried.append(replica)
+            prefill = None
+            if self.pairing is not None:
+                prefill = self.pairing.choose(req, est, blocks, held.get(replica, 0))
             try:
-                return await self._send_to(replica, body)
+                if prefill is None:
+                    return await self._send_to(replica, body)
+                # the decode replica calls the prefill replica before it answers its headers:
+                # the prefill replica is busy with it until then
+                self.pairing.router.begin(prefill)
+                try:
+                    return await self._send_to(replica, self.pairing.body(req, prefill))
+                finally:
+                    self.pairing.router.end(prefill)
             except _Retry as e:
                 errors.append(f"{replica}: {e}")
                 log.warning("generate %s failed on %s: %s", req.request_id, replica, e)

@@ -172,6 +172,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         gateway_port=args.port or 8000,
         encoders=args.encoders if load_bundle_spec(model_dir).modalities() else 0,  # text-only LM: no encoder
         llms=args.llms,
+        prefill_llms=args.prefill_llms,
         llm_backend=args.backend,
         redis_url=args.redis_url,
         trust_request_chat_template=args.trust_request_chat_template,
@@ -223,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="bundle dir (default: the tiny model)")
     p.add_argument("--encoders", type=int, default=1)
     p.add_argument("--llms", type=int, default=1)
+    p.add_argument("--prefill-llms", type=int, default=0,
+                   help="prefill replicas (docs/disagg.md): with any, the --llms replicas decode and the gateway "
+                        "prefills long text prompts on these first")
     p.add_argument("--backend", default=None, help="LLM backend: hf | swa")
     p.add_argument("--redis-url", default=None,
                    help="shared encoder cache and L3 KV tier of the LLMs (default: embedded cache, device + host KV)")

@@ -55,10 +55,22 @@ def _interp_tree(node, env: dict[str, str]):
     return node
 
 
-def load_compose(path: str | Path, env: dict[str, str] | None = None) -> dict:
-    """Parse and interpolate a compose file (YAML anchors and merge keys resolved)."""
-    raw = yaml.safe_load(Path(path).read_text())
-    return _interp_tree(raw, dict(os.environ if env is None else env))
+def merge(base: dict, override: dict) -> dict:
+    """``override`` over ``base`` as ``docker compose -f base -f override`` merges them: mappings
+    (services, environment, depends_on, ...) merge key by key, anything else is replaced."""
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_compose(path: str | Path | list, env: dict[str, str] | None = None) -> dict:
+    """Parse and interpolate a compose file, or several merged in order as ``-f a -f b`` does
+    (YAML anchors and merge keys resolved within each file)."""
+    merged: dict = {}
+    for p in path if isinstance(path, list) else [path]:
+        merged = merge(merged, yaml.safe_load(Path(p).read_text()))
+    return _interp_tree(merged, dict(os.environ if env is None else env))
 
 
 def _port_open(host: str, port: int) -> bool:

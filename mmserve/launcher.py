@@ -41,6 +41,9 @@ class StackSpec:
     gateway_port: int = 8000  # 0: pick a free port
     encoders: int = 1
     llms: int = 1
+    # prefill / decode disaggregation (docs/disagg.md): with prefill_llms > 0, the llms run with
+    # role decode and these with role prefill, and the gateway pairs them
+    prefill_llms: int = 0
     llm_backend: str | None = None
     redis_url: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -54,6 +57,8 @@ class StackSpec:
     def __post_init__(self) -> None:
         if self.encoders < 0 or self.llms < 1:  # 0 encoders: a text-only LM (no media encoder to run)
             raise ValueError("a stack needs at least one LLM service (and encoders >= 0)")
+        if self.prefill_llms < 0:
+            raise ValueError("prefill_llms must be >= 0")
         if self.llm_routing not in (None, "cache_aware", "round_robin"):
             raise ValueError(f"llm_routing must be cache_aware or round_robin, not {self.llm_routing!r}")
 
@@ -218,9 +223,14 @@ class LocalStack:
         # their service token): each encoder's host:port, not every port of the host
         allow = ",".join(s.url.removeprefix("http://") for s in self.encoders) or h
         llm_env = {"MMSERVE_LLM_MEDIA_FETCH_ALLOW": allow, **env}
-        for i in range(spec.llms):
+        self.prefill_llms: list[Service] = []
+        for i in range(spec.llms + spec.prefill_llms):
             port = free_port(h)
             argv = py + ["llm", "--model", spec.model_dir, "--host", h, "--port", str(port)]
+            if spec.prefill_llms:
+                argv += ["--role", "decode" if i < spec.llms else "prefill"]
+                if i < spec.llms:  # where the prefill replicas send this replica's hand-overs
+                    argv += ["--handover-host", h, "--handover-port", str(free_port(h))]
             if spec.llm_backend:
                 argv += ["--backend", spec.llm_backend]
             if spec.trust_request_chat_template:
@@ -228,7 +238,10 @@ class LocalStack:
             if spec.redis_url:  # the LLMs' L3 KV tier, and the encoders' embeddings sent by reference
                 argv += ["--kv-l3-url", spec.redis_url, "--media-redis-url", spec.redis_url,
                          "--kv-events-url", spec.redis_url]
-            self.llms.append(self._svc(f"llm-{i}", h, port, argv, llm_env))
+            if i < spec.llms:
+                self.llms.append(self._svc(f"llm-{i}", h, port, argv, llm_env))
+            else:
+                self.prefill_llms.append(self._svc(f"llm-prefill-{i - spec.llms}", h, port, argv, llm_env))
         gport = spec.gateway_port or free_port(h)
         argv = py + [
             "gateway",
@@ -238,6 +251,8 @@ class LocalStack:
             "--encoder-urls", ",".join(s.url for s in self.encoders),
             "--llm-urls", ",".join(s.url for s in self.llms),
         ]  # fmt: skip
+        if self.prefill_llms:
+            argv += ["--prefill-urls", ",".join(s.url for s in self.prefill_llms)]
         if spec.llm_routing:
             argv += ["--llm-routing", spec.llm_routing]
         if spec.redis_url:  # route on the LLMs' KV events
@@ -256,7 +271,7 @@ class LocalStack:
 
     @property
     def services(self) -> list[Service]:
-        return [*self.encoders, *self.llms, self.gateway]
+        return [*self.encoders, *self.prefill_llms, *self.llms, self.gateway]
 
     @property
     def url(self) -> str:

@@ -49,6 +49,8 @@ OTHER_VARS: dict[str, str] = {
     "MMSERVE_PORT": "compose.yaml: the gateway's published port (default 8000)",
     "MMSERVE_ENCODER_REPLICAS": "compose.yaml: encoder replicas (default 1)",
     "MMSERVE_LLM_REPLICAS": "compose.yaml: LLM replicas (default 1)",
+    "MMSERVE_LLM_PREFILL_REPLICAS": "compose.disagg.yaml: prefill LLM replicas (default 1)",
+    "MMSERVE_HANDOVER_PORT": "compose.disagg.yaml: the decode replicas' hand-over port (default 8300)",
     "MMSERVE_PROMETHEUS_PORT": "compose.yaml (monitoring profile): Prometheus's published port (default 9090)",
     "MMSERVE_GRAFANA_PORT": "compose.yaml (monitoring profile): Grafana's published port (default 3000)",
     "MMSERVE_LLM_CORE_SETTINGS": "llm_svc/core/process.py: the LLM service hands its settings (JSON) to its engine "

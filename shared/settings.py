@@ -220,7 +220,8 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     )
     handover_host: str = Field(
         default="127.0.0.1", description="role decode: the address the engine core receives hand-overs on, and "
-        "tells prefill replicas to send them to (a name the prefill replicas resolve, e.g. the compose service)",
+        "tells prefill replicas to send them to; auto: every interface, advertising this host's own address (one "
+        "replica of a scaled compose service, a pod)",
     )
     handover_port: int = Field(default=0, ge=0, le=65535, description="role decode: the hand-over port; 0 picks "
                                "a free one (shown on /readyz)")
@@ -478,6 +479,20 @@ class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
         default_factory=lambda: ["http://127.0.0.1:8200"], description="LLM replicas' base URLs (comma-separated or "
         "JSON list); a host name is re-resolved every dns_interval, one replica per address"
     )
+    prefill_urls: StrList = Field(
+        default_factory=list, description="prefill replicas (LLM replicas with role prefill; docs/disagg.md), "
+        "comma-separated or JSON list: with any, llm_urls are the decode replicas and a text request whose prompt "
+        "is long enough is prefilled on one of these first (conditional disaggregation); empty: every replica "
+        "serves whole requests"
+    )
+    disagg_min_prompt_tokens: int = Field(
+        default=256, ge=0, description="with prefill_urls: a prompt estimated shorter than this is prefilled on its "
+        "decode replica (a hand-over's round trip costs more than a short prefill)"
+    )
+    disagg_max_cached_fraction: float = Field(
+        default=0.5, gt=0, le=1, description="with prefill_urls: a prompt whose prefix blocks the decode replica "
+        "holds at least this fraction of (the router's view) is prefilled there"
+    )
     api_keys: StrList = Field(
         default_factory=list, description="client keys (Authorization: Bearer KEY), comma-separated or JSON list; "
         "empty: /v1/* is open"
@@ -579,7 +594,7 @@ class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
         "sit idle before the gateway drops it; keep it below their keep_alive_timeout (30 s by default)"
     )
 
-    @field_validator("encoder_urls", "llm_urls", "api_keys", "allowed_hosts", mode="before")
+    @field_validator("encoder_urls", "llm_urls", "prefill_urls", "api_keys", "allowed_hosts", mode="before")
     @classmethod
     def _csv(cls, v):
         if isinstance(v, str):

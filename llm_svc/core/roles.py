@@ -26,6 +26,7 @@ import msgspec
 from llm_svc.disagg.decode import DecodeSide
 from llm_svc.disagg.link import HandoverLink
 from llm_svc.disagg.prefill import PrefillConfig, PrefillSide, kv_fingerprint
+from llm_svc.disagg.transport import handover_address
 from llm_svc.types.messages import CoreRemote, CoreToken
 from llm_svc.types.request import Request
 
@@ -77,7 +78,7 @@ class RoleDriver:
             self.link = HandoverLink(None, settings.handover_timeout_s, settings.handover_ttl_s)
         else:
             self.decode = DecodeSide(engine, fp)
-            self.link = HandoverLink((settings.handover_host, settings.handover_port),
+            self.link = HandoverLink((handover_address(settings.handover_host)[0], settings.handover_port),
                                      settings.handover_timeout_s, settings.handover_ttl_s)
         self.timeout_s = settings.handover_timeout_s
 

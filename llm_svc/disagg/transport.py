@@ -201,4 +201,16 @@ class TcpReceiver(HandoverReceiver):
             await self._server.wait_closed()
 
 
+def handover_address(host: str) -> tuple[str, str]:
+    """``(bind, advertised)`` for the ``handover_host`` setting: ``auto`` binds every interface
+    and advertises this host's own address (one container of a scaled service, a pod: its name
+    resolves to it); anything else is both."""
+    if host != "auto":
+        return host, host
+    try:
+        return "0.0.0.0", socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "0.0.0.0", "127.0.0.1"
+
+
 TRANSPORTS = {"tcp": (TcpSender, TcpReceiver)}

@@ -15,6 +15,7 @@ import logging
 
 import httpx
 
+from llm_svc.disagg.transport import handover_address
 from llm_svc.types.errors import InvalidRequest
 from llm_svc.types.messages import CoreRemote
 from llm_svc.types.request import PreparedRequest
@@ -28,12 +29,15 @@ log = logging.getLogger(__name__)
 REMOTE_DECODE = "remote_decode"  # llm_svc.core.roles.REMOTE_DECODE (the front does not import the core's loop)
 
 
-def check_transfer(role: str, prep: PreparedRequest) -> None:
-    """Refuse (``InvalidRequest``) what this replica's role cannot do with ``prep.kv_transfer``,
-    and what does not travel in a hand-over yet."""
+def check_transfer(role: str, prep: PreparedRequest) -> bool:
+    """Whether ``prep`` is to be prefilled on a remote replica first (``do_remote_prefill``).
+    Refuses (``InvalidRequest``) what this replica's role cannot do with ``prep.kv_transfer``
+    and a hand-over it cannot make. A request to continue from a remote prefill that carries what
+    does not travel in a hand-over yet is served here alone instead, counted on
+    ``mmserve_llm_remote_prefill{outcome="fallback_unsupported"}`` by the caller."""
     kt = prep.kv_transfer
     if kt is None:
-        return
+        return False
     if kt.do_remote_decode and role != "prefill":
         raise InvalidRequest(f"kv_transfer_params.do_remote_decode needs a prefill replica; this one's role is {role}",
                              param="kv_transfer_params")
@@ -44,10 +48,14 @@ def check_transfer(role: str, prep: PreparedRequest) -> None:
            else "logprobs" if prep.return_logprobs or prep.sampling.prompt_logprobs is not None
            else "echo" if prep.echo_text else None)
     if why is not None:
+        if kt.do_remote_prefill:
+            prep.kv_transfer = None
+            return False
         raise InvalidRequest(f"a request with {why} is not handed over between replicas yet; send it without "
                              "kv_transfer_params (a unified replica serves it)", param="kv_transfer_params")
     if kt.do_remote_decode:
         prep.remote = CoreRemote(transfer_id=prep.request_id, send_host=kt.remote_host, send_port=kt.remote_port)
+    return kt.do_remote_prefill
 
 
 def _prefill_body(_lm, body: bytes, host: str, port: int) -> bytes:
@@ -67,7 +75,7 @@ async def remote_prefill(state, prep: PreparedRequest, body: bytes) -> CoreRemot
     try:
         if not port:
             return None
-        payload = await state.prep.run(_prefill_body, body, s.handover_host, port)
+        payload = await state.prep.run(_prefill_body, body, handover_address(s.handover_host)[1], port)
         if state.remote_http is None:
             state.remote_http = httpx.AsyncClient(trust_env=False, headers=token_headers(s.service_token))
         try:

@@ -31,6 +31,7 @@ from llm_svc.types.errors import InvalidRequest, error_body
 from llm_svc.core.media_fetch import MEDIA_UNAVAILABLE, MediaUnavailable
 from .output_shape import merge_calls
 from .prompt import prepare_request
+from llm_svc.disagg.transport import handover_address
 from .remote_prefill import check_transfer, remote_prefill
 from llm_svc.types.request import PreparedRequest
 from .state import ServiceState
@@ -79,7 +80,7 @@ async def readyz(state: StateDep, request: Request) -> JSONResponse:
         role = {"role": state.settings.role}
         port = state.backend.handover_port()
         if port:  # role decode: where prefill replicas send this replica's hand-overs
-            role["handover"] = {"host": state.settings.handover_host, "port": port}
+            role["handover"] = {"host": handover_address(state.settings.handover_host)[1], "port": port}
         return JSONResponse({**body.model_dump(), **role, **warnings})
     status = "error" if state.error else "loading"
     body = HealthStatus(status=status, service="llm", model=state.model_name, detail=state.not_ready_detail)
@@ -181,13 +182,16 @@ async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadl
         failed = await _fetch_all(state, prep)
         if failed is not None:
             return failed
-    if prep.kv_transfer is not None:
+    if prep.kv_transfer is not None:  # prefill / decode disaggregation (docs/disagg.md)
+        asked = prep.kv_transfer.do_remote_prefill
         try:
-            check_transfer(state.settings.role, prep)
+            remote = check_transfer(state.settings.role, prep)
         except InvalidRequest as e:
             return _error(state, 400, e.message, e.param, e.code)
-        if prep.kv_transfer.do_remote_prefill:
+        if remote:
             prep.remote = await remote_prefill(state, prep, body)
+        elif asked:
+            state.metrics.remote_prefill.labels("fallback_unsupported").inc()
     try:
         stream = state.backend.submit(prep)
     except InvalidRequest as e:

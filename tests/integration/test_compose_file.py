@@ -195,3 +195,45 @@ def test_launcher_fails_fast_when_a_service_cannot_load(tmp_path):
         with pytest.raises(RuntimeError, match="(failed to load|exited early)"):
             stack.wait_ready(timeout=120)
     assert time.monotonic() - t0 < 100
+
+
+def test_disagg_override_runs_prefill_and_decode_replicas_behind_the_gateway(mimo_bundle, redis_user, tmp_path):
+    """compose.yaml + compose.disagg.yaml as local processes (compose's merge of the two files):
+    a long text chat through the gateway is prefilled on `llm-prefill`, its KV handed over to
+    `llm` (role decode) and answered; the hardening and the scaling knobs carry over."""
+    from mmserve.launcher import free_port
+
+    env = {**os.environ, "MMSERVE_MODEL_DIR": str(mimo_bundle), "MMSERVE_DEVICE": "cpu",
+           "MMSERVE_HANDOVER_PORT": str(free_port()),
+           **dot_env(MMSERVE_REDIS_USER=redis_user.name, MMSERVE_REDIS_PASSWORD=redis_user.password)}
+    compose = load_compose([ROOT / "compose.yaml", ROOT / "compose.disagg.yaml"], env)
+    svcs = compose["services"]
+    assert svcs["llm"]["environment"]["MMSERVE_LLM_ROLE"] == "decode"
+    assert svcs["llm"]["environment"]["MMSERVE_LLM_KV_L3_URL"].startswith("redis://")  # merged, not replaced
+    pre = svcs["llm-prefill"]
+    assert pre["environment"]["MMSERVE_LLM_ROLE"] == "prefill" and "replicas" in pre["deploy"]
+    assert pre["read_only"] is True and pre["cap_drop"] == ["ALL"] and "ports" not in pre
+    assert svcs["gateway"]["depends_on"]["llm-prefill"] == {"condition": "service_healthy"}
+    assert svcs["gateway"]["depends_on"]["llm"] == {"condition": "service_healthy"}
+    if not redis_already_running(compose):
+        pytest.fail("Redis must be running on 127.0.0.1:6379 for the compose test")
+    services = local_services(compose, ROOT, tmp_path, order=["encoder", "llm-prefill", "llm", "gateway"])
+    try:
+        for svc in services:
+            svc.start()
+        wait_ready(services, timeout=240)
+        gateway, decode = services[-1], services[2]
+        text = "Read these notes closely. " + " ".join(f"note {i}: the tide turned at dawn." for i in range(60))
+        body = {"model": svcs["gateway"]["environment"]["MMSERVE_GATEWAY_MODEL_NAME"], "max_tokens": 6,
+                "messages": [{"role": "user", "content": text}]}
+        r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+        g = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+        assert 'mmserve_gateway_disagg_decisions_total{decision="remote"} 1.0' in g
+        m = httpx.get(f"{decode.url}/metrics", timeout=10).text
+        assert 'mmserve_llm_handover{event="adopted"} 1.0' in m
+        assert 'mmserve_llm_remote_prefill_total{outcome="handed_over"} 1.0' in m
+    finally:
+        for svc in reversed(services):
+            svc.stop()

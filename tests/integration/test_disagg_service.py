@@ -132,8 +132,16 @@ def test_roles_refuse_the_transfer_they_do_not_play_and_what_does_not_travel(rep
     kt = KVTransferParams(do_remote_decode=True, remote_host="127.0.0.1", remote_port=1)
     r = _post(replicas["decode"], _gen("x2", "hi", kt=kt))
     assert r.status_code == 400 and "needs a prefill replica" in r.json()["error"]["message"]
-    r = _post(replicas["decode"], _gen("x3", "hi", kt=_remote(replicas["prefill"]), prompt_logprobs=1))
+    kt = KVTransferParams(do_remote_decode=True, remote_host="127.0.0.1", remote_port=1)
+    r = _post(replicas["prefill"], _gen("x3", "hi", kt=kt, prompt_logprobs=1))
     assert r.status_code == 400 and "not handed over between replicas yet" in r.json()["error"]["message"]
+    # asked of a decode replica, what does not travel is served there alone, with the unified answer
+    fallback = _metric(replicas["decode"], "mmserve_llm_remote_prefill_total", outcome="fallback_unsupported")
+    want = _post(replicas["both"], _gen("x4", "hi", prompt_logprobs=1)).json()
+    got = _post(replicas["decode"], _gen("x5", "hi", kt=_remote(replicas["prefill"]), prompt_logprobs=1)).json()
+    assert got["token_ids"] == want["token_ids"] and got["prompt_logprobs"] == want["prompt_logprobs"]
+    assert _metric(replicas["decode"], "mmserve_llm_remote_prefill_total",
+                   outcome="fallback_unsupported") == fallback + 1
     with pytest.raises(ValueError, match="exactly one of"):
         KVTransferParams(do_remote_decode=True, do_remote_prefill=True, remote_host="h", remote_port=1,
                          remote_prefill_url="http://p")

@@ -18,7 +18,8 @@ LAYERS: list[set[str]] = [
     {"loading", "parsers", "kv"},  # bundle loading; output parsers; slot pools and the prefix tree (no tensors)
     {"offload"},  # host and Redis tiers
     {"engine"},  # scheduler, runner, step, speculative decoding
-    {"core", "disagg"},  # the engine core process and the front's client of it; prefill / decode hand-over
+    {"disagg"},  # prefill / decode hand-over: an engine's two sides, their transport
+    {"core"},  # the engine core process (stepping its engine for its role) and the front's client of it
     {"backends"},  # the front's generation interface: hf and swa
     {"front"},  # the HTTP service
 ]

@@ -1,0 +1,78 @@
+"""Prefill / decode pairing (docs/disagg.md): which requests a decode replica has prefilled on a
+prefill replica, and which one.
+
+Conditional disaggregation, as NVIDIA Dynamo's router does it: a request is prefilled remotely
+only when that can pay. It stays local to its decode replica (a plain request) when
+
+* it carries media (its embeddings would have to reach the prefill replica; not handed over
+  yet), or its prompt is estimated shorter than ``min_prompt_tokens`` (a short prefill costs the
+  decode replica less than a hand-over's round trip),
+* the decode replica already holds at least ``max_cached_fraction`` of its prefix blocks (the
+  router's view), so only a short tail is left to prefill,
+* no prefill replica is routable.
+
+Otherwise the prefill replica is chosen cache-aware (longest held prefix, load breaking ties)
+and the decode replica calls it (``kv_transfer_params.do_remote_prefill``); if that call fails,
+the decode replica prefills the prompt itself. Only bookkeeping here: nothing talks to a
+replica.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.routing.llm_router import LLMRouter
+from gateway.routing.replicas import ReplicaPool
+from shared.rawwire import pack_raw
+from shared.schemas import GenerateRequest, KVTransferParams
+
+DECISIONS = ("remote", "local_media", "local_short", "local_cached", "local_no_prefill")
+
+
+@dataclass(frozen=True)
+class PairingConfig:
+    min_prompt_tokens: int = 256
+    max_cached_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.min_prompt_tokens < 0:
+            raise ValueError(f"min_prompt_tokens must be >= 0, got {self.min_prompt_tokens}")
+        if not 0.0 < self.max_cached_fraction <= 1.0:
+            raise ValueError(f"max_cached_fraction must be in (0, 1], got {self.max_cached_fraction}")
+
+
+class PrefillPairing:
+    """``pool``: the prefill replicas; ``router``: their cache-aware router."""
+
+    def __init__(self, pool: ReplicaPool, router: LLMRouter, config: PairingConfig) -> None:
+        self.pool = pool
+        self.router = router
+        self.config = config
+        self.decisions: Counter[str] = Counter({d: 0 for d in DECISIONS})
+
+    def choose(self, req: GenerateRequest, est_tokens: int, blocks: Sequence[int], decode_held: int) -> str | None:
+        """The prefill replica for ``req`` (None: prefill it on its decode replica), counted by
+        decision. ``decode_held``: leading ``blocks`` the chosen decode replica holds."""
+        if req.media():
+            return self._count("local_media")
+        if est_tokens < self.config.min_prompt_tokens:
+            return self._count("local_short")
+        if blocks and decode_held >= self.config.max_cached_fraction * len(blocks):
+            return self._count("local_cached")
+        replicas = self.pool.routable()
+        if not replicas:
+            return self._count("local_no_prefill")
+        self.decisions["remote"] += 1
+        return self.router.choose(replicas, blocks)
+
+    def _count(self, decision: str) -> None:
+        self.decisions[decision] += 1
+        return None
+
+    @staticmethod
+    def body(req: GenerateRequest, prefill_url: str) -> bytes:
+        """The decode replica's wire body for ``req`` (text only: no tensors) naming ``prefill_url``."""
+        return pack_raw({}, req.model_copy(update={"kv_transfer_params": KVTransferParams(
+            do_remote_prefill=True, remote_prefill_url=prefill_url)}))
