@@ -6,8 +6,8 @@ behind one gateway, in three layouts started fresh per run:
 * ``unified``: two ``role both`` replicas behind the cache-aware router (the baseline a user
   runs today, as vLLM or SGLang without P/D);
 * ``disagg``: one ``role prefill`` + one ``role decode`` replica, the gateway pairing them
-  conditionally (prompts estimated under ``--min-prompt-tokens`` are prefilled where they are
-  decoded, Dynamo's rule);
+  conditionally (Dynamo's rule: prompts estimated under ``--min-prompt-tokens``, and any while
+  the prefill replica has ``--max-prefill-queue`` in flight, are prefilled where they are decoded);
 * ``disagg_all``: the same pair with every request prefilled remotely (``disagg_min_prompt_tokens``
   0): the conditional router's point on the same trace.
 
@@ -59,7 +59,8 @@ def kv_token_bytes(model_dir: Path, elem: int = 4) -> tuple[int, int]:
     return full * pattern.count(0), swa * pattern.count(1)
 
 
-def services(side: str, model_dir: Path, log_dir: Path, min_prompt_tokens: int, max_model_len: int) -> list[Service]:
+def services(side: str, model_dir: Path, log_dir: Path, min_prompt_tokens: int, max_queue: int,
+             max_model_len: int) -> list[Service]:
     """Two LLM replicas (one core each) and a gateway for ``side``; not started."""
     py = [sys.executable, "-m", "mmserve.cli"]
     env = _clean_env({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
@@ -84,6 +85,7 @@ def services(side: str, model_dir: Path, log_dir: Path, min_prompt_tokens: int, 
     else:
         gargv += ["--llm-urls", llms[0].url, "--prefill-urls", llms[1].url]
         genv["MMSERVE_GATEWAY_DISAGG_MIN_PROMPT_TOKENS"] = str(0 if side == "disagg_all" else min_prompt_tokens)
+        genv["MMSERVE_GATEWAY_DISAGG_MAX_PREFILL_QUEUE"] = str(0 if side == "disagg_all" else max_queue)
     gateway = Service("gateway", f"http://127.0.0.1:{gport}", gargv, genv, log_dir / f"{side}-gateway.log")
     return [*llms, gateway]
 
@@ -145,7 +147,7 @@ async def run_trace(url: str, steady: list[Item], longs: list[Item], arrivals: l
 
 
 def run_side(side: str, model_dir: Path, log_dir: Path, args, traces, run_no: int) -> dict:
-    svcs = services(side, model_dir, log_dir, args.min_prompt_tokens, args.max_model_len)
+    svcs = services(side, model_dir, log_dir, args.min_prompt_tokens, args.max_prefill_queue, args.max_model_len)
     try:
         for s in svcs:
             s.start()
@@ -219,6 +221,8 @@ def main() -> int:
     ap.add_argument("--long-range", type=int, nargs=2, default=(3000, 7000))
     ap.add_argument("--long-rate", type=float, default=0.15, help="long prompts a second (Poisson)")
     ap.add_argument("--min-prompt-tokens", type=int, default=1024, help="the disagg side's conditional threshold")
+    ap.add_argument("--max-prefill-queue", type=int, default=2,
+                    help="the disagg side: prefill locally while the prefill replica has this many in flight")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -260,7 +264,7 @@ def main() -> int:
            for k, (op, t) in TARGETS.items()}
     figures = {"ratios": ratios, "targets_met": met, "sides": sides, "seconds": args.seconds, "rounds": args.rounds,
                "steady_streams": args.steady, "long_range": list(args.long_range), "long_rate": args.long_rate,
-               "min_prompt_tokens": args.min_prompt_tokens, "errors": sum(s["errors"] for s in sides.values())}
+               "min_prompt_tokens": args.min_prompt_tokens, "max_prefill_queue": args.max_prefill_queue, "errors": sum(s["errors"] for s in sides.values())}
     _results.record(
         "disagg", ap, args, figures, kind="wall-clock",
         baseline="two unified replicas (role both) behind the cache-aware router, same processes and cores",

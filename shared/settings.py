@@ -489,6 +489,11 @@ class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
         default=256, ge=0, description="with prefill_urls: a prompt estimated shorter than this is prefilled on its "
         "decode replica (a hand-over's round trip costs more than a short prefill)"
     )
+    disagg_max_prefill_queue: int = Field(
+        default=0, ge=0, description="with prefill_urls: a prompt whose chosen prefill replica already has this many "
+        "of this gateway's prefills in flight is prefilled on its decode replica (Dynamo's short-queue condition); "
+        "0: no bound"
+    )
     disagg_max_cached_fraction: float = Field(
         default=0.5, gt=0, le=1, description="with prefill_urls: a prompt whose prefix blocks the decode replica "
         "holds at least this fraction of (the router's view) is prefilled there"

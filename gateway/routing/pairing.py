@@ -9,7 +9,9 @@ only when that can pay. It stays local to its decode replica (a plain request) w
   decode replica less than a hand-over's round trip),
 * the decode replica already holds at least ``max_cached_fraction`` of its prefix blocks (the
   router's view), so only a short tail is left to prefill,
-* no prefill replica is routable.
+* no prefill replica is routable, or the chosen one already has ``max_prefill_queue`` of this
+  gateway's prefills in flight (Dynamo's "prefill queue short" condition: a busy prefill replica
+  would make the prompt wait longer than its decode replica takes to prefill it).
 
 Otherwise the prefill replica is chosen cache-aware (longest held prefix, load breaking ties)
 and the decode replica calls it (``kv_transfer_params.do_remote_prefill``); if that call fails,
@@ -28,19 +30,22 @@ from gateway.routing.replicas import ReplicaPool
 from shared.rawwire import pack_raw
 from shared.schemas import GenerateRequest, KVTransferParams
 
-DECISIONS = ("remote", "local_media", "local_short", "local_cached", "local_no_prefill")
+DECISIONS = ("remote", "local_media", "local_short", "local_cached", "local_no_prefill", "local_busy")
 
 
 @dataclass(frozen=True)
 class PairingConfig:
     min_prompt_tokens: int = 256
     max_cached_fraction: float = 0.5
+    max_prefill_queue: int = 0  # 0: no bound
 
     def __post_init__(self) -> None:
         if self.min_prompt_tokens < 0:
             raise ValueError(f"min_prompt_tokens must be >= 0, got {self.min_prompt_tokens}")
         if not 0.0 < self.max_cached_fraction <= 1.0:
             raise ValueError(f"max_cached_fraction must be in (0, 1], got {self.max_cached_fraction}")
+        if self.max_prefill_queue < 0:
+            raise ValueError(f"max_prefill_queue must be >= 0, got {self.max_prefill_queue}")
 
 
 class PrefillPairing:
@@ -64,8 +69,11 @@ class PrefillPairing:
         replicas = self.pool.routable()
         if not replicas:
             return self._count("local_no_prefill")
+        chosen = self.router.choose(replicas, blocks)
+        if self.config.max_prefill_queue and self.router.load(chosen) >= self.config.max_prefill_queue:
+            return self._count("local_busy")
         self.decisions["remote"] += 1
-        return self.router.choose(replicas, blocks)
+        return chosen
 
     def _count(self, decision: str) -> None:
         self.decisions[decision] += 1
