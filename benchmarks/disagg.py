@@ -60,7 +60,7 @@ def kv_token_bytes(model_dir: Path, elem: int = 4) -> tuple[int, int]:
 
 
 def services(side: str, model_dir: Path, log_dir: Path, min_prompt_tokens: int, max_queue: int,
-             max_model_len: int) -> list[Service]:
+             max_model_len: int, decode_batch_tokens: int = 0) -> list[Service]:
     """Two LLM replicas (one core each) and a gateway for ``side``; not started."""
     py = [sys.executable, "-m", "mmserve.cli"]
     env = _clean_env({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
@@ -74,6 +74,8 @@ def services(side: str, model_dir: Path, log_dir: Path, min_prompt_tokens: int, 
                 "--backend", "swa", "--role", role]
         if role == "decode":
             argv += ["--handover-port", str(free_port())]
+            if decode_batch_tokens:  # a decode replica's steps: decodes and at most this many tokens in all
+                argv += ["--max-batch-tokens", str(decode_batch_tokens)]
         llms.append(Service(f"llm-{role}-{core}", f"http://127.0.0.1:{port}", argv, llm_env,
                             log_dir / f"{side}-llm-{core}.log"))
     gport, dead = free_port(), free_port()
@@ -147,7 +149,8 @@ async def run_trace(url: str, steady: list[Item], longs: list[Item], arrivals: l
 
 
 def run_side(side: str, model_dir: Path, log_dir: Path, args, traces, run_no: int) -> dict:
-    svcs = services(side, model_dir, log_dir, args.min_prompt_tokens, args.max_prefill_queue, args.max_model_len)
+    svcs = services(side, model_dir, log_dir, args.min_prompt_tokens, args.max_prefill_queue, args.max_model_len,
+                    args.decode_batch_tokens)
     try:
         for s in svcs:
             s.start()
@@ -224,6 +227,8 @@ def main() -> int:
     ap.add_argument("--max-prefill-queue", type=int, default=2,
                     help="the disagg side: prefill locally while the prefill replica has this many in flight")
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--decode-batch-tokens", type=int, default=0,
+                    help="the P/D sides' decode replica's max_batch_tokens (0: its default)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.smoke:
@@ -264,7 +269,8 @@ def main() -> int:
            for k, (op, t) in TARGETS.items()}
     figures = {"ratios": ratios, "targets_met": met, "sides": sides, "seconds": args.seconds, "rounds": args.rounds,
                "steady_streams": args.steady, "long_range": list(args.long_range), "long_rate": args.long_rate,
-               "min_prompt_tokens": args.min_prompt_tokens, "max_prefill_queue": args.max_prefill_queue, "errors": sum(s["errors"] for s in sides.values())}
+               "min_prompt_tokens": args.min_prompt_tokens, "max_prefill_queue": args.max_prefill_queue,
+               "decode_batch_tokens": args.decode_batch_tokens, "errors": sum(s["errors"] for s in sides.values())}
     _results.record(
         "disagg", ap, args, figures, kind="wall-clock",
         baseline="two unified replicas (role both) behind the cache-aware router, same processes and cores",

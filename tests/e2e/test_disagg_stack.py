@@ -111,3 +111,26 @@ def test_a_dead_prefill_replica_costs_a_later_first_token_not_an_answer(stacks):
         time.sleep(0.5)
     else:
         raise AssertionError("the restarted prefill replica never prefilled again")
+
+
+def test_a_dead_decode_replica_ends_the_stream_with_an_error_and_leaves_nothing_held(stacks):
+    _, pd = stacks
+    dec = pd.llms[0]
+    client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(model=pd.model_name, max_tokens=2000, temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": f"dying: {LONG}"}],
+                                            extra_body={"ignore_eos": True})
+    got_error = False
+    try:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and dec.alive():
+                dec.proc.send_signal(signal.SIGKILL)  # mid-stream, after the hand-over
+    except (openai.APIError, httpx.HTTPError):
+        got_error = True
+    assert got_error, "the stream of a killed decode replica must end with an error, not a clean finish"
+    dec.proc.wait(30)
+    pd.restart(dec)
+    pre = pd.prefill_llms[0].url
+    assert _metric(pre, "mmserve_llm_handover", event="sending") == 0
+    # the pair serves again
+    assert _chat(pd, f"after: {LONG}", False, max_tokens=4)[1] == "length"

@@ -318,7 +318,9 @@ def test_gateway_urls_name_headless_services_of_the_replicas():
             # headless: DNS answers one A record per ready pod, which the gateway expands to replicas
             assert svc["spec"]["clusterIP"] == "None"
             assert int(m.group(2)) in {p["port"] for p in svc["spec"]["ports"]}
-            pools = [d for d in of_kind(objs, "Deployment") if component(d) == target]
+            # a prefill pool (overlay disagg) is behind its own Service, prefill_urls
+            pools = [d for d in of_kind(objs, "Deployment") if component(d) == target
+                     and pod_labels(d).get("mmserve.io/llm-pool") != "prefill"]
             assert pools
             for d in pools:  # every pool (every length bucket) is behind the one Service
                 assert matches({"matchLabels": svc["spec"]["selector"]}, pod_labels(d))
@@ -460,7 +462,9 @@ def test_only_the_gateway_reaches_encoders_and_llms(variant):
 
     assert reach("gateway", "encoder") and reach("gateway", "llm")
     assert reach("llm", "encoder")  # media by reference
-    assert not reach("encoder", "llm") and not reach("llm", "llm") and not reach("encoder", "encoder")
+    assert not reach("encoder", "llm") and not reach("encoder", "encoder")
+    # LLM pods reach each other only where prefill and decode pods hand KV over (docs/disagg.md)
+    assert reach("llm", "llm") == (variant == "disagg")
     assert not reach("redis", "encoder") and not reach("redis", "llm")
     for src in ("gateway", "encoder", "llm"):
         assert reach(src, "redis")
@@ -568,3 +572,30 @@ def test_llm_parallel_settings_default_to_one_rank():
     env = {e["name"]: e.get("value") for e in llm["env"]}
     assert (env["MMSERVE_LLM_TENSOR_PARALLEL_SIZE"], env["MMSERVE_LLM_ENABLE_EXPERT_PARALLEL"],
             env["MMSERVE_LLM_DATA_PARALLEL_SIZE"]) == ("1", "false", "1")
+
+
+def test_the_disagg_overlay_pairs_a_prefill_pool_with_the_decode_pool():
+    objs = render("disagg")
+    llms = {d["metadata"]["name"]: d for d in of_kind(objs, "Deployment") if component(d) == "llm"}
+    assert set(llms) == {"mmserve-llm", "mmserve-llm-prefill"}
+    decode, prefill = llms["mmserve-llm"], llms["mmserve-llm-prefill"]
+    dc, pc = (d["spec"]["template"]["spec"]["containers"][0] for d in (decode, prefill))
+    denv = {e["name"]: e for e in dc["env"]}
+    assert denv["MMSERVE_LLM_ROLE"]["value"] == "decode"
+    assert denv["MMSERVE_LLM_HANDOVER_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert named_port(dc, "handover") == int(denv["MMSERVE_LLM_HANDOVER_PORT"]["value"])
+    assert {e["name"]: e.get("value") for e in pc["env"]}["MMSERVE_LLM_ROLE"] == "prefill"
+    services = {s["metadata"]["name"]: s for s in of_kind(objs, "Service")}
+    gw = next(c for _, c, svc in service_containers(objs) if svc == "gateway")
+    url = container_env(objs, gw)["MMSERVE_GATEWAY_PREFILL_URLS"]
+    m = re.fullmatch(r"http://([a-z0-9-]+):(\d+)", url)
+    svc = services[m.group(1)]
+    assert svc["spec"]["clusterIP"] == "None" and int(m.group(2)) in {p["port"] for p in svc["spec"]["ports"]}
+    assert matches({"matchLabels": svc["spec"]["selector"]}, pod_labels(prefill))
+    assert not matches({"matchLabels": svc["spec"]["selector"]}, pod_labels(decode))
+    assert not matches({"matchLabels": services["mmserve-llm"]["spec"]["selector"]}, pod_labels(prefill))
+    # each pool scales on its own
+    targets = {h["spec"]["scaleTargetRef"]["name"] for h in of_kind(objs, "HorizontalPodAutoscaler")}
+    assert {"mmserve-llm", "mmserve-llm-prefill"} <= targets
+    # a prefill pod reaches the decode pods' hand-over port
+    assert _allowed(objs, NAMESPACE, pod_labels(prefill), decode, 8300)
