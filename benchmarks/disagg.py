@@ -224,11 +224,14 @@ def main() -> int:
     ap.add_argument("--long-range", type=int, nargs=2, default=(3000, 7000))
     ap.add_argument("--long-rate", type=float, default=0.15, help="long prompts a second (Poisson)")
     ap.add_argument("--min-prompt-tokens", type=int, default=1024, help="the disagg side's conditional threshold")
-    ap.add_argument("--max-prefill-queue", type=int, default=2,
+    ap.add_argument("--max-prefill-queue", type=int, default=0,
                     help="the disagg side: prefill locally while the prefill replica has this many in flight")
     ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--decode-batch-tokens", type=int, default=0,
-                    help="the P/D sides' decode replica's max_batch_tokens (0: its default)")
+    # a decode replica's steps hold decodes and only the short prompts the gateway kept local:
+    # capped, a local prefill spreads over several steps instead of stalling the streams in one
+    # (quick runs on the 2-core Xeon: steady ITL p99 1.15x unified at the default 2048, 0.53x at 32)
+    ap.add_argument("--decode-batch-tokens", type=int, default=32,
+                    help="the P/D sides' decode replica's max_batch_tokens (0: the service's default)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.smoke:
