@@ -220,6 +220,8 @@ def container_env(objs, c: dict) -> dict[str, str]:
         elif "secretKeyRef" in src:
             ref = src["secretKeyRef"]
             env[e["name"]] = secrets[ref["name"]][ref["key"]]
+        elif src.get("fieldRef", {}).get("fieldPath") == "status.podIP":  # the pod's own address
+            env[e["name"]] = "10.0.0.1"
         else:
             raise AssertionError(f"unexpected env source {src}")
     return env
@@ -251,7 +253,9 @@ def test_env_names_are_settings_the_services_read(variant, monkeypatch):
             monkeypatch.setenv(k, v)
         s = cls()
         assert s.host == "0.0.0.0", f"{svc} must listen beyond the pod's loopback"
-        assert [p["containerPort"] for p in c["ports"]] == [s.port]
+        # the service port, and a decode replica's hand-over port (overlay disagg)
+        assert [p["containerPort"] for p in c["ports"]] == [s.port] + ([s.handover_port] if getattr(
+            s, "role", "both") == "decode" else [])
         assert s.port == cls.model_fields["port"].default  # the Dockerfile EXPOSEs the defaults
         assert str(s.port) in (ROOT / "Dockerfile").read_text().split("EXPOSE", 1)[1].splitlines()[0].split()
         files = secret_files()
