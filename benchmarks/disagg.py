@@ -60,7 +60,7 @@ def kv_token_bytes(model_dir: Path, elem: int = 4) -> tuple[int, int]:
 
 
 def services(side: str, model_dir: Path, log_dir: Path, min_prompt_tokens: int, max_queue: int,
-             max_model_len: int, decode_batch_tokens: int = 0) -> list[Service]:
+             max_model_len: int, decode_batch_tokens: int = 0, idle_min: int | None = None) -> list[Service]:
     """Two LLM replicas (one core each) and a gateway for ``side``; not started."""
     py = [sys.executable, "-m", "mmserve.cli"]
     env = _clean_env({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
@@ -88,6 +88,8 @@ def services(side: str, model_dir: Path, log_dir: Path, min_prompt_tokens: int, 
         gargv += ["--llm-urls", llms[0].url, "--prefill-urls", llms[1].url]
         genv["MMSERVE_GATEWAY_DISAGG_MIN_PROMPT_TOKENS"] = str(0 if side == "disagg_all" else min_prompt_tokens)
         genv["MMSERVE_GATEWAY_DISAGG_MAX_PREFILL_QUEUE"] = str(0 if side == "disagg_all" else max_queue)
+        if side == "disagg" and idle_min is not None:
+            genv["MMSERVE_GATEWAY_DISAGG_IDLE_MIN_PROMPT_TOKENS"] = str(idle_min)
     gateway = Service("gateway", f"http://127.0.0.1:{gport}", gargv, genv, log_dir / f"{side}-gateway.log")
     return [*llms, gateway]
 
@@ -150,7 +152,7 @@ async def run_trace(url: str, steady: list[Item], longs: list[Item], arrivals: l
 
 def run_side(side: str, model_dir: Path, log_dir: Path, args, traces, run_no: int) -> dict:
     svcs = services(side, model_dir, log_dir, args.min_prompt_tokens, args.max_prefill_queue, args.max_model_len,
-                    args.decode_batch_tokens)
+                    args.decode_batch_tokens, args.idle_min_prompt_tokens)
     try:
         for s in svcs:
             s.start()
@@ -226,6 +228,8 @@ def main() -> int:
     ap.add_argument("--min-prompt-tokens", type=int, default=1024, help="the disagg side's conditional threshold")
     ap.add_argument("--max-prefill-queue", type=int, default=0,
                     help="the disagg side: prefill locally while the prefill replica has this many in flight")
+    ap.add_argument("--idle-min-prompt-tokens", type=int, default=None,
+                    help="the disagg side: shorter prompts at least this long go to an idle prefill replica")
     ap.add_argument("--max-model-len", type=int, default=8192)
     # a decode replica's steps hold decodes and only the short prompts the gateway kept local:
     # capped, a local prefill spreads over several steps instead of stalling the streams in one
@@ -273,7 +277,8 @@ def main() -> int:
     figures = {"ratios": ratios, "targets_met": met, "sides": sides, "seconds": args.seconds, "rounds": args.rounds,
                "steady_streams": args.steady, "long_range": list(args.long_range), "long_rate": args.long_rate,
                "min_prompt_tokens": args.min_prompt_tokens, "max_prefill_queue": args.max_prefill_queue,
-               "decode_batch_tokens": args.decode_batch_tokens, "errors": sum(s["errors"] for s in sides.values())}
+               "decode_batch_tokens": args.decode_batch_tokens,
+               "idle_min_prompt_tokens": args.idle_min_prompt_tokens, "errors": sum(s["errors"] for s in sides.values())}
     _results.record(
         "disagg", ap, args, figures, kind="wall-clock",
         baseline="two unified replicas (role both) behind the cache-aware router, same processes and cores",

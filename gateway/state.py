@@ -93,7 +93,7 @@ class GatewayState:
             prefill_pool = ReplicaPool("llm-prefill", s.prefill_urls, prober=prober, fail_threshold=threshold)
             pairing = PrefillPairing(prefill_pool, make_router("cache_aware", s.router_index_blocks),
                                      PairingConfig(s.disagg_min_prompt_tokens, s.disagg_max_cached_fraction,
-                                                   s.disagg_max_prefill_queue))
+                                                   s.disagg_max_prefill_queue, s.disagg_idle_min_prompt_tokens))
         llms = LLMClient(http, llm_pool, router, attempts=s.upstream_attempts, timeout=timeout, limits=llm_limits,
                          pairing=pairing)
         fetcher = MediaFetcher(

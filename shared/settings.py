@@ -489,6 +489,11 @@ class GatewaySettings(_ServiceSettings, _AsyncioHeapSettings):
         default=256, ge=0, description="with prefill_urls: a prompt estimated shorter than this is prefilled on its "
         "decode replica (a hand-over's round trip costs more than a short prefill)"
     )
+    disagg_idle_min_prompt_tokens: int | None = Field(
+        default=None, ge=0, description="with prefill_urls: a prompt under disagg_min_prompt_tokens but at least "
+        "this long is prefilled on a prefill replica that is idle (none of this gateway's prefills in flight); "
+        "unset: shorter prompts always stay on their decode replica"
+    )
     disagg_max_prefill_queue: int = Field(
         default=0, ge=0, description="with prefill_urls: a prompt whose chosen prefill replica already has this many "
         "of this gateway's prefills in flight is prefilled on its decode replica (Dynamo's short-queue condition); "

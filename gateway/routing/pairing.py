@@ -7,6 +7,9 @@ only when that can pay. It stays local to its decode replica (a plain request) w
 * it carries media (its embeddings would have to reach the prefill replica; not handed over
   yet), or its prompt is estimated shorter than ``min_prompt_tokens`` (a short prefill costs the
   decode replica less than a hand-over's round trip),
+  A prompt under that length but at least ``idle_min_prompt_tokens`` long goes to a prefill
+  replica that is idle (none of this gateway's prefills in flight): capacity that would sit
+  unused, taking a prefill off the decode replica's steps.
 * the decode replica already holds at least ``max_cached_fraction`` of its prefix blocks (the
   router's view), so only a short tail is left to prefill,
 * no prefill replica is routable, or the chosen one already has ``max_prefill_queue`` of this
@@ -38,6 +41,9 @@ class PairingConfig:
     min_prompt_tokens: int = 256
     max_cached_fraction: float = 0.5
     max_prefill_queue: int = 0  # 0: no bound
+    # a prompt under min_prompt_tokens but at least this long goes to an idle prefill replica
+    # (none of this gateway's prefills in flight): free prefill capacity; None: never
+    idle_min_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.min_prompt_tokens < 0:
@@ -46,6 +52,8 @@ class PairingConfig:
             raise ValueError(f"max_cached_fraction must be in (0, 1], got {self.max_cached_fraction}")
         if self.max_prefill_queue < 0:
             raise ValueError(f"max_prefill_queue must be >= 0, got {self.max_prefill_queue}")
+        if self.idle_min_prompt_tokens is not None and not 0 <= self.idle_min_prompt_tokens:
+            raise ValueError(f"idle_min_prompt_tokens must be >= 0, got {self.idle_min_prompt_tokens}")
 
 
 class PrefillPairing:
@@ -60,15 +68,21 @@ class PrefillPairing:
     def choose(self, req: GenerateRequest, est_tokens: int, blocks: Sequence[int], decode_held: int) -> str | None:
         """The prefill replica for ``req`` (None: prefill it on its decode replica), counted by
         decision. ``decode_held``: leading ``blocks`` the chosen decode replica holds."""
+        cfg = self.config
         if req.media():
             return self._count("local_media")
-        if est_tokens < self.config.min_prompt_tokens:
+        long = est_tokens >= cfg.min_prompt_tokens
+        if not long and (cfg.idle_min_prompt_tokens is None or est_tokens < cfg.idle_min_prompt_tokens):
             return self._count("local_short")
-        if blocks and decode_held >= self.config.max_cached_fraction * len(blocks):
+        if blocks and decode_held >= cfg.max_cached_fraction * len(blocks):
             return self._count("local_cached")
         replicas = self.pool.routable()
         if not replicas:
             return self._count("local_no_prefill")
+        if not long:  # a shorter prompt takes only an idle prefill replica
+            replicas = [r for r in replicas if self.router.load(r) == 0]
+            if not replicas:
+                return self._count("local_busy")
         chosen = self.router.choose(replicas, blocks)
         if self.config.max_prefill_queue and self.router.load(chosen) >= self.config.max_prefill_queue:
             return self._count("local_busy")

@@ -63,3 +63,19 @@ def test_the_config_refuses_what_means_nothing():
         PairingConfig(min_prompt_tokens=-1)
     with pytest.raises(ValueError, match="max_prefill_queue"):
         PairingConfig(max_prefill_queue=-1)
+
+
+def test_a_shorter_prompt_takes_only_an_idle_prefill_replica():
+    pr = _pairing(min_prompt_tokens=1000, idle_min_prompt_tokens=10)
+    assert pr.choose(_req(), 9, [1], 0) is None  # under both thresholds
+    a = pr.choose(_req(), 50, [1], 0)
+    assert a in P
+    pr.router.begin(a)
+    b = pr.choose(_req(), 50, [1], 0)  # the idle one, whatever its cache
+    assert b in P and b != a
+    pr.router.begin(b)
+    assert pr.choose(_req(), 50, [2], 0) is None  # none idle: stays on its decode replica
+    assert pr.choose(_req(), 5000, [3], 0) in P  # a long prompt queues on a busy one
+    assert pr.decisions["local_busy"] == 1 and pr.decisions["local_short"] == 1 and pr.decisions["remote"] == 3
+    with pytest.raises(ValueError, match="idle_min_prompt_tokens"):
+        PairingConfig(idle_min_prompt_tokens=-1)
