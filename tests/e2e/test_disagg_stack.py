@@ -32,7 +32,7 @@ def stacks(tmp_path_factory):
     model = write_tiny_model(tmp_path_factory.mktemp("pd") / "mimo16", sliding_window=16)
     unified = _stack(model, tmp_path_factory.mktemp("unified-logs"))
     pd = _stack(model, tmp_path_factory.mktemp("pd-logs"), prefill_llms=1,
-                gateway_env={"disagg_min_prompt_tokens": "64"})
+                gateway_env={"disagg_min_prompt_tokens": "64", "disagg_idle_min_prompt_tokens": "64"})
     with unified, pd:
         unified.wait_ready(timeout=240)
         pd.wait_ready(timeout=240)
