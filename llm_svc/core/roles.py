@@ -218,14 +218,6 @@ class RoleDriver:
                 out[f"handover_fallback_{reason}"] = float(n)
         return out
 
-    def check_integrity(self) -> None:
-        """Nothing held for requests that are gone: every waiting request is outside the engine,
-        every adopted prefix lock belongs to a live request."""
-        for rid in self._waiting:
-            assert not self.engine.is_live(rid), f"{rid} waits for a hand-over and runs"
-        if self.decode is not None:
-            self.decode.release_admitted()
-
     def close(self) -> None:
         if self.link is not None:
             self.link.close()
