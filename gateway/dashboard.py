@@ -93,6 +93,8 @@ class LLMReplica:
     spec_accepted_tokens: float = 0.0
     spec_acceptance_rate: float | None = None  # None: no speculation (or no draft yet)
     spec_mean_acceptance_length: float | None = None
+    role: str = "both"  # prefill / decode / both (docs/disagg.md)
+    handovers: float = 0.0  # hand-overs sent (prefill) or continued from (decode)
     ttft: Histogram = field(default_factory=Histogram)
     itl: Histogram = field(default_factory=Histogram)
 
@@ -112,6 +114,8 @@ class LLMReplica:
             spec_drafts=drafts, spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
             spec_acceptance_rate=_rate(accepted, drafted),
             spec_mean_acceptance_length=1.0 + accepted / drafts if drafts > 0 else None,
+            role=next((lab["role"] for lab, v in s.get("mmserve_llm_role", []) if v == 1), "both"),
+            handovers=total(s, "mmserve_llm_handover", event="sent") + total(s, "mmserve_llm_handover", event="adopted"),
             ttft=histogram(s, "mmserve_llm_time_to_first_token_seconds"),
             itl=histogram(s, "mmserve_llm_inter_token_latency_seconds"),
         )  # fmt: skip

@@ -33,7 +33,8 @@ async def dashboard_page() -> Response:
 async def dashboard_data(state: StateDep) -> JSONResponse:
     """Every replica's /metrics, scraped now and reduced (``gateway.dashboard``), with the
     gateway's and the replicas' open-by-default warnings."""
-    snap = await snapshot(state.http, state.llm_pool.replicas(), state.encoder_pool.replicas(),
+    prefill = state.llms.pairing.pool.replicas() if state.llms.pairing is not None else []  # docs/disagg.md
+    snap = await snapshot(state.http, [*state.llm_pool.replicas(), *prefill], state.encoder_pool.replicas(),
                           state.metrics.render().decode(), gateway_warnings=exposure_warnings(state.settings))
     return JSONResponse(snap.to_json(), headers={"cache-control": "no-store"})
 

@@ -42,6 +42,8 @@ function fillTable(tableId, rows, cols) {
 }
 
 const LLM_COLS = [
+  ["role", (r) => r.role],
+  ["handovers", (r) => fmt.int(r.handovers)],
   ["kv_full_usage", (r) => fmt.pct(r.kv_full_usage)],
   ["kv_swa_usage", (r) => fmt.pct(r.kv_swa_usage)],
   ["running", (r) => fmt.int(r.running)],

@@ -134,3 +134,12 @@ def test_a_dead_decode_replica_ends_the_stream_with_an_error_and_leaves_nothing_
     assert _metric(pre, "mmserve_llm_handover", event="sending") == 0
     # the pair serves again
     assert _chat(pd, f"after: {LONG}", False, max_tokens=4)[1] == "length"
+
+
+def test_the_dashboard_shows_each_replicas_role_and_hand_overs(stacks):
+    _, pd = stacks
+    _chat(pd, f"dashboard: {LONG}", False, max_tokens=2)
+    data = httpx.get(pd.url + "/dashboard/data", timeout=30).json()
+    roles = {r["url"]: (r["role"], r["handovers"]) for r in data["llm"] if r["up"]}
+    assert roles[pd.llms[0].url][0] == "decode" and roles[pd.prefill_llms[0].url][0] == "prefill"
+    assert roles[pd.llms[0].url][1] >= 1 and roles[pd.prefill_llms[0].url][1] >= 1

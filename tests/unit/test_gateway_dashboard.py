@@ -24,9 +24,11 @@ def _llm_text() -> str:
     for s in (0.004, 0.02, 0.02, 3.0):
         m.ttft.observe(s)
     m.itl.observe(0.003)
+    m.set_role("decode")
     spec = {"spec_num_spec_tokens": 2, "spec_num_drafts": 10, "spec_num_draft_tokens": 20,
             "spec_num_accepted_tokens": 12, "spec_num_accepted_tokens_per_pos_0": 8,
             "spec_num_accepted_tokens_per_pos_1": 4, "spec_mean_acceptance_length": 2.2}
+    spec["handover_adopted"] = 3
     return m.render(BackendStats(running=2, waiting=5, kv_full_usage=0.25, kv_swa_usage=0.5, tiers=spec)).decode()
 
 
@@ -73,6 +75,7 @@ def test_snapshot_reduces_every_replica_and_marks_a_dead_one_down():
     assert a.ttft.count == 4 and a.itl.count == 1
     assert (a.spec_drafts, a.spec_draft_tokens, a.spec_accepted_tokens) == (10, 20, 12)
     assert a.spec_acceptance_rate == 0.6 and a.spec_mean_acceptance_length == pytest.approx(2.2)
+    assert (a.role, a.handovers) == ("decode", 3)  # the role's gauge and the hand-overs it continued from
     assert 'mmserve_llm_spec_decode_num_accepted_tokens_per_pos{position="1"} 4.0' in _llm_text()
     (e,) = snap.encoder
     assert (e.cache_lookups, e.cache_hits, e.cache_hit_rate) == (5, 3, 0.6)
