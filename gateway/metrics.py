@@ -122,7 +122,7 @@ class GatewayMetrics:
         class _Pairing:
             def collect(self):
                 dec = CounterMetricFamily("mmserve_gateway_disagg_decisions", "requests by prefill / decode pairing "
-                                          "decision (remote; local_media, local_short, local_cached, local_no_prefill)",
+                                          "decision (remote; local_short, local_cached, local_busy, local_no_prefill)",
                                           labels=["decision"])
                 for d, n in pairing.decisions.items():
                     dec.add_metric([d], n)

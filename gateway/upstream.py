@@ -480,7 +480,7 @@ class LLMClient:
                 # the prefill replica is busy with it until then
                 self.pairing.router.begin(prefill)
                 try:
-                    return await self._send_to(replica, self.pairing.body(req, prefill))
+                    return await self._send_to(replica, self.pairing.body(req, body, prefill))
                 finally:
                     self.pairing.router.end(prefill)
             except _Retry as e:

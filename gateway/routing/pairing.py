@@ -4,9 +4,9 @@ prefill replica, and which one.
 Conditional disaggregation, as NVIDIA Dynamo's router does it: a request is prefilled remotely
 only when that can pay. It stays local to its decode replica (a plain request) when
 
-* it carries media (its embeddings would have to reach the prefill replica; not handed over
-  yet), or its prompt is estimated shorter than ``min_prompt_tokens`` (a short prefill costs the
-  decode replica less than a hand-over's round trip),
+* its prompt is estimated shorter than ``min_prompt_tokens`` (a short prefill costs the decode
+  replica less than a hand-over's round trip), counting media rows (embeddings sent by reference
+  are fetched by the prefill replica alone, by value they travel in the body),
   A prompt under that length but at least ``idle_min_prompt_tokens`` long goes to a prefill
   replica that is idle (none of this gateway's prefills in flight): capacity that would sit
   unused, taking a prefill off the decode replica's steps.
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 from gateway.routing.llm_router import LLMRouter
 from gateway.routing.replicas import ReplicaPool
-from shared.rawwire import pack_raw
+from shared.rawwire import pack_raw, unpack_raw
 from shared.schemas import GenerateRequest, KVTransferParams
 
-DECISIONS = ("remote", "local_media", "local_short", "local_cached", "local_no_prefill", "local_busy")
+DECISIONS = ("remote", "local_short", "local_cached", "local_no_prefill", "local_busy")
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,6 @@ class PrefillPairing:
         """The prefill replica for ``req`` (None: prefill it on its decode replica), counted by
         decision. ``decode_held``: leading ``blocks`` the chosen decode replica holds."""
         cfg = self.config
-        if req.media():
-            return self._count("local_media")
         long = est_tokens >= cfg.min_prompt_tokens
         if not long and (cfg.idle_min_prompt_tokens is None or est_tokens < cfg.idle_min_prompt_tokens):
             return self._count("local_short")
@@ -94,7 +92,9 @@ class PrefillPairing:
         return None
 
     @staticmethod
-    def body(req: GenerateRequest, prefill_url: str) -> bytes:
-        """The decode replica's wire body for ``req`` (text only: no tensors) naming ``prefill_url``."""
-        return pack_raw({}, req.model_copy(update={"kv_transfer_params": KVTransferParams(
+    def body(req: GenerateRequest, body: bytes, prefill_url: str) -> bytes:
+        """The decode replica's wire body for ``req`` (its media tensors kept from ``body``, the
+        packed request) naming ``prefill_url``."""
+        tensors, _ = unpack_raw(body, GenerateRequest)
+        return pack_raw(tensors, req.model_copy(update={"kv_transfer_params": KVTransferParams(
             do_remote_prefill=True, remote_prefill_url=prefill_url)}))

@@ -1,7 +1,7 @@
 """A decode replica's call to a prefill replica (docs/disagg.md).
 
 A request to a ``role: decode`` replica with ``kv_transfer_params.do_remote_prefill`` is first
-sent, as it came (text only, not streamed), to ``remote_prefill_url``'s ``/v1/generate`` with
+sent, as it came (not streamed; media by value or by reference, fetched there), to ``remote_prefill_url``'s ``/v1/generate`` with
 ``do_remote_decode`` naming this replica's hand-over address. The prefill replica answers with
 the first token once the KV is on its way here (``finish_reason`` ``remote_decode``), or with
 the first token and its own reason when that token ended the request. Any failure (no answer,
@@ -19,10 +19,9 @@ from llm_svc.disagg.transport import handover_address
 from llm_svc.types.errors import InvalidRequest
 from llm_svc.types.messages import CoreRemote
 from llm_svc.types.request import PreparedRequest
-from shared.rawwire import SAFETENSORS_MIME, pack_raw
+from shared.rawwire import SAFETENSORS_MIME, pack_raw, unpack_raw
 from shared.schemas import GenerateRequest, GenerateResponse, KVTransferParams
 from shared.service_auth import token_headers
-from shared.wire import unpack
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,8 @@ def check_transfer(role: str, prep: PreparedRequest) -> bool:
     if kt.do_remote_prefill and role != "decode":
         raise InvalidRequest(f"kv_transfer_params.do_remote_prefill needs a decode replica; this one's role is {role}",
                              param="kv_transfer_params")
-    why = ("media" if prep.mm_spans else "structured outputs or tools" if prep.sampling.structured is not None
+    # media travels as the request does (by value, or by reference: fetched where it is prefilled)
+    why = ("structured outputs or tools" if prep.sampling.structured is not None
            else "logprobs" if prep.return_logprobs or prep.sampling.prompt_logprobs is not None
            else "echo" if prep.echo_text else None)
     if why is not None:
@@ -59,10 +59,12 @@ def check_transfer(role: str, prep: PreparedRequest) -> bool:
 
 
 def _prefill_body(_lm, body: bytes, host: str, port: int) -> bytes:
-    _, req = unpack(body, GenerateRequest)
+    """The request as it came (media tensors sent by value included, items by reference as
+    references: the prefill replica fetches those), unstreamed, naming this replica's core."""
+    tensors, req = unpack_raw(body, GenerateRequest)
     req = req.model_copy(update={"stream": False, "kv_transfer_params": KVTransferParams(
         do_remote_decode=True, remote_host=host, remote_port=port)})
-    return pack_raw({}, req)
+    return pack_raw(tensors, req)
 
 
 async def remote_prefill(state, prep: PreparedRequest, body: bytes) -> CoreRemote | None:

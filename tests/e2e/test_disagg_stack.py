@@ -21,7 +21,7 @@ LONG = "Summarise the following notes. " + " ".join(f"note {i}: the tide came in
 
 
 def _stack(model, tmp, **kw) -> LocalStack:
-    spec = StackSpec(model_dir=str(model), gateway_port=0, encoders=0, **kw)
+    spec = StackSpec(model_dir=str(model), gateway_port=0, encoders=1, **kw)
     return LocalStack(spec, log_dir=tmp)
 
 
@@ -143,3 +143,28 @@ def test_the_dashboard_shows_each_replicas_role_and_hand_overs(stacks):
     roles = {r["url"]: (r["role"], r["handovers"]) for r in data["llm"] if r["up"]}
     assert roles[pd.llms[0].url][0] == "decode" and roles[pd.prefill_llms[0].url][0] == "prefill"
     assert roles[pd.llms[0].url][1] >= 1 and roles[pd.prefill_llms[0].url][1] >= 1
+
+
+def test_an_image_chat_is_prefilled_where_its_embeddings_are_fetched_and_decoded_from_the_hand_over(stacks):
+    """Media sent by reference: the prefill replica fetches the embeddings from the encoder, the
+    decode replica continues from the KV without them."""
+    import base64
+
+    from tests.conftest import make_png
+
+    unified, pd = stacks
+    png = "data:image/png;base64," + base64.b64encode(make_png(seed=11)).decode()
+    content = [{"type": "text", "text": f"image: {LONG}"}, {"type": "image_url", "image_url": {"url": png}}]
+
+    def ask(stack):
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=stack.model_name, max_tokens=8, temperature=0,
+                                           messages=[{"role": "user", "content": content}])
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    decode, pre = pd.llms[0].url, pd.prefill_llms[0].url
+    adopted = _metric(decode, "mmserve_llm_handover", event="adopted")
+    fetched = _metric(pre, "mmserve_llm_media_refs_total", outcome="fetched")
+    assert ask(pd) == ask(unified)
+    assert _metric(decode, "mmserve_llm_handover", event="adopted") == adopted + 1
+    assert _metric(pre, "mmserve_llm_media_refs_total", outcome="fetched") >= fetched + 1

@@ -13,7 +13,7 @@ import pytest
 
 from shared.schemas import GenerateRequest, KVTransferParams, PromptMessage, PromptText, SamplingParams
 from shared.wire import SAFETENSORS_MIME, pack
-from tests.integration.test_llm_service import start_service
+from tests.integration.test_llm_service import image_embeds, make_request, start_service
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,7 @@ def replicas(tmp_path_factory):
     prefill = start_service(model, "swa", role="prefill")
     decode = start_service(model, "swa", role="decode", handover_timeout_s=5.0)
     with both, prefill, decode:
-        yield {"both": both, "prefill": prefill, "decode": decode}
+        yield {"both": both, "prefill": prefill, "decode": decode, "model": model}
 
 
 def _gen(rid: str, text: str, max_tokens: int = 12, stream: bool = False, kt: KVTransferParams | None = None,
@@ -39,9 +39,9 @@ def _gen(rid: str, text: str, max_tokens: int = 12, stream: bool = False, kt: KV
                            stream=stream, kv_transfer_params=kt)
 
 
-def _post(svc, req: GenerateRequest) -> httpx.Response:
-    return httpx.post(svc.url + "/v1/generate", content=pack({}, req), headers={"content-type": SAFETENSORS_MIME},
-                      timeout=120)
+def _post(svc, req: GenerateRequest, tensors: dict | None = None) -> httpx.Response:
+    return httpx.post(svc.url + "/v1/generate", content=pack(tensors or {}, req),
+                      headers={"content-type": SAFETENSORS_MIME}, timeout=120)
 
 
 def _tokens(r: httpx.Response, stream: bool) -> tuple[list[int], str]:
@@ -152,3 +152,18 @@ def test_readyz_names_the_role_and_the_decode_replicas_hand_over_address(replica
     assert d["role"] == "decode" and d["handover"]["host"] == "127.0.0.1" and d["handover"]["port"] > 0
     p = httpx.get(replicas["prefill"].url + "/readyz", timeout=10).json()
     assert p["role"] == "prefill" and "handover" not in p
+
+
+def test_an_image_prompt_sent_by_value_is_handed_over_with_the_unified_tokens(replicas):
+    """The embeddings travel to the prefill replica in the body; the decode replica continues from
+    the KV (media keys in the prefix tree) and never runs the image rows itself."""
+    emb = image_embeds(replicas["model"], seed=3)
+    adopted = _metric(replicas["decode"], "mmserve_llm_handover", event="adopted")
+    text = "describe the picture " * 8
+    want = _tokens(_post(replicas["both"], make_request(text, rid="u-img", max_tokens=10, temperature=0.0),
+                         {"mm.0": emb}), False)
+    req = make_request(text, rid="d-img", max_tokens=10, temperature=0.0)
+    req = req.model_copy(update={"kv_transfer_params": _remote(replicas["prefill"])})
+    got = _tokens(_post(replicas["decode"], req, {"mm.0": emb}), False)
+    assert got == want and len(got[0]) == 10
+    assert _metric(replicas["decode"], "mmserve_llm_handover", event="adopted") == adopted + 1
