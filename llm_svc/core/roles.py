@@ -5,7 +5,8 @@
   token through ``PrefillSide``; its hand-over is sent on the ``HandoverLink``'s thread while
   the engine steps on, and the request's one output (that token, ``finish_reason``
   ``remote_decode``) goes to the front once every byte went out; a failed or timed-out send
-  fails it with a 503 instead, so the decode replica recomputes. A first token that ends the
+  fails it with a 503 instead, so the decode replica recomputes (with a shared Redis tier, once
+  the prompt's pages are written there: the decode replica's lookup loads them). A first token that ends the
   request is its answer (its own finish reason), with nothing sent.
 * ``decode``: the link listens for hand-overs; a request that names one (``first_token``,
   ``transfer_id``) waits, outside the engine, until it has arrived or ``handover_timeout_s``
@@ -33,6 +34,7 @@ from llm_svc.types.request import Request
 log = logging.getLogger(__name__)
 
 REMOTE_DECODE = "remote_decode"  # a prefill replica's finish reason: the rest is decoded elsewhere
+L3_FLUSH_S = 1.0  # the longest a failed hand-over's answer waits for its pages to reach the Redis tier
 
 
 @dataclass
@@ -167,7 +169,15 @@ class RoleDriver:
 
     def _sent(self) -> list[CoreToken]:
         outs = []
-        for rid in [r for r, s in self._sends.items() if s.future is not None and s.future.done()]:
+        done = [r for r, s in self._sends.items() if s.future is not None and s.future.done()]
+        if any(self._sends[r].future.exception() is not None for r in done):
+            # the Redis tier is the fallback path: the prompts' pages, queued for it when their
+            # prefill ended, land before the 503 sends the decode replica to recompute (its L3
+            # lookup then loads them)
+            tiers = getattr(self.engine, "tiers", None)
+            if tiers is not None and tiers.l3 is not None:
+                tiers.l3.flush(L3_FLUSH_S)
+        for rid in done:
             s = self._sends.pop(rid)
             err = s.future.exception()
             if s.aborted:

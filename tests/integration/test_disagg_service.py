@@ -167,3 +167,25 @@ def test_an_image_prompt_sent_by_value_is_handed_over_with_the_unified_tokens(re
     got = _tokens(_post(replicas["decode"], req, {"mm.0": emb}), False)
     assert got == want and len(got[0]) == 10
     assert _metric(replicas["decode"], "mmserve_llm_handover", event="adopted") == adopted + 1
+
+
+def test_with_the_direct_path_down_the_decode_replica_loads_the_prompt_from_the_shared_redis_tier(
+        replicas, redis_url):
+    """Both replicas on one Redis L3 tier: the prefill replica writes the prompt's pages there as
+    it prefills; its hand-over cannot be sent (a send limit no transfer meets), so the decode
+    replica prefills locally and its L3 lookup finds those pages: most of the prompt is loaded,
+    not recomputed, and the tokens are the unified replica's."""
+    import time
+
+    model = replicas["model"]
+    kw = dict(kv_l3_url=redis_url, kv_l3_ttl_s=600, kv_l3_page_tokens=32)
+    with start_service(model, "swa", role="prefill", handover_timeout_s=1e-6, **kw) as pre, \
+            start_service(model, "swa", role="decode", **kw) as dec:
+        text = f"the direct path is down {time.time_ns()} " + "and the tier holds it " * 12
+        want = _tokens(_post(replicas["both"], _gen("u-l3", text)), False)
+        r = _post(dec, _gen("d-l3", text, kt=_remote(pre)))
+        got = _tokens(r, False)
+        assert got == want
+        assert _metric(dec, "mmserve_llm_remote_prefill_total", outcome="fallback_http_503") == 1
+        assert _metric(pre, "mmserve_llm_handover", event="send_timeouts") == 1
+        assert r.json()["cached_tokens"] >= r.json()["prompt_tokens"] // 32 * 32 - 32 > 0
