@@ -67,6 +67,7 @@ class ComposeProject:
     name: str = field(default_factory=lambda: f"mmserve-e2e-{secrets.token_hex(3)}")
     port: int = field(default_factory=free_port)
     extra_env: dict[str, str] = field(default_factory=dict)
+    files: tuple[str, ...] = ("compose.yaml",)  # merged in order, as `-f a -f b` (e.g. compose.disagg.yaml)
 
     def __post_init__(self) -> None:
         self.env = {
@@ -79,14 +80,16 @@ class ComposeProject:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        cmd = [*compose_cmd(), "-p", self.name, "-f", str(ROOT / "compose.yaml"), "--project-directory", str(ROOT), *args]
+        files = [a for f in self.files for a in ("-f", str(ROOT / f))]
+        cmd = [*compose_cmd(), "-p", self.name, *files, "--project-directory", str(ROOT), *args]
         return subprocess.run(cmd, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               check=check)
 
-    def up(self, encoders: int, llms: int, timeout: float = 600) -> float:
-        """``up -d`` with the replicas scaled; returns seconds until the gateway's /readyz is 200."""
+    def up(self, encoders: int, llms: int, timeout: float = 600, **more: int) -> float:
+        """``up -d`` with the replicas scaled (``more``: other services', e.g. ``llm_prefill=1``
+        for ``llm-prefill``); returns seconds until the gateway's /readyz is 200."""
         t0 = time.monotonic()
-        self.scales = {"encoder": encoders, "llm": llms}
+        self.scales = {"encoder": encoders, "llm": llms, **{k.replace("_", "-"): n for k, n in more.items()}}
         r = self.compose("up", "-d", "--no-build", *self._scale_args(), timeout=timeout, check=False)
         if r.returncode != 0:
             raise RuntimeError(f"compose up failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}\n{self.logs()}")

@@ -43,7 +43,7 @@ class _Send:
     port: int
     transfer_id: str
     future: object = None  # concurrent.futures.Future from HandoverLink.send, once the hand-over is made
-    first_token: int = -1
+    first: CoreToken | None = None  # the engine's output of the first token (its logprobs too)
     aborted: bool = False
 
     @property
@@ -55,8 +55,17 @@ class _Send:
 class _Waiting:
     req: Request
     transfer_id: str
-    first_token: int
+    remote: CoreRemote
     deadline: float
+
+    @property
+    def first_token(self) -> int:
+        return self.remote.first_token
+
+
+def _first(rid: str, remote: CoreRemote, **kw) -> CoreToken:
+    """The decode side's first output: the prefill replica's token, with its logprobs if sent."""
+    return CoreToken(rid, token_id=remote.first_token, logprob=remote.first_logprob, top=remote.first_top, **kw)
 
 
 class RoleDriver:
@@ -103,13 +112,12 @@ class RoleDriver:
             if self.decode is None:
                 raise ValueError(f"this replica's role is {self.role}: it does not continue hand-overs (role decode does)")
             if remote.finish_reason is not None:  # the first token ended it: nothing to decode
-                self._out.append(CoreToken(req.req_id, token_id=remote.first_token, finish_reason=remote.finish_reason))
+                self._out.append(_first(req.req_id, remote, finish_reason=remote.finish_reason))
             elif not remote.transfer_id:
                 self.decode.recompute(req, remote.first_token, "not_sent")
-                self._out.append(CoreToken(req.req_id, token_id=remote.first_token))
+                self._out.append(_first(req.req_id, remote))
             else:
-                self._waiting[req.req_id] = _Waiting(req, remote.transfer_id, remote.first_token,
-                                                     time.monotonic() + self.timeout_s)
+                self._waiting[req.req_id] = _Waiting(req, remote.transfer_id, remote, time.monotonic() + self.timeout_s)
         else:
             raise ValueError("a remote part names neither a decode core to send to nor a first token to continue from")
 
@@ -146,7 +154,7 @@ class RoleDriver:
                     self._sends.pop(t.request_id, None)
                     outs.append(t)
                 for h in st.handovers:
-                    self._ship(h, st.finish_reasons.get(h.request_id))
+                    self._ship(h, st.finish_reasons.get(h.request_id), st.firsts[h.request_id])
             elif self.decode is not None:
                 outs += self.decode.step()
             else:
@@ -158,13 +166,13 @@ class RoleDriver:
         outs, self._out = self._out + outs, []
         return outs
 
-    def _ship(self, h, reason: str | None) -> None:
+    def _ship(self, h, reason: str | None, first: CoreToken) -> None:
         s = self._sends[h.request_id]
         if h.finished:
             del self._sends[h.request_id]
-            self._out.append(CoreToken(h.request_id, token_id=h.first_token, finish_reason=reason or "stop"))
+            self._out.append(msgspec.structs.replace(first, finish_reason=reason or "stop"))
             return
-        s.first_token = h.first_token
+        s.first = first
         s.future = self.link.send(s.host, s.port, msgspec.structs.replace(h, request_id=s.transfer_id))
 
     def _sent(self) -> list[CoreToken]:
@@ -188,7 +196,7 @@ class RoleDriver:
                                                  f"{err}); prefill again or serve it unified", status=503,
                                       code="handover_failed"))
             else:
-                outs.append(CoreToken(rid, token_id=s.first_token, finish_reason=REMOTE_DECODE))
+                outs.append(msgspec.structs.replace(s.first, finish_reason=REMOTE_DECODE))
         return outs
 
     def _claim(self) -> None:
@@ -209,8 +217,7 @@ class RoleDriver:
                 self._out.append(CoreToken(rid, error=f"the request could not continue: {getattr(e, 'message', e)}",
                                            status=400))
                 continue
-            self._out.append(CoreToken(rid, token_id=w.first_token,
-                                       num_cached_tokens=len(w.req.prompt_ids) if adopted else 0))
+            self._out.append(_first(rid, w.remote, num_cached_tokens=len(w.req.prompt_ids) if adopted else 0))
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, float]:

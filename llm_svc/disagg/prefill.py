@@ -60,6 +60,7 @@ class PrefillStep:
     failed: list[CoreToken] = field(default_factory=list)
     outputs: list[CoreToken] = field(default_factory=list)
     finish_reasons: dict[str, str] = field(default_factory=dict)  # request id -> why a finished hand-over ended
+    firsts: dict[str, CoreToken] = field(default_factory=dict)  # request id -> the engine's first output (logprobs)
 
 
 class PrefillSide:
@@ -98,6 +99,7 @@ class PrefillSide:
                 continue
             req, sampling = got
             req.sampling = sampling
+            out.firsts[req.req_id] = t
             reason = token_finish_reason(t.token_id, 1, sampling, req.eos_token_ids)
             if reason is not None:
                 out.finish_reasons[req.req_id] = reason

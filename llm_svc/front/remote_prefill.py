@@ -45,7 +45,7 @@ def check_transfer(role: str, prep: PreparedRequest) -> bool:
                              param="kv_transfer_params")
     # media travels as the request does (by value, or by reference: fetched where it is prefilled)
     why = ("structured outputs or tools" if prep.sampling.structured is not None
-           else "logprobs" if prep.return_logprobs or prep.sampling.prompt_logprobs is not None
+           else "prompt logprobs" if prep.sampling.prompt_logprobs is not None
            else "echo" if prep.echo_text else None)
     if why is not None:
         if kt.do_remote_prefill:
@@ -103,11 +103,15 @@ async def remote_prefill(state, prep: PreparedRequest, body: bytes) -> CoreRemot
         if len(got.token_ids) != 1:
             outcome = "fallback_bad_answer"
             return None
+        lp = {}
+        if prep.return_logprobs and got.token_logprobs:  # the first token's, as the prefill replica sampled it
+            t = got.token_logprobs[0]
+            lp = {"first_logprob": t.logprob, "first_top": [(a.token_id, a.logprob) for a in t.top]}
         if got.finish_reason == REMOTE_DECODE:
             outcome = "handed_over"
-            return CoreRemote(transfer_id=prep.request_id, first_token=got.token_ids[0])
+            return CoreRemote(transfer_id=prep.request_id, first_token=got.token_ids[0], **lp)
         outcome = "finished"
-        return CoreRemote(first_token=got.token_ids[0], finish_reason=got.finish_reason)
+        return CoreRemote(first_token=got.token_ids[0], finish_reason=got.finish_reason, **lp)
     except Exception:  # whatever went wrong on the way, the prompt is prefilled here
         outcome = "fallback_error"
         log.exception("remote prefill of %s at %s failed", prep.request_id, url)

@@ -57,6 +57,8 @@ class CoreRemote(msgspec.Struct, frozen=True):
     send_port: int = 0
     first_token: int | None = None
     finish_reason: str | None = None
+    first_logprob: float | None = None  # with return_logprobs: the first token's, and its alternatives
+    first_top: list[tuple[int, float]] | None = None
 
 
 class CoreAdd(msgspec.Struct, tag="add"):

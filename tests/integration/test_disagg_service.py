@@ -189,3 +189,18 @@ def test_with_the_direct_path_down_the_decode_replica_loads_the_prompt_from_the_
         assert _metric(dec, "mmserve_llm_remote_prefill_total", outcome="fallback_http_503") == 1
         assert _metric(pre, "mmserve_llm_handover", event="send_timeouts") == 1
         assert r.json()["cached_tokens"] >= r.json()["prompt_tokens"] // 32 * 32 - 32 > 0
+
+
+def test_logprobs_of_every_token_are_the_unified_ones_the_first_from_the_prefill_replica(replicas):
+    def ask(svc, rid, kt=None):
+        req = _gen(rid, PROMPTS[2], max_tokens=6, kt=kt).model_copy(update={"return_logprobs": True, "top_logprobs": 2})
+        r = _post(svc, req)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    want, got = ask(replicas["both"], "u-lp"), ask(replicas["decode"], "d-lp", _remote(replicas["prefill"]))
+    assert got["token_ids"] == want["token_ids"] and len(got["token_logprobs"]) == 6
+    for g, w in zip(got["token_logprobs"], want["token_logprobs"]):
+        assert g["token_id"] == w["token_id"] and g["logprob"] == pytest.approx(w["logprob"], abs=1e-4)
+        assert [a["token_id"] for a in g["top"]] == [a["token_id"] for a in w["top"]] and len(g["top"]) == 2
+    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
