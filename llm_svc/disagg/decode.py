@@ -79,12 +79,10 @@ class DecodeSide:
         """Continue ``req`` (built from the same request the prefill side ran, with its own
         sampling) from ``h``. True when it continues from the KV, False when it recomputes.
         Raises ``InvalidRequest`` as ``Engine.add`` does, and ``ValueError`` for a finished
-        hand-over (nothing to decode) or a request with structured outputs (its grammar state
-        does not travel yet)."""
+        hand-over (nothing to decode). A request with structured outputs has its grammar compiled
+        here and advanced over the first token before its first step (``Engine``)."""
         if h.finished:
             raise ValueError(f"{h.request_id}: the hand-over finished at its first token")
-        if req.sampling.structured is not None:
-            raise ValueError(f"{h.request_id}: structured outputs are not handed over yet")
         assert not req.output_ids, "a request continues from a hand-over once"
         e = self.engine
         reason = check(h, req, self.fingerprint, e.scheduler.config.window, self.full_token_bytes,

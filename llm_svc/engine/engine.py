@@ -241,7 +241,13 @@ class Engine:
                     f"the grammar could not be compiled ({type(err).__name__}); check it"
                 self._fail([rid], msg, status=400, code=getattr(err, "code", None))
                 continue
-            self.grammar_mask.start(self._live[rid], self.grammars.matcher(c.future.result()))
+            matcher = self.grammars.matcher(c.future.result())
+            # a request continued from a hand-over arrives with its first token, sampled under
+            # the same grammar on the prefill replica: the grammar takes it before the next
+            if not all(matcher.accept(t) for t in c.req.output_ids):
+                self._fail([rid], BROKEN, status=500)
+                continue
+            self.grammar_mask.start(self._live[rid], matcher)
             self._queue(c.req)
         self._affected = None
 

@@ -44,8 +44,7 @@ def check_transfer(role: str, prep: PreparedRequest) -> bool:
         raise InvalidRequest(f"kv_transfer_params.do_remote_prefill needs a decode replica; this one's role is {role}",
                              param="kv_transfer_params")
     # media travels as the request does (by value, or by reference: fetched where it is prefilled)
-    why = ("structured outputs or tools" if prep.sampling.structured is not None
-           else "prompt logprobs" if prep.sampling.prompt_logprobs is not None
+    why = ("prompt logprobs" if prep.sampling.prompt_logprobs is not None
            else "echo" if prep.echo_text else None)
     if why is not None:
         if kt.do_remote_prefill:

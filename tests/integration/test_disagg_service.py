@@ -204,3 +204,24 @@ def test_logprobs_of_every_token_are_the_unified_ones_the_first_from_the_prefill
         assert g["token_id"] == w["token_id"] and g["logprob"] == pytest.approx(w["logprob"], abs=1e-4)
         assert [a["token_id"] for a in g["top"]] == [a["token_id"] for a in w["top"]] and len(g["top"]) == 2
     assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
+def test_a_json_schema_answer_continues_its_grammar_from_the_prefill_replicas_first_token(replicas):
+    """The decode replica compiles the request's grammar and advances it over the first token the
+    prefill replica sampled under the same grammar: the answer is the unified one, and valid."""
+    import json as _json
+
+    from shared.schemas import StructuredSpec
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    spec = StructuredSpec(kind="json", spec=_json.dumps(schema), any_whitespace=False)
+    adopted = _metric(replicas["decode"], "mmserve_llm_handover", event="adopted")
+    want = _post(replicas["both"], _gen("u-js", PROMPTS[0], max_tokens=60, structured=spec)).json()
+    got = _post(replicas["decode"], _gen("d-js", PROMPTS[0], max_tokens=60, structured=spec,
+                                         kt=_remote(replicas["prefill"]))).json()
+    assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+    assert _metric(replicas["decode"], "mmserve_llm_handover", event="adopted") == adopted + 1
+    if want["finish_reason"] == "stop":  # ended by the grammar (not cut at max_tokens): it parses
+        assert set(_json.loads(got["text"])) == {"name", "n"}
