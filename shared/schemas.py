@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from shared.chat_template import check_template_kwargs
@@ -529,6 +529,14 @@ class GenerateRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     include_reasoning: bool = True
     kv_transfer_params: KVTransferParams | None = None  # prefill / decode disaggregation (vLLM's name)
+
+    @model_serializer(mode="wrap")
+    def _no_transfer_no_bytes(self, handler):
+        # every request without a hand-over (nearly all) travels as it did before the field
+        out = handler(self)
+        if isinstance(out, dict) and out.get("kv_transfer_params", 0) is None:
+            del out["kv_transfer_params"]
+        return out
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
