@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -42,21 +41,13 @@ from benchmarks import _results
 from benchmarks._chat_load import Item, PromptMaker, one_request, openai_client, poisson_arrivals
 from benchmarks._stack_util import total, scrape
 from benchmarks._stats import percentile, scaled
+from benchmarks.kv_capacity import geometry_from_config
 from benchmarks._vs_vllm_servers import MODELS, _clean_env, ensure_checkpoint, wait_http, word_list
 from mmserve.launcher import Service, free_port, wait_ready
 
 SIDES = ("unified", "disagg", "disagg_all")
 TARGETS = {"itl_p99_disagg_over_unified": ("<=", 0.5), "tok_s_disagg_over_unified": (">=", 0.9),
            "long_ttft_p90_disagg_over_unified": ("<=", 1.2)}
-
-
-def kv_token_bytes(model_dir: Path, elem: int = 4) -> tuple[int, int]:
-    """(full layers', sliding layers') KV bytes a token of the checkpoint (float32 pools)."""
-    c = json.loads((model_dir / "config.json").read_text())
-    full = c["num_key_value_heads"] * (c["head_dim"] + c["v_head_dim"]) * elem
-    swa = c["swa_num_key_value_heads"] * (c["swa_head_dim"] + c["swa_v_head_dim"]) * elem
-    pattern = c["hybrid_layer_pattern"]
-    return full * pattern.count(0), swa * pattern.count(1)
 
 
 def services(side: str, model_dir: Path, log_dir: Path, min_prompt_tokens: int, max_queue: int,
@@ -247,7 +238,8 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     model_dir = ensure_checkpoint(MODELS["mimo"])
-    full_tb, swa_tb = kv_token_bytes(model_dir)
+    g = geometry_from_config(model_dir / "config.json", dtype_bytes=4)  # float32 pools
+    full_tb, swa_tb = g.full_token_bytes, g.swa_token_bytes
     maker = PromptMaker(AutoTokenizer.from_pretrained(model_dir), word_list())
     traces = make_traces(maker, args, args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="disagg-logs-"))

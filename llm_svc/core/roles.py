@@ -28,12 +28,11 @@ from llm_svc.disagg.decode import DecodeSide
 from llm_svc.disagg.link import HandoverLink
 from llm_svc.disagg.prefill import PrefillConfig, PrefillSide, kv_fingerprint
 from llm_svc.disagg.transport import handover_address
-from llm_svc.types.messages import CoreRemote, CoreToken
+from llm_svc.types.messages import REMOTE_DECODE, CoreRemote, CoreToken
 from llm_svc.types.request import Request
 
 log = logging.getLogger(__name__)
 
-REMOTE_DECODE = "remote_decode"  # a prefill replica's finish reason: the rest is decoded elsewhere
 L3_FLUSH_S = 1.0  # the longest a failed hand-over's answer waits for its pages to reach the Redis tier
 
 
@@ -54,13 +53,8 @@ class _Send:
 @dataclass
 class _Waiting:
     req: Request
-    transfer_id: str
-    remote: CoreRemote
+    remote: CoreRemote  # its transfer_id names the hand-over, first_token the token it continues from
     deadline: float
-
-    @property
-    def first_token(self) -> int:
-        return self.remote.first_token
 
 
 def _first(rid: str, remote: CoreRemote, **kw) -> CoreToken:
@@ -117,7 +111,7 @@ class RoleDriver:
                 self.decode.recompute(req, remote.first_token, "not_sent")
                 self._out.append(_first(req.req_id, remote))
             else:
-                self._waiting[req.req_id] = _Waiting(req, remote.transfer_id, remote, time.monotonic() + self.timeout_s)
+                self._waiting[req.req_id] = _Waiting(req, remote, time.monotonic() + self.timeout_s)
         else:
             raise ValueError("a remote part names neither a decode core to send to nor a first token to continue from")
 
@@ -125,7 +119,7 @@ class RoleDriver:
         """Abort ``req_id`` where it waits outside the engine; False when the engine holds it."""
         w = self._waiting.pop(req_id, None)
         if w is not None:
-            self.link.drop(w.transfer_id)
+            self.link.drop(w.remote.transfer_id)
             self._out.append(CoreToken(req_id, finish_reason="abort"))
             return True
         s = self._sends.get(req_id)
@@ -203,13 +197,13 @@ class RoleDriver:
         now = time.monotonic()
         for rid in list(self._waiting):
             w = self._waiting[rid]
-            h = self.link.take(w.transfer_id)
+            h = self.link.take(w.remote.transfer_id)
             if h is None and now < w.deadline:
                 continue
             del self._waiting[rid]
             try:
                 if h is None:
-                    self.decode.recompute(w.req, w.first_token, "timeout")
+                    self.decode.recompute(w.req, w.remote.first_token, "timeout")
                     adopted = False
                 else:
                     adopted = self.decode.add(w.req, msgspec.structs.replace(h, request_id=rid))

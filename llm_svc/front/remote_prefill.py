@@ -17,15 +17,13 @@ import httpx
 
 from llm_svc.disagg.transport import handover_address
 from llm_svc.types.errors import InvalidRequest
-from llm_svc.types.messages import CoreRemote
+from llm_svc.types.messages import REMOTE_DECODE, CoreRemote
 from llm_svc.types.request import PreparedRequest
 from shared.rawwire import SAFETENSORS_MIME, pack_raw, unpack_raw
 from shared.schemas import GenerateRequest, GenerateResponse, KVTransferParams
 from shared.service_auth import token_headers
 
 log = logging.getLogger(__name__)
-
-REMOTE_DECODE = "remote_decode"  # llm_svc.core.roles.REMOTE_DECODE (the front does not import the core's loop)
 
 
 def check_transfer(role: str, prep: PreparedRequest) -> bool:

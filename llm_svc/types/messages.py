@@ -45,6 +45,10 @@ class CoreSampling(msgspec.Struct, frozen=True):
     prompt_logprobs: int | None = None
 
 
+# a prefill replica's finish reason for a request whose rest is decoded on another replica
+REMOTE_DECODE = "remote_decode"
+
+
 class CoreRemote(msgspec.Struct, frozen=True):
     """A request's part in prefill / decode disaggregation (docs/disagg.md). Prefill side:
     ``send_host:send_port``, the decode core the hand-over goes to, under ``transfer_id``. Decode

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -40,6 +41,22 @@ def compose(mimo_bundle, redis_user):
     env = {**os.environ, "MMSERVE_MODEL_DIR": str(mimo_bundle), "MMSERVE_DEVICE": "cpu",
            **dot_env(MMSERVE_REDIS_USER=redis_user.name, MMSERVE_REDIS_PASSWORD=redis_user.password)}
     return load_compose(ROOT / "compose.yaml", env)
+
+
+@contextmanager
+def running(compose: dict, tmp_path, order: list[str]):
+    """``compose``'s services in ``order`` as local processes, ready; stopped (in reverse) after."""
+    if not redis_already_running(compose):
+        pytest.fail("Redis must be running on 127.0.0.1:6379 for the compose test")
+    services = local_services(compose, ROOT, tmp_path, order=order)
+    try:
+        for svc in services:
+            svc.start()
+        wait_ready(services, timeout=240)
+        yield services
+    finally:
+        for svc in reversed(services):
+            svc.stop()
 
 
 def test_compose_refuses_to_start_without_its_secrets(mimo_bundle):
@@ -143,13 +160,7 @@ def test_gpu_override_reserves_a_gpu_per_replica_and_defaults_to_cuda(mimo_bundl
 def test_compose_services_run_as_local_processes(compose, redis_user, tmp_path):
     """The stack as compose runs it, against Redis with a password (an ACL user here): every
     service connects as that user, and a chat with an image is answered."""
-    if not redis_already_running(compose):
-        pytest.fail("Redis must be running on 127.0.0.1:6379 for the compose test")
-    services = local_services(compose, ROOT, tmp_path, order=["encoder", "llm", "gateway"])
-    try:
-        for svc in services:
-            svc.start()
-        wait_ready(services, timeout=240)
+    with running(compose, tmp_path, ["encoder", "llm", "gateway"]) as services:
         gateway = services[-1]
         png = make_png(seed=7)
         body = {
@@ -175,9 +186,6 @@ def test_compose_services_run_as_local_processes(compose, redis_user, tmp_path):
         m = httpx.get(f"{llm.url}/metrics", timeout=10).text
         assert 'mmserve_peer_auth_failures_total{source="kv_page"} 0.0' in m
         assert 'mmserve_peer_auth_failures_total{source="embedding"} 0.0' in m
-    finally:
-        for svc in reversed(services):
-            svc.stop()
 
 
 def test_launcher_fails_fast_when_a_service_cannot_load(tmp_path):
@@ -215,13 +223,7 @@ def test_disagg_override_runs_prefill_and_decode_replicas_behind_the_gateway(mim
     assert pre["read_only"] is True and pre["cap_drop"] == ["ALL"] and "ports" not in pre
     assert svcs["gateway"]["depends_on"]["llm-prefill"] == {"condition": "service_healthy"}
     assert svcs["gateway"]["depends_on"]["llm"] == {"condition": "service_healthy"}
-    if not redis_already_running(compose):
-        pytest.fail("Redis must be running on 127.0.0.1:6379 for the compose test")
-    services = local_services(compose, ROOT, tmp_path, order=["encoder", "llm-prefill", "llm", "gateway"])
-    try:
-        for svc in services:
-            svc.start()
-        wait_ready(services, timeout=240)
+    with running(compose, tmp_path, ["encoder", "llm-prefill", "llm", "gateway"]) as services:
         gateway, decode = services[-1], services[2]
         text = "Read these notes closely. " + " ".join(f"note {i}: the tide turned at dawn." for i in range(60))
         body = {"model": svcs["gateway"]["environment"]["MMSERVE_GATEWAY_MODEL_NAME"], "max_tokens": 6,
@@ -234,6 +236,3 @@ def test_disagg_override_runs_prefill_and_decode_replicas_behind_the_gateway(mim
         m = httpx.get(f"{decode.url}/metrics", timeout=10).text
         assert 'mmserve_llm_handover{event="adopted"} 1.0' in m
         assert 'mmserve_llm_remote_prefill_total{outcome="handed_over"} 1.0' in m
-    finally:
-        for svc in reversed(services):
-            svc.stop()
