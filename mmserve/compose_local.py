@@ -118,6 +118,8 @@ def local_services(compose: dict, base_dir: Path, log_dir: Path, order: list[str
             return s.replace("0.0.0.0", "127.0.0.1")
 
         env = {k: localize(v) for k, v in env.items()}
+        if env.get("MMSERVE_LLM_HANDOVER_HOST") == "auto":  # one host here: the hand-over stays on loopback
+            env["MMSERVE_LLM_HANDOVER_HOST"] = "127.0.0.1"
         argv = [localize(str(a)) for a in svc.get("command") or []]
         if argv and argv[0] == "mmserve":
             argv = [sys.executable, "-m", "mmserve.cli", *argv[1:]]

@@ -223,6 +223,9 @@ class LocalStack:
         # their service token): each encoder's host:port, not every port of the host
         allow = ",".join(s.url.removeprefix("http://") for s in self.encoders) or h
         llm_env = {"MMSERVE_LLM_MEDIA_FETCH_ALLOW": allow, **env}
+        if spec.prefill_llms:  # the replicas a hand-over may name: this host's (all run here)
+            llm_env = {"MMSERVE_LLM_KV_PEER_ALLOW": ",".join(dict.fromkeys([h, "127.0.0.1", "::1", "localhost"])),
+                       **llm_env}
         self.prefill_llms: list[Service] = []
         for i in range(spec.llms + spec.prefill_llms):
             port = free_port(h)

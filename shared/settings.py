@@ -232,6 +232,13 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     )
     handover_ttl_s: float = Field(default=60.0, gt=0, description="role decode: a received hand-over no request "
                                   "claims within this is dropped (counted as expired)")
+    kv_peer_allow: StrList = Field(
+        default_factory=lambda: ["127.0.0.1", "::1", "localhost"], description="the replicas a P/D hand-over may "
+        "name (docs/disagg.md): role decode calls only these as remote_prefill_url (it sends its service token "
+        "there), role prefill sends KV only to these as remote_host:remote_port. Host names (resolved: a scaled "
+        "service's replicas), IP addresses or networks, each optionally with :port (comma-separated or JSON list). "
+        "A /v1/generate naming another gets a 400 kv_peer_not_allowed; default: this machine only",
+    )
     remote_prefill_timeout_s: float = Field(
         default=600.0, gt=0, description="role decode: the longest the call to a prefill replica may take; past it, "
         "or on its failure, the prompt is prefilled here",
@@ -431,7 +438,7 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         "and cut past it: a miss); an item is cut past num_tokens x hidden x 8 bytes + 1 MiB as well"
     )
 
-    @field_validator("media_fetch_allow", mode="before")
+    @field_validator("media_fetch_allow", "kv_peer_allow", mode="before")
     @classmethod
     def _split_allow(cls, v):
         if isinstance(v, str):

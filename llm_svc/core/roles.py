@@ -33,7 +33,9 @@ from llm_svc.types.request import Request
 
 log = logging.getLogger(__name__)
 
-L3_FLUSH_S = 1.0  # the longest a failed hand-over's answer waits for its pages to reach the Redis tier
+# the longest a failed hand-over's answer waits for its pages to reach the Redis tier (a wait only
+# while writes are queued, so a generous bound costs nothing while Redis keeps up)
+L3_FLUSH_S = 3.0
 
 
 @dataclass
@@ -78,13 +80,14 @@ class RoleDriver:
         if self.role == "both":
             return
         fp = kv_fingerprint(engine, model_id)
+        key = (settings.service_token or "").encode()  # both ends of a hand-over prove they hold it
         if self.role == "prefill":
             self.prefill = PrefillSide(engine, PrefillConfig(settings.kv_l3_page_tokens, fp))
-            self.link = HandoverLink(None, settings.handover_timeout_s, settings.handover_ttl_s)
+            self.link = HandoverLink(None, settings.handover_timeout_s, settings.handover_ttl_s, key=key)
         else:
             self.decode = DecodeSide(engine, fp)
             self.link = HandoverLink((handover_address(settings.handover_host)[0], settings.handover_port),
-                                     settings.handover_timeout_s, settings.handover_ttl_s)
+                                     settings.handover_timeout_s, settings.handover_ttl_s, key=key)
         self.timeout_s = settings.handover_timeout_s
 
     @property

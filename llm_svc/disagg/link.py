@@ -28,11 +28,13 @@ log = logging.getLogger(__name__)
 
 class HandoverLink:
     """``listen``: (host, port) to receive on (port 0: a free one, then ``port`` says which);
-    None for a replica that only sends."""
+    None for a replica that only sends. ``key``: the services' shared token, which both ends of a
+    hand-over prove they hold (``transport``'s challenge)."""
 
     def __init__(self, listen: tuple[str, int] | None = None, timeout_s: float = 10.0, ttl_s: float = 60.0,
-                 max_bytes: int = MAX_HANDOVER_BYTES) -> None:
+                 max_bytes: int = MAX_HANDOVER_BYTES, key: bytes = b"") -> None:
         self.timeout_s, self.ttl_s = timeout_s, ttl_s
+        self._key = key
         self.port = 0
         self.stats: Counter[str] = Counter()  # handover_* counters (the core's stats carry them)
         self._arrived: dict[str, tuple[Handover, float]] = {}
@@ -43,7 +45,7 @@ class HandoverLink:
         self._receiver: TcpReceiver | None = None
         self._task = None
         if listen is not None:
-            self._receiver = self._call(TcpReceiver.listen(listen[0], listen[1], max_bytes)).result()
+            self._receiver = self._call(TcpReceiver.listen(listen[0], listen[1], max_bytes, key)).result()
             self.port = self._receiver.port
             self._task = asyncio.run_coroutine_threadsafe(self._receive_all(), self._loop)
 
@@ -58,7 +60,7 @@ class HandoverLink:
     async def _send(self, host: str, port: int, h: Handover) -> float:
         t0 = time.perf_counter()
         try:
-            sender = await asyncio.wait_for(TcpSender.connect(host, port), self.timeout_s)
+            sender = await asyncio.wait_for(TcpSender.connect(host, port, self._key), self.timeout_s)
             try:
                 await asyncio.wait_for(sender.send(h), max(0.0, self.timeout_s - (time.perf_counter() - t0)))
             finally:
@@ -81,7 +83,7 @@ class HandoverLink:
             try:
                 h = await self._receiver.receive()
             except TransferError as e:
-                self.stats["handover_receive_errors"] += 1
+                self.stats["handover_auth_failures" if e.auth else "handover_receive_errors"] += 1
                 log.warning("a hand-over could not be read: %s", e)
                 continue
             with self._lock:

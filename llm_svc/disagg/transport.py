@@ -5,7 +5,10 @@ A transfer library (NIXL, Mooncake's transfer engine) drops in behind it as anot
 ``TRANSPORTS``; what ships here is ``tcp``, a plain asyncio stream (docs/disagg.md says what was
 checked of the others).
 
-The ``tcp`` wire, one hand-over after another on a connection: an 8-byte big-endian length and the
+The ``tcp`` wire opens with a challenge: the receiver sends 16 random bytes, the sender answers
+with their HMAC-SHA256 under the services' shared token (``service_token``; no token: an empty
+key, for one machine), and a receiver that gets another answer reads nothing more from that peer.
+Then one hand-over after another on the connection: an 8-byte big-endian length and the
 msgpack of the ``Handover`` with its pages' bytes left out (the head: ids, first token, the page
 list with lengths and digests), then every page's bytes in order. A connection that ends inside a
 head is an error; one that ends inside the pages still yields the hand-over, its cut page short
@@ -19,6 +22,9 @@ processes on loopback, 2-core VM under load: 0.45-0.47 GiB/s (asyncio streams on
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import os
 import socket
 import struct
 from abc import ABC, abstractmethod
@@ -33,8 +39,22 @@ MAX_HEAD_BYTES = 64 * 1024 * 1024
 MAX_HANDOVER_BYTES = 16 * 1024**3
 
 
+NONCE_BYTES = 16
+_AUTH = b"mmserve-handover\0"
+
+
+def auth_tag(key: bytes, nonce: bytes) -> bytes:
+    """The sender's answer to the receiver's ``nonce`` (32 bytes)."""
+    return hmac.new(key, _AUTH + nonce, hashlib.sha256).digest()
+
+
 class TransferError(Exception):
-    """A hand-over could not be read (a cut or malformed head)."""
+    """A hand-over could not be read (a cut or malformed head), or its peer failed the challenge
+    (``auth``)."""
+
+    def __init__(self, why: str, auth: bool = False) -> None:
+        super().__init__(why)
+        self.auth = auth
 
 
 class HandoverSender(ABC):
@@ -72,16 +92,24 @@ class TcpSender(HandoverSender):
         self.bytes_sent = 0
 
     @classmethod
-    async def connect(cls, host: str, port: int) -> "TcpSender":
+    async def connect(cls, host: str, port: int, key: bytes = b"") -> "TcpSender":
+        """Connect and answer the receiver's challenge with ``key`` (the shared token)."""
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, (host, port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            nonce = b""
+            while len(nonce) < NONCE_BYTES:
+                got = await loop.sock_recv(sock, NONCE_BYTES - len(nonce))
+                if not got:
+                    raise ConnectionError(f"{host}:{port} closed before its hand-over challenge")
+                nonce += got
+            await loop.sock_sendall(sock, auth_tag(key, nonce))
         except BaseException:
             sock.close()
             raise
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(sock)
 
     async def send(self, h: Handover) -> None:
@@ -97,14 +125,17 @@ class TcpSender(HandoverSender):
 class HandoverProtocol(asyncio.BufferedProtocol):
     """Reads the ``tcp`` wire straight into each part's own buffer (no stream buffer in between:
     asyncio's ``StreamReader`` moved a 238 MiB hand-over at a fifth of the socket's rate here).
-    Every hand-over, or ``TransferError``, goes to ``out``. Parts: ``len`` (8 bytes), ``head``,
-    then ``page`` after page."""
+    Every hand-over, or ``TransferError``, goes to ``out``. Parts: ``auth`` (the peer's 32-byte
+    answer to the challenge, once), then per hand-over ``len`` (8 bytes), ``head``, then ``page``
+    after page."""
 
-    def __init__(self, out: asyncio.Queue, max_bytes: int = MAX_HANDOVER_BYTES) -> None:
+    def __init__(self, out: asyncio.Queue, max_bytes: int = MAX_HANDOVER_BYTES, key: bytes = b"") -> None:
         self.out = out
         self.max_bytes = max_bytes
         self.transport: asyncio.BaseTransport | None = None
-        self._next_handover()
+        self._key = key
+        self._nonce = os.urandom(NONCE_BYTES)
+        self._part("auth", 32)
 
     def _next_handover(self) -> None:
         self._head: Handover | None = None
@@ -126,6 +157,12 @@ class HandoverProtocol(asyncio.BufferedProtocol):
 
     def _advance(self) -> bool:
         """The current part is complete: start the next; False when it waits for bytes."""
+        if self._phase == "auth":
+            if not hmac.compare_digest(bytes(self._buf), auth_tag(self._key, self._nonce)):
+                return self._fail("a hand-over peer did not answer the challenge with the shared token "
+                                  "(MMSERVE_LLM_SERVICE_TOKEN differs, or not a replica)", auth=True)
+            self._next_handover()
+            return True
         if self._phase == "len":
             (size,) = _LEN.unpack(self._buf)
             if size > MAX_HEAD_BYTES:
@@ -149,14 +186,15 @@ class HandoverProtocol(asyncio.BufferedProtocol):
         self._part("page", self._head.pages[len(self._pages)].nbytes)
         return True
 
-    def _fail(self, why: str) -> bool:
-        self.out.put_nowait(TransferError(why))
+    def _fail(self, why: str, auth: bool = False) -> bool:
+        self.out.put_nowait(TransferError(why, auth=auth))
         self._part("failed", 1 << 16)  # what still arrives is read and dropped
         self.transport.close()
         return False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        transport.write(self._nonce)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._phase == "page":  # cut inside the pages: the cut page short, the rest empty
@@ -172,20 +210,21 @@ class TcpReceiver(HandoverReceiver):
     """Listens on ``host:port`` (0: any free port, then ``port`` says which); hand-overs from
     every connection arrive in one queue."""
 
-    def __init__(self, max_bytes: int = MAX_HANDOVER_BYTES) -> None:
+    def __init__(self, max_bytes: int = MAX_HANDOVER_BYTES, key: bytes = b"") -> None:
         self._queue: asyncio.Queue[Handover | TransferError] = asyncio.Queue()
         self._server: asyncio.AbstractServer | None = None
         self.max_bytes = max_bytes
+        self.key = key
         self.port = 0
 
     @classmethod
     async def listen(cls, host: str = "127.0.0.1", port: int = 0,
-                     max_bytes: int = MAX_HANDOVER_BYTES) -> "TcpReceiver":
+                     max_bytes: int = MAX_HANDOVER_BYTES, key: bytes = b"") -> "TcpReceiver":
         """``max_bytes``: the most page bytes one hand-over may announce (its head is refused
-        past it, before anything is allocated)."""
-        r = cls(max_bytes)
+        past it, before anything is allocated); ``key``: the token a sender must prove it holds."""
+        r = cls(max_bytes, key)
         loop = asyncio.get_running_loop()
-        r._server = await loop.create_server(lambda: HandoverProtocol(r._queue, max_bytes), host, port)
+        r._server = await loop.create_server(lambda: HandoverProtocol(r._queue, max_bytes, key), host, port)
         r.port = r._server.sockets[0].getsockname()[1]
         return r
 

@@ -15,6 +15,7 @@ import logging
 
 import httpx
 
+from llm_svc.core.media_fetch import SourceAllowList
 from llm_svc.disagg.transport import handover_address
 from llm_svc.types.errors import InvalidRequest
 from llm_svc.types.messages import REMOTE_DECODE, CoreRemote
@@ -24,6 +25,30 @@ from shared.schemas import GenerateRequest, GenerateResponse, KVTransferParams
 from shared.service_auth import token_headers
 
 log = logging.getLogger(__name__)
+
+PEER_SETTING = "MMSERVE_LLM_KV_PEER_ALLOW"
+KV_PEER_NOT_ALLOWED = "kv_peer_not_allowed"
+
+
+async def check_peer(peers: SourceAllowList, prep: PreparedRequest) -> None:
+    """Refuse (``InvalidRequest``, 400 ``kv_peer_not_allowed``) a hand-over that names a replica
+    outside ``kv_peer_allow``: a decode replica would send its service token to that URL, a
+    prefill replica the prompt's KV to that address. The message does not echo the address."""
+    kt = prep.kv_transfer
+    if kt is None:
+        return
+    if kt.do_remote_prefill:
+        ok = await peers.permits(kt.remote_prefill_url)
+    elif kt.do_remote_decode:
+        host = kt.remote_host if ":" not in kt.remote_host else f"[{kt.remote_host}]"
+        ok = await peers.permits(f"http://{host}:{kt.remote_port}")
+    else:
+        return
+    if not ok:
+        which = "remote_prefill_url" if kt.do_remote_prefill else "remote_host:remote_port"
+        raise InvalidRequest(f"kv_transfer_params.{which} names a replica outside this replica's {PEER_SETTING}; "
+                             "name one of the replicas it lists, or add the replica there",
+                             param="kv_transfer_params", code=KV_PEER_NOT_ALLOWED)
 
 
 def check_transfer(role: str, prep: PreparedRequest) -> bool:

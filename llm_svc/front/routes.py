@@ -32,7 +32,7 @@ from llm_svc.core.media_fetch import MEDIA_UNAVAILABLE, MediaUnavailable
 from .output_shape import merge_calls
 from .prompt import prepare_request
 from llm_svc.disagg.transport import handover_address
-from .remote_prefill import check_transfer, remote_prefill
+from .remote_prefill import check_peer, check_transfer, remote_prefill
 from llm_svc.types.request import PreparedRequest
 from .state import ServiceState
 
@@ -186,6 +186,7 @@ async def _admitted(request: Request, state: ServiceState, ticket: Ticket, deadl
         asked = prep.kv_transfer.do_remote_prefill
         try:
             remote = check_transfer(state.settings.role, prep)
+            await check_peer(state.kv_peers, prep)
         except InvalidRequest as e:
             return _error(state, 400, e.message, e.param, e.code)
         if remote:

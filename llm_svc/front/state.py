@@ -22,7 +22,7 @@ from shared.settings import LLMSettings
 from llm_svc.backends import BACKENDS, Backend
 from llm_svc.loading.loader import LoadedLM, load_lm
 from .kv_publish import KVPublisher
-from llm_svc.core.media_fetch import EmbeddingFetcher
+from llm_svc.core.media_fetch import EmbeddingFetcher, SourceAllowList
 from llm_svc.engine.spec import SpeculativeConfig
 from .metrics import LLMMetrics
 from .word_cache import WORD_CACHE_WORDS, bound_word_cache
@@ -84,8 +84,10 @@ class ServiceState:
     live: dict = field(default_factory=dict)  # request id -> routes._Live (ticket, deadline timer)
     remote_http: object | None = None  # httpx.AsyncClient to prefill replicas (role decode), made on first use
     admission: Admission = field(init=False)
+    kv_peers: SourceAllowList = field(init=False)  # the replicas a P/D hand-over may name (kv_peer_allow)
 
     def __post_init__(self) -> None:
+        self.kv_peers = SourceAllowList(self.settings.kv_peer_allow)
         # no queue here: the engine's scheduler is the queue; past the bound the front says 429
         self.admission = Admission(AdmissionConfig(self.settings.max_in_flight), "LLM service")
         self.metrics.watch_admission(self.admission)

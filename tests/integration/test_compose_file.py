@@ -222,6 +222,9 @@ def test_disagg_override_runs_prefill_and_decode_replicas_behind_the_gateway(mim
     assert pre["environment"]["MMSERVE_LLM_ROLE"] == "prefill" and "replicas" in pre["deploy"]
     assert pre["read_only"] is True and pre["cap_drop"] == ["ALL"] and "ports" not in pre
     assert svcs["gateway"]["depends_on"]["llm-prefill"] == {"condition": "service_healthy"}
+    # each names the other as its only hand-over peers (a scaled service's name: its replicas)
+    assert svcs["llm"]["environment"]["MMSERVE_LLM_KV_PEER_ALLOW"] == "llm-prefill:8210"
+    assert pre["environment"]["MMSERVE_LLM_KV_PEER_ALLOW"] == f"llm:{env['MMSERVE_HANDOVER_PORT']}"
     assert svcs["gateway"]["depends_on"]["llm"] == {"condition": "service_healthy"}
     with running(compose, tmp_path, ["encoder", "llm-prefill", "llm", "gateway"]) as services:
         gateway, decode = services[-1], services[2]

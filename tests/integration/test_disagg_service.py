@@ -11,6 +11,7 @@ import socket
 import httpx
 import pytest
 
+from shared.service_auth import token_headers
 from shared.schemas import GenerateRequest, KVTransferParams, PromptMessage, PromptText, SamplingParams
 from shared.wire import SAFETENSORS_MIME, pack
 from tests.integration.test_llm_service import image_embeds, make_request, start_service
@@ -18,6 +19,7 @@ from tests.integration.test_llm_service import image_embeds, make_request, start
 pytestmark = pytest.mark.integration
 
 W = 16
+TOKEN = "pd-test-token-0123456789"  # every replica's service token: the hand-over proves it too
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +27,9 @@ def replicas(tmp_path_factory):
     from mmserve.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("pd") / "mimo16", sliding_window=W)
-    both = start_service(model, "swa")
-    prefill = start_service(model, "swa", role="prefill")
-    decode = start_service(model, "swa", role="decode", handover_timeout_s=5.0)
+    both = start_service(model, "swa", service_token=TOKEN)
+    prefill = start_service(model, "swa", role="prefill", service_token=TOKEN)
+    decode = start_service(model, "swa", role="decode", handover_timeout_s=5.0, service_token=TOKEN)
     with both, prefill, decode:
         yield {"both": both, "prefill": prefill, "decode": decode, "model": model}
 
@@ -41,7 +43,7 @@ def _gen(rid: str, text: str, max_tokens: int = 12, stream: bool = False, kt: KV
 
 def _post(svc, req: GenerateRequest, tensors: dict | None = None) -> httpx.Response:
     return httpx.post(svc.url + "/v1/generate", content=pack(tensors or {}, req),
-                      headers={"content-type": SAFETENSORS_MIME}, timeout=120)
+                      headers={"content-type": SAFETENSORS_MIME, **token_headers(TOKEN)}, timeout=120)
 
 
 def _tokens(r: httpx.Response, stream: bool) -> tuple[list[int], str]:
@@ -147,6 +149,46 @@ def test_roles_refuse_the_transfer_they_do_not_play_and_what_does_not_travel(rep
                          remote_prefill_url="http://p")
 
 
+def test_a_hand_over_names_only_allowed_peers_and_a_forged_one_is_refused_unread(replicas):
+    """kv_peer_allow (default: this machine): a decode replica does not call, and send its token
+    to, a prefill URL outside it; a prefill replica does not send KV to an address outside it. A
+    peer without the service token is refused on the hand-over port before its head is read."""
+    outside = "http://10.255.255.1:8200"  # a call there would fail and fall back: 200; refused: 400
+    r = _post(replicas["decode"], _gen("peer-1", "hi", kt=KVTransferParams(do_remote_prefill=True,
+                                                                          remote_prefill_url=outside)))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "kv_peer_not_allowed" and "MMSERVE_LLM_KV_PEER_ALLOW" in err["message"]
+    assert "10.255.255.1" not in err["message"]
+    kt = KVTransferParams(do_remote_decode=True, remote_host="10.255.255.1", remote_port=8300)
+    sent = _metric(replicas["prefill"], "mmserve_llm_handover", event="sent")
+    r = _post(replicas["prefill"], _gen("peer-2", PROMPTS[0], kt=kt))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "kv_peer_not_allowed", r.text
+    assert _metric(replicas["prefill"], "mmserve_llm_handover", event="sent") == sent
+    # a forged hand-over on the decode replica's port, answering the challenge without the token
+    from tests.unit.test_handover_link import _answer, _handover
+    from llm_svc.disagg.transport import frames
+
+    d = replicas["decode"]
+    port = httpx.get(d.url + "/readyz", timeout=10).json()["handover"]["port"]
+    failures = _metric(d, "mmserve_llm_handover", event="auth_failures")
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(_answer(s, b"not-the-token") + b"".join(frames(_handover("forged-1"))))
+        s.settimeout(10)
+        try:
+            while s.recv(1 << 16):  # the replica closes the connection (a reset: bytes it left unread)
+                pass
+        except ConnectionResetError:
+            pass
+    import time
+
+    deadline = time.monotonic() + 10
+    while _metric(d, "mmserve_llm_handover", event="auth_failures") < failures + 1:
+        assert time.monotonic() < deadline, "the forged hand-over was not counted"
+        time.sleep(0.1)
+    assert _metric(d, "mmserve_llm_handover", event="held") == 0
+
+
 def test_readyz_names_the_role_and_the_decode_replicas_hand_over_address(replicas):
     d = httpx.get(replicas["decode"].url + "/readyz", timeout=10).json()
     assert d["role"] == "decode" and d["handover"]["host"] == "127.0.0.1" and d["handover"]["port"] > 0
@@ -178,7 +220,7 @@ def test_with_the_direct_path_down_the_decode_replica_loads_the_prompt_from_the_
     import time
 
     model = replicas["model"]
-    kw = dict(kv_l3_url=redis_url, kv_l3_ttl_s=600, kv_l3_page_tokens=32)
+    kw = dict(kv_l3_url=redis_url, kv_l3_ttl_s=600, kv_l3_page_tokens=32, service_token=TOKEN)
     with start_service(model, "swa", role="prefill", handover_timeout_s=1e-6, **kw) as pre, \
             start_service(model, "swa", role="decode", **kw) as dec:
         text = f"the direct path is down {time.time_ns()} " + "and the tier holds it " * 12
@@ -188,7 +230,9 @@ def test_with_the_direct_path_down_the_decode_replica_loads_the_prompt_from_the_
         assert got == want
         assert _metric(dec, "mmserve_llm_remote_prefill_total", outcome="fallback_http_503") == 1
         assert _metric(pre, "mmserve_llm_handover", event="send_timeouts") == 1
-        assert r.json()["cached_tokens"] >= r.json()["prompt_tokens"] // 32 * 32 - 32 > 0
+        l3 = {n: [m for m in httpx.get(svc.url + "/metrics", timeout=10).text.splitlines()
+                  if "l3" in m and not m.startswith("#")] for n, svc in (("prefill", pre), ("decode", dec))}
+        assert r.json()["cached_tokens"] >= r.json()["prompt_tokens"] // 32 * 32 - 32 > 0, l3
 
 
 def test_logprobs_of_every_token_are_the_unified_ones_the_first_from_the_prefill_replica(replicas):

@@ -12,7 +12,7 @@ import pytest
 from llm_svc.disagg.decode import check
 from llm_svc.disagg.messages import (FULL_PAGE, WINDOW_PAGE, Handover, KVPage, full_attention_bytes,
                                      handover_bytes)
-from llm_svc.disagg.transport import TransferError, HandoverProtocol, frames
+from llm_svc.disagg.transport import NONCE_BYTES, HandoverProtocol, TransferError, auth_tag, frames
 from llm_svc.types.request import Request
 
 pytestmark = pytest.mark.unit
@@ -80,16 +80,28 @@ def test_a_page_relabelled_onto_other_positions_fails_its_digest():
 
 
 class _Transport:
+    def __init__(self) -> None:
+        self.written = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
-def read_all(blob: bytes, chunk: int = 7, **limits) -> list[Handover | str]:
-    """What the receiver's protocol makes of ``blob`` arriving ``chunk`` bytes at a time, then
-    the connection closing: hand-overs, or ``error: ...``."""
+def read_all(blob: bytes, chunk: int = 7, key: bytes = b"", answer_key: bytes | None = None,
+             **limits) -> list[Handover | str]:
+    """What the receiver's protocol (its token ``key``) makes of ``blob`` arriving ``chunk``
+    bytes at a time, after the sender's answer to its challenge (made with ``answer_key``,
+    by default ``key``), then the connection closing: hand-overs, or ``error: ...``."""
     q: asyncio.Queue = asyncio.Queue()
-    proto = HandoverProtocol(q, **limits)
-    proto.connection_made(_Transport())
+    proto = HandoverProtocol(q, key=key, **limits)
+    t = _Transport()
+    proto.connection_made(t)
+    assert len(t.written) == NONCE_BYTES  # the challenge goes out first
+    blob = auth_tag(key if answer_key is None else answer_key, t.written) + blob
     for i in range(0, len(blob), chunk):
         part = blob[i:i + chunk]
         while part:
@@ -104,6 +116,21 @@ def read_all(blob: bytes, chunk: int = 7, **limits) -> list[Handover | str]:
         got = q.get_nowait()
         out.append(f"error: {got}" if isinstance(got, TransferError) else got)
     return out
+
+
+def test_a_peer_without_the_token_is_refused_before_its_head_is_read():
+    h = handover()
+    blob = b"".join(frames(h))
+    assert read_all(blob, key=b"secret") == [h]
+    for wrong in (b"", b"secret2"):
+        (got,) = read_all(blob, key=b"secret", answer_key=wrong)
+        assert got.startswith("error: a hand-over peer did not answer the challenge")
+    q: asyncio.Queue = asyncio.Queue()
+    a, b = HandoverProtocol(q), HandoverProtocol(q)
+    ta, tb = _Transport(), _Transport()
+    a.connection_made(ta)
+    b.connection_made(tb)
+    assert ta.written != tb.written  # a fresh challenge per connection: an answer cannot be replayed
 
 
 def test_the_wire_round_trips_and_a_cut_is_short_pages_or_an_error():

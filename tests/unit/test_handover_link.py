@@ -12,7 +12,7 @@ import pytest
 
 from llm_svc.disagg.link import HandoverLink
 from llm_svc.disagg.messages import FULL_PAGE, WINDOW_PAGE, Handover, KVPage
-from llm_svc.disagg.transport import handover_address
+from llm_svc.disagg.transport import NONCE_BYTES, auth_tag, handover_address
 
 pytestmark = pytest.mark.unit
 
@@ -21,6 +21,14 @@ def _handover(rid: str, page_bytes: int = 64) -> Handover:
     pages = [KVPage.of(FULL_PAGE, 0, 4, bytes(range(256)) * (page_bytes // 256) + bytes(page_bytes % 256)),
              KVPage.of(WINDOW_PAGE, 0, 4, b"w" * 16)]
     return Handover(rid, [1, 2, 3, 4], 9, "fp", 4, 4, pages)
+
+
+def _answer(s: socket.socket, key: bytes) -> bytes:
+    """The answer to the receiver's challenge, read off ``s``, made with ``key``."""
+    nonce = b""
+    while len(nonce) < NONCE_BYTES:
+        nonce += s.recv(NONCE_BYTES - len(nonce))
+    return auth_tag(key, nonce)
 
 
 def _until(cond, timeout: float = 10.0) -> None:
@@ -91,10 +99,38 @@ def test_unclaimed_hand_overs_expire_and_a_cut_one_is_kept_as_it_came():
         head = msgspec.msgpack.encode(msgspec.structs.replace(h, pages=[msgspec.structs.replace(p, data=b"")
                                                                           for p in h.pages]))
         with socket.create_connection(("127.0.0.1", rx.port)) as s:
-            s.sendall(len(head).to_bytes(8, "big") + head + h.pages[0].data[:100])
+            s.sendall(_answer(s, b"") + len(head).to_bytes(8, "big") + head + h.pages[0].data[:100])
         _until(lambda: rx.num_held == 1)
         got = rx.take("cut")
         assert len(got.pages[0].data) == 100 and got.pages[1].data == b""
+    finally:
+        rx.close()
+
+
+def test_only_a_peer_holding_the_token_hands_over():
+    rx = HandoverLink(("127.0.0.1", 0), key=b"token-a")
+    try:
+        right, wrong = HandoverLink(None, key=b"token-a"), HandoverLink(None, key=b"token-b")
+        try:
+            right.send("127.0.0.1", rx.port, _handover("ok")).result(10)
+            try:  # its bytes go out unread, or the refusal's reset reaches the sender first
+                wrong.send("127.0.0.1", rx.port, _handover("forged")).result(10)
+            except OSError:
+                pass
+        finally:
+            right.close()
+            wrong.close()
+        _until(lambda: rx.stats["handover_auth_failures"] == 1)
+        # a raw peer answering with no key: refused too, before its head is read
+        with socket.create_connection(("127.0.0.1", rx.port)) as s:
+            h = _handover("raw")
+            head = msgspec.msgpack.encode(msgspec.structs.replace(h, pages=[msgspec.structs.replace(p, data=b"")
+                                                                              for p in h.pages]))
+            s.sendall(_answer(s, b"") + len(head).to_bytes(8, "big") + head)
+        _until(lambda: rx.stats["handover_auth_failures"] == 2)
+        _until(lambda: rx.num_held == 1)
+        assert rx.take("forged") is None and rx.take("raw") is None and rx.take("ok") is not None
+        assert rx.stats["handover_received"] == 1
     finally:
         rx.close()
 

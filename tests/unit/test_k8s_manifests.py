@@ -601,5 +601,12 @@ def test_the_disagg_overlay_pairs_a_prefill_pool_with_the_decode_pool():
     # each pool scales on its own
     targets = {h["spec"]["scaleTargetRef"]["name"] for h in of_kind(objs, "HorizontalPodAutoscaler")}
     assert {"mmserve-llm", "mmserve-llm-prefill"} <= targets
+    # each pool names the other as its only hand-over peers: the decode pods call the prefill
+    # Service's pods (sending their token), the prefill pods send KV to the decode pods' port
+    assert denv["MMSERVE_LLM_KV_PEER_ALLOW"]["value"] == f"{m.group(1)}:{m.group(2)}"
+    peer = {e["name"]: e.get("value") for e in pc["env"]}["MMSERVE_LLM_KV_PEER_ALLOW"]
+    host, port = peer.split(":")
+    assert services[host]["spec"]["clusterIP"] == "None" and int(port) == named_port(dc, "handover")
+    assert matches({"matchLabels": services[host]["spec"]["selector"]}, pod_labels(decode))
     # a prefill pod reaches the decode pods' hand-over port
     assert _allowed(objs, NAMESPACE, pod_labels(prefill), decode, 8300)
