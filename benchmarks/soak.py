@@ -14,7 +14,12 @@ process's first-touch of its code and arenas, not a leak; so that the steady sta
 early, the soak runs with small bounds (``--kv-mb``, ``--host-kv-mb``, ``--router-index-blocks``,
 ``--word-cache``: every prompt brings a new number, a new word for the tokenizers' word caches;
 ``--service-defaults`` keeps the services' own, with which the tiny model's ~2M-token pools take
-~30K requests to fill). Reported per process: the least-squares slope of RSS over every sample
+~30K requests to fill). For the same reason the warm-up carries a burst (``--warmup-burst``,
+as many clients again for its first 45 s in a quick run): an allocator's high-water marks (the
+bodies in flight, a step's batch tensors, pymalloc's pools of small objects) are set by the
+highest load a process has seen, and rise in rare page-sized steps for as long as the measured
+load keeps setting new peaks; a burst above that load sets them before the fit starts. A leak
+(state kept per request) grows with requests, burst or not. Reported per process: the least-squares slope of RSS over every sample
 after warm-up in % (of its mean) per 30 minutes, the Theil-Sen slope beside it, the USS slope,
 MB per hour, and the largest RSS slope as ``max_growth_pct_per_30min``. Target (issue 43 item
 7): < 0.5% per 30 min for every process. ``--tracemalloc`` has every process write where its
@@ -52,8 +57,10 @@ FULL_AT = 0.97  # a pool this much in use counts as full (the tree evicts just a
 TARGET_PCT_PER_30MIN = 0.5  # issue 43 item 7: every process
 
 
-async def clients(url: str, model: str, n: int, stop_at: float, counts: dict) -> None:
-    rngs = [random.Random(k) for k in range(n)]  # client k's own stream of choices, turn after turn
+async def clients(url: str, model: str, n: int, stop_at: float, counts: dict, burst: int = 0,
+                  burst_until: float = 0.0) -> None:
+    """``n`` closed-loop clients until ``stop_at``, and ``burst`` more until ``burst_until``."""
+    rngs = [random.Random(k) for k in range(n + burst)]  # client k's own stream of choices, turn after turn
 
     async with httpx.AsyncClient(timeout=120) as c:
 
@@ -70,7 +77,11 @@ async def clients(url: str, model: str, n: int, stop_at: float, counts: dict) ->
                 key = type(e).__name__
             counts[key] = counts.get(key, 0) + 1
 
-        await closed_loop(n, turn, lambda: time.monotonic() >= stop_at)
+        async def extra(k: int, j: int) -> None:
+            await turn(n + k, j)
+
+        await asyncio.gather(closed_loop(n, turn, lambda: time.monotonic() >= stop_at),
+                             closed_loop(burst, extra, lambda: time.monotonic() >= burst_until))
 
 
 def bounded_fill(stack: LocalStack) -> dict:
@@ -114,6 +125,11 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=None)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--interval", type=float, default=None, help="seconds between RSS samples")
+    ap.add_argument("--warmup-burst", type=int, default=None,
+                    help="clients added for the first three quarters of the warm-up third (default: --clients): "
+                         "each process's allocator high-water marks (in-flight bodies, batches, pools of small "
+                         "objects) are set by a higher load than the measured one, as the small bounds fill the "
+                         "bounded structures early; 0: none")
     ap.add_argument("--model", default=None)
     ap.add_argument("--kv-mb", type=int, default=12, help="LLM device KV pools (MMSERVE_LLM_KV_BYTES)")
     ap.add_argument("--host-kv-mb", type=int, default=8, help="LLM host tier, each of full and SWA; 0: off")
@@ -172,8 +188,12 @@ def main() -> None:
         counts: dict = {}
         t0 = time.monotonic()
         stop_at = t0 + minutes * 60
+        burst = args.clients if args.warmup_burst is None else args.warmup_burst
+        burst_until = t0 + minutes * 60 / 3 * 0.75
+        out["warmup_burst"] = {"clients": burst, "until_s": round(minutes * 60 / 3 * 0.75, 1)}
         load = threading.Thread(target=lambda: asyncio.run(
-            clients(f"{stack.url}/v1/chat/completions", stack.model_name, args.clients, stop_at, counts)), daemon=True)
+            clients(f"{stack.url}/v1/chat/completions", stack.model_name, args.clients, stop_at, counts,
+                    burst, burst_until)), daemon=True)
         load.start()
         while time.monotonic() < stop_at:
             point: dict = {"t": round(time.monotonic() - t0, 1), "requests": counts.get("ok", 0),
