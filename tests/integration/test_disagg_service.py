@@ -211,6 +211,35 @@ def test_an_image_prompt_sent_by_value_is_handed_over_with_the_unified_tokens(re
     assert _metric(replicas["decode"], "mmserve_llm_handover", event="adopted") == adopted + 1
 
 
+@pytest.mark.parametrize("modality", ["video", "audio"])
+def test_video_and_audio_prompts_sent_by_value_are_handed_over_with_the_unified_tokens(replicas, modality):
+    """A video (two timestamped frame groups, each written after its MM:SS text) and an audio
+    clip, their embeddings in the body as the encoders give them: prefilled on the prefill
+    replica, continued from its KV on the decode replica, token for token the unified answer."""
+    import torch
+
+    from shared.schemas import MediaSegment, PromptMedia
+
+    hidden = image_embeds(replicas["model"]).shape[1]
+    emb = torch.randn(24, hidden, generator=torch.Generator().manual_seed(11)) * 0.5
+    segments = [MediaSegment(start_s=0.0, num_tokens=12), MediaSegment(start_s=2.0, num_tokens=12)] \
+        if modality == "video" else None
+
+    def req(rid: str, kt=None) -> GenerateRequest:
+        media = PromptMedia(modality=modality, index=0, content_hash=f"{modality}-11", num_tokens=24,
+                            segments=segments)
+        return GenerateRequest(request_id=rid, messages=[PromptMessage(role="user", content=[
+            PromptText(text=f"what happens in this {modality}? " * 6), media])],
+            sampling=SamplingParams(max_tokens=10, temperature=0.0), kv_transfer_params=kt)
+
+    adopted = _metric(replicas["decode"], "mmserve_llm_handover", event="adopted")
+    want = _tokens(_post(replicas["both"], req(f"u-{modality}"), {"mm.0": emb}), False)
+    got = _tokens(_post(replicas["decode"], req(f"d-{modality}", _remote(replicas["prefill"])), {"mm.0": emb}),
+                  False)
+    assert got == want and len(got[0]) == 10
+    assert _metric(replicas["decode"], "mmserve_llm_handover", event="adopted") == adopted + 1
+
+
 def test_with_the_direct_path_down_the_decode_replica_loads_the_prompt_from_the_shared_redis_tier(
         replicas, redis_url):
     """Both replicas on one Redis L3 tier: the prefill replica writes the prompt's pages there as
