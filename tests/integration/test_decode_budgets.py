@@ -181,7 +181,15 @@ def test_decode_past_the_wall_time_limit_is_stopped(small, media):
     time.sleep(1.0)
     assert dec.decoded_frames == stopped_at, "the decode went on after its 413"
     assert stopped_at - before < 600, "all 600 sampled frames were decoded"
-    served(url, media)
+    # the encoder serves again: a small video is answered. The 0.25 s limit is wall-clock, so on a
+    # loaded machine (CI runs the benchmark smoke step beside the tests) even that one can pass
+    # it: up to 3 tries, each a 200 or that limit's 413; a wedged encoder answers none
+    for _ in range(3):
+        r = post(url, media["video_small"], modality="video")
+        if r.status_code == 200:
+            break
+        assert r.status_code == 413 and "decode_timeout_s=0.25" in r.text, r.text
+    assert r.status_code == 200, r.text
     app.state.service.check_integrity()
     assert app.state.service.ctx.batcher.pending() == 0
 
