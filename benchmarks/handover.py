@@ -37,7 +37,12 @@ def build(n: int, page: int, window: int, f: int, s: int, blob: bytes) -> Handov
 
 
 def _sender(port: int, n: int, page: int, window: int, f: int, s: int, reps: int, go) -> None:
-    h = build(n, page, window, f, s, os.urandom(max(page * f, window * s)))
+    send_on_go(port, build(n, page, window, f, s, os.urandom(max(page * f, window * s))), reps, go)
+
+
+def send_on_go(port: int, h: Handover, reps: int, go) -> None:
+    """Connect to the receiver at ``port``, then send ``h`` each time ``go`` is set, ``reps`` times
+    (a sender process of its own: the receiver's clock starts as it sets ``go``)."""
 
     async def run() -> None:
         tx = await TcpSender.connect("127.0.0.1", port)

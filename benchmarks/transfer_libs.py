@@ -40,20 +40,10 @@ NIXL_PY = Path(os.environ.get("MMSERVE_CACHE_DIR", Path.home() / ".cache" / "mms
 
 # ---------------------------------------------------------------- ours: the TCP transport
 def _tcp_sender(port: int, nbytes: int, reps: int, go) -> None:
+    from benchmarks.handover import send_on_go
     from llm_svc.disagg.messages import FULL_PAGE, Handover, KVPage
-    from llm_svc.disagg.transport import TcpSender
 
-    h = Handover("r", [0], 1, "bench", 1, 1, [KVPage.of(FULL_PAGE, 0, 1, os.urandom(nbytes))])
-
-    async def run() -> None:
-        tx = await TcpSender.connect("127.0.0.1", port)
-        for _ in range(reps):
-            go.wait()
-            go.clear()
-            await tx.send(h)
-        await tx.close()
-
-    asyncio.run(run())
+    send_on_go(port, Handover("r", [0], 1, "bench", 1, 1, [KVPage.of(FULL_PAGE, 0, 1, os.urandom(nbytes))]), reps, go)
 
 
 async def _tcp_run(nbytes: int, reps: int) -> list[float]:
