@@ -26,6 +26,7 @@ from typing import Callable
 import httpx
 
 from mmserve.supervisor import RestartPolicy, supervise
+from shared.settings import THIS_MACHINE
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -224,7 +225,7 @@ class LocalStack:
         allow = ",".join(s.url.removeprefix("http://") for s in self.encoders) or h
         llm_env = {"MMSERVE_LLM_MEDIA_FETCH_ALLOW": allow, **env}
         if spec.prefill_llms:  # the replicas a hand-over may name: this host's (all run here)
-            llm_env = {"MMSERVE_LLM_KV_PEER_ALLOW": ",".join(dict.fromkeys([h, "127.0.0.1", "::1", "localhost"])),
+            llm_env = {"MMSERVE_LLM_KV_PEER_ALLOW": ",".join(dict.fromkeys([h, *THIS_MACHINE])),
                        **llm_env}
         self.prefill_llms: list[Service] = []
         for i in range(spec.llms + spec.prefill_llms):

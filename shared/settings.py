@@ -67,6 +67,7 @@ LLMRole = Annotated[Literal["prefill", "decode", "both"], BeforeValidator(llm_ro
 
 
 KV_EVENTS_STREAM = "mmserve:kv-events"
+THIS_MACHINE = ("127.0.0.1", "::1", "localhost")  # the allow-lists' default: peers on this machine only
 KEEP_ALIVE_TIMEOUT_S = 30.0  # every service's idle keep-alive timeout (uvicorn's own default: 5 s)
 UPSTREAM_KEEPALIVE_EXPIRY_S = 10.0  # the gateway's pooled connections to encoders and LLMs
 
@@ -233,7 +234,7 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     handover_ttl_s: float = Field(default=60.0, gt=0, description="role decode: a received hand-over no request "
                                   "claims within this is dropped (counted as expired)")
     kv_peer_allow: StrList = Field(
-        default_factory=lambda: ["127.0.0.1", "::1", "localhost"], description="the replicas a P/D hand-over may "
+        default_factory=lambda: list(THIS_MACHINE), description="the replicas a P/D hand-over may "
         "name (docs/disagg.md): role decode calls only these as remote_prefill_url (it sends its service token "
         "there), role prefill sends KV only to these as remote_host:remote_port. Host names (resolved: a scaled "
         "service's replicas), IP addresses or networks, each optionally with :port (comma-separated or JSON list). "
@@ -428,7 +429,7 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
         default=65536, ge=1, description="router block keys a replica tracks at most (oldest dropped, as removed)"
     )
     media_fetch_allow: StrList = Field(
-        default_factory=lambda: ["127.0.0.1", "::1", "localhost"], description="the encoders the LLM may fetch "
+        default_factory=lambda: list(THIS_MACHINE), description="the encoders the LLM may fetch "
         "embeddings from (it sends its service token to them): host names (resolved: a headless Service's pods), "
         "IP addresses or networks, each optionally with :port (comma-separated or JSON list). A /v1/generate body "
         "whose media names only other sources gets a 400; default: this machine only. Empty: Redis only"

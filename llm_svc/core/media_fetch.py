@@ -34,6 +34,7 @@ import httpx
 import torch
 
 from shared.bounded_read import TooLarge, read_bounded
+from shared.settings import THIS_MACHINE
 from shared.embedding_store import DEFAULT_PREFIX, entry_key, from_bytes, open_entry
 from shared.peer_auth import PeerKey
 from shared.redis_client import ERRORS, async_client
@@ -49,7 +50,6 @@ MEDIA_SOURCE_NOT_ALLOWED = "media_source_not_allowed"
 ALLOW_SETTING = "MMSERVE_LLM_MEDIA_FETCH_ALLOW"
 MAX_BYTES_SETTING = "MMSERVE_LLM_MEDIA_FETCH_MAX_BYTES"
 _THREAD_BYTES = 256 * 1024  # bodies past this are unpacked off the event loop
-DEFAULT_ALLOW = ["127.0.0.1", "::1", "localhost"]  # MMSERVE_LLM_MEDIA_FETCH_ALLOW's default
 RESOLVE_S = 5.0  # an allowed name's addresses are re-resolved at most this often
 _HEADER_SLACK = 1024 * 1024  # an embeddings response beyond its tensor's bytes: the wire header
 
@@ -165,7 +165,7 @@ class EmbeddingFetcher:
                  allow: list[str] | None = None, headers: dict[str, str] | None = None,
                  max_bytes: int = 256 * 1024 * 1024, peer: PeerKey | None = None):
         self.hidden_size = hidden_size
-        self.allow = SourceAllowList(DEFAULT_ALLOW if allow is None else allow)
+        self.allow = SourceAllowList(list(THIS_MACHINE) if allow is None else allow)
         if not self.allow:
             log.warning("%s is empty: media sent by reference is read from Redis only (a miss is re-sent by "
                         "value); set it to the encoders' hosts", ALLOW_SETTING)

@@ -210,11 +210,10 @@ class TcpReceiver(HandoverReceiver):
     """Listens on ``host:port`` (0: any free port, then ``port`` says which); hand-overs from
     every connection arrive in one queue."""
 
-    def __init__(self, max_bytes: int = MAX_HANDOVER_BYTES, key: bytes = b"") -> None:
+    def __init__(self, max_bytes: int = MAX_HANDOVER_BYTES) -> None:
         self._queue: asyncio.Queue[Handover | TransferError] = asyncio.Queue()
         self._server: asyncio.AbstractServer | None = None
         self.max_bytes = max_bytes
-        self.key = key
         self.port = 0
 
     @classmethod
@@ -222,7 +221,7 @@ class TcpReceiver(HandoverReceiver):
                      max_bytes: int = MAX_HANDOVER_BYTES, key: bytes = b"") -> "TcpReceiver":
         """``max_bytes``: the most page bytes one hand-over may announce (its head is refused
         past it, before anything is allocated); ``key``: the token a sender must prove it holds."""
-        r = cls(max_bytes, key)
+        r = cls(max_bytes)
         loop = asyncio.get_running_loop()
         r._server = await loop.create_server(lambda: HandoverProtocol(r._queue, max_bytes, key), host, port)
         r.port = r._server.sockets[0].getsockname()[1]

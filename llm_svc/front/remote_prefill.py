@@ -39,11 +39,9 @@ async def check_peer(peers: SourceAllowList, prep: PreparedRequest) -> None:
         return
     if kt.do_remote_prefill:
         ok = await peers.permits(kt.remote_prefill_url)
-    elif kt.do_remote_decode:
+    else:  # do_remote_decode (the schema asks for exactly one)
         host = kt.remote_host if ":" not in kt.remote_host else f"[{kt.remote_host}]"
         ok = await peers.permits(f"http://{host}:{kt.remote_port}")
-    else:
-        return
     if not ok:
         which = "remote_prefill_url" if kt.do_remote_prefill else "remote_host:remote_port"
         raise InvalidRequest(f"kv_transfer_params.{which} names a replica outside this replica's {PEER_SETTING}; "
