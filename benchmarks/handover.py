@@ -56,17 +56,29 @@ def send_on_go(port: int, h: Handover, reps: int, go) -> None:
 
 
 async def _transfer(n: int, page: int, window: int, f: int, s: int, reps: int) -> tuple[list[float], Handover]:
+    # the sender builds its hand-over and connects before the first go
+    return await timed_receives(_sender, (n, page, window, f, s, reps), reps, settle_s=1.0 + n / 4096)
+
+
+async def timed_receives(sender, args: tuple, reps: int, settle_s: float,
+                         check=None) -> tuple[list[float], Handover]:
+    """``sender(port, *args, go)`` in a process of its own against a ``TcpReceiver`` here (one
+    ``send_on_go`` loop); after ``settle_s``, ``reps`` times: set ``go`` and time until the
+    hand-over is received (then ``check(it)``, off the clock). The seconds of each, and the last
+    hand-over."""
     rx = await TcpReceiver.listen("127.0.0.1", 0)
     go = mp.Event()
-    p = mp.Process(target=_sender, args=(rx.port, n, page, window, f, s, reps, go))
+    p = mp.Process(target=sender, args=(rx.port, *args, go))
     p.start()
-    await asyncio.sleep(1.0 + n / 4096)  # the sender builds its hand-over and connects
+    await asyncio.sleep(settle_s)
     times, h = [], None
     for _ in range(reps):
         t0 = time.perf_counter()
         go.set()
         h = await asyncio.wait_for(rx.receive(), 600)
         times.append(time.perf_counter() - t0)
+        if check is not None:
+            check(h)
     p.join(60)
     await rx.close()
     return times, h

@@ -47,23 +47,13 @@ def _tcp_sender(port: int, nbytes: int, reps: int, go) -> None:
 
 
 async def _tcp_run(nbytes: int, reps: int) -> list[float]:
-    from llm_svc.disagg.transport import TcpReceiver
+    from benchmarks.handover import timed_receives
 
-    rx = await TcpReceiver.listen("127.0.0.1", 0)
-    ctx = mp.get_context("spawn")
-    go = ctx.Event()
-    p = ctx.Process(target=_tcp_sender, args=(rx.port, nbytes, reps, go))
-    p.start()
-    await asyncio.sleep(2.0 + nbytes / 2**29)  # the sender starts, builds its page and connects
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        go.set()
-        h = await asyncio.wait_for(rx.receive(), 600)
-        times.append(time.perf_counter() - t0)
+    def whole(h) -> None:
         assert len(h.pages[0].data) == nbytes
-    p.join(60)
-    await rx.close()
+
+    # the sender starts, builds its page and connects before the first go
+    times, _ = await timed_receives(_tcp_sender, (nbytes, reps), reps, settle_s=2.0 + nbytes / 2**29, check=whole)
     return times
 
 
