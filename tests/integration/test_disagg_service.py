@@ -249,7 +249,10 @@ def test_with_the_direct_path_down_the_decode_replica_loads_the_prompt_from_the_
     import time
 
     model = replicas["model"]
-    kw = dict(kv_l3_url=redis_url, kv_l3_ttl_s=600, kv_l3_page_tokens=32, service_token=TOKEN)
+    # Redis deadlines a loaded CI machine meets (the defaults, 0.5 s, let an L3 command stalled
+    # behind the suite's other processes count as an outage: the tier is skipped, by design)
+    kw = dict(kv_l3_url=redis_url, kv_l3_ttl_s=600, kv_l3_page_tokens=32, service_token=TOKEN,
+              kv_l3_timeout=5.0, kv_l3_prefetch_timeout=5.0)
     with start_service(model, "swa", role="prefill", handover_timeout_s=1e-6, **kw) as pre, \
             start_service(model, "swa", role="decode", **kw) as dec:
         text = f"the direct path is down {time.time_ns()} " + "and the tier holds it " * 12
@@ -259,9 +262,17 @@ def test_with_the_direct_path_down_the_decode_replica_loads_the_prompt_from_the_
         assert got == want
         assert _metric(dec, "mmserve_llm_remote_prefill_total", outcome="fallback_http_503") == 1
         assert _metric(pre, "mmserve_llm_handover", event="send_timeouts") == 1
-        l3 = {n: [m for m in httpx.get(svc.url + "/metrics", timeout=10).text.splitlines()
-                  if "l3" in m and not m.startswith("#")] for n, svc in (("prefill", pre), ("decode", dec))}
-        assert r.json()["cached_tokens"] >= r.json()["prompt_tokens"] // 32 * 32 - 32 > 0, l3
+        assert r.json()["cached_tokens"] >= r.json()["prompt_tokens"] // 32 * 32 - 32 > 0, _l3_events(pre, dec)
+
+
+def _l3_events(pre, dec) -> str:
+    """Each replica's non-zero L3 counters, short enough for an assertion message to keep whole."""
+    out = []
+    for name, svc in (("prefill", pre), ("decode", dec)):
+        lines = [m for m in httpx.get(svc.url + "/metrics", timeout=10).text.splitlines()
+                 if ("l3" in m) and not m.startswith("#") and not m.endswith(" 0.0")]
+        out.append(f"{name}: " + "; ".join(m.replace("mmserve_llm_", "") for m in lines))
+    return " | ".join(out)
 
 
 def test_logprobs_of_every_token_are_the_unified_ones_the_first_from_the_prefill_replica(replicas):
