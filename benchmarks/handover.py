@@ -19,6 +19,8 @@ import os
 import statistics
 import time
 
+import msgspec
+
 from benchmarks import _results
 from benchmarks.kv_capacity import CONFIG, geometry_from_config
 from llm_svc.disagg.decode import check
@@ -36,20 +38,29 @@ def build(n: int, page: int, window: int, f: int, s: int, blob: bytes) -> Handov
     return Handover("r", list(range(n)), 1, FP, page, window, pages)
 
 
-def _sender(port: int, n: int, page: int, window: int, f: int, s: int, reps: int, go) -> None:
-    send_on_go(port, build(n, page, window, f, s, os.urandom(max(page * f, window * s))), reps, go)
+def _sender(port: int, n: int, page: int, window: int, f: int, s: int, reps: int, go, ready) -> None:
+    send_on_go(port, build(n, page, window, f, s, os.urandom(max(page * f, window * s))), reps, go, ready)
 
 
-def send_on_go(port: int, h: Handover, reps: int, go) -> None:
-    """Connect to the receiver at ``port``, then send ``h`` each time ``go`` is set, ``reps`` times
-    (a sender process of its own: the receiver's clock starts as it sets ``go``)."""
+def send_on_go(port: int, h: Handover, reps: int, go, ready, nixl: bool = False, fresh: bool = False) -> None:
+    """Connect to the receiver at ``port``, then send ``h`` each time ``go`` is set, ``reps`` times,
+    setting ``ready`` before each wait (a sender process of its own: the receiver's clock starts
+    as it sets ``go``, once the sender is ready); ``nixl``: the
+    pages by NIXL (the transport's mode ``N``); ``fresh``: each time with its pages' bytes copied
+    to new memory first, off the clock (as a prefill replica exports every hand-over anew: a
+    transfer library finds no registration cached)."""
+    from llm_svc.disagg.nixl_agent import NixlEndpoint
 
     async def run() -> None:
-        tx = await TcpSender.connect("127.0.0.1", port)
+        tx = await TcpSender.connect("127.0.0.1", port, nixl=NixlEndpoint() if nixl else None)
+        assert (tx.mode == b"N") == nixl
         for _ in range(reps):
+            out = h if not fresh else msgspec.structs.replace(
+                h, pages=[msgspec.structs.replace(p, data=bytes(bytearray(p.data))) for p in h.pages])
+            ready.set()
             go.wait()
             go.clear()
-            await tx.send(h)
+            await tx.send(out)
         await tx.close()
 
     asyncio.run(run())
@@ -61,18 +72,23 @@ async def _transfer(n: int, page: int, window: int, f: int, s: int, reps: int) -
 
 
 async def timed_receives(sender, args: tuple, reps: int, settle_s: float,
-                         check=None) -> tuple[list[float], Handover]:
-    """``sender(port, *args, go)`` in a process of its own against a ``TcpReceiver`` here (one
-    ``send_on_go`` loop); after ``settle_s``, ``reps`` times: set ``go`` and time until the
-    hand-over is received (then ``check(it)``, off the clock). The seconds of each, and the last
-    hand-over."""
-    rx = await TcpReceiver.listen("127.0.0.1", 0)
-    go = mp.Event()
-    p = mp.Process(target=sender, args=(rx.port, *args, go))
+                         check=None, nixl: bool = False) -> tuple[list[float], Handover]:
+    """``sender(port, *args, go, ready)`` in a process of its own against a ``TcpReceiver`` here
+    (one ``send_on_go`` loop); after ``settle_s``, ``reps`` times: once the sender set ``ready``,
+    set ``go`` and time until the hand-over is received (then ``check(it)``, off the clock). The
+    seconds of each, and the last hand-over. ``nixl``: the receiver offers NIXL (mode ``N``)."""
+    from llm_svc.disagg.nixl_agent import NixlEndpoint
+
+    rx = await TcpReceiver.listen("127.0.0.1", 0, nixl=NixlEndpoint() if nixl else None)
+    go, ready = mp.Event(), mp.Event()
+    p = mp.Process(target=sender, args=(rx.port, *args, go, ready))
     p.start()
     await asyncio.sleep(settle_s)
     times, h = [], None
     for _ in range(reps):
+        while not ready.is_set():
+            await asyncio.sleep(0.01)
+        ready.clear()
         t0 = time.perf_counter()
         go.set()
         h = await asyncio.wait_for(rx.receive(), 600)

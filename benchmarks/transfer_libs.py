@@ -1,23 +1,29 @@
-"""Hand-over transports side by side: our TCP stream against NVIDIA NIXL (UCX) between two processes.
+"""Hand-over transports side by side: our transport with the pages on its TCP stream, the same
+transport with the pages by NVIDIA NIXL, and bare NIXL, between two processes.
 
-Both sides move the same bytes from one process to another over loopback: a MiMo-V2.5-Pro
-hand-over's size (``handover``'s geometry: 1,024 / 4,096 / 32,768-token prompts; ``--quick``:
-4,096), each size's sides alternated (ours, NIXL, NIXL, ours), the median of the transfers:
+Every side moves a MiMo-V2.5-Pro hand-over's bytes from one process to another over loopback
+(``handover``'s geometry: 1,024 / 4,096 / 32,768-token prompts; ``--quick``: 4,096), the sides of
+each size alternated (tcp, bare, nixl, nixl, bare, tcp), the median of the transfers:
 
-* ``tcp`` (ours, what runs today): ``TcpSender`` -> ``TcpReceiver``
-  (``llm_svc/disagg/transport.py``), one hand-over of one page of that size, connected and past
-  the token challenge before the clock starts; timed from the sender's go to the receiver
-  holding every byte.
-* ``nixl``: one NIXL agent per process (UCX backend, DRAM); the decode process registers its
-  buffer and sends its metadata and descriptors ahead (a transport would keep the KV pools
-  registered); timed from the prefill process's ``initialize_xfer`` (a WRITE with a
-  notification) to its state ``DONE``. It runs in the venv ``scripts/nixl_venv.sh`` builds
-  (NIXL is not a dependency); without that venv the side is skipped and said so.
+* ``tcp`` (``kv_transport=tcp``): ``TcpSender`` -> ``TcpReceiver`` (``llm_svc/disagg/transport.py``),
+  the hand-over in its real page layout (full-layer pages of 32 tokens, one window page; every
+  transfer's pages in new memory, as a prefill replica exports each hand-over anew), connected
+  and past the token challenge before the clock starts; timed from the sender's go to the
+  receiver holding every page.
+* ``nixl`` (``kv_transport=nixl``, what a user gets where NIXL is installed): the same, its
+  pages by NIXL (mode ``N``): per hand-over the receiver registers a buffer and answers the head
+  with its metadata and descriptors, the sender registers its pages and WRITEs them, the
+  receiver waits for NIXL's notification; timed the same way.
+* ``bare``: NIXL alone, one agent per process (UCX backend, DRAM), one buffer registered
+  ahead on both sides, metadata and descriptors sent ahead; timed from the prefill process's
+  ``initialize_xfer`` (a WRITE with a notification) to its state ``DONE``: what the byte mover
+  can do with nothing around it.
 
-No model runs: this compares the byte movers. The figure is NIXL's rate over ours; the last line
-is JSON.
+No model runs: this compares the byte movers. The figure is ``nixl``'s rate over ``tcp``'s; the
+last line is JSON. NIXL comes with ``bash scripts/setup.sh --test`` (``nixl-cu13``; the project's
+``nixl`` extra); without it the NIXL sides are skipped and said so.
 
-    bash scripts/nixl_venv.sh && python -m benchmarks.transfer_libs [--quick]
+    python -m benchmarks.transfer_libs [--quick]
 """
 
 from __future__ import annotations
@@ -35,32 +41,39 @@ from pathlib import Path
 
 from benchmarks import _results
 
-NIXL_PY = Path(os.environ.get("MMSERVE_CACHE_DIR", Path.home() / ".cache" / "mmserve")) / "nixl-venv" / "bin" / "python"
+PAGE_TOKENS = 32
 
 
-# ---------------------------------------------------------------- ours: the TCP transport
-def _tcp_sender(port: int, nbytes: int, reps: int, go) -> None:
-    from benchmarks.handover import send_on_go
-    from llm_svc.disagg.messages import FULL_PAGE, Handover, KVPage
+# ---------------------------------------------------------------- ours: the hand-over transport
+def _ours_sender(port: int, n: int, reps: int, nixl: bool, go, ready) -> None:
+    from benchmarks.handover import build, send_on_go
+    from benchmarks.kv_capacity import CONFIG, geometry_from_config
 
-    send_on_go(port, Handover("r", [0], 1, "bench", 1, 1, [KVPage.of(FULL_PAGE, 0, 1, os.urandom(nbytes))]), reps, go)
+    g = geometry_from_config(CONFIG)
+    f, s = g.full_token_bytes, g.swa_token_bytes
+    send_on_go(port, build(n, PAGE_TOKENS, g.window, f, s, os.urandom(max(PAGE_TOKENS * f, g.window * s))),
+               reps, go, ready, nixl=nixl, fresh=True)
 
 
-async def _tcp_run(nbytes: int, reps: int) -> list[float]:
+async def _ours_run(n: int, nbytes: int, reps: int, nixl: bool) -> list[float]:
     from benchmarks.handover import timed_receives
 
-    def whole(h) -> None:
-        assert len(h.pages[0].data) == nbytes
+    def whole(h) -> None:  # off the clock: every page arrived as it left
+        assert h.kv_bytes == nbytes and all(p.intact() for p in h.pages)
 
-    # the sender starts, builds its page and connects before the first go
-    times, _ = await timed_receives(_tcp_sender, (nbytes, reps), reps, settle_s=2.0 + nbytes / 2**29, check=whole)
+    # the sender starts, builds its pages and connects before the first go
+    times, _ = await timed_receives(_ours_sender, (n, reps, nixl), reps, settle_s=2.0 + nbytes / 2**29,
+                                    check=whole, nixl=nixl)
     return times
 
 
 # ---------------------------------------------------------------- NIXL (in its own venv)
 def _nixl_decode(q_out, nbytes: int, reps: int) -> None:
     import torch
-    from nixl._api import nixl_agent, nixl_agent_config
+    from llm_svc.disagg.nixl_agent import load_nixl
+
+    api = load_nixl()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
     b = nixl_agent("decode", nixl_agent_config(backends=["UCX"]))
     buf = torch.zeros(nbytes, dtype=torch.uint8)
@@ -75,7 +88,10 @@ def _nixl_decode(q_out, nbytes: int, reps: int) -> None:
 def nixl_worker(nbytes: int, reps: int) -> None:
     """In the NIXL venv: ``reps`` WRITEs of ``nbytes`` to another process; prints their seconds."""
     import torch
-    from nixl._api import nixl_agent, nixl_agent_config
+    from llm_svc.disagg.nixl_agent import load_nixl
+
+    api = load_nixl()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -103,7 +119,7 @@ def nixl_worker(nbytes: int, reps: int) -> None:
 
 
 def _nixl_run(nbytes: int, reps: int) -> tuple[list[float], bool]:
-    r = subprocess.run([str(NIXL_PY), "-m", "benchmarks.transfer_libs", "--nixl-worker", str(nbytes), str(reps)],
+    r = subprocess.run([sys.executable, "-m", "benchmarks.transfer_libs", "--nixl-worker", str(nbytes), str(reps)],
                        capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
     if r.returncode != 0:
         raise RuntimeError(f"the NIXL side failed: {r.stderr[-2000:]}")
@@ -129,40 +145,46 @@ def main() -> None:
     g = geometry_from_config(CONFIG)
     lengths = args.lengths or ([64] if args.smoke else [4096] if args.quick else [1024, 4096, 32768])
     reps = args.reps or (1 if args.smoke else 3 if args.quick else 5)
-    have_nixl = NIXL_PY.exists()
-    skipped = [] if have_nixl else [f"nixl: no venv at {NIXL_PY} (bash scripts/nixl_venv.sh)"]
+    from llm_svc.disagg.nixl_agent import nixl_available
+
+    have_nixl = nixl_available()
+    skipped = [] if have_nixl else ["nixl, bare: NIXL is not installed (bash scripts/setup.sh --test installs nixl-cu13)"]
     rows = []
     for n in lengths:
         nbytes = handover_bytes(n, g.full_token_bytes, g.swa_token_bytes, g.window)
-        tcp: list[float] = []
-        nixl: list[float] = []
+        times: dict[str, list[float]] = {"tcp": [], "bare": [], "nixl": []}
         equal = True
-        for side in ("tcp", "nixl", "nixl", "tcp"):  # alternated: this machine is noisy
-            if side == "tcp":
-                tcp += asyncio.run(_tcp_run(nbytes, reps))
+        for side in ("tcp", "bare", "nixl", "nixl", "bare", "tcp"):  # alternated: this machine is noisy
+            if side == "tcp" or (side == "nixl" and have_nixl):
+                times[side] += asyncio.run(_ours_run(n, nbytes, reps, nixl=side == "nixl"))
             elif have_nixl:
                 t, same = _nixl_run(nbytes, reps)
-                nixl += t
+                times["bare"] += t
                 equal = equal and same
-        row = {"prompt_tokens": n, "bytes": nbytes, "tcp_ms": [round(t * 1e3, 1) for t in tcp],
-               "tcp_gib_per_s": round(nbytes / statistics.median(tcp) / 2**30, 3)}
-        if nixl:
-            row.update({"nixl_ms": [round(t * 1e3, 1) for t in nixl], "nixl_bytes_equal": equal,
-                        "nixl_gib_per_s": round(nbytes / statistics.median(nixl) / 2**30, 3)})
+        row = {"prompt_tokens": n, "bytes": nbytes}
+        for side, ts in times.items():
+            if ts:
+                row[f"{side}_ms"] = [round(t * 1e3, 1) for t in ts]
+                row[f"{side}_gib_per_s"] = round(nbytes / statistics.median(ts) / 2**30, 3)
+        if have_nixl:
+            row["bare_bytes_equal"] = equal
             row["nixl_over_tcp"] = round(row["nixl_gib_per_s"] / row["tcp_gib_per_s"], 3)
+            row["bare_over_tcp"] = round(row["bare_gib_per_s"] / row["tcp_gib_per_s"], 3)
         rows.append(row)
         print(f"{n:>6} tokens, {nbytes / 2**20:8.1f} MiB: tcp {row['tcp_gib_per_s']:.2f} GiB/s"
-              + (f", nixl {row['nixl_gib_per_s']:.2f} GiB/s ({row['nixl_over_tcp']:.2f}x), bytes equal {equal}"
-                 if nixl else ", nixl skipped"), flush=True)
+              + (f", nixl (our transport) {row['nixl_gib_per_s']:.2f} GiB/s ({row['nixl_over_tcp']:.2f}x), "
+                 f"bare NIXL {row['bare_gib_per_s']:.2f} GiB/s ({row['bare_over_tcp']:.2f}x, bytes equal {equal})"
+                 if have_nixl else ", NIXL sides skipped"), flush=True)
     at = next((r for r in rows if r["prompt_tokens"] == 4096), rows[0])
-    figures = {"config": CONFIG.name, "at_prompt_tokens": at["prompt_tokens"],
-               "nixl_over_tcp": at.get("nixl_over_tcp"), "nixl": "nixl 1.5.1 / nixl-cu13, UCX backend, DRAM",
-               "lengths": rows}
-    summary = (f"{at['prompt_tokens']}-token hand-over's bytes, NIXL (UCX) over our TCP stream: "
-               f"{at['nixl_over_tcp']}x ({at.get('nixl_gib_per_s')} vs {at['tcp_gib_per_s']} GiB/s)"
-               if "nixl_over_tcp" in at else f"our TCP stream {at['tcp_gib_per_s']} GiB/s; NIXL not run")
+    figures = {"config": CONFIG.name, "at_prompt_tokens": at["prompt_tokens"], "page_tokens": PAGE_TOKENS,
+               "nixl_over_tcp": at.get("nixl_over_tcp"), "bare_over_tcp": at.get("bare_over_tcp"),
+               "nixl": "nixl-cu13 1.5.1, UCX backend, DRAM", "lengths": rows}
+    summary = (f"{at['prompt_tokens']}-token hand-over, our transport with NIXL over it with the TCP stream: "
+               f"{at['nixl_over_tcp']}x ({at['nixl_gib_per_s']} vs {at['tcp_gib_per_s']} GiB/s; bare NIXL "
+               f"{at['bare_gib_per_s']} GiB/s)" if have_nixl else f"our TCP stream {at['tcp_gib_per_s']} GiB/s; NIXL not run")
     _results.record("transfer_libs", ap, args, figures, kind="wall-clock",
-                    baseline="our TCP hand-over transport (what runs today)", summary=summary, skipped=skipped)
+                    baseline="our hand-over transport with the pages on its TCP stream (kv_transport=tcp)",
+                    summary=summary, skipped=skipped)
 
 
 if __name__ == "__main__":

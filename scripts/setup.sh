@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test,dali]"
+[ "${1:-}" = "--test" ] && extras="[test,dali,nixl]"
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else "$@"; fi; }
 

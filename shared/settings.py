@@ -50,6 +50,26 @@ LLM_ROLES = ("prefill", "decode", "both")
 VLLM_KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
 
+KV_TRANSPORTS = ("auto", "tcp", "nixl")
+
+
+def _nixl_installed() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12", "nixl"))
+
+
+def kv_transport(value: object) -> object:
+    """``auto`` / ``tcp`` / ``nixl``, or vLLM's ``NixlConnector`` (its KV connector of the same role)."""
+    if not isinstance(value, str):
+        return value
+    v = value.strip().lower()
+    v = {"nixlconnector": "nixl"}.get(v, v)
+    if v not in KV_TRANSPORTS:
+        raise ValueError(f"kv_transport {value!r}: use one of {', '.join(KV_TRANSPORTS)} (or NixlConnector)")
+    return v
+
+
 def llm_role(value: object) -> object:
     """``prefill`` / ``decode`` / ``both``, or vLLM's ``kv_producer`` / ``kv_consumer`` /
     ``kv_both`` (same meaning); anything else is refused with the accepted names."""
@@ -64,6 +84,7 @@ def llm_role(value: object) -> object:
 
 
 LLMRole = Annotated[Literal["prefill", "decode", "both"], BeforeValidator(llm_role)]
+KVTransport = Annotated[Literal["auto", "tcp", "nixl"], BeforeValidator(kv_transport)]
 
 
 KV_EVENTS_STREAM = "mmserve:kv-events"
@@ -233,6 +254,17 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
     )
     handover_ttl_s: float = Field(default=60.0, gt=0, description="role decode: a received hand-over no request "
                                   "claims within this is dropped (counted as expired)")
+    kv_transport: KVTransport = Field(
+        default="auto", description="how a P/D hand-over's KV pages travel (docs/disagg.md): tcp (on the hand-over "
+        "connection's stream), nixl (NVIDIA NIXL: a one-sided WRITE into a buffer the decode replica registered; "
+        "pip install nixl-cu13, or nixl on a CUDA host), auto (nixl where installed, else tcp). Both ends offer and "
+        "pick per connection, so a replica with NIXL still takes hand-overs from one without; vLLM's kv_connector "
+        "name NixlConnector is accepted for nixl",
+    )
+    handover_pool_bytes: int = Field(
+        default=1 << 30, ge=0, description="role decode, kv_transport nixl: receive buffers kept registered for reuse "
+        "while no hand-over uses them (a fresh buffer costs its page faults on every transfer)",
+    )
     kv_peer_allow: StrList = Field(
         default_factory=lambda: list(THIS_MACHINE), description="the replicas a P/D hand-over may "
         "name (docs/disagg.md): role decode calls only these as remote_prefill_url (it sends its service token "
@@ -457,6 +489,9 @@ class LLMSettings(_ServiceSettings, _AsyncioHeapSettings):
             raise ValueError("host_kv_full_bytes and host_kv_swa_bytes are both 0 (no host tier) or both > 0")
         if self.distributed_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"distributed_backend must be auto, gloo or nccl, got {self.distributed_backend!r}")
+        if self.kv_transport == "nixl" and self.role != "both" and not _nixl_installed():
+            raise ValueError("kv_transport nixl: NIXL is not installed here (pip install nixl-cu13, or nixl on a CUDA "
+                             "host); use kv_transport tcp or auto")
         if self.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 (data-parallel attention) is not served yet: run one replica per "
                              "data-parallel rank behind the gateway, or use tensor_parallel_size")

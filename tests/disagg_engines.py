@@ -11,7 +11,7 @@ import torch
 from llm_svc.core.convert import request_from_core, to_core_add
 from llm_svc.disagg.decode import DecodeSide
 from llm_svc.disagg.prefill import PrefillConfig, PrefillSide, kv_fingerprint
-from llm_svc.disagg.transport import NONCE_BYTES, TcpReceiver, TcpSender, auth_tag, frames
+from llm_svc.disagg.transport import GREETING_BYTES, TcpReceiver, TcpSender, answer, frames
 from llm_svc.engine.engine import Engine
 from llm_svc.engine.model_runner import ModelRunner
 from llm_svc.engine.scheduler import Scheduler, SchedulerConfig
@@ -104,8 +104,8 @@ async def through_tcp(handovers, cut: dict[str, int] | None = None):
             (rid, keep), = cut.items()
             h = next(h for h in handovers if h.request_id == rid)
             reader, writer = await asyncio.open_connection("127.0.0.1", rx.port)
-            nonce = await reader.readexactly(NONCE_BYTES)  # the receiver's challenge, answered first
-            writer.write(auth_tag(b"", nonce) + b"".join(frames(h))[:keep])
+            greeting = await reader.readexactly(GREETING_BYTES)  # the receiver's challenge, answered first
+            writer.write(answer(b"", greeting) + b"".join(frames(h))[:keep])
             await writer.drain()
             writer.close()
             await writer.wait_closed()

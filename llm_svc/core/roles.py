@@ -83,11 +83,14 @@ class RoleDriver:
         key = (settings.service_token or "").encode()  # both ends of a hand-over prove they hold it
         if self.role == "prefill":
             self.prefill = PrefillSide(engine, PrefillConfig(settings.kv_l3_page_tokens, fp))
-            self.link = HandoverLink(None, settings.handover_timeout_s, settings.handover_ttl_s, key=key)
+            self.link = HandoverLink(None, settings.handover_timeout_s, settings.handover_ttl_s, key=key,
+                                     transport=settings.kv_transport)
         else:
             self.decode = DecodeSide(engine, fp)
             self.link = HandoverLink((handover_address(settings.handover_host)[0], settings.handover_port),
-                                     settings.handover_timeout_s, settings.handover_ttl_s, key=key)
+                                     settings.handover_timeout_s, settings.handover_ttl_s, key=key,
+                                     transport=settings.kv_transport, pool_bytes=settings.handover_pool_bytes)
+        log.info("P/D role %s: KV pages of a hand-over by %s", self.role, self.link.transport)
         self.timeout_s = settings.handover_timeout_s
 
     @property

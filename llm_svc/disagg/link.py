@@ -21,20 +21,37 @@ import time
 from collections import Counter
 
 from llm_svc.disagg.messages import Handover
-from llm_svc.disagg.transport import MAX_HANDOVER_BYTES, TcpReceiver, TcpSender, TransferError
+from llm_svc.disagg.nixl_agent import NixlEndpoint, nixl_available
+from llm_svc.disagg.transport import MAX_HANDOVER_BYTES, NIXL, TcpReceiver, TcpSender, TransferError
 
 log = logging.getLogger(__name__)
+
+
+def resolve_transport(name: str) -> str:
+    """``tcp`` or ``nixl`` for the ``kv_transport`` setting: ``auto`` is ``nixl`` where NIXL is
+    installed; ``nixl`` without it raises (the service refuses to start, saying what to install)."""
+    if name == "auto":
+        return "nixl" if nixl_available() else "tcp"
+    if name == "nixl" and not nixl_available():
+        raise RuntimeError("kv_transport=nixl but NIXL is not installed: pip install nixl-cu13 "
+                           "(or the nixl package on a CUDA host), or set kv_transport=tcp")
+    return name
 
 
 class HandoverLink:
     """``listen``: (host, port) to receive on (port 0: a free one, then ``port`` says which);
     None for a replica that only sends. ``key``: the services' shared token, which both ends of a
-    hand-over prove they hold (``transport``'s challenge)."""
+    hand-over prove they hold (``transport``'s challenge). ``transport``: ``tcp`` (the pages on
+    the stream) or ``nixl`` (by NIXL where the peer has it too, else on the stream)."""
 
     def __init__(self, listen: tuple[str, int] | None = None, timeout_s: float = 10.0, ttl_s: float = 60.0,
-                 max_bytes: int = MAX_HANDOVER_BYTES, key: bytes = b"") -> None:
+                 max_bytes: int = MAX_HANDOVER_BYTES, key: bytes = b"", transport: str = "tcp",
+                 pool_bytes: int = 1 << 30) -> None:
+        """``pool_bytes``: with NIXL, the receive buffers kept registered for reuse."""
         self.timeout_s, self.ttl_s = timeout_s, ttl_s
         self._key = key
+        self.transport = resolve_transport(transport)
+        self._nixl = NixlEndpoint(pool_bytes) if self.transport == "nixl" else None
         self.port = 0
         self.stats: Counter[str] = Counter()  # handover_* counters (the core's stats carry them)
         self._arrived: dict[str, tuple[Handover, float]] = {}
@@ -45,7 +62,7 @@ class HandoverLink:
         self._receiver: TcpReceiver | None = None
         self._task = None
         if listen is not None:
-            self._receiver = self._call(TcpReceiver.listen(listen[0], listen[1], max_bytes, key)).result()
+            self._receiver = self._call(TcpReceiver.listen(listen[0], listen[1], max_bytes, key, self._nixl)).result()
             self.port = self._receiver.port
             self._task = asyncio.run_coroutine_threadsafe(self._receive_all(), self._loop)
 
@@ -60,7 +77,7 @@ class HandoverLink:
     async def _send(self, host: str, port: int, h: Handover) -> float:
         t0 = time.perf_counter()
         try:
-            sender = await asyncio.wait_for(TcpSender.connect(host, port, self._key), self.timeout_s)
+            sender = await asyncio.wait_for(TcpSender.connect(host, port, self._key, self._nixl), self.timeout_s)
             try:
                 await asyncio.wait_for(sender.send(h), max(0.0, self.timeout_s - (time.perf_counter() - t0)))
             finally:
@@ -73,6 +90,8 @@ class HandoverLink:
             raise
         dt = time.perf_counter() - t0
         self.stats["handover_sent"] += 1
+        if sender.mode == NIXL:
+            self.stats["handover_sent_nixl"] += 1
         self.stats["handover_sent_bytes"] += h.kv_bytes
         self.stats["handover_send_ms"] += int(dt * 1000)
         return dt
@@ -90,6 +109,7 @@ class HandoverLink:
                 self._arrived[h.request_id] = (h, time.monotonic())
             self.stats["handover_received"] += 1
             self.stats["handover_received_bytes"] += sum(len(p.data) for p in h.pages)
+            del h  # held only in ``_arrived``: NIXL's receive buffer goes back to its pool once it is used
 
     def take(self, transfer_id: str) -> Handover | None:
         """The hand-over that arrived under ``transfer_id`` (removed), or None (not yet, or never)."""

@@ -267,14 +267,16 @@ class KVManager:
     # ------------------------------------------------------------------ lower-tier notes
     def note_l3(self, seq: SeqKV, keys: list[int], upto: int, boundaries: list[int] = ()) -> None:
         """Note the KV of positions ``< upto`` (computed) for the lower tier, with the SWA window
-        before each page-aligned boundary in ``boundaries`` (and before ``upto``'s last page
-        boundary) that ``seq`` still holds. A no-op without ``page_tokens``."""
+        before each page-aligned boundary in ``boundaries``, before ``upto``'s last page boundary
+        and before ``upto - 1``'s (the same prompt sent again computes its last token, so its
+        lookup ends there: for a prompt of whole pages that is a page earlier) that ``seq`` still
+        holds. A no-op without ``page_tokens``."""
         p = self.page_tokens
         if not p or not self.enable_prefix_cache or upto < p:
             return
         w = self.window
         windows = []
-        for b in sorted({*(x // p * p for x in boundaries if 0 < x <= upto), upto // p * p}):
+        for b in sorted({*(x // p * p for x in boundaries if 0 < x <= upto), upto // p * p, (upto - 1) // p * p}):
             lo = max(0, b - w)
             slots = seq.swa[lo:b]
             if b > 0 and NO_SLOT not in slots:

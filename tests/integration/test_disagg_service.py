@@ -78,6 +78,7 @@ PROMPTS = ["tell me a long story about " + "the sea and its waves " * 12,  # sev
 def test_a_decode_replica_with_a_remote_prefill_gives_the_unified_tokens(replicas, stream):
     before = _metric(replicas["decode"], "mmserve_llm_remote_prefill_total", outcome="handed_over")
     adopted = _metric(replicas["decode"], "mmserve_llm_handover", event="adopted")
+    by_nixl = _metric(replicas["prefill"], "mmserve_llm_handover", event="sent_nixl")
     for i, text in enumerate(PROMPTS):
         want = _tokens(_post(replicas["both"], _gen(f"u{i}{stream}", text, stream=stream)), stream)
         got = _tokens(_post(replicas["decode"], _gen(f"d{i}{stream}", text, stream=stream,
@@ -92,6 +93,21 @@ def test_a_decode_replica_with_a_remote_prefill_gives_the_unified_tokens(replica
     assert _metric(d, "mmserve_llm_handover", event="held") == 0
     assert _metric(replicas["prefill"], "mmserve_llm_handover", event="sent") >= len(PROMPTS)
     assert _metric(replicas["prefill"], "mmserve_llm_handover", event="sending") == 0
+    # kv_transport auto, NIXL installed on both: the pages went by NIXL
+    assert _metric(replicas["prefill"], "mmserve_llm_handover", event="sent_nixl") == by_nixl + len(PROMPTS)
+
+
+def test_a_prefill_replica_on_the_tcp_transport_hands_over_to_a_decode_replica_with_nixl(replicas):
+    """kv_transport tcp on the prefill side only: the decode replica (auto: NIXL) takes the pages
+    on the stream, and the tokens are the unified replica's."""
+    adopted = _metric(replicas["decode"], "mmserve_llm_handover", event="adopted")
+    with start_service(replicas["model"], "swa", role="prefill", kv_transport="tcp", service_token=TOKEN) as pre:
+        want = _tokens(_post(replicas["both"], _gen("u-tcp", PROMPTS[0])), False)
+        got = _tokens(_post(replicas["decode"], _gen("d-tcp", PROMPTS[0], kt=_remote(pre))), False)
+        assert got == want
+        assert _metric(pre, "mmserve_llm_handover", event="sent") == 1
+        assert _metric(pre, "mmserve_llm_handover", event="sent_nixl") == 0
+    assert _metric(replicas["decode"], "mmserve_llm_handover", event="adopted") == adopted + 1
 
 
 def test_a_first_token_that_ends_the_request_is_the_answer_without_a_hand_over(replicas):

@@ -146,6 +146,34 @@ def test_next_turn_on_another_replica_hits_l3(mimo16, fp):
     b.scheduler.check_integrity()
 
 
+@pytest.mark.parametrize("pages", [4, 5])
+def test_the_same_page_aligned_prompt_on_another_replica_hits_l3(mimo16, fp, pages):
+    """A prompt of exactly k pages, sent again to another replica (a P/D fallback, a retry): that
+    request must compute its last token, so its lookup can use k - 1 pages, and finds the SWA
+    window at that boundary too (written beside the one at k pages)."""
+    import random
+
+    lm = mimo16
+    rng = random.Random(pages)
+    ids = [rng.randrange(20, lm.vocab_size) for _ in range(pages * PAGE_TOKENS)]
+    a = make_engine(lm, host=(1000, 300), l3_url=REDIS, fp=fp)
+    b = make_engine(lm, host=(1000, 300), l3_url=REDIS, fp=fp)
+
+    def prep(rid):
+        return PreparedRequest(request_id=rid, prompt_ids=list(ids), sampling=SamplingParams(max_tokens=4,
+                                                                                           ignore_eos=True))
+
+    first = run_to_end(a, [prep("p1")])["p1"]
+    flush_l3(a)
+    again = run_to_end(b, [prep("p2")])["p2"]
+    assert again.tokens == first.tokens
+    assert again.outs[-1].cached_tokens == (pages - 1) * PAGE_TOKENS
+    st = b.engine.stats()
+    assert st["l3_hits"] == 1 and st["l3_ingested_swa"] == W
+    a.scheduler.check_integrity()
+    b.scheduler.check_integrity()
+
+
 def test_corrupt_truncated_and_foreign_values_are_misses(mimo16, fp):
     lm = mimo16
     rng, ids = session_turns(lm, seed=5)

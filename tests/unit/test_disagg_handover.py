@@ -12,7 +12,7 @@ import pytest
 from llm_svc.disagg.decode import check
 from llm_svc.disagg.messages import (FULL_PAGE, WINDOW_PAGE, Handover, KVPage, full_attention_bytes,
                                      handover_bytes)
-from llm_svc.disagg.transport import NONCE_BYTES, HandoverProtocol, TransferError, auth_tag, frames
+from llm_svc.disagg.transport import GREETING_BYTES, HandoverProtocol, TransferError, answer, frames
 from llm_svc.types.request import Request
 
 pytestmark = pytest.mark.unit
@@ -100,8 +100,8 @@ def read_all(blob: bytes, chunk: int = 7, key: bytes = b"", answer_key: bytes | 
     proto = HandoverProtocol(q, key=key, **limits)
     t = _Transport()
     proto.connection_made(t)
-    assert len(t.written) == NONCE_BYTES  # the challenge goes out first
-    blob = auth_tag(key if answer_key is None else answer_key, t.written) + blob
+    assert len(t.written) == GREETING_BYTES and t.written.endswith(b"T")  # the challenge goes out first
+    blob = answer(key if answer_key is None else answer_key, t.written) + blob
     for i in range(0, len(blob), chunk):
         part = blob[i:i + chunk]
         while part:

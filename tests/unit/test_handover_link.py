@@ -12,7 +12,7 @@ import pytest
 
 from llm_svc.disagg.link import HandoverLink
 from llm_svc.disagg.messages import FULL_PAGE, WINDOW_PAGE, Handover, KVPage
-from llm_svc.disagg.transport import NONCE_BYTES, auth_tag, handover_address
+from llm_svc.disagg.transport import GREETING_BYTES, answer, handover_address
 
 pytestmark = pytest.mark.unit
 
@@ -25,10 +25,10 @@ def _handover(rid: str, page_bytes: int = 64) -> Handover:
 
 def _answer(s: socket.socket, key: bytes) -> bytes:
     """The answer to the receiver's challenge, read off ``s``, made with ``key``."""
-    nonce = b""
-    while len(nonce) < NONCE_BYTES:
-        nonce += s.recv(NONCE_BYTES - len(nonce))
-    return auth_tag(key, nonce)
+    greeting = b""
+    while len(greeting) < GREETING_BYTES:
+        greeting += s.recv(GREETING_BYTES - len(greeting))
+    return answer(key, greeting)
 
 
 def _until(cond, timeout: float = 10.0) -> None:
@@ -139,3 +139,95 @@ def test_auto_binds_every_interface_and_advertises_this_hosts_address():
     bind, advertised = handover_address("auto")
     assert bind == "0.0.0.0" and socket.inet_aton(advertised)
     assert handover_address("decode-0.example") == ("decode-0.example", "decode-0.example")
+
+
+# ---------------------------------------------------------------- the pages by NIXL (kv_transport nixl)
+def test_a_hand_over_by_nixl_arrives_whole_and_its_buffer_is_reused_once_dropped():
+    from llm_svc.disagg.nixl_agent import nixl_available
+
+    assert nixl_available()  # installed by scripts/setup.sh --test (the nixl extra)
+    rx, tx = HandoverLink(("127.0.0.1", 0), transport="nixl"), HandoverLink(None, transport="nixl")
+    try:
+        pool = rx._nixl.pool
+        h = _handover("n1", 3 << 20)
+        tx.send("127.0.0.1", rx.port, h).result(30)
+        _until(lambda: rx.num_held == 1)
+        got = rx.take("n1")
+        assert got == h and all(p.intact() for p in got.pages)
+        assert isinstance(got.pages[0].data, memoryview)  # landed in the registered buffer, not copied
+        assert tx.stats["handover_sent_nixl"] == 1 and rx.stats["handover_received_bytes"] == h.kv_bytes
+        assert pool.in_use == 1 and pool.free_bytes == 0
+        del got  # the last user lets go: the buffer goes back to the pool
+        tx.send("127.0.0.1", rx.port, _handover("n2", 1 << 20)).result(30)
+        _until(lambda: rx.num_held == 1)
+        second = rx.take("n2")
+        assert all(p.intact() for p in second.pages)
+        assert pool.in_use == 1 and pool.free_bytes == 0  # the first buffer again, no second one
+    finally:
+        rx.close()
+        tx.close()
+
+
+@pytest.mark.parametrize("rx_transport,tx_transport", [("nixl", "tcp"), ("tcp", "nixl")])
+def test_a_peer_without_nixl_hands_over_on_the_stream(rx_transport, tx_transport):
+    rx, tx = HandoverLink(("127.0.0.1", 0), transport=rx_transport), HandoverLink(None, transport=tx_transport)
+    try:
+        h = _handover("mixed", 1 << 20)
+        tx.send("127.0.0.1", rx.port, h).result(30)
+        _until(lambda: rx.num_held == 1)
+        got = rx.take("mixed")
+        assert got == h and all(p.intact() for p in got.pages)
+        assert tx.stats["handover_sent"] == 1 and tx.stats["handover_sent_nixl"] == 0
+    finally:
+        rx.close()
+        tx.close()
+
+
+def _nixl_head(s: socket.socket, h: Handover) -> bytes:
+    """As a NIXL sender: answer the challenge asking for mode N, send ``h``'s head; the
+    receiver's reply (its metadata and descriptors)."""
+    from llm_svc.disagg.transport import answer
+
+    greeting = b""
+    while len(greeting) < GREETING_BYTES:
+        greeting += s.recv(GREETING_BYTES - len(greeting))
+    assert greeting.endswith(b"N")  # the receiver offers NIXL
+    head = msgspec.msgpack.encode(msgspec.structs.replace(h, pages=[msgspec.structs.replace(p, data=b"")
+                                                                      for p in h.pages]))
+    s.sendall(answer(b"", greeting, b"N") + len(head).to_bytes(8, "big") + head)
+    n = int.from_bytes(s.recv(8, socket.MSG_WAITALL), "big")
+    return s.recv(n, socket.MSG_WAITALL)
+
+
+@pytest.mark.parametrize("end", ["cut", "failed"])
+def test_a_nixl_sender_that_stops_before_its_write_is_done_leaves_empty_pages_and_no_reused_buffer(end):
+    rx = HandoverLink(("127.0.0.1", 0), transport="nixl")
+    try:
+        h = _handover(f"stop-{end}", 1 << 20)
+        with socket.create_connection(("127.0.0.1", rx.port)) as s:
+            metadata, descs = msgspec.msgpack.decode(_nixl_head(s, h), type=tuple[bytes, bytes])
+            assert metadata and descs
+            if end == "failed":
+                s.sendall(b"E")  # its WRITE failed
+        _until(lambda: rx.num_held == 1)
+        got = rx.take(h.request_id)
+        assert [p.data for p in got.pages] == [b"", b""] and not any(p.intact() for p in got.pages)
+        pool = rx._nixl.pool
+        assert pool.in_use == 0 and pool.free_bytes == 0  # deregistered: a late WRITE lands nowhere reused
+    finally:
+        rx.close()
+
+
+def test_a_tcp_only_receiver_refuses_a_peer_asking_for_nixl():
+    from llm_svc.disagg.transport import answer
+
+    rx = HandoverLink(("127.0.0.1", 0), transport="tcp")
+    try:
+        with socket.create_connection(("127.0.0.1", rx.port)) as s:
+            greeting = s.recv(GREETING_BYTES, socket.MSG_WAITALL)
+            assert greeting.endswith(b"T")
+            s.sendall(answer(b"", greeting, b"N"))
+        _until(lambda: rx.stats["handover_receive_errors"] == 1)
+        assert rx.num_held == 0
+    finally:
+        rx.close()
