@@ -80,8 +80,11 @@ async def timed_receives(sender, args: tuple, reps: int, settle_s: float,
     from llm_svc.disagg.nixl_agent import NixlEndpoint
 
     rx = await TcpReceiver.listen("127.0.0.1", 0, nixl=NixlEndpoint() if nixl else None)
-    go, ready = mp.Event(), mp.Event()
-    p = mp.Process(target=sender, args=(rx.port, *args, go, ready))
+    # spawned, not forked: a forked child would share this process's NIXL agent (UCX's sockets)
+    # and, exiting, tear its connections down under it
+    ctx = mp.get_context("spawn")
+    go, ready = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=sender, args=(rx.port, *args, go, ready))
     p.start()
     await asyncio.sleep(settle_s)
     times, h = [], None

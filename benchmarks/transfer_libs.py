@@ -3,7 +3,8 @@ transport with the pages by NVIDIA NIXL, and bare NIXL, between two processes.
 
 Every side moves a MiMo-V2.5-Pro hand-over's bytes from one process to another over loopback
 (``handover``'s geometry: 1,024 / 4,096 / 32,768-token prompts; ``--quick``: 4,096), the sides of
-each size alternated (tcp, bare, nixl, nixl, bare, tcp), the median of the transfers:
+each size alternated (tcp, bare, nixl, nixl, bare, tcp), the median of the transfers after the
+first two of each run (warm; the first two, cold, are reported apart):
 
 * ``tcp`` (``kv_transport=tcp``): ``TcpSender`` -> ``TcpReceiver`` (``llm_svc/disagg/transport.py``),
   the hand-over in its real page layout (full-layer pages of 32 tokens, one window page; every
@@ -42,6 +43,10 @@ from pathlib import Path
 from benchmarks import _results
 
 PAGE_TOKENS = 32
+# the first transfers of each run (a fresh pair of processes) are reported apart, as cold: over
+# NIXL each new receive buffer's first WRITE from another process costs 0.5-0.7 s here (UCX
+# setting up its access to that memory), and the decode replica's buffer pool makes them rare
+COLD = 2
 
 
 # ---------------------------------------------------------------- ours: the hand-over transport
@@ -144,7 +149,7 @@ def main() -> None:
 
     g = geometry_from_config(CONFIG)
     lengths = args.lengths or ([64] if args.smoke else [4096] if args.quick else [1024, 4096, 32768])
-    reps = args.reps or (1 if args.smoke else 3 if args.quick else 5)
+    reps = args.reps or (COLD + 1 if args.smoke else COLD + 3 if args.quick else COLD + 5)
     from llm_svc.disagg.nixl_agent import nixl_available
 
     have_nixl = nixl_available()
@@ -153,35 +158,46 @@ def main() -> None:
     for n in lengths:
         nbytes = handover_bytes(n, g.full_token_bytes, g.swa_token_bytes, g.window)
         times: dict[str, list[float]] = {"tcp": [], "bare": [], "nixl": []}
+        cold: dict[str, list[float]] = {"tcp": [], "bare": [], "nixl": []}
         equal = True
         for side in ("tcp", "bare", "nixl", "nixl", "bare", "tcp"):  # alternated: this machine is noisy
             if side == "tcp" or (side == "nixl" and have_nixl):
-                times[side] += asyncio.run(_ours_run(n, nbytes, reps, nixl=side == "nixl"))
+                t = asyncio.run(_ours_run(n, nbytes, reps, nixl=side == "nixl"))
+                cold[side] += t[:COLD]
+                times[side] += t[COLD:]
             elif have_nixl:
                 t, same = _nixl_run(nbytes, reps)
-                times["bare"] += t
+                cold["bare"] += t[:COLD]
+                times["bare"] += t[COLD:]
                 equal = equal and same
         row = {"prompt_tokens": n, "bytes": nbytes}
         for side, ts in times.items():
             if ts:
                 row[f"{side}_ms"] = [round(t * 1e3, 1) for t in ts]
                 row[f"{side}_gib_per_s"] = round(nbytes / statistics.median(ts) / 2**30, 3)
+                row[f"{side}_cold_ms"] = [round(t * 1e3, 1) for t in cold[side]]
+                row[f"{side}_cold_ms_median"] = round(statistics.median(cold[side]) * 1e3, 1)
         if have_nixl:
             row["bare_bytes_equal"] = equal
             row["nixl_over_tcp"] = round(row["nixl_gib_per_s"] / row["tcp_gib_per_s"], 3)
             row["bare_over_tcp"] = round(row["bare_gib_per_s"] / row["tcp_gib_per_s"], 3)
         rows.append(row)
-        print(f"{n:>6} tokens, {nbytes / 2**20:8.1f} MiB: tcp {row['tcp_gib_per_s']:.2f} GiB/s"
+        print(f"{n:>6} tokens, {nbytes / 2**20:8.1f} MiB, warm: tcp {row['tcp_gib_per_s']:.2f} GiB/s"
               + (f", nixl (our transport) {row['nixl_gib_per_s']:.2f} GiB/s ({row['nixl_over_tcp']:.2f}x), "
                  f"bare NIXL {row['bare_gib_per_s']:.2f} GiB/s ({row['bare_over_tcp']:.2f}x, bytes equal {equal})"
-                 if have_nixl else ", NIXL sides skipped"), flush=True)
+                 if have_nixl else ", NIXL sides skipped")
+              + "; cold (first " + str(COLD) + " of a run) median ms: "
+              + ", ".join(f"{k} {row[f'{k}_cold_ms_median']:.0f}" for k in times if f"{k}_cold_ms_median" in row),
+              flush=True)
     at = next((r for r in rows if r["prompt_tokens"] == 4096), rows[0])
     figures = {"config": CONFIG.name, "at_prompt_tokens": at["prompt_tokens"], "page_tokens": PAGE_TOKENS,
+               "cold_transfers_per_run": COLD,
                "nixl_over_tcp": at.get("nixl_over_tcp"), "bare_over_tcp": at.get("bare_over_tcp"),
                "nixl": "nixl-cu13 1.5.1, UCX backend, DRAM", "lengths": rows}
-    summary = (f"{at['prompt_tokens']}-token hand-over, our transport with NIXL over it with the TCP stream: "
+    summary = (f"{at['prompt_tokens']}-token hand-over, warm, our transport with NIXL over it with the TCP stream: "
                f"{at['nixl_over_tcp']}x ({at['nixl_gib_per_s']} vs {at['tcp_gib_per_s']} GiB/s; bare NIXL "
-               f"{at['bare_gib_per_s']} GiB/s)" if have_nixl else f"our TCP stream {at['tcp_gib_per_s']} GiB/s; NIXL not run")
+               f"{at['bare_gib_per_s']} GiB/s; cold: {at['nixl_cold_ms_median']:.0f} vs {at['tcp_cold_ms_median']:.0f} ms)"
+               if have_nixl else f"our TCP stream {at['tcp_gib_per_s']} GiB/s; NIXL not run")
     _results.record("transfer_libs", ap, args, figures, kind="wall-clock",
                     baseline="our hand-over transport with the pages on its TCP stream (kv_transport=tcp)",
                     summary=summary, skipped=skipped)
