@@ -37,6 +37,7 @@ SETTINGS_ALIASES = {
     "max-batch-tokens": "max-num-batched-tokens",
     "enable-prefix-cache": "enable-prefix-caching",
     "role": "kv-role",
+    "kv-transport": "kv-connector",
 }
 
 

@@ -90,6 +90,18 @@ def test_the_llm_role_and_vllms_kv_role_names(monkeypatch, capsys):
     assert "--role / MMSERVE_LLM_ROLE" in err and "prefill, decode or both" in err and "kv_producer" in err
 
 
+def test_the_kv_transport_and_vllms_nixl_connector_name(monkeypatch, capsys):
+    assert settings(["llm", "--model", "/m"]).kv_transport == "auto"  # NIXL where installed
+    assert settings(["llm", "--model", "/m", "--kv-transport", "tcp"]).kv_transport == "tcp"
+    assert settings(["llm", "--model", "/m", "--kv-connector", "NixlConnector", "--role", "decode"]).kv_transport == "nixl"
+    monkeypatch.setenv("MMSERVE_LLM_KV_TRANSPORT", "NIXL")
+    assert settings(["llm", "--model", "/m"]).kv_transport == "nixl"
+    with pytest.raises(SystemExit):
+        settings(["llm", "--model", "/m", "--kv-transport", "mooncake"])
+    err = capsys.readouterr().err
+    assert "--kv-transport / MMSERVE_LLM_KV_TRANSPORT" in err and "auto, tcp, nixl" in err
+
+
 def test_a_role_other_than_both_is_refused_where_the_engine_core_cannot_serve_it(capsys):
     """The hand-over runs in the engine core: with the transformers reference backend, or split
     over tensor-parallel ranks, a prefill or decode replica would silently be a unified one, so
