@@ -22,7 +22,8 @@ from collections import Counter
 
 from llm_svc.disagg.messages import Handover
 from llm_svc.disagg.nixl_agent import NixlEndpoint, nixl_available
-from llm_svc.disagg.transport import MAX_HANDOVER_BYTES, NIXL, TcpReceiver, TcpSender, TransferError
+from llm_svc.disagg.transport import (MAX_HANDOVER_BYTES, NIXL, ConnectionGate, TcpReceiver, TcpSender,
+                                      TransferError)
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,10 @@ class HandoverLink:
 
     def __init__(self, listen: tuple[str, int] | None = None, timeout_s: float = 10.0, ttl_s: float = 60.0,
                  max_bytes: int = MAX_HANDOVER_BYTES, key: bytes = b"", transport: str = "tcp",
-                 pool_bytes: int = 1 << 30) -> None:
-        """``pool_bytes``: with NIXL, the receive buffers kept registered for reuse."""
+                 pool_bytes: int = 1 << 30, max_connections: int = 64) -> None:
+        """``pool_bytes``: with NIXL, the receive buffers kept registered for reuse;
+        ``max_connections``: the most hand-over connections received at once (each cut after
+        ``timeout_s`` without a byte)."""
         self.timeout_s, self.ttl_s = timeout_s, ttl_s
         self._key = key
         self.transport = resolve_transport(transport)
@@ -62,7 +65,9 @@ class HandoverLink:
         self._receiver: TcpReceiver | None = None
         self._task = None
         if listen is not None:
-            self._receiver = self._call(TcpReceiver.listen(listen[0], listen[1], max_bytes, key, self._nixl)).result()
+            gate = ConnectionGate(max_open=max_connections, idle_s=timeout_s)
+            self._receiver = self._call(TcpReceiver.listen(listen[0], listen[1], max_bytes, key, self._nixl,
+                                                           gate)).result()
             self.port = self._receiver.port
             self._task = asyncio.run_coroutine_threadsafe(self._receive_all(), self._loop)
 

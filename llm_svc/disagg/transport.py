@@ -39,6 +39,7 @@ import socket
 import struct
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import msgspec
 
@@ -198,9 +199,13 @@ class HandoverProtocol(asyncio.BufferedProtocol):
     ``nixl``: the pages land in a registered buffer)."""
 
     def __init__(self, out: asyncio.Queue, max_bytes: int = MAX_HANDOVER_BYTES, key: bytes = b"",
-                 nixl: NixlEndpoint | None = None) -> None:
+                 nixl: NixlEndpoint | None = None, gate: "ConnectionGate | None" = None) -> None:
         self.out = out
         self.max_bytes = max_bytes
+        self._gate = gate or ConnectionGate()
+        self._admitted = False
+        self._idle: asyncio.TimerHandle | None = None
+        self._last = 0.0
         self.transport: asyncio.BaseTransport | None = None
         self._key = key
         self._nixl = nixl
@@ -225,6 +230,7 @@ class HandoverProtocol(asyncio.BufferedProtocol):
         return memoryview(self._buf)[self._got:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._last = time.monotonic()
         self._got += nbytes
         while self._phase != "failed" and self._got == len(self._buf) and self._advance():
             pass
@@ -314,9 +320,39 @@ class HandoverProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        gate = self._gate
+        if gate.open >= gate.max_open:
+            self._fail(f"more than {gate.max_open} hand-over connections at once: one refused")
+            return
+        gate.open += 1
+        self._admitted = True
+        self._last = time.monotonic()
+        try:
+            self._idle = asyncio.get_running_loop().call_later(gate.idle_s, self._check_idle)
+        except RuntimeError:  # driven by hand, outside a loop (the wire's unit tests): no timer
+            pass
         transport.write(self._nonce + (NIXL if self._nixl is not None else STREAM))
 
+    def _check_idle(self) -> None:
+        """A peer that sends nothing for ``idle_s`` is cut (what it left is dealt with as any cut
+        connection): a connection, its buffers and its slot in the gate are not held for ever."""
+        quiet = time.monotonic() - self._last
+        if quiet < self._gate.idle_s:
+            self._idle = asyncio.get_running_loop().call_later(self._gate.idle_s - quiet, self._check_idle)
+            return
+        self._idle = None
+        if self._phase == "auth":
+            self.out.put_nowait(TransferError(f"a hand-over peer did not answer the challenge within "
+                                              f"{self._gate.idle_s:g} s"))
+        self.transport.close()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._admitted:
+            self._gate.open -= 1
+            self._admitted = False
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         if self._phase == "done":  # mode N, cut before the sender said its WRITE ended
             self._ended["state"] = "cut"
         elif self._phase == "page":  # cut inside the pages: the cut page short, the rest empty
@@ -328,6 +364,16 @@ class HandoverProtocol(asyncio.BufferedProtocol):
             self.out.put_nowait(TransferError("hand-over cut inside its head"))
 
 
+@dataclass
+class ConnectionGate:
+    """A receiver's limits on its connections: at most ``max_open`` at once (more are refused as
+    they come), each cut once it sends nothing for ``idle_s``."""
+
+    max_open: int = 64
+    idle_s: float = 30.0
+    open: int = 0
+
+
 class TcpReceiver(HandoverReceiver):
     """Listens on ``host:port`` (0: any free port, then ``port`` says which); hand-overs from
     every connection arrive in one queue."""
@@ -336,17 +382,22 @@ class TcpReceiver(HandoverReceiver):
         self._queue: asyncio.Queue[Handover | TransferError] = asyncio.Queue()
         self._server: asyncio.AbstractServer | None = None
         self.max_bytes = max_bytes
+        self.gate = ConnectionGate()
         self.port = 0
 
     @classmethod
     async def listen(cls, host: str = "127.0.0.1", port: int = 0, max_bytes: int = MAX_HANDOVER_BYTES,
-                     key: bytes = b"", nixl: NixlEndpoint | None = None) -> "TcpReceiver":
+                     key: bytes = b"", nixl: NixlEndpoint | None = None,
+                     gate: ConnectionGate | None = None) -> "TcpReceiver":
         """``max_bytes``: the most page bytes one hand-over may announce (its head is refused
         past it, before anything is allocated); ``key``: the token a sender must prove it holds;
-        ``nixl``: offer mode ``N`` (senders without NIXL still use ``T``)."""
+        ``nixl``: offer mode ``N`` (senders without NIXL still use ``T``); ``gate``: the limits on
+        connections (default ``ConnectionGate()``)."""
         r = cls(max_bytes)
+        r.gate = gate or ConnectionGate()
         loop = asyncio.get_running_loop()
-        r._server = await loop.create_server(lambda: HandoverProtocol(r._queue, max_bytes, key, nixl), host, port)
+        r._server = await loop.create_server(lambda: HandoverProtocol(r._queue, max_bytes, key, nixl, r.gate),
+                                             host, port)
         r.port = r._server.sockets[0].getsockname()[1]
         return r
 

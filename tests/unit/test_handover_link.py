@@ -231,3 +231,46 @@ def test_a_tcp_only_receiver_refuses_a_peer_asking_for_nixl():
         assert rx.num_held == 0
     finally:
         rx.close()
+
+
+# ---------------------------------------------------------------- the hand-over port's limits
+def test_a_silent_peer_is_cut_after_the_idle_limit_and_a_stalled_transfer_arrives_cut():
+    rx = HandoverLink(("127.0.0.1", 0), timeout_s=0.3)
+    try:
+        with socket.create_connection(("127.0.0.1", rx.port)) as s:  # connects, never answers
+            _until(lambda: rx.stats["handover_receive_errors"] == 1, 5)
+            s.settimeout(5)
+            assert s.recv(4096, socket.MSG_WAITALL)[GREETING_BYTES:] == b""  # closed by the receiver
+        h = _handover("stalled", 4096)
+        head = msgspec.msgpack.encode(msgspec.structs.replace(h, pages=[msgspec.structs.replace(p, data=b"")
+                                                                          for p in h.pages]))
+        with socket.create_connection(("127.0.0.1", rx.port)) as s:  # stops inside its first page
+            s.sendall(_answer(s, b"") + len(head).to_bytes(8, "big") + head + h.pages[0].data[:100])
+            _until(lambda: rx.num_held == 1, 5)
+        got = rx.take("stalled")
+        assert len(got.pages[0].data) == 100 and not got.pages[0].intact() and got.pages[1].data == b""
+        _until(lambda: rx._receiver.gate.open == 0, 5)  # both connections' places given back
+    finally:
+        rx.close()
+
+
+def test_connections_past_the_limit_are_refused_and_the_port_still_serves_once_they_close():
+    rx = HandoverLink(("127.0.0.1", 0), max_connections=2)
+    tx = HandoverLink(None)
+    try:
+        held = [socket.create_connection(("127.0.0.1", rx.port)) for _ in range(2)]
+        _until(lambda: rx._receiver.gate.open == 2)
+        extra = socket.create_connection(("127.0.0.1", rx.port))
+        _until(lambda: rx.stats["handover_receive_errors"] == 1)
+        extra.settimeout(5)
+        assert extra.recv(64) == b""  # refused: closed without a challenge
+        extra.close()
+        for s in held:
+            s.close()
+        _until(lambda: rx._receiver.gate.open == 0)
+        tx.send("127.0.0.1", rx.port, _handover("after")).result(10)
+        _until(lambda: rx.num_held == 1)
+        assert all(p.intact() for p in rx.take("after").pages)
+    finally:
+        rx.close()
+        tx.close()
