@@ -45,9 +45,8 @@ def _sender(port: int, n: int, page: int, window: int, f: int, s: int, reps: int
 def send_on_go(port: int, h: Handover, reps: int, go, ready, nixl: bool = False, fresh: bool = False) -> None:
     """Connect to the receiver at ``port``, then send ``h`` each time ``go`` is set, ``reps`` times,
     setting ``ready`` before each wait (a sender process of its own: the receiver's clock starts
-    as it sets ``go``, once the sender is ready); ``nixl``: the
-    pages by NIXL (the transport's mode ``N``); ``fresh``: each time with its pages' bytes copied
-    to new memory first, off the clock (as a prefill replica exports every hand-over anew: a
+    as it sets ``go``, once the sender is ready); ``nixl``: the pages by NIXL (the transport's
+    mode ``N``); ``fresh``: each time with its pages' bytes copied to new memory first, off the clock (as a prefill replica exports every hand-over anew: a
     transfer library finds no registration cached)."""
     from llm_svc.disagg.nixl_agent import NixlEndpoint
 

@@ -72,7 +72,7 @@ async def _ours_run(n: int, nbytes: int, reps: int, nixl: bool) -> list[float]:
     return times
 
 
-# ---------------------------------------------------------------- NIXL (in its own venv)
+# ---------------------------------------------------------------- bare NIXL (a process of its own)
 def _nixl_decode(q_out, nbytes: int, reps: int) -> None:
     import torch
     from llm_svc.disagg.nixl_agent import load_nixl
@@ -91,7 +91,7 @@ def _nixl_decode(q_out, nbytes: int, reps: int) -> None:
 
 
 def nixl_worker(nbytes: int, reps: int) -> None:
-    """In the NIXL venv: ``reps`` WRITEs of ``nbytes`` to another process; prints their seconds."""
+    """``reps`` WRITEs of ``nbytes`` to another process; prints their seconds."""
     import torch
     from llm_svc.disagg.nixl_agent import load_nixl
 
@@ -134,7 +134,7 @@ def _nixl_run(nbytes: int, reps: int) -> tuple[list[float], bool]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the 4,096-token hand-over's size only, 3 transfers a run")
+    ap.add_argument("--quick", action="store_true", help="the 4,096-token hand-over's size only, 5 transfers a run (2 cold)")
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt lengths (tokens) whose sizes move")
     ap.add_argument("--reps", type=int, default=None, help="transfers per run (each side runs twice a size)")
     ap.add_argument("--nixl-worker", nargs=2, type=int, default=None, metavar=("BYTES", "REPS"),
@@ -146,11 +146,11 @@ def main() -> None:
         return
     from benchmarks.kv_capacity import CONFIG, geometry_from_config
     from llm_svc.disagg.messages import handover_bytes
+    from llm_svc.disagg.nixl_agent import nixl_available
 
     g = geometry_from_config(CONFIG)
     lengths = args.lengths or ([64] if args.smoke else [4096] if args.quick else [1024, 4096, 32768])
     reps = args.reps or (COLD + 1 if args.smoke else COLD + 3 if args.quick else COLD + 5)
-    from llm_svc.disagg.nixl_agent import nixl_available
 
     have_nixl = nixl_available()
     skipped = [] if have_nixl else ["nixl, bare: NIXL is not installed (bash scripts/setup.sh --test installs nixl-cu13)"]

@@ -56,7 +56,8 @@ KV_TRANSPORTS = ("auto", "tcp", "nixl")
 def _nixl_installed() -> bool:
     import importlib.util
 
-    return any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12", "nixl"))
+    # a NIXL build (the nixl meta package alone imports none): what nixl_agent.load_nixl loads
+    return any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12", "nixl_rocm"))
 
 
 def kv_transport(value: object) -> object:

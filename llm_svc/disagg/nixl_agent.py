@@ -27,7 +27,7 @@ DRAM = "DRAM"
 
 def load_nixl():
     """NIXL's ``_api`` module (``nixl_agent``, ``nixl_agent_config``), or None when not installed."""
-    for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+    for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api", "nixl_rocm._api"):
         try:
             return importlib.import_module(name)
         except ImportError:

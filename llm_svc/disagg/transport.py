@@ -210,7 +210,6 @@ class HandoverProtocol(asyncio.BufferedProtocol):
         self._key = key
         self._nixl = nixl
         self._mode = STREAM
-        self._recv: RecvBuffer | None = None  # mode N: the hand-over in flight's buffer
         self._ended: dict[str, str] = {}  # mode N: how the hand-over in flight's WRITE ended
         self._tasks: set[asyncio.Task] = set()  # mode N: hand-overs waiting for their notification
         self._nonce = os.urandom(NONCE_BYTES)
@@ -265,10 +264,10 @@ class HandoverProtocol(asyncio.BufferedProtocol):
             if total > self.max_bytes or any(p.nbytes < 0 for p in self._head.pages):
                 return self._fail(f"hand-over of {total} bytes (at most {self.max_bytes})")
             if self._mode == NIXL:
-                self._recv = self._nixl.open_buffer([p.nbytes for p in self._head.pages])
-                reply = msgspec.msgpack.encode((self._nixl.metadata(), self._recv.descs))
+                rb = self._nixl.open_buffer([p.nbytes for p in self._head.pages])
+                reply = msgspec.msgpack.encode((self._nixl.metadata(), rb.descs))
                 self.transport.write(_LEN.pack(len(reply)) + reply)
-                self._nixl_land()
+                self._nixl_land(rb)
                 self._part("done", 1)
                 return True
         else:
@@ -280,13 +279,12 @@ class HandoverProtocol(asyncio.BufferedProtocol):
         self._part("page", self._head.pages[len(self._pages)].nbytes)
         return True
 
-    def _nixl_land(self) -> None:
-        """Mode ``N``, the descriptors sent: poll NIXL (its progress: no progress thread runs)
+    def _nixl_land(self, rb: RecvBuffer) -> None:
+        """Mode ``N``, the descriptors of ``rb`` sent: poll NIXL (its progress: no progress thread runs)
         until the WRITE's notification comes (the pages are in the buffer), the sender says its
         WRITE failed or the connection ends (every page empty), or ``NOTIF_WAIT_S`` after the
         sender said done, or ``LAND_LIMIT_S`` in all; then the hand-over goes out."""
-        head, rb = self._head, self._recv
-        self._recv = None
+        head = self._head
         ended = self._ended = {}  # "state": D (the sender's WRITE is done), E (it failed), cut
 
         async def land() -> None:

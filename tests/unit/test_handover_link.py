@@ -186,8 +186,6 @@ def test_a_peer_without_nixl_hands_over_on_the_stream(rx_transport, tx_transport
 def _nixl_head(s: socket.socket, h: Handover) -> bytes:
     """As a NIXL sender: answer the challenge asking for mode N, send ``h``'s head; the
     receiver's reply (its metadata and descriptors)."""
-    from llm_svc.disagg.transport import answer
-
     greeting = b""
     while len(greeting) < GREETING_BYTES:
         greeting += s.recv(GREETING_BYTES - len(greeting))
@@ -219,8 +217,6 @@ def test_a_nixl_sender_that_stops_before_its_write_is_done_leaves_empty_pages_an
 
 
 def test_a_tcp_only_receiver_refuses_a_peer_asking_for_nixl():
-    from llm_svc.disagg.transport import answer
-
     rx = HandoverLink(("127.0.0.1", 0), transport="tcp")
     try:
         with socket.create_connection(("127.0.0.1", rx.port)) as s:
